@@ -1,0 +1,189 @@
+"""`RowExporter`: the one base class every otel-train backend derives from.
+
+It is a real OTel `MetricExporter` *and* `SpanExporter`, so a backend can be plugged into any
+OTel SDK pipeline; and it takes pre-converted rows from the step-aligned reader, so one
+conversion serves every backend. It isolates the backend: an exception from a write is counted,
+logged at most once a minute, and the batch is retried with backoff (bounded); it never propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from otel_train._internal.ratelimit import LogOnce
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, MetricsConverter, SpanRow, span_rows
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from opentelemetry.sdk.trace import ReadableSpan
+
+__all__ = ["RowExporter", "Window"]
+
+_logger = logging.getLogger(__name__)
+
+_MAX_PENDING = 64  # failed windows kept for retry before the oldest is dropped
+_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)
+
+
+class Window:
+    """The rows of one export window."""
+
+    __slots__ = ("metrics", "histograms", "spans")
+
+    def __init__(
+        self,
+        metrics: Sequence[MetricRow] = (),
+        histograms: Sequence[HistogramRow] = (),
+        spans: Sequence[SpanRow] = (),
+    ) -> None:
+        self.metrics = metrics
+        self.histograms = histograms
+        self.spans = spans
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics or self.histograms or self.spans)
+
+
+class RowExporter(MetricExporter, SpanExporter, ABC):
+    """Base of every backend. Subclasses override the `write_*` hooks they support.
+
+    Hooks run on one export thread at a time (the base serialises them); they may raise.
+
+    Args:
+        options: Directory, project, hyperparameters and rank policy; default from the env vars.
+    """
+
+    #: Which kinds of data the backend writes (the reader skips work for the others).
+    handles_metrics: bool = True
+    handles_spans: bool = False
+    #: Registry name, used in log messages.
+    name: str = "row"
+
+    def __init__(self, options: ExporterOptions | None = None) -> None:
+        MetricExporter.__init__(self)
+        self.options = options if options is not None else ExporterOptions.from_env()
+        self._converter = MetricsConverter()
+        self._lock = threading.RLock()
+        self._pending: deque[Window] = deque()
+        self._attempts = 0
+        self._retry_at = 0.0
+        self._closed = False
+        self._log = LogOnce(_logger, interval_s=60.0)
+        self.failures = 0
+        self.dropped_windows = 0
+
+    # -- hooks -------------------------------------------------------------------------------
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        """Write one window's scalar rows (and full histograms). Runs on the export thread."""
+
+    def write_spans(self, rows: Sequence[SpanRow]) -> None:
+        """Write one window's finished spans. Runs on the export thread."""
+
+    def flush(self) -> None:
+        """Make everything written so far durable / visible."""
+
+    def close(self) -> None:
+        """Release the backend (close files, finish the run). Called once."""
+
+    # -- the row path (used by the step-aligned reader) ------------------------------------------
+    def export_window(self, window: Window) -> bool:
+        """Write a window, retrying earlier failed ones first. Returns False if anything failed."""
+        with self._lock:
+            if self._closed:
+                return False
+            if window:
+                self._pending.append(window)
+                while len(self._pending) > _MAX_PENDING:
+                    self._pending.popleft()
+                    self.dropped_windows += 1
+            return self._drain(force=False)
+
+    def _drain(self, force: bool) -> bool:
+        if not self._pending:
+            return True
+        if not force and self._attempts and time.monotonic() < self._retry_at:
+            return False
+        while self._pending:
+            window = self._pending[0]
+            try:
+                if self.handles_metrics and (window.metrics or window.histograms):
+                    self.write_metrics(window.metrics, window.histograms)
+                if self.handles_spans and window.spans:
+                    self.write_spans(window.spans)
+            except Exception as err:  # isolate the backend: count, log rarely, retry later
+                self.failures += 1
+                self._attempts += 1
+                delay = _BACKOFF_S[min(self._attempts, len(_BACKOFF_S)) - 1]
+                self._retry_at = time.monotonic() + delay
+                self._log.error(
+                    "write",
+                    "exporter `%s` failed (%s: %s); %d failure(s) so far, retrying in %.0f s "
+                    "(logged at most once a minute)",
+                    self.name, type(err).__name__, err, self.failures, delay,
+                )
+                return False
+            self._pending.popleft()
+            self._attempts = 0
+        return True
+
+    # -- MetricExporter / SpanExporter ------------------------------------------------------------
+    def export(self, data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:  # type: ignore[override]
+        """OTel entry point: `MetricsData` (metric pipeline) or a sequence of spans (trace pipeline)."""
+        if isinstance(data, MetricsData):
+            rows, hists = self._converter.rows(data)
+            ok = self.export_window(Window(rows, hists))
+            return MetricExportResult.SUCCESS if ok else MetricExportResult.FAILURE
+        spans: Sequence[ReadableSpan] = data
+        ok = self.export_window(Window(spans=span_rows(spans, self._converter)))
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:  # type: ignore[override]
+        with self._lock:
+            if self._closed:
+                return True
+            ok = self._drain(force=True)
+            try:
+                self.flush()
+            except Exception as err:
+                self.failures += 1
+                self._log.error("flush", "exporter `%s` flush failed: %s", self.name, err)
+                return False
+            return ok
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:  # type: ignore[override]
+        """Flush what is pending and close the backend; safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._drain(force=True)
+            if self._pending:
+                _logger.warning(
+                    "exporter `%s` closed with %d window(s) it could not write", self.name, len(self._pending)
+                )
+            self._closed = True
+            try:
+                self.flush()
+            except Exception as err:
+                _logger.error("exporter `%s` flush at shutdown failed: %s", self.name, err)
+            try:
+                self.close()
+            except Exception as err:
+                _logger.error("exporter `%s` close failed: %s", self.name, err)
+
+    def __enter__(self) -> RowExporter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()

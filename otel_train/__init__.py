@@ -1,0 +1,1 @@
+"""otel-train (under construction)."""

@@ -1,0 +1,1 @@
+"""Implementation details; nothing here is public API."""

@@ -1,0 +1,170 @@
+"""The step context: which training step the current code belongs to.
+
+The step lives in a `ContextVar`, so asyncio tasks see the step of the code that created them.
+Threads started by the user do not inherit context variables; there `current_step()` falls back
+to the latest step entered in the process, which is what a data-loader or logging thread wants.
+The step context never calls the reader: the runtime registers a step-end listener.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
+
+__all__ = [
+    "STEP_ATTRIBUTE",
+    "RANK_ATTRIBUTE",
+    "StepEnd",
+    "current_step",
+    "step",
+    "steps",
+    "add_step_end_listener",
+    "remove_step_end_listener",
+]
+
+STEP_ATTRIBUTE = "train.step"
+"""The data-point / span attribute that carries the step (int)."""
+RANK_ATTRIBUTE = "train.rank"
+
+_logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_current: contextvars.ContextVar[int | None] = contextvars.ContextVar("otel_train_step", default=None)
+
+
+class _ProcessState:
+    """Process-wide step facts: the latest step entered and the run's start time."""
+
+    __slots__ = ("latest", "started_ns", "iterations", "warned_backwards")
+
+    def __init__(self) -> None:
+        self.latest: int | None = None
+        self.started_ns = time.perf_counter_ns()
+        self.iterations = 0
+        self.warned_backwards = False
+
+
+_state = _ProcessState()
+
+
+class StepEnd:
+    """What a step-end listener receives."""
+
+    __slots__ = ("step", "duration_s", "time_total_s", "iterations", "samples")
+
+    def __init__(self, step: int, duration_s: float, time_total_s: float, iterations: int, samples: int | None):
+        self.step = step
+        self.duration_s = duration_s
+        self.time_total_s = time_total_s
+        self.iterations = iterations
+        self.samples = samples
+
+
+StepEndListener = Callable[[StepEnd], None]
+_listeners: list[StepEndListener] = []
+
+
+def add_step_end_listener(listener: StepEndListener) -> None:
+    """Call `listener` at the end of every step (on the training thread; keep it cheap)."""
+    if listener not in _listeners:
+        _listeners.append(listener)
+
+
+def remove_step_end_listener(listener: StepEndListener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def current_step() -> int | None:
+    """The step of the calling context, else the latest step entered, else ``None``."""
+    value = _current.get()
+    return _state.latest if value is None else value
+
+
+def _reset_for_tests() -> None:
+    global _state
+    _state = _ProcessState()
+
+
+class step:  # noqa: N801 - used as a context manager like `open`
+    """Mark a block of code as one training step.
+
+    Args:
+        i: The step number; ``None`` means the previous step + 1 (0 for the first).
+        samples: Samples processed in this step; when given, `train.throughput` is recorded.
+
+    Example:
+        >>> import otel_train as ot
+        >>> with ot.step(5):
+        ...     ot.current_step()
+        5
+    """
+
+    __slots__ = ("_step", "_samples", "_token", "_start_ns")
+
+    def __init__(self, i: int | None = None, *, samples: int | None = None) -> None:
+        if i is None:
+            i = 0 if _state.latest is None else _state.latest + 1
+        elif not isinstance(i, int):
+            i = int(i)
+        self._step = i
+        self._samples = samples
+        self._token: contextvars.Token[int | None] | None = None
+        self._start_ns = 0
+
+    @property
+    def index(self) -> int:
+        return self._step
+
+    def __enter__(self) -> int:
+        latest = _state.latest
+        if latest is not None and self._step < latest and not _state.warned_backwards:
+            _state.warned_backwards = True
+            _logger.warning(
+                "step %d follows step %d: steps are exported as given; backends that need increasing "
+                "steps handle it themselves (warned once)",
+                self._step,
+                latest,
+            )
+        _state.latest = self._step
+        self._token = _current.set(self._step)
+        self._start_ns = time.perf_counter_ns()
+        return self._step
+
+    def __exit__(self, *exc: object) -> None:
+        end_ns = time.perf_counter_ns()
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
+        _state.iterations += 1
+        if _listeners:
+            info = StepEnd(
+                self._step,
+                (end_ns - self._start_ns) / 1e9,
+                (end_ns - _state.started_ns) / 1e9,
+                _state.iterations,
+                self._samples,
+            )
+            for listener in _listeners:
+                try:
+                    listener(info)
+                except Exception:  # a listener must never break the training loop
+                    _logger.exception("step-end listener %r failed", listener)
+
+
+def steps(iterable: Iterable[_T], start: int = 0) -> Iterator[_T]:
+    """Iterate `iterable`, running the body of each iteration inside `step(start + k)`.
+
+    Example:
+        >>> import otel_train as ot
+        >>> [ot.current_step() for _ in ot.steps("ab", start=3)]
+        [3, 4]
+    """
+    i = start
+    for item in iterable:
+        with step(i):
+            yield item
+        i += 1
