@@ -1,0 +1,1 @@
+"""otel_train.compat (being built)."""
