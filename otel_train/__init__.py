@@ -1,1 +1,212 @@
-"""otel-train (under construction)."""
+"""otel-train: instrument a training loop once with OpenTelemetry, see it in every backend.
+
+Example:
+    >>> import otel_train as ot
+    >>> session = ot.init(exporters=[], disabled=True)
+    >>> for step in ot.steps(range(2)):
+    ...     with ot.span("forward"):
+    ...         ot.log({"train/loss": 0.5})
+    >>> ot.shutdown()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from otel_train.errors import ConfigError, OtelTrainError
+from otel_train.step import STEP_ATTRIBUTE, current_step, step, steps
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from opentelemetry.metrics import Meter
+    from opentelemetry.trace import Tracer
+
+__all__ = [
+    "STEP_ATTRIBUTE",
+    "ConfigError",
+    "OtelTrainError",
+    "current_step",
+    "flush",
+    "get_meter",
+    "get_tracer",
+    "init",
+    "log",
+    "shutdown",
+    "span",
+    "step",
+    "steps",
+    "traced",
+]
+
+__version__ = "0.1.0"
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_logger = logging.getLogger(__name__)
+_session: Any = None
+_init_lock = threading.Lock()
+_warned_closed = False
+
+
+def init(
+    *,
+    exporters: str | list[str] | tuple[str, ...] | None = None,
+    dir: str | Path | None = None,  # noqa: A002 - mirrors OTEL_TRAIN_DIR
+    run_name: str | None = None,
+    run_id: str | None = None,
+    project: str | None = None,
+    export_every: int | None = None,
+    export_interval_s: float | None = None,
+    ranks: str | None = None,
+    disabled: bool | None = None,
+    shutdown_timeout_s: float | None = None,
+    queue_size: int | None = None,
+    buffer_size: int | None = None,
+    strict_sync: bool | None = None,
+    config: Mapping[str, Any] | None = None,
+    trace_counters: bool | None = None,
+    service_name: str | None = None,
+) -> Any:
+    """Start otel-train for this process. Settings come from `OTEL_TRAIN_*` variables; keywords override.
+
+    Safe to call twice: the second call warns and returns the running session.
+
+    Raises:
+        ConfigError: a setting is invalid (one line: the setting, the value, what is allowed), an
+            exporter is unknown or its package is missing, or `OTEL_TRAIN_DIR` is not writable.
+    """
+    global _session
+    from otel_train import config as cfg
+    from otel_train import runtime
+
+    with _init_lock:
+        if _session is not None and not _session.closed:
+            _logger.warning("otel_train.init() called again; returning the running session (call "
+                            "otel_train.shutdown() first to start a new one)")
+            return _session
+        settings = cfg.load_settings(
+            exporters=exporters, dir=dir, run_name=run_name, run_id=run_id, project=project,
+            export_every=export_every, export_interval_s=export_interval_s, ranks=ranks, disabled=disabled,
+            shutdown_timeout_s=shutdown_timeout_s, queue_size=queue_size, buffer_size=buffer_size,
+            strict_sync=strict_sync, config=config, trace_counters=trace_counters, service_name=service_name,
+        )
+        _session = runtime.start(settings)
+        return _session
+
+
+def _require_session() -> Any:
+    s = _session
+    if s is None:
+        raise OtelTrainError(
+            "otel_train.log() was called before otel_train.init(); call init() first "
+            "(or set OTEL_TRAIN_DISABLED=1 and still call init() to turn logging off)"
+        )
+    return s
+
+
+def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
+    """Record each value of `mapping` as a gauge named by its key, at `step` (default: the current step).
+
+    Outside any step the latest step entered is used (0 before the first). Numbers, NumPy
+    scalars/0-d arrays and tensors are accepted; tensors are converted on the export thread.
+    """
+    s = _session
+    if s is None:
+        _require_session()
+    if s.closed:
+        _warn_closed()
+        return
+    s.log(mapping, step)
+
+
+def _warn_closed() -> None:
+    global _warned_closed
+    if not _warned_closed:
+        _warned_closed = True
+        _logger.warning("otel_train.log()/span() after shutdown(): dropped (warned once)")
+
+
+class _NoSpan:
+    def __enter__(self) -> _NoSpan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
+def span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
+    """A context manager timing a block as a span (with `train.step` and the thread).
+
+    Before `init()` (or when disabled) it does nothing. An exception marks the span as error and
+    propagates unchanged.
+    """
+    s = _session
+    if s is None or s.closed:
+        return _NO_SPAN
+    return s.span(name, attributes)
+
+
+def _span_for_decorator(name: str, record_context: bool) -> Any:
+    s = _session
+    if s is None or s.closed:
+        return _NO_SPAN
+    return s.span(name, None, record_context)
+
+
+def traced(name: str | Callable[..., Any] | None = None) -> Any:
+    """Decorate a function (plain, async, generator or async generator) to run in a span.
+
+    Usable as ``@traced``, ``@traced()`` or ``@traced("name")``; the default name is the
+    function's qualified name.
+    """
+    from otel_train.instrument import traced_with
+
+    if callable(name):
+        return traced_with(_span_for_decorator, None, name)
+
+    def decorate(fn: _F) -> _F:
+        return traced_with(_span_for_decorator, name, fn)
+
+    return decorate
+
+
+def flush(timeout_s: float | None = None) -> bool:
+    """Collect now and wait until every exporter has written it (bounded by the shutdown timeout)."""
+    s = _session
+    return True if s is None else bool(s.flush(timeout_s))
+
+
+def shutdown() -> None:
+    """Flush and close every exporter. Also runs at interpreter exit and on SIGTERM. Idempotent."""
+    s = _session
+    if s is not None:
+        s.shutdown()
+
+
+def get_meter(name: str = "otel_train") -> Meter:
+    """The SDK meter of the running session, for raw OTel instruments (gauges, counters, histograms)."""
+    from opentelemetry import metrics
+
+    s = _session
+    if s is None or not getattr(s, "enabled", False):
+        return metrics.get_meter(name)
+    return s.meter_provider.get_meter(name)  # type: ignore[no-any-return]
+
+
+def get_tracer(name: str = "otel_train") -> Tracer:
+    """The SDK tracer of the running session, for raw OTel spans."""
+    from opentelemetry import trace
+
+    s = _session
+    if s is None or not getattr(s, "enabled", False):
+        return trace.get_tracer(name)
+    return s.tracer_provider.get_tracer(name)  # type: ignore[no-any-return]

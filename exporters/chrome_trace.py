@@ -1,0 +1,232 @@
+"""Spans as a Chrome Trace Event Format timeline (chrome://tracing, Perfetto UI).
+
+One streaming file per rank: ``<dir>/<run_name>/trace/rank<N>.trace.json`` (``rank<N>.1.trace.json``
+and so on when a resumed run finds the earlier file there). It uses the JSON
+*array* format, written as ``[`` and then one event per line, each followed by ``,``; `close()`
+appends a last metadata event and ``]``, so a cleanly closed file is valid JSON. The array format
+is the one the trace viewers accept without the closing ``]``, so a file cut off by a crash still
+loads (and `otel_train.trace_merge.load_trace` reads it too).
+
+What a span becomes:
+    * a complete event (``"ph": "X"``, ``ts``/``dur`` in µs since the Unix epoch);
+    * ``pid`` = the rank, so merged ranks sit side by side, with ``process_name``
+      ("rank 0 (host pid 1234)") and ``process_sort_index`` metadata;
+    * ``tid`` = the thread that started the span (``thread.id``), with ``thread_name`` metadata
+      once per thread;
+    * ``args`` = the span's attributes (``train.step`` included; ``thread.id``/``thread.name`` are
+      dropped, they are the tid and the thread's name);
+    * an error status sets ``args.error`` to the status message (or ``true``) and
+      ``"cname": "terrible"`` (red in chrome://tracing).
+
+With ``trace_counters`` (`OTEL_TRAIN_TRACE_COUNTERS`, default on), logged scalars become counter
+events (``"ph": "C"``, name = the tag, ``args = {"value": v}``), so the loss curve sits under the
+timeline. Histogram statistic rows and non-finite values are left out of the counters.
+
+Example:
+    >>> import tempfile
+    >>> from otel_train.exporters.base import Window
+    >>> from otel_train.records import ExporterOptions, RunInfo, SpanRow
+    >>> run = RunInfo("r1", "demo")
+    >>> span = SpanRow(run, "forward", 1, 2, None, 1_000_000, 3_000_000, 7, "MainThread", 0, {"train.step": 0})
+    >>> with ChromeTraceExporter(ExporterOptions(directory=tempfile.mkdtemp())) as exp:
+    ...     exp.export_window(Window(spans=[span]))
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from otel_train.exporters.base import RowExporter
+
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+
+__all__ = ["ChromeTraceExporter", "trace_path"]
+
+_logger = logging.getLogger(__name__)
+
+_STEP = "train.step"
+#: Attributes that become the event's tid and thread name instead of args.
+_THREAD_ATTRS = frozenset({"thread.id", "thread.name"})
+#: Chrome's reserved color name for errors (red); Perfetto ignores it and shows `args.error`.
+ERROR_CNAME = "terrible"
+
+
+def _safe_component(name: str) -> str:
+    """A run name as one path component (no separators, not hidden, not empty)."""
+    cleaned = name.replace("/", "_").replace("\\", "_").strip()
+    return cleaned.lstrip(".") or "run"
+
+
+def trace_path(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
+    """Where the trace of `rank` of run `run_name` is written."""
+    return Path(directory) / _safe_component(run_name) / "trace" / f"rank{rank}.trace.json"
+
+
+def json_safe(value: Any) -> Any:
+    """A value JSON can hold strictly (trace viewers reject NaN): non-finite floats become strings."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    return str(value)
+
+
+def _us(unix_nano: int) -> float:
+    """Nanoseconds since the epoch as the format's microseconds (a double: ~0.25 µs resolution today).
+
+    Absolute times, not times since the run start, so the ranks' files line up when merged.
+    """
+    return round(unix_nano / 1000.0, 3)
+
+
+def _fallback_tid(thread_name: str) -> int:
+    """A stable small tid for spans recorded without `thread.id` (same name -> same tid)."""
+    return 1 + zlib.crc32(thread_name.encode()) % 99_999 if thread_name else 1
+
+
+class _RankTrace:
+    """The open streaming file of one rank, and which thread names it already holds."""
+
+    def __init__(self, path: Path, run: RunInfo) -> None:
+        self.path = path
+        self.pid = run.rank
+        self.run = run
+        self._threads: set[int] = set()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - held open, closed in close()
+        self._file.write("[\n")
+        label = f"rank {run.rank}"
+        if run.host or run.pid:
+            label += f" ({run.host or '?'} pid {run.pid})"
+        self.emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": label}})
+        self.emit({"name": "process_sort_index", "ph": "M", "pid": self.pid, "args": {"sort_index": run.rank}})
+
+    def emit(self, event: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(event, allow_nan=False, separators=(",", ":")))
+        self._file.write(",\n")
+
+    def thread(self, tid: int, name: str) -> None:
+        if tid not in self._threads:
+            self._threads.add(tid)
+            self.emit({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
+                       "args": {"name": name or f"thread {tid}"}})
+
+    def push(self) -> None:
+        """Hand the window to the OS: a killed process keeps it (a machine crash needs `sync`)."""
+        self._file.flush()
+
+    def sync(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        # The last event carries no trailing comma, so the array closes as valid JSON.
+        end = {"name": "process_labels", "ph": "M", "pid": self.pid,
+               "args": {"labels": f"run {self.run.run_name} ({self.run.run_id})"}}
+        self._file.write(json.dumps(end, separators=(",", ":")) + "\n]\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+
+class ChromeTraceExporter(RowExporter):
+    """Writes spans (and, optionally, scalar counters) as one Chrome trace file per rank.
+
+    Args:
+        options: `directory` is the root of the run folders; `trace_counters` turns the counter
+            events on. Default: from the `OTEL_TRAIN_*` variables.
+    """
+
+    name = "chrome_trace"
+    handles_spans = True
+
+    def __init__(self, options: ExporterOptions | None = None) -> None:
+        super().__init__(options)
+        self.handles_metrics = bool(self.options.trace_counters)
+        self._ranks: dict[tuple[str, int], _RankTrace] = {}
+        self._paths: list[Path] = []
+
+    def _trace(self, run: RunInfo) -> _RankTrace:
+        key = (run.run_id, run.rank)
+        trace = self._ranks.get(key)
+        if trace is None:
+            path = trace_path(self.options.directory, run.run_name, run.rank)
+            n = 0
+            while path.exists():  # a resumed run (or a restarted sink) keeps the earlier trace
+                n += 1
+                path = path.with_name(f"rank{run.rank}.{n}.trace.json")
+            trace = self._ranks[key] = _RankTrace(path, run)
+            self._paths.append(path)
+            _logger.debug("chrome trace of rank %d at %s", run.rank, path)
+        return trace
+
+    @property
+    def paths(self) -> list[Path]:
+        """The trace files written so far (also after `close()`)."""
+        return list(self._paths)
+
+    def write_spans(self, rows: Sequence[SpanRow]) -> None:
+        touched: dict[int, _RankTrace] = {}
+        for row in rows:
+            trace = self._trace(row.run)
+            touched[id(trace)] = trace
+            tid = row.thread_id or _fallback_tid(row.thread_name)
+            trace.thread(tid, row.thread_name)
+            args = {k: json_safe(v) for k, v in row.attributes.items() if k not in _THREAD_ATTRS}
+            if row.step is not None:
+                args.setdefault(_STEP, row.step)
+            event: dict[str, Any] = {
+                "name": row.name,
+                "cat": "span",
+                "ph": "X",
+                "ts": _us(row.start_unix_nano),
+                "dur": _us(max(0, row.end_unix_nano - row.start_unix_nano)),
+                "pid": trace.pid,
+                "tid": tid,
+                "args": args,
+            }
+            if row.error:
+                args["error"] = row.status_message or True
+                event["cname"] = ERROR_CNAME
+            trace.emit(event)
+        for trace in touched.values():
+            trace.push()
+
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        touched: dict[int, _RankTrace] = {}
+        for row in rows:
+            if row.kind == "histogram" or not row.time_unix_nano or not math.isfinite(row.value):
+                continue
+            trace = self._trace(row.run)
+            touched[id(trace)] = trace
+            trace.emit({"name": row.tag, "ph": "C", "ts": _us(row.time_unix_nano), "pid": trace.pid,
+                        "args": {"value": row.value}})
+        for trace in touched.values():
+            trace.push()
+
+    def flush(self) -> None:
+        for trace in self._ranks.values():
+            trace.sync()
+
+    def close(self) -> None:
+        traces, self._ranks = list(self._ranks.values()), {}
+        errors: list[BaseException] = []
+        for trace in traces:
+            try:
+                trace.close()
+            except OSError as err:  # close the other ranks' files anyway
+                errors.append(err)
+        if errors:
+            raise errors[0]

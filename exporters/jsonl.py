@@ -1,0 +1,143 @@
+"""Every row as one JSON line: the durable local record of a run.
+
+Rows of rank N are appended to ``<dir>/<run_name>/rank<N>.jsonl``; each line has a ``type``
+(``metric``, ``histogram`` or ``span``), the run identity (``run_id``, ``run_name``, ``rank``) and
+the row's fields. Lines are handed to the OS after every window and fsynced on flush.
+
+Non-finite floats are written as Python's ``json`` writes them, the literals ``NaN``,
+``Infinity`` and ``-Infinity`` (not strict JSON, but `json.loads` and `read_jsonl` read them back
+to the same floats). Trace and span ids are lower-case hex, as in OTLP/JSON.
+
+Example:
+    >>> import tempfile
+    >>> from otel_train.exporters.base import Window
+    >>> from otel_train.records import ExporterOptions, MetricRow, RunInfo
+    >>> d = tempfile.mkdtemp()
+    >>> row = MetricRow(RunInfo("r1", "demo"), 3, "train/loss", "train/loss", 0.5, "gauge", 1)
+    >>> with JsonlExporter(ExporterOptions(directory=d)) as exp:
+    ...     _ = exp.export_window(Window(metrics=[row]))
+    >>> [(r["type"], r["step"], r["value"]) for r in read_jsonl(exp.paths[0])]
+    [('metric', 3, 0.5)]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from otel_train.exporters.base import RowExporter
+
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+
+__all__ = ["JsonlExporter", "jsonl_path", "read_jsonl"]
+
+
+def _safe_component(name: str) -> str:
+    cleaned = name.replace("/", "_").replace("\\", "_").strip()
+    return cleaned.lstrip(".") or "run"
+
+
+def jsonl_path(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
+    """Where the rows of `rank` of run `run_name` are appended."""
+    return Path(directory) / _safe_component(run_name) / f"rank{rank}.jsonl"
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The records of a file written by `JsonlExporter`; a cut-off last line is skipped."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                return  # written when the process died
+            if line.strip():
+                yield json.loads(line)
+
+
+def _run_fields(run: RunInfo) -> dict[str, Any]:
+    return {"run_id": run.run_id, "run_name": run.run_name, "rank": run.rank}
+
+
+def _attrs(attributes: Any) -> dict[str, Any]:
+    return {str(k): list(v) if isinstance(v, tuple) else v for k, v in (attributes or {}).items()}
+
+
+class JsonlExporter(RowExporter):
+    """Appends metric, histogram and span rows as JSON lines, one file per rank.
+
+    Args:
+        options: `directory` is the root of the run folders. Default: from the `OTEL_TRAIN_*` variables.
+    """
+
+    name = "jsonl"
+    handles_metrics = True
+    handles_spans = True
+
+    def __init__(self, options: ExporterOptions | None = None) -> None:
+        super().__init__(options)
+        self._files: dict[tuple[str, int], tuple[Path, IO[str]]] = {}
+        self._paths: list[Path] = []
+
+    @property
+    def paths(self) -> list[Path]:
+        """The files written so far (also after `close()`)."""
+        return list(self._paths)
+
+    def _file(self, run: RunInfo) -> IO[str]:
+        # Append: a resumed run (or a restarted sink) continues the same record.
+        key = (run.run_id, run.rank)
+        entry = self._files.get(key)
+        if entry is None:
+            path = jsonl_path(self.options.directory, run.run_name, run.rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entry = self._files[key] = (path, open(path, "a", encoding="utf-8"))  # noqa: SIM115
+            self._paths.append(path)
+        return entry[1]
+
+    def _write(self, records: list[tuple[RunInfo, dict[str, Any]]]) -> None:
+        touched: dict[int, IO[str]] = {}
+        for run, record in records:
+            f = self._file(run)
+            touched[id(f)] = f
+            # default=str: an attribute value of an unexpected type must not lose the whole window.
+            f.write(json.dumps(record, default=str, separators=(",", ":")) + "\n")
+        for f in touched.values():
+            f.flush()  # a killed process keeps every finished window
+
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        records: list[tuple[RunInfo, dict[str, Any]]] = []
+        for r in rows:
+            records.append((r.run, {
+                "type": "metric", **_run_fields(r.run), "step": r.step, "name": r.name, "tag": r.tag,
+                "value": r.value, "kind": r.kind, "time_unix_nano": r.time_unix_nano,
+                "attributes": _attrs(r.attributes),
+            }))
+        for h in histograms:
+            records.append((h.run, {
+                "type": "histogram", **_run_fields(h.run), "step": h.step, "name": h.name, "tag": h.tag,
+                "count": h.count, "sum": h.sum, "min": h.min, "max": h.max,
+                "explicit_bounds": list(h.explicit_bounds), "bucket_counts": list(h.bucket_counts),
+                "time_unix_nano": h.time_unix_nano, "attributes": _attrs(h.attributes),
+            }))
+        self._write(records)
+
+    def write_spans(self, rows: Sequence[SpanRow]) -> None:
+        self._write([(s.run, {
+            "type": "span", **_run_fields(s.run), "step": s.step, "name": s.name,
+            "trace_id": f"{s.trace_id:032x}", "span_id": f"{s.span_id:016x}",
+            "parent_span_id": None if s.parent_span_id is None else f"{s.parent_span_id:016x}",
+            "start_unix_nano": s.start_unix_nano, "end_unix_nano": s.end_unix_nano,
+            "thread_id": s.thread_id, "thread_name": s.thread_name, "error": s.error,
+            "status_message": s.status_message, "attributes": _attrs(s.attributes),
+        }) for s in rows])
+
+    def flush(self) -> None:
+        for _, f in self._files.values():
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        files, self._files = list(self._files.values()), {}
+        for _, f in files:
+            f.close()

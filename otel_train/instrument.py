@@ -1,0 +1,198 @@
+"""What the training thread does: append to buffers, nothing else.
+
+`LogBuffer` and `SpanBuffer` are bounded deques (thread-safe appends, oldest dropped when full);
+every record carries a sequence number so the reader counts what was dropped without the hot
+path paying for it. Conversion to numbers and to OTel data happens later, on the export thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+
+from otel_train.step import _current, current_step
+
+__all__ = ["LogBuffer", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
+_get_span = otel_trace.get_current_span
+_time_ns = time.time_ns
+_get_ident = threading.get_ident
+_current_thread = threading.current_thread
+_rand64 = random.getrandbits
+
+
+class _Bounded:
+    """A bounded deque whose records are (seq, ...) tuples; `drain` reports how many were dropped."""
+
+    __slots__ = ("_items", "_seq", "_expected", "dropped")
+
+    def __init__(self, maxlen: int) -> None:
+        self._items: deque[tuple[Any, ...]] = deque(maxlen=maxlen)
+        self._seq = itertools.count()
+        self._expected = 0
+        self.dropped = 0
+
+    def drain(self) -> list[tuple[Any, ...]]:
+        """Take every record appended so far (export thread only)."""
+        items = self._items
+        out = []
+        pop = items.popleft
+        try:
+            while True:
+                out.append(pop())
+        except IndexError:
+            pass
+        if out:
+            first = out[0][0]
+            if first > self._expected:
+                self.dropped += first - self._expected
+            self._expected = out[-1][0] + 1
+        return out
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class LogBuffer(_Bounded):
+    """Records of `ot.log`: ``(seq, step, mapping, time_ns)``."""
+
+    __slots__ = ()
+
+    def append(self, step: int, mapping: Mapping[str, Any], time_ns: int | None = None) -> None:
+        self._items.append((next(self._seq), step, mapping, _time_ns() if time_ns is None else time_ns))
+
+
+class SpanRecord:
+    """A finished `ot.span`, materialised into OTel spans / span rows on the export thread."""
+
+    __slots__ = (
+        "name", "trace_id", "span_id", "parent_id", "start_ns", "end_ns",
+        "thread_id", "thread_name", "step", "attributes", "error",
+    )
+
+    def __init__(
+        self, name: str, trace_id: int, span_id: int, parent_id: int | None, start_ns: int, end_ns: int,
+        thread_id: int, thread_name: str, step: int | None, attributes: Mapping[str, Any] | None,
+        error: str | None,
+    ) -> None:
+        self.name = name
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.parent_id = parent_id
+        self.start_ns = start_ns
+        self.end_ns = end_ns
+        self.thread_id = thread_id
+        self.thread_name = thread_name
+        self.step = step
+        self.attributes = attributes
+        self.error = error
+
+
+class SpanBuffer(_Bounded):
+    """Finished spans: ``(seq, SpanRecord | ReadableSpan)``."""
+
+    __slots__ = ()
+
+    def append(self, span: Any) -> None:
+        self._items.append((next(self._seq), span))
+
+
+class SpanScope:
+    """The context manager behind `ot.span`: ids and OTel context now, the span itself later.
+
+    A raw OTel span started inside is its child (we attach a non-recording span carrying our
+    ids to the OTel context), and it is the child of a raw OTel span it is started in.
+    """
+
+    __slots__ = ("_buffer", "_name", "_attributes", "_record_context", "_token", "_trace_id",
+                 "_span_id", "_parent_id", "_start", "_thread_id", "_thread_name", "_step")
+
+    def __init__(self, buffer: SpanBuffer, name: str, attributes: Mapping[str, Any] | None = None,
+                 record_context: bool = True) -> None:
+        self._buffer = buffer
+        self._name = name
+        self._attributes = attributes
+        self._record_context = record_context
+        self._token: object | None = None
+
+    def __enter__(self) -> SpanScope:
+        parent = _get_span().get_span_context()
+        if parent.is_valid:
+            self._trace_id = parent.trace_id
+            self._parent_id: int | None = parent.span_id
+        else:
+            self._trace_id = _rand64(128) or 1
+            self._parent_id = None
+        self._span_id = _rand64(64) or 1
+        if self._record_context:
+            ctx = otel_trace.SpanContext(self._trace_id, self._span_id, False, _SAMPLED)
+            self._token = otel_context.attach(otel_trace.set_span_in_context(otel_trace.NonRecordingSpan(ctx)))
+        self._thread_id = _get_ident()
+        self._thread_name = _current_thread().name
+        step = _current.get()
+        self._step = current_step() if step is None else step
+        self._start = _time_ns()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        end = _time_ns()
+        if self._token is not None:
+            otel_context.detach(self._token)  # type: ignore[arg-type]
+            self._token = None
+        error = None if exc_type is None else f"{exc_type.__name__}: {exc}"
+        self._buffer.append(
+            SpanRecord(self._name, self._trace_id, self._span_id, self._parent_id, self._start, end,
+                       self._thread_id, self._thread_name, self._step, self._attributes, error)
+        )
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        """Add an attribute to the span while it runs."""
+        attrs = dict(self._attributes or {})
+        attrs[key] = value
+        self._attributes = attrs
+
+
+def traced_with(make_scope: Callable[[str, bool], Any], name: str | None, fn: _F) -> _F:
+    """Wrap plain, async, generator and async-generator functions in a span named `name`.
+
+    Generators get one span over their whole life, recorded without attaching OTel context
+    (a generator's context would leak into its caller between `yield`s).
+    """
+    span_name = name or fn.__qualname__
+    if inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def agen_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with make_scope(span_name, False):
+                async for item in fn(*args, **kwargs):
+                    yield item
+        return agen_wrapper  # type: ignore[return-value]
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with make_scope(span_name, True):
+                return await fn(*args, **kwargs)
+        return async_wrapper  # type: ignore[return-value]
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
+            with make_scope(span_name, False):
+                return (yield from fn(*args, **kwargs))
+        return gen_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with make_scope(span_name, True):
+            return fn(*args, **kwargs)
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,542 @@
+"""`StepAlignedMetricReader`: one reader, collected at step boundaries, exported off the training thread.
+
+Flow: the training thread only appends to buffers and, at the end of every `export_every`-th
+step, wakes the collector thread. The collector collects the SDK's instruments (DELTA, so
+per-step attribute sets are freed after each collection), drains the `ot.log` / span buffers,
+converts everything once (rows for our backends, OTel `MetricsData` / spans for plain OTel
+exporters) and hands the window to one worker thread per exporter through a bounded queue
+(oldest window dropped and counted when full). A slow or hanging backend only stalls its own
+worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.sdk.metrics import (
+    Counter,
+    Histogram,
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    UpDownCounter,
+)
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Gauge,
+    Metric,
+    MetricExporter,
+    MetricReader,
+    MetricsData,
+    NumberDataPoint,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+from otel_train._internal.ratelimit import LogOnce
+from otel_train._internal.values import to_floats, valid_name
+from otel_train.exporters.base import RowExporter, Window
+from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
+from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
+
+try:  # the synchronous gauge: the SDK's temporality-preference env var skips it, so name it here
+    from opentelemetry.sdk.metrics._internal.instrument import Gauge as _SyncGauge
+except ImportError:  # pragma: no cover - older SDKs without a synchronous gauge
+    _SyncGauge = None
+
+__all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
+
+_logger = logging.getLogger(__name__)
+_SCOPE = InstrumentationScope("otel_train")
+_SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
+
+
+def _delta_everywhere() -> dict[type, AggregationTemporality]:
+    kinds: list[type] = [Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter,
+                         ObservableGauge]
+    if _SyncGauge is not None:
+        kinds.append(_SyncGauge)
+    return {k: AggregationTemporality.DELTA for k in kinds}
+
+
+class ThreadSpanProcessor(SpanProcessor):
+    """For raw OTel spans: stamps thread and step at start, buffers the span at its end."""
+
+    def __init__(self, buffer: SpanBuffer) -> None:
+        self._buffer = buffer
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        thread = threading.current_thread()
+        span.set_attribute(THREAD_ID, threading.get_ident())
+        span.set_attribute(THREAD_NAME, thread.name)
+        if STEP_ATTRIBUTE not in (span.attributes or {}):
+            step = current_step()
+            if step is not None:
+                span.set_attribute(STEP_ATTRIBUTE, step)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._buffer.append(span)
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
+
+@dataclasses.dataclass
+class _Batch:
+    """One collected window, in every form some exporter needs."""
+
+    window: Window
+    metrics_data: MetricsData | None
+    spans: Sequence[ReadableSpan]
+
+
+class _ExportWorker:
+    """One thread and one bounded queue per exporter."""
+
+    def __init__(self, exporter: Any, queue_size: int, send_metrics: bool, send_spans: bool) -> None:
+        self.exporter = exporter
+        self.send_metrics = send_metrics
+        self.send_spans = send_spans
+        self.dropped_batches = 0
+        self.failures = 0
+        self._queue_size = queue_size
+        self._log = LogOnce(_logger, interval_s=60.0)
+        self._start()
+
+    def _start(self) -> None:
+        self._queue: deque[_Batch | None] = deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        name = getattr(self.exporter, "name", type(self.exporter).__name__)
+        self._thread = threading.Thread(target=self._run, name=f"otel-train-export-{name}", daemon=True)
+        self._thread.start()
+
+    def restart_after_fork(self) -> None:
+        self._start()
+
+    def submit(self, batch: _Batch | None) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._queue.append(batch)
+            if batch is None:
+                self._closed = True
+            elif len(self._queue) > self._queue_size:
+                self._queue.popleft()
+                self.dropped_batches += 1
+                self._log.warning("drop", "export queue of `%s` full: oldest window dropped (%d so far)",
+                                  getattr(self.exporter, "name", self.exporter), self.dropped_batches)
+            self._cv.notify_all()
+
+    def wait_idle(self, deadline: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._queue and not self._busy,
+                                     timeout=max(0.0, deadline - time.monotonic()))
+
+    def join(self, deadline: float) -> bool:
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue))
+                batch = self._queue.popleft()
+                self._busy = True
+            try:
+                if batch is None:
+                    self._call(lambda: self.exporter.shutdown(timeout_millis=10_000))
+                    return
+                self._export(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _export(self, batch: _Batch) -> None:
+        ex = self.exporter
+        if isinstance(ex, RowExporter):
+            w = batch.window
+            window = Window(w.metrics if self.send_metrics else (), w.histograms if self.send_metrics else (),
+                            w.spans if self.send_spans else ())
+            if window:
+                self._call(lambda: ex.export_window(window))
+            return
+        if self.send_metrics and isinstance(ex, MetricExporter) and batch.metrics_data is not None:
+            md = batch.metrics_data
+            self._call(lambda: ex.export(md))
+        if self.send_spans and isinstance(ex, SpanExporter) and batch.spans:
+            spans = batch.spans
+            self._call(lambda: ex.export(spans))
+
+    def _call(self, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as err:  # never let a backend kill the worker
+            self.failures += 1
+            self._log.error("fail", "exporter `%s` raised %s: %s (%d failure(s); logged once a minute)",
+                            getattr(self.exporter, "name", self.exporter), type(err).__name__, err,
+                            self.failures)
+
+    def flush(self, deadline: float) -> None:
+        flush = getattr(self.exporter, "force_flush", None)
+        if flush is None:
+            return
+        done = threading.Event()
+
+        def run() -> None:
+            self._call(lambda: flush(timeout_millis=max(1.0, (deadline - time.monotonic()) * 1000)))
+            done.set()
+
+        # On its own short-lived thread so a hanging backend cannot hold up the caller.
+        threading.Thread(target=run, name="otel-train-flush", daemon=True).start()
+        done.wait(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class StepAlignedMetricReader(MetricReader):
+    """A `MetricReader` collected every `export_every` steps and every `export_interval_s` seconds.
+
+    Works inside `otel_train.init()` and when plugged into a user's own `MeterProvider` (then call
+    `on_step_end` or `otel_train.step`, which the runtime wires, or rely on the interval).
+
+    Args:
+        exporters: OTel `MetricExporter`/`SpanExporter`s and otel-train `RowExporter`s; ONE reader
+            fans out to all of them.
+        export_every: Collect after every N steps.
+        export_interval_s: Collect at the latest after this many seconds.
+        queue_size: Windows queued per exporter before the oldest is dropped.
+        log_buffer: Where `ot.log` records wait for collection.
+        span_buffer: Where finished spans wait for collection.
+        metrics_ranks: Whether this process exports metrics (spans always go out).
+        resource: The Resource for `ot.log` data; taken from the MeterProvider when registered.
+
+    Example:
+        >>> from opentelemetry.sdk.metrics import MeterProvider
+        >>> from otel_train.testing import InMemoryRowExporter
+        >>> mem = InMemoryRowExporter()
+        >>> reader = StepAlignedMetricReader([mem])
+        >>> provider = MeterProvider(metric_readers=[reader])
+        >>> provider.get_meter("t").create_gauge("loss").set(0.5, {"train.step": 3})
+        >>> reader.force_flush()
+        True
+        >>> [(r.tag, r.step, r.value) for r in mem.metrics]
+        [('loss', 3, 0.5)]
+        >>> provider.shutdown()
+    """
+
+    def __init__(
+        self,
+        exporters: Sequence[Any] = (),
+        *,
+        export_every: int = 1,
+        export_interval_s: float = 30.0,
+        queue_size: int = 256,
+        log_buffer: LogBuffer | None = None,
+        span_buffer: SpanBuffer | None = None,
+        export_metrics: bool = True,
+        resource: Resource | None = None,
+    ) -> None:
+        limit = _SERIES_PER_STEP * max(1, export_every) + 1
+        super().__init__(
+            preferred_temporality=_delta_everywhere(),
+            cardinality_limits={k: limit for k in _delta_everywhere()},
+        )
+        self.export_every = max(1, int(export_every))
+        self.export_interval_s = float(export_interval_s)
+        self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(1_000_000)
+        self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(1_000_000)
+        self._resource = resource or Resource.create()
+        self._converter = MetricsConverter()
+        self._workers = [
+            _ExportWorker(ex, queue_size, export_metrics and _wants_metrics(ex), _wants_spans(ex))
+            for ex in exporters
+        ]
+        self._workers = [w for w in self._workers if w.send_metrics or w.send_spans]
+        self._unused = [ex for ex in exporters if not any(w.exporter is ex for w in self._workers)]
+        self._need_rows = any(isinstance(w.exporter, RowExporter) for w in self._workers)
+        self._need_md = any(w.send_metrics and not isinstance(w.exporter, RowExporter) for w in self._workers)
+        self._need_spans = any(w.send_spans and not isinstance(w.exporter, RowExporter) for w in self._workers)
+        self._log = LogOnce(_logger)
+        self._collect_lock = threading.Lock()
+        self._steps_since = 0
+        self._last_step: int | None = None
+        self._reported_drops = (0, 0, 0)
+        self._shutdown = False
+        self.windows = 0
+        self._start_collector()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    # -- threads ------------------------------------------------------------------------------
+    def _start_collector(self) -> None:
+        self._wake = threading.Event()
+        self._stop = False
+        self._flush_requests: deque[threading.Event] = deque()
+        self._thread = threading.Thread(target=self._collector_loop, name="otel-train-collect", daemon=True)
+        self._thread.start()
+
+    def _after_fork(self) -> None:
+        if self._shutdown:
+            return
+        self._collect_lock = threading.Lock()
+        self._start_collector()
+        for w in self._workers:
+            w.restart_after_fork()
+
+    def _collector_loop(self) -> None:
+        while not self._stop:
+            self._wake.wait(timeout=self.export_interval_s)
+            self._wake.clear()
+            requests = []
+            while self._flush_requests:
+                requests.append(self._flush_requests.popleft())
+            self._collect_window()
+            for done in requests:
+                done.set()
+
+    # -- training-thread side -----------------------------------------------------------------
+    def on_step_end(self, info: StepEnd) -> None:
+        """Step-end listener (training thread): wake the collector every `export_every` steps."""
+        self._last_step = info.step
+        self._steps_since += 1
+        if self._steps_since >= self.export_every:
+            self._steps_since = 0
+            self._wake.set()
+
+    # -- collection (collector thread) ----------------------------------------------------------
+    def _set_meter_provider(self, meter_provider: Any) -> None:
+        super()._set_meter_provider(meter_provider)
+        config = getattr(meter_provider, "_sdk_config", None)
+        resource = getattr(config, "resource", None)
+        if isinstance(resource, Resource):
+            self._resource = resource
+
+    def _collect_window(self) -> None:
+        with self._collect_lock:
+            try:
+                if self._collect is not None:
+                    self.collect()  # -> _receive_metrics
+                else:
+                    self._receive_metrics(None)  # type: ignore[arg-type]
+            except Exception:
+                self._log.warning("collect", "collection failed; training goes on", exc_info=True)
+
+    def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+        step = self._last_step
+        if step is None:
+            step = current_step() or 0
+        records = self.log_buffer.drain()
+        spans = self.span_buffer.drain()
+        self._report_drops(step, records)
+        if not records and not spans and not _has_points(metrics_data):
+            return
+        run = self._converter.run_for(self._resource.attributes)
+        rows: list[MetricRow] = []
+        hists: list[Any] = []
+        md: MetricsData | None = None
+        points = self._log_points(records)
+        if self._need_rows:
+            rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
+            if _has_points(metrics_data):
+                sdk_rows, hists = self._converter.rows(metrics_data, step)
+                rows.extend(sdk_rows)
+        if self._need_md:
+            md = self._metrics_data(metrics_data, points, step)
+        row_spans: list[SpanRow] = []
+        otel_spans: list[ReadableSpan] = []
+        if spans:
+            recs = [s for _, s in spans if isinstance(s, SpanRecord)]
+            sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
+            if self._need_rows:
+                row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self._converter)
+            if self._need_spans:
+                otel_spans = [_readable_span(r, self._resource) for r in recs] + sdk_spans
+        batch = _Batch(Window(rows, hists, row_spans), md, otel_spans)
+        self.windows += 1
+        for w in self._workers:
+            w.submit(batch)
+
+    def _log_points(self, records: list[tuple[Any, ...]]) -> list[tuple[str, int, float, int]]:
+        keys: list[str] = []
+        steps: list[int] = []
+        times: list[int] = []
+        values: list[Any] = []
+        for _, step, mapping, t in records:
+            for key, value in mapping.items():
+                keys.append(key)
+                steps.append(step)
+                times.append(t)
+                values.append(value)
+        floats = to_floats(values)
+        out = []
+        for key, step, value, raw, t in zip(keys, steps, floats, values, times):
+            if value is None:
+                self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
+                                  "skipped (warned once per key)", key, type(raw).__name__)
+                continue
+            if not valid_name(key):
+                self._log.warning(f"name:{key}", "otel_train.log: key %r is not a valid OTel instrument name "
+                                  "(a letter, then up to 254 of letters, digits, `_ . / -`); skipped "
+                                  "(warned once per key)", key)
+                continue
+            out.append((key, step, value, t))
+        return out
+
+    def _report_drops(self, step: int, records: list[tuple[Any, ...]]) -> None:
+        drops = (
+            self.log_buffer.dropped,
+            self.span_buffer.dropped,
+            sum(w.dropped_batches for w in self._workers),
+        )
+        if drops != self._reported_drops:
+            self._reported_drops = drops
+            self._log.warning("dropped", "otel-train dropped data to keep memory bounded: %d log records, "
+                              "%d spans, %d export windows so far (warned once; see otel_train.dropped_* "
+                              "metrics)", *drops)
+            t = time.time_ns()
+            records.append((-1, step, {"otel_train.dropped_records": drops[0], "otel_train.dropped_spans":
+                                       drops[1], "otel_train.dropped_batches": drops[2]}, t))
+
+    def _metrics_data(self, sdk: MetricsData | None, points: list[tuple[str, int, float, int]],
+                      step: int) -> MetricsData:
+        """OTel data for plain exporters (OTLP): `ot.log` gauges plus SDK points, all with `train.step`."""
+        by_key: dict[str, list[NumberDataPoint]] = {}
+        for key, s, v, t in points:
+            by_key.setdefault(key, []).append(NumberDataPoint({STEP_ATTRIBUTE: s}, t, t, v))
+        ours = ScopeMetrics(_SCOPE, [Metric(k, "", "", Gauge(p)) for k, p in by_key.items()], "")
+        resource_metrics = []
+        if sdk is not None:
+            for rm in sdk.resource_metrics:
+                scopes = [ScopeMetrics(sm.scope, [_stamp(m, step) for m in sm.metrics], sm.schema_url)
+                          for sm in rm.scope_metrics]
+                resource_metrics.append(ResourceMetrics(rm.resource, scopes, rm.schema_url))
+        if by_key:
+            if resource_metrics:
+                first = resource_metrics[0]
+                resource_metrics[0] = ResourceMetrics(first.resource, [*first.scope_metrics, ours], first.schema_url)
+            else:
+                resource_metrics.append(ResourceMetrics(self._resource, [ours], ""))
+        return MetricsData(resource_metrics)
+
+    # -- flush / shutdown ---------------------------------------------------------------------
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        """Collect now (on the collector thread) and wait until every exporter has written it."""
+        deadline = time.monotonic() + timeout_millis / 1000
+        if self._shutdown:
+            return True
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            done = threading.Event()
+            self._flush_requests.append(done)
+            self._wake.set()
+            if not done.wait(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+        else:
+            self._collect_window()
+        ok = all(w.wait_idle(deadline) for w in self._workers)
+        for w in self._workers:
+            w.flush(deadline)
+        return ok
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        """Flush, then stop the threads and shut every exporter down, within `timeout_millis`."""
+        if self._shutdown:
+            return
+        deadline = time.monotonic() + timeout_millis / 1000
+        self.force_flush(timeout_millis * 0.8)
+        self._shutdown = True
+        self._stop = True
+        self._wake.set()
+        for w in self._workers:
+            w.submit(None)  # the worker shuts its exporter down on its own thread
+        for w in self._workers:
+            if not w.join(deadline):
+                _logger.warning("exporter `%s` did not shut down in time; abandoned",
+                                getattr(w.exporter, "name", w.exporter))
+        for ex in self._unused:
+            try:
+                ex.shutdown()
+            except Exception as err:
+                _logger.warning("exporter %r failed to shut down: %s", ex, err)
+
+    @property
+    def exporters(self) -> list[Any]:
+        return [w.exporter for w in self._workers] + self._unused
+
+    @property
+    def failures(self) -> int:
+        return sum(w.failures for w in self._workers) + sum(
+            getattr(w.exporter, "failures", 0) for w in self._workers
+        )
+
+
+def _wants_metrics(exporter: Any) -> bool:
+    if isinstance(exporter, RowExporter):
+        return exporter.handles_metrics
+    return isinstance(exporter, MetricExporter)
+
+
+def _wants_spans(exporter: Any) -> bool:
+    if isinstance(exporter, RowExporter):
+        return exporter.handles_spans
+    return isinstance(exporter, SpanExporter)
+
+
+def _has_points(md: MetricsData | None) -> bool:
+    return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
+
+
+def _stamp(metric: Metric, step: int) -> Metric:
+    """Give every point without `train.step` the step that ended the window."""
+    data = metric.data
+    points = getattr(data, "data_points", None)
+    if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):
+        return metric
+    stamped = [
+        p if STEP_ATTRIBUTE in (p.attributes or {})
+        else dataclasses.replace(p, attributes={**(p.attributes or {}), STEP_ATTRIBUTE: step})
+        for p in points
+    ]
+    return dataclasses.replace(metric, data=dataclasses.replace(data, data_points=stamped))
+
+
+def _span_attributes(rec: SpanRecord) -> dict[str, Any]:
+    attrs: dict[str, Any] = dict(rec.attributes or {})
+    attrs[THREAD_ID] = rec.thread_id
+    attrs[THREAD_NAME] = rec.thread_name
+    if rec.step is not None:
+        attrs[STEP_ATTRIBUTE] = rec.step
+    if rec.error:
+        attrs["error.message"] = rec.error
+    return attrs
+
+
+def _span_row(run: Any, rec: SpanRecord) -> SpanRow:
+    return SpanRow(run, rec.name, rec.trace_id, rec.span_id, rec.parent_id, rec.start_ns, rec.end_ns,
+                   rec.thread_id, rec.thread_name, rec.step, _span_attributes(rec), rec.error is not None,
+                   rec.error or "")
+
+
+def _readable_span(rec: SpanRecord, resource: Resource) -> ReadableSpan:
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    ctx = SpanContext(rec.trace_id, rec.span_id, False, flags)
+    parent = SpanContext(rec.trace_id, rec.parent_id, False, flags) if rec.parent_id else None
+    status = Status(StatusCode.ERROR, rec.error) if rec.error else Status(StatusCode.UNSET)
+    return ReadableSpan(rec.name, ctx, parent, resource, _span_attributes(rec), status=status,
+                        start_time=rec.start_ns, end_time=rec.end_ns, instrumentation_scope=_SCOPE)

@@ -1,0 +1,294 @@
+"""Wiring: settings -> Resource, providers, the one reader, exporters; atexit and signals.
+
+Nothing imports this module but the public face (`otel_train/__init__.py`) and the CLI.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from otel_train import config as cfg
+from otel_train.errors import ConfigError
+from otel_train.instrument import LogBuffer, SpanBuffer, SpanScope
+from otel_train.records import ExporterOptions, RunInfo, config_hash
+from otel_train.registry import check_available, get_spec, load_class
+from otel_train.step import StepEnd, _current, add_step_end_listener, current_step, remove_step_end_listener
+
+__all__ = ["Session", "start", "resolve_run_id"]
+
+_logger = logging.getLogger("otel_train")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not an integer; the launcher should set a whole number") from None
+
+
+def resolve_run_id(settings: cfg.Settings, env: Mapping[str, str]) -> str:
+    """The run id, equal on every rank of one job without communication.
+
+    Explicit `OTEL_TRAIN_RUN_ID`, else the launcher's job id, else (several ranks) a hash of the
+    rendezvous address, else (one process) a fresh time-based id.
+    """
+    if settings.run_id:
+        return settings.run_id
+    for var in cfg.JOB_ID_VARIABLES:
+        value = env.get(var, "").strip()
+        if value and value.lower() != "none":
+            return value
+    world = _env_int(env, "WORLD_SIZE", 1)
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if world > 1 and addr and port:
+        _logger.warning("no OTEL_TRAIN_RUN_ID or launcher job id: deriving the run id from MASTER_ADDR:MASTER_PORT; "
+                        "set OTEL_TRAIN_RUN_ID to keep runs of reused ports apart")
+        return "job-" + hashlib.sha256(f"{addr}:{port}:{world}".encode()).hexdigest()[:12]
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def _check_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".otel-train-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"OTEL_TRAIN_DIR: cannot write to {str(path)!r} ({err.strerror or err}); "
+            "give a directory this process can create and write"
+        ) from None
+    return path
+
+
+class Session:
+    """One `init()`: the providers, the reader and the exporters of this process."""
+
+    enabled = True
+
+    def __init__(self, settings: cfg.Settings, env: Mapping[str, str]) -> None:
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics._internal.exemplar import AlwaysOffExemplarFilter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from otel_train.reader import StepAlignedMetricReader, ThreadSpanProcessor
+
+        self.settings = settings
+        rank = _env_int(env, "RANK", 0)
+        self.run = RunInfo(
+            run_id=resolve_run_id(settings, env),
+            run_name="",
+            rank=rank,
+            local_rank=_env_int(env, "LOCAL_RANK", 0),
+            world_size=max(1, _env_int(env, "WORLD_SIZE", 1)),
+            service_name=settings.service_name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            config_hash=config_hash(settings.config),
+        )
+        self.run = RunInfo(**{**self.run.__dict__, "run_name": settings.run_name or self.run.run_id})
+        self.export_metrics = settings.ranks == "all" or rank == 0
+        directory = _check_dir(settings.dir)
+        options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
+                                  settings.trace_counters)
+        self.exporters = self._build_exporters(settings.exporters, options)
+        # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
+        self.resource = Resource.create(self.run.resource_attributes())
+        self.log_buffer = LogBuffer(settings.buffer_size)
+        self.span_buffer = SpanBuffer(settings.buffer_size)
+        self.reader = StepAlignedMetricReader(
+            self.exporters,
+            export_every=settings.export_every,
+            export_interval_s=settings.export_interval_s,
+            queue_size=settings.queue_size,
+            log_buffer=self.log_buffer,
+            span_buffer=self.span_buffer,
+            export_metrics=self.export_metrics,
+            resource=self.resource,
+        )
+        self.meter_provider = MeterProvider(
+            metric_readers=[self.reader], resource=self.resource,
+            exemplar_filter=AlwaysOffExemplarFilter(), shutdown_on_exit=False,
+        )
+        self.tracer_provider = TracerProvider(resource=self.resource, shutdown_on_exit=False)
+        self.tracer_provider.add_span_processor(ThreadSpanProcessor(self.span_buffer))
+        self._install_globals()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._append = self.log_buffer.append
+        self._step_listener = self._on_step_end
+        add_step_end_listener(self._step_listener)
+
+    @staticmethod
+    def _build_exporters(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:
+        specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
+        for spec in specs:
+            check_available(spec)
+        built = []
+        for spec in specs:
+            try:
+                built.append(load_class(spec)(options))
+            except (ImportError, ConfigError):
+                for ex in built:
+                    ex.shutdown()
+                raise
+            except Exception as err:
+                for ex in built:
+                    ex.shutdown()
+                raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
+                                  f"{type(err).__name__}: {err}") from err
+        return built
+
+    def _install_globals(self) -> None:
+        from opentelemetry import metrics, trace
+
+        # The OTel API allows setting each global once per process; later sessions keep their own.
+        if type(metrics.get_meter_provider()).__name__.startswith(("_Proxy", "NoOp")):
+            metrics.set_meter_provider(self.meter_provider)
+        if type(trace.get_tracer_provider()).__name__.startswith(("Proxy", "NoOp")):
+            trace.set_tracer_provider(self.tracer_provider)
+
+    # -- hot path ---------------------------------------------------------------------------
+    def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
+        if step is None:
+            step = _current.get()
+            if step is None:
+                step = current_step() or 0
+        try:
+            self._append(step, dict(mapping))
+        except (TypeError, ValueError):
+            _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped",
+                            type(mapping).__name__)
+
+    def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
+        return SpanScope(self.span_buffer, name, attributes, record_context)
+
+    def _on_step_end(self, info: StepEnd) -> None:
+        values: dict[str, float] = {
+            "train.step.duration_s": info.duration_s,
+            "train.time_total_s": info.time_total_s,
+            "train.iterations": info.iterations,
+        }
+        if info.samples is not None and info.duration_s > 0:
+            values["train.throughput"] = info.samples / info.duration_s
+        self._append(info.step, values)
+        self.reader.on_step_end(info)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def flush(self, timeout_s: float | None = None) -> bool:
+        if self._closed:
+            return True
+        timeout = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
+        try:
+            return self.reader.force_flush(timeout * 1000)
+        except Exception:
+            _logger.warning("flush failed", exc_info=True)
+            return False
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        remove_step_end_listener(self._step_listener)
+        try:
+            self.reader.shutdown(self.settings.shutdown_timeout_s * 1000)
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown(timeout_millis=1000)
+        except Exception:
+            _logger.warning("shutdown did not complete cleanly", exc_info=True)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
+class DisabledSession:
+    """What `init()` returns under `OTEL_TRAIN_DISABLED` / `OTEL_SDK_DISABLED`: every call is a no-op."""
+
+    enabled = False
+    closed = False
+
+    def __init__(self, settings: cfg.Settings) -> None:
+        self.settings = settings
+
+    def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
+        return None
+
+    def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+# -- process hooks --------------------------------------------------------------------------------
+_hooks_installed = False
+_previous_handlers: dict[int, Any] = {}
+_active: list[Session] = []
+
+
+def _shutdown_active() -> None:
+    for session in list(_active):
+        session.shutdown()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    if previous in (signal.SIG_DFL, None) and signum == signal.SIGTERM:
+        _shutdown_active()  # the process is about to end: flush everything, close files
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    for session in list(_active):
+        session.flush()
+    if callable(previous):
+        previous(signum, frame)
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_shutdown_active)
+    if threading.current_thread() is not threading.main_thread():
+        _logger.debug("init() outside the main thread: no signal handlers installed")
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            _previous_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, _on_signal)
+        except (ValueError, OSError):  # not allowed here (embedded interpreter)
+            pass
+
+
+def start(settings: cfg.Settings, env: Mapping[str, str] | None = None) -> Session | DisabledSession:
+    """Build the session for `settings`; raises `ConfigError` on anything misconfigured."""
+    if settings.disabled:
+        return DisabledSession(settings)
+    session = Session(settings, os.environ if env is None else env)
+    _active[:] = [s for s in _active if not s.closed]
+    _active.append(session)
+    _install_hooks()
+    return session

@@ -1,0 +1,222 @@
+"""ChromeTraceExporter: events, pids/tids, error marks, counters, per-rank files, crash-loadability."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+from otel_train.exporters.base import Window
+from otel_train.exporters.chrome_trace import ERROR_CNAME, ChromeTraceExporter, trace_path
+
+from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
+from otel_train.trace_merge import load_trace
+
+T0 = 1_700_000_000_000_000_000  # ns
+
+
+def run_info(rank: int = 0) -> RunInfo:
+    return RunInfo("rid-1", "demo", rank=rank, world_size=2, host="node7", pid=4242 + rank)
+
+
+def span(name: str, step: int | None, start_us: int, dur_us: int, *, rank: int = 0, tid: int = 11,
+         thread: str = "MainThread", error: bool = False, message: str = "", **attrs: object) -> SpanRow:
+    a: dict[str, object] = dict(attrs)
+    if step is not None:
+        a["train.step"] = step
+    a["thread.id"] = tid
+    a["thread.name"] = thread
+    return SpanRow(run_info(rank), name, 1, start_us, None, T0 + start_us * 1000, T0 + (start_us + dur_us) * 1000,
+                   tid, thread, step, a, error, message)
+
+
+def metric(tag: str, step: int, value: float, t_us: int, rank: int = 0, kind: str = "gauge") -> MetricRow:
+    return MetricRow(run_info(rank), step, tag, tag, value, kind, T0 + t_us * 1000)
+
+
+def opts(tmp_path: Path, counters: bool = True) -> ExporterOptions:
+    return ExporterOptions(directory=tmp_path, trace_counters=counters)
+
+
+def by_ph(events: list[dict], ph: str) -> list[dict]:
+    return [e for e in events if e["ph"] == ph]
+
+
+def test_spans_become_complete_events_with_step_tid_and_error(tmp_path: Path) -> None:
+    exp = ChromeTraceExporter(opts(tmp_path))
+    assert exp.export_window(Window(spans=[
+        span("forward", 0, 10, 5, lr=0.1),
+        span("load", 0, 12, 3, tid=22, thread="loader"),
+        span("backward", 1, 20, 7, error=True, message="CUDA OOM"),
+    ]))
+    exp.shutdown()
+    path = trace_path(tmp_path, "demo", 0)
+    assert exp.paths == [path]
+    events = json.loads(path.read_text())  # valid JSON after a clean shutdown
+    spans = {e["name"]: e for e in by_ph(events, "X")}
+    assert spans["forward"] == {"name": "forward", "cat": "span", "ph": "X", "ts": T0 / 1000 + 10, "dur": 5.0,
+                                "pid": 0, "tid": 11, "args": {"train.step": 0, "lr": 0.1}}
+    assert spans["load"]["tid"] == 22 and spans["load"]["args"] == {"train.step": 0}
+    assert spans["backward"]["args"] == {"train.step": 1, "error": "CUDA OOM"}
+    assert spans["backward"]["cname"] == ERROR_CNAME and "cname" not in spans["forward"]
+    meta = {(e["name"], e.get("tid")): e["args"] for e in by_ph(events, "M")}
+    assert meta[("process_name", None)] == {"name": "rank 0 (node7 pid 4242)"}
+    assert meta[("process_sort_index", None)] == {"sort_index": 0}
+    assert meta[("thread_name", 11)] == {"name": "MainThread"}
+    assert meta[("thread_name", 22)] == {"name": "loader"}
+    # One thread_name per (pid, tid), even across windows.
+    assert sum(1 for e in by_ph(events, "M") if e["name"] == "thread_name") == 2
+
+
+def test_thread_names_once_across_windows_and_fallback_tid(tmp_path: Path) -> None:
+    no_thread = SpanRow(run_info(), "bare", 1, 9, None, T0, T0 + 1000, 0, "", 3, {"train.step": 3})
+    named = SpanRow(run_info(), "named", 1, 10, None, T0, T0 + 1000, 0, "worker", None, {})
+    with ChromeTraceExporter(opts(tmp_path)) as exp:
+        for i in range(3):
+            exp.export_window(Window(spans=[span("step", i, 100 * i, 50)]))
+        exp.export_window(Window(spans=[no_thread, named, no_thread]))
+    events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    names = [e for e in by_ph(events, "M") if e["name"] == "thread_name"]
+    assert sorted(e["args"]["name"] for e in names) == ["MainThread", "thread 1", "worker"]
+    xs = {e["name"]: e for e in by_ph(events, "X")}
+    assert xs["bare"]["tid"] == 1 and xs["bare"]["args"] == {"train.step": 3}
+    assert 1 < xs["named"]["tid"] < 100_001 and "train.step" not in xs["named"]["args"]
+    assert [e["args"]["train.step"] for e in by_ph(events, "X") if e["name"] == "step"] == [0, 1, 2]
+
+
+def test_counter_events_for_scalars(tmp_path: Path) -> None:
+    with ChromeTraceExporter(opts(tmp_path)) as exp:
+        exp.export_window(Window(metrics=[
+            metric("train/loss", 0, 2.5, 10), metric("train/loss", 1, 1.25, 20),
+            metric("train/loss", 2, math.nan, 30),  # a curve cannot hold NaN; strict JSON neither
+            metric("grad/count", 1, 3.0, 20, kind="histogram"),
+        ]))
+    events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    counters = by_ph(events, "C")
+    assert [(c["name"], c["ts"], c["pid"], c["args"]) for c in counters] == [
+        ("train/loss", T0 / 1000 + 10, 0, {"value": 2.5}),
+        ("train/loss", T0 / 1000 + 20, 0, {"value": 1.25}),
+    ]
+
+
+def test_counters_off(tmp_path: Path) -> None:
+    exp = ChromeTraceExporter(opts(tmp_path, counters=False))
+    assert exp.handles_metrics is False and exp.handles_spans is True
+    exp.export_window(Window(metrics=[metric("train/loss", 0, 1.0, 1)], spans=[span("s", 0, 1, 1)]))
+    exp.shutdown()
+    events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    assert by_ph(events, "C") == [] and len(by_ph(events, "X")) == 1
+
+
+def test_one_file_per_rank_from_one_instance(tmp_path: Path) -> None:
+    with ChromeTraceExporter(opts(tmp_path)) as exp:
+        exp.export_window(Window(spans=[span("a", 0, 1, 1, rank=0), span("b", 0, 2, 1, rank=1)]))
+        exp.export_window(Window(spans=[span("c", 1, 3, 1, rank=1)]))
+    r0 = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    r1 = json.loads(trace_path(tmp_path, "demo", 1).read_text())
+    assert [(e["name"], e["pid"]) for e in by_ph(r0, "X")] == [("a", 0)]
+    assert [(e["name"], e["pid"]) for e in by_ph(r1, "X")] == [("b", 1), ("c", 1)]
+    assert {e["args"]["name"] for e in r1 if e["name"] == "process_name"} == {"rank 1 (node7 pid 4243)"}
+
+
+def test_resumed_run_keeps_the_earlier_trace(tmp_path: Path) -> None:
+    for name in ("first", "second"):
+        with ChromeTraceExporter(opts(tmp_path)) as exp:
+            exp.export_window(Window(spans=[span(name, 0, 1, 1)]))
+    first = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    second = json.loads(trace_path(tmp_path, "demo", 0).with_name("rank0.1.trace.json").read_text())
+    assert [e["name"] for e in by_ph(first, "X")] == ["first"]
+    assert [e["name"] for e in by_ph(second, "X")] == ["second"]
+
+
+def test_non_finite_and_odd_attributes_stay_strict_json(tmp_path: Path) -> None:
+    with ChromeTraceExporter(opts(tmp_path)) as exp:
+        exp.export_window(Window(spans=[span("s", 0, 1, 1, loss=math.inf, shape=(2, 3), bad=math.nan)]))
+    text = trace_path(tmp_path, "demo", 0).read_text()
+    args = by_ph(json.loads(text, parse_constant=pytest.fail), "X")[0]["args"]
+    assert args == {"train.step": 0, "loss": "inf", "shape": [2, 3], "bad": "nan"}
+
+
+def test_plain_otel_sdk_path(tmp_path: Path) -> None:
+    resource = Resource({"service.name": "t", "train.run.id": "sdk-run", "train.run.name": "sdk", "train.rank": 1})
+    provider = TracerProvider(resource=resource)
+    provider.add_span_processor(SimpleSpanProcessor(ChromeTraceExporter(opts(tmp_path))))
+    tracer = provider.get_tracer("test")
+    outer = {"train.step": 5, "thread.id": 77, "thread.name": "main"}
+    with (tracer.start_as_current_span("step", attributes=outer),
+          tracer.start_as_current_span("forward", attributes={"train.step": 5, "thread.id": 77}) as s):
+        s.set_status(Status(StatusCode.ERROR, "nan loss"))
+    provider.shutdown()
+    events = json.loads(trace_path(tmp_path, "sdk", 1).read_text())
+    xs = {e["name"]: e for e in by_ph(events, "X")}
+    assert set(xs) == {"step", "forward"}
+    assert all(e["pid"] == 1 and e["tid"] == 77 and e["args"]["train.step"] == 5 for e in xs.values())
+    assert xs["forward"]["args"]["error"] == "nan loss" and xs["forward"]["cname"] == ERROR_CNAME
+    # The child lies inside its parent on the timeline.
+    assert xs["step"]["ts"] <= xs["forward"]["ts"]
+    assert xs["forward"]["ts"] + xs["forward"]["dur"] <= xs["step"]["ts"] + xs["step"]["dur"]
+
+
+_CRASH = textwrap.dedent("""
+    import os, sys, time
+    from otel_train.exporters.base import Window
+    from otel_train.exporters.chrome_trace import ChromeTraceExporter
+    from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
+    run = RunInfo("rid", "crash", rank=3)
+    exp = ChromeTraceExporter(ExporterOptions(directory=sys.argv[1]))
+    for step in range(4):
+        t = 1_000_000_000 * (step + 1)
+        exp.export_window(Window(
+            metrics=[MetricRow(run, step, "train/loss", "train/loss", 1.0 / (step + 1), "gauge", t)],
+            spans=[SpanRow(run, "step", 1, step + 1, None, t, t + 500_000, 9, "MainThread", step,
+                           {"train.step": step})]))
+    exp.force_flush()
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    text = trace_path(tmp_path, "crash", 3).read_text()
+    assert text.startswith("[\n") and text.endswith(",\n")  # no closing bracket: killed
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+    # What chrome://tracing does with an unterminated array: drop the last comma, add `]`.
+    viewer = json.loads(text.rstrip().rstrip(",") + "]")
+    events = load_trace(tmp_path / "crash" / "trace" / "rank3.trace.json")
+    assert events == viewer
+    assert [e["args"]["train.step"] for e in by_ph(events, "X")] == [0, 1, 2, 3]
+    assert {e["pid"] for e in events} == {3}
+    assert [c["args"]["value"] for c in by_ph(events, "C")] == [1.0, 0.5, 1 / 3, 0.25]
+
+
+def test_failing_write_is_isolated_and_retried(tmp_path: Path) -> None:
+    blocker = tmp_path / "demo"
+    blocker.write_text("a file where the run folder should be")
+    exp = ChromeTraceExporter(opts(tmp_path))
+    assert exp.export_window(Window(spans=[span("s", 0, 1, 1)])) is False
+    assert exp.failures == 1
+    blocker.unlink()
+    assert exp.force_flush() is True  # the pending window is written on the forced retry
+    exp.shutdown()
+    events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    assert [e["name"] for e in by_ph(events, "X")] == ["s"]

@@ -1,0 +1,84 @@
+"""load_trace (also of cut-off files) and merge_traces of per-rank Chrome traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from otel_train.exporters.base import Window
+from otel_train.exporters.chrome_trace import ChromeTraceExporter, trace_path
+
+from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
+from otel_train.trace_merge import load_trace, merge_traces
+
+T0 = 1_700_000_000_000_000_000
+
+
+def rank_run(rank: int) -> RunInfo:
+    return RunInfo("rid", "merge", rank=rank, world_size=2, host=f"node{rank}", pid=100 + rank)
+
+
+def write_rank(tmp_path: Path, rank: int, starts_us: list[int], close: bool = True) -> tuple[Path, ChromeTraceExporter]:
+    run = rank_run(rank)
+    exp = ChromeTraceExporter(ExporterOptions(directory=tmp_path))
+    for step, start in enumerate(starts_us):
+        t = T0 + start * 1000
+        exp.export_window(Window(
+            metrics=[MetricRow(run, step, "train/loss", "train/loss", float(rank * 10 + step), "gauge", t)],
+            spans=[SpanRow(run, f"r{rank}s{step}", 1, step + 1, None, t, t + 1000, 5, "MainThread", step,
+                           {"train.step": step})],
+        ))
+    if close:
+        exp.shutdown()
+    else:
+        exp.force_flush()  # as a killed process leaves it: flushed, never closed
+    return trace_path(tmp_path, "merge", rank), exp
+
+
+def test_merge_two_ranks(tmp_path: Path) -> None:
+    r0, _ = write_rank(tmp_path, 0, [10, 30, 50])
+    r1, open_exp = write_rank(tmp_path, 1, [20, 40], close=False)  # one rank crashed
+    assert not r1.read_text().rstrip().endswith("]")
+    out = tmp_path / "out" / "merged.trace.json"
+    n = merge_traces(out, [r0, r1])
+    open_exp.shutdown()
+    events = json.loads(out.read_text())
+    assert n == len(events)
+    xs = [e for e in events if e["ph"] == "X"]
+    assert [e["name"] for e in xs] == ["r0s0", "r1s0", "r0s1", "r1s1", "r0s2"]  # sorted by ts
+    assert {e["name"][:2]: e["pid"] for e in xs} == {"r0": 0, "r1": 1}
+    assert [e["args"]["train.step"] for e in xs] == [0, 0, 1, 1, 2]
+    meta = [e for e in events if e["ph"] == "M"]
+    assert events[: len(meta)] == meta  # metadata first
+    keys = [(e["name"], e["pid"], e.get("tid")) for e in meta]
+    assert len(keys) == len(set(keys))
+    assert {(e["pid"], e["args"]["name"]) for e in meta if e["name"] == "process_name"} == {
+        (0, "rank 0 (node0 pid 100)"), (1, "rank 1 (node1 pid 101)")}
+    assert {(e["pid"], e["tid"]) for e in meta if e["name"] == "thread_name"} == {(0, 5), (1, 5)}
+    counters = [(e["pid"], e["args"]["value"]) for e in events if e["ph"] == "C"]
+    assert counters == [(0, 0.0), (1, 10.0), (0, 1.0), (1, 11.0), (0, 2.0)]
+    # Merging the same file twice keeps one copy of its metadata.
+    n2 = merge_traces(out, [r0, r0])
+    assert n2 == len(load_trace(out)) and sum(e.get("name") == "process_name" for e in load_trace(out)) == 1
+
+
+def test_load_trace_formats(tmp_path: Path) -> None:
+    ev = {"name": "a", "ph": "X", "ts": 1, "dur": 2, "pid": 0, "tid": 1}
+    obj = tmp_path / "obj.json"
+    obj.write_text(json.dumps({"traceEvents": [ev], "displayTimeUnit": "ms"}))
+    assert load_trace(obj) == [ev]
+    cut = tmp_path / "cut.json"
+    cut.write_text('[\n' + json.dumps(ev) + ',\n{"name":"b","ph":"X","ts":3,"du')  # killed mid-event
+    assert load_trace(cut) == [ev]
+    empty = tmp_path / "empty.json"
+    empty.write_text("[\n")
+    assert load_trace(empty) == []
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"no": "events"}')
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        load_trace(bad)
+    junk = tmp_path / "junk.json"
+    junk.write_text("hello")
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        load_trace(junk)
