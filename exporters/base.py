@@ -16,7 +16,20 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.metrics import (
+    Counter,
+    Histogram,
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    UpDownCounter,
+)
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+)
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_train._internal.ratelimit import LogOnce
@@ -31,6 +44,10 @@ __all__ = ["RowExporter", "Window"]
 
 _logger = logging.getLogger(__name__)
 
+_DELTA_EVERYWHERE = {
+    kind: AggregationTemporality.DELTA
+    for kind in (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)
+}
 _MAX_PENDING = 64  # failed windows kept for retry before the oldest is dropped
 _BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)
 
@@ -38,7 +55,7 @@ _BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)
 class Window:
     """The rows of one export window."""
 
-    __slots__ = ("metrics", "histograms", "spans")
+    __slots__ = ("histograms", "metrics", "spans")
 
     def __init__(
         self,
@@ -70,7 +87,9 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     name: str = "row"
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        MetricExporter.__init__(self)
+        # DELTA, as in our reader: on a plain SDK pipeline a counter with a per-step attribute then
+        # still becomes a running total here (and the SDK frees per-step attribute sets).
+        MetricExporter.__init__(self, preferred_temporality=_DELTA_EVERYWHERE)
         self.options = options if options is not None else ExporterOptions.from_env()
         self._converter = MetricsConverter()
         self._lock = threading.RLock()

@@ -45,8 +45,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from otel_train.exporters.base import RowExporter
-
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow, run_folder
 
 __all__ = ["ChromeTraceExporter", "trace_path"]
 
@@ -59,15 +58,10 @@ _THREAD_ATTRS = frozenset({"thread.id", "thread.name"})
 ERROR_CNAME = "terrible"
 
 
-def _safe_component(name: str) -> str:
-    """A run name as one path component (no separators, not hidden, not empty)."""
-    cleaned = name.replace("/", "_").replace("\\", "_").strip()
-    return cleaned.lstrip(".") or "run"
-
 
 def trace_path(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
     """Where the trace of `rank` of run `run_name` is written."""
-    return Path(directory) / _safe_component(run_name) / "trace" / f"rank{rank}.trace.json"
+    return run_folder(directory, run_name) / "trace" / f"rank{rank}.trace.json"
 
 
 def json_safe(value: Any) -> Any:

@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from otel_train.exporters.base import RowExporter
-
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
 
 __all__ = ["ConsoleExporter"]

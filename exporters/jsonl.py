@@ -29,20 +29,15 @@ from pathlib import Path
 from typing import IO, Any
 
 from otel_train.exporters.base import RowExporter
-
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow, run_folder
 
 __all__ = ["JsonlExporter", "jsonl_path", "read_jsonl"]
 
 
-def _safe_component(name: str) -> str:
-    cleaned = name.replace("/", "_").replace("\\", "_").strip()
-    return cleaned.lstrip(".") or "run"
-
 
 def jsonl_path(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
     """Where the rows of `rank` of run `run_name` are appended."""
-    return Path(directory) / _safe_component(run_name) / f"rank{rank}.jsonl"
+    return run_folder(directory, run_name) / f"rank{rank}.jsonl"
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.exporters.base import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, run_folder
 
 __all__ = ["TensorBoardExporter"]
 
@@ -66,7 +66,7 @@ class TensorBoardExporter(RowExporter):
         """Where the events of `run` (one rank of one training run) go."""
         if self._log_dir is not None:
             return self._log_dir
-        base = Path(self.options.directory) / run.run_name
+        base = run_folder(self.options.directory, run.run_name)
         if self.options.ranks == "all" and run.world_size > 1:
             return base / f"rank{run.rank}"
         return base

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from otel_train.errors import ConfigError, OtelTrainError
@@ -53,8 +53,8 @@ _warned_closed = False
 
 def init(
     *,
-    exporters: str | list[str] | tuple[str, ...] | None = None,
-    dir: str | Path | None = None,  # noqa: A002 - mirrors OTEL_TRAIN_DIR
+    exporters: str | Sequence[str | Any] | None = None,
+    dir: str | Path | None = None,
     run_name: str | None = None,
     run_id: str | None = None,
     project: str | None = None,
@@ -74,6 +74,11 @@ def init(
 
     Safe to call twice: the second call warns and returns the running session.
 
+    Args:
+        exporters: Exporter names (``"tensorboard"``) and/or exporter instances (any OTel
+            `MetricExporter`/`SpanExporter` or otel-train `RowExporter`); default
+            `OTEL_TRAIN_EXPORTERS`. Every other keyword overrides its `OTEL_TRAIN_*` variable.
+
     Raises:
         ConfigError: a setting is invalid (one line: the setting, the value, what is allowed), an
             exporter is unknown or its package is missing, or `OTEL_TRAIN_DIR` is not writable.
@@ -87,13 +92,17 @@ def init(
             _logger.warning("otel_train.init() called again; returning the running session (call "
                             "otel_train.shutdown() first to start a new one)")
             return _session
+        instances: list[Any] = []
+        if exporters is not None and not isinstance(exporters, str):
+            instances = [e for e in exporters if not isinstance(e, str)]
+            exporters = [e for e in exporters if isinstance(e, str)]
         settings = cfg.load_settings(
             exporters=exporters, dir=dir, run_name=run_name, run_id=run_id, project=project,
             export_every=export_every, export_interval_s=export_interval_s, ranks=ranks, disabled=disabled,
             shutdown_timeout_s=shutdown_timeout_s, queue_size=queue_size, buffer_size=buffer_size,
             strict_sync=strict_sync, config=config, trace_counters=trace_counters, service_name=service_name,
         )
-        _session = runtime.start(settings)
+        _session = runtime.start(settings, instances=instances)
         return _session
 
 

@@ -28,7 +28,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
 _get_span = otel_trace.get_current_span
 _time_ns = time.time_ns
-_get_ident = threading.get_ident
+_get_ident = threading.get_native_id  # small OS thread ids, as profilers show
 _current_thread = threading.current_thread
 _rand64 = random.getrandbits
 

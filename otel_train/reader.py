@@ -80,7 +80,7 @@ class ThreadSpanProcessor(SpanProcessor):
 
     def on_start(self, span: Any, parent_context: Any = None) -> None:
         thread = threading.current_thread()
-        span.set_attribute(THREAD_ID, threading.get_ident())
+        span.set_attribute(THREAD_ID, threading.get_native_id())
         span.set_attribute(THREAD_NAME, thread.name)
         if STEP_ATTRIBUTE not in (span.attributes or {}):
             step = current_step()
@@ -331,14 +331,14 @@ class StepAlignedMetricReader(MetricReader):
     def _collect_window(self) -> None:
         with self._collect_lock:
             try:
-                if self._collect is not None:
-                    self.collect()  # -> _receive_metrics
-                else:
-                    self._receive_metrics(None)  # type: ignore[arg-type]
+                # The SDK's collect callback directly: `collect()` skips `_receive_metrics` when the
+                # SDK has no instruments, but the `ot.log` / span buffers still need draining.
+                data = self._collect(self, timeout_millis=10_000) if self._collect is not None else None
+                self._receive_metrics(data)  # type: ignore[arg-type]
             except Exception:
                 self._log.warning("collect", "collection failed; training goes on", exc_info=True)
 
-    def _receive_metrics(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> None:
+    def _receive_metrics(self, metrics_data: MetricsData | None, timeout_millis: float = 10_000, **kwargs: Any) -> None:
         step = self._last_step
         if step is None:
             step = current_step() or 0
@@ -441,6 +441,9 @@ class StepAlignedMetricReader(MetricReader):
         deadline = time.monotonic() + timeout_millis / 1000
         if self._shutdown:
             return True
+        caller_step = current_step()  # a flush inside a step stamps that step, not the previous one
+        if caller_step is not None:
+            self._last_step = caller_step
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             done = threading.Event()
             self._flush_requests.append(done)
@@ -449,7 +452,7 @@ class StepAlignedMetricReader(MetricReader):
                 return False
         else:
             self._collect_window()
-        ok = all(w.wait_idle(deadline) for w in self._workers)
+        ok = all([w.wait_idle(deadline) for w in self._workers])  # wait for each, not the first failure
         for w in self._workers:
             w.flush(deadline)
         return ok

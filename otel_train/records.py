@@ -26,15 +26,16 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
 
 __all__ = [
-    "RunInfo",
     "ExporterOptions",
-    "MetricRow",
     "HistogramRow",
-    "SpanRow",
+    "MetricRow",
     "MetricsConverter",
+    "RunInfo",
+    "SpanRow",
+    "config_hash",
+    "run_folder",
     "series_tag",
     "span_rows",
-    "config_hash",
 ]
 
 RUN_ID = "train.run.id"
@@ -199,6 +200,19 @@ def series_tag(name: str, attributes: Mapping[str, Any] | None) -> str:
         return name
     extra.sort()
     return name + "{" + ",".join(f"{k}={v}" for k, v in extra) + "}"
+
+
+def run_folder(directory: str | os.PathLike[str], run_name: str) -> Path:
+    """The run's folder under the otel-train directory, shared by every local backend.
+
+    The run name becomes one path component: separators become ``_``, leading dots are dropped.
+
+    Example:
+        >>> run_folder("runs", "../a/b").as_posix()
+        'runs/_a_b'
+    """
+    cleaned = run_name.replace("/", "_").replace("\\", "_").strip().lstrip(".")
+    return Path(directory) / (cleaned or "run")
 
 
 def config_hash(config: Mapping[str, Any] | None) -> str:

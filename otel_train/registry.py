@@ -14,7 +14,7 @@ from typing import Any
 
 from otel_train.errors import ConfigError
 
-__all__ = ["ExporterSpec", "known_exporters", "get_spec", "check_available", "load_class"]
+__all__ = ["ExporterSpec", "check_available", "get_spec", "known_exporters", "load_class"]
 
 ENTRY_POINT_GROUP = "otel_train.exporters"
 

@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import StepEnd, _current, add_step_end_listener, current_step, remove_step_end_listener
 
-__all__ = ["Session", "start", "resolve_run_id"]
+__all__ = ["Session", "resolve_run_id", "start"]
 
 _logger = logging.getLogger("otel_train")
 
@@ -80,7 +80,7 @@ class Session:
 
     enabled = True
 
-    def __init__(self, settings: cfg.Settings, env: Mapping[str, str]) -> None:
+    def __init__(self, settings: cfg.Settings, env: Mapping[str, str], instances: Sequence[Any] = ()) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
         from opentelemetry.sdk.metrics._internal.exemplar import AlwaysOffExemplarFilter
         from opentelemetry.sdk.resources import Resource
@@ -106,7 +106,7 @@ class Session:
         directory = _check_dir(settings.dir)
         options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
                                   settings.trace_counters)
-        self.exporters = self._build_exporters(settings.exporters, options)
+        self.exporters = self._build_exporters(settings.exporters, options) + list(instances)
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
         self.log_buffer = LogBuffer(settings.buffer_size)
@@ -249,7 +249,7 @@ _active: list[Session] = []
 
 
 def _shutdown_active() -> None:
-    for session in list(_active):
+    for session in _active:
         session.shutdown()
 
 
@@ -260,7 +260,7 @@ def _on_signal(signum: int, frame: Any) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
-    for session in list(_active):
+    for session in _active:
         session.flush()
     if callable(previous):
         previous(signum, frame)
@@ -283,11 +283,16 @@ def _install_hooks() -> None:
             pass
 
 
-def start(settings: cfg.Settings, env: Mapping[str, str] | None = None) -> Session | DisabledSession:
-    """Build the session for `settings`; raises `ConfigError` on anything misconfigured."""
+def start(settings: cfg.Settings, env: Mapping[str, str] | None = None,
+          instances: Sequence[Any] = ()) -> Session | DisabledSession:
+    """Build the session for `settings` (plus ready-made exporter `instances`).
+
+    Raises:
+        ConfigError: anything misconfigured.
+    """
     if settings.disabled:
         return DisabledSession(settings)
-    session = Session(settings, os.environ if env is None else env)
+    session = Session(settings, os.environ if env is None else env, instances)
     _active[:] = [s for s in _active if not s.closed]
     _active.append(session)
     _install_hooks()

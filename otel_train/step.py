@@ -15,14 +15,14 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 __all__ = [
-    "STEP_ATTRIBUTE",
     "RANK_ATTRIBUTE",
+    "STEP_ATTRIBUTE",
     "StepEnd",
+    "add_step_end_listener",
     "current_step",
+    "remove_step_end_listener",
     "step",
     "steps",
-    "add_step_end_listener",
-    "remove_step_end_listener",
 ]
 
 STEP_ATTRIBUTE = "train.step"
@@ -38,7 +38,7 @@ _current: contextvars.ContextVar[int | None] = contextvars.ContextVar("otel_trai
 class _ProcessState:
     """Process-wide step facts: the latest step entered and the run's start time."""
 
-    __slots__ = ("latest", "started_ns", "iterations", "warned_backwards")
+    __slots__ = ("iterations", "latest", "started_ns", "warned_backwards")
 
     def __init__(self) -> None:
         self.latest: int | None = None
@@ -53,7 +53,7 @@ _state = _ProcessState()
 class StepEnd:
     """What a step-end listener receives."""
 
-    __slots__ = ("step", "duration_s", "time_total_s", "iterations", "samples")
+    __slots__ = ("duration_s", "iterations", "samples", "step", "time_total_s")
 
     def __init__(self, step: int, duration_s: float, time_total_s: float, iterations: int, samples: int | None):
         self.step = step
@@ -89,7 +89,7 @@ def _reset_for_tests() -> None:
     _state = _ProcessState()
 
 
-class step:  # noqa: N801 - used as a context manager like `open`
+class step:
     """Mark a block of code as one training step.
 
     Args:
@@ -103,7 +103,7 @@ class step:  # noqa: N801 - used as a context manager like `open`
         5
     """
 
-    __slots__ = ("_step", "_samples", "_token", "_start_ns")
+    __slots__ = ("_samples", "_start_ns", "_step", "_token")
 
     def __init__(self, i: int | None = None, *, samples: int | None = None) -> None:
         if i is None:

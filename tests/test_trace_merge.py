@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+
 from otel_train.exporters.base import Window
 from otel_train.exporters.chrome_trace import ChromeTraceExporter, trace_path
-
 from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
 from otel_train.trace_merge import load_trace, merge_traces
 

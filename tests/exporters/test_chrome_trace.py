@@ -15,9 +15,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode
+
 from otel_train.exporters.base import Window
 from otel_train.exporters.chrome_trace import ERROR_CNAME, ChromeTraceExporter, trace_path
-
 from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
 from otel_train.trace_merge import load_trace
 
@@ -179,14 +179,16 @@ _CRASH = textwrap.dedent("""
             metrics=[MetricRow(run, step, "train/loss", "train/loss", 1.0 / (step + 1), "gauge", t)],
             spans=[SpanRow(run, "step", 1, step + 1, None, t, t + 500_000, 9, "MainThread", step,
                            {"train.step": step})]))
-    exp.force_flush()
+    if sys.argv[2] == "flush":
+        exp.force_flush()
     print("ready", flush=True)
     time.sleep(60)
 """)
 
 
-def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("flush", ["flush", "no-flush"])  # each window reaches the OS even unflushed
+def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path, flush: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path), flush], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"

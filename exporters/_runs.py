@@ -1,0 +1,170 @@
+"""Helpers shared by the run-based backends (W&B, ClearML, Trackio, MLflow).
+
+These backends keep one *run* per training run, so they share the same questions: which ranks to
+write, how a rank > 0 series is keyed, how rows are grouped into steps, which steps a resumed run
+must not write again, and what the hyperparameters look like. Nothing here imports a backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from otel_train._internal.ratelimit import LogOnce
+from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, RunInfo, config_hash, series_tag
+
+__all__ = [
+    "StepGate",
+    "by_step",
+    "flatten",
+    "hparams_for",
+    "rank_tag",
+    "run_folder",
+    "safe_name",
+    "wanted",
+]
+
+_logger = logging.getLogger(__name__)
+
+_RowT = TypeVar("_RowT")
+
+#: The key under which the rank goes into the series suffix (`train/loss{rank=1}`).
+RANK_SUFFIX_KEY = "rank"
+
+
+def wanted(options: ExporterOptions, run: RunInfo) -> bool:
+    """Whether rows of `run` (one rank) are written: rank 0 always; other ranks only with `all`."""
+    return run.rank == 0 or options.ranks == "all"
+
+
+def rank_tag(tag: str, name: str, attributes: Mapping[str, Any], rank: int) -> str:
+    """`tag` for rank 0; for rank N > 0 the same series with `rank=N` added to its suffix.
+
+    Example:
+        >>> rank_tag("eval/acc{split=val}", "eval/acc", {"split": "val"}, 2)
+        'eval/acc{rank=2,split=val}'
+    """
+    if rank == 0:
+        return tag
+    return series_tag(name, {**attributes, RANK_SUFFIX_KEY: rank})
+
+
+def by_step(rows: Iterable[_RowT]) -> Iterator[tuple[int, list[_RowT]]]:
+    """Rows grouped by `row.step`, in increasing step order (stable within a step)."""
+    groups: dict[int, list[_RowT]] = {}
+    for row in rows:
+        groups.setdefault(row.step, []).append(row)  # type: ignore[attr-defined]
+    for step in sorted(groups):
+        yield step, groups[step]
+
+
+class StepGate:
+    """Decides which steps a backend may still write, per key (usually the rank).
+
+    `floor` is the last step the backend already holds for a resumed run: rows at or below it are
+    dropped, so a job restarted from a checkpoint does not write a step twice. With `monotonic`
+    (W&B), a step older than the last one written is dropped too, because the backend would reject
+    it with a warning per call. Every drop is counted; one warning per reason is logged.
+
+    Example:
+        >>> gate = StepGate("wandb", monotonic=True)
+        >>> gate.set_floor(0, 4)
+        >>> [gate.admit(0, s) for s in (3, 5, 5, 4, 6)]
+        [False, True, True, False, True]
+        >>> gate.dropped
+        2
+    """
+
+    def __init__(self, backend: str, monotonic: bool) -> None:
+        self._backend = backend
+        self._monotonic = monotonic
+        self._last: dict[Any, int] = {}
+        self._floor: dict[Any, int] = {}
+        self._log = LogOnce(_logger)
+        self.dropped = 0
+
+    def set_floor(self, key: Any, step: int | None) -> None:
+        if step is not None and step >= 0:
+            self._floor[key] = max(step, self._floor.get(key, -1))
+
+    def floor(self, key: Any) -> int:
+        return self._floor.get(key, -1)
+
+    def last(self, key: Any) -> int:
+        return self._last.get(key, -1)
+
+    def admit(self, key: Any, step: int) -> bool:
+        """True when `step` may be written for `key`; records it as written."""
+        floor = self._floor.get(key, -1)
+        if step <= floor:
+            self.dropped += 1
+            self._log.warning(
+                f"floor-{key}",
+                "%s: dropping rows for step %d and older of a resumed run (the run already holds steps "
+                "up to %d); counted in `steps_dropped`, warned once",
+                self._backend, step, floor,
+            )
+            return False
+        last = self._last.get(key, -1)
+        if self._monotonic and step < last:
+            self.dropped += 1
+            self._log.warning(
+                f"late-{key}",
+                "%s: dropping rows for step %d that arrived after step %d (the backend needs increasing "
+                "steps); counted in `steps_dropped`, warned once",
+                self._backend, step, last,
+            )
+            return False
+        if step > last:
+            self._last[key] = step
+        return True
+
+
+def flatten(mapping: Mapping[str, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:
+    """Nested mappings as one level, keys joined by `sep` (for stores with flat params).
+
+    Example:
+        >>> flatten({"optim": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 1})
+        {'optim/lr': 0.1, 'optim/betas': [0.9, 0.99], 'seed': 1}
+    """
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        full = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, full, sep))
+        else:
+            out[full] = value
+    return out
+
+
+def hparams_for(options: ExporterOptions, run: RunInfo) -> dict[str, Any]:
+    """The hyperparameters a backend stores once per run, with `train.config.hash` and the run id."""
+    params: dict[str, Any] = dict(options.hparams or {})
+    digest = run.config_hash or config_hash(options.hparams)
+    if digest:
+        params[CONFIG_HASH] = digest
+    params.setdefault(RUN_ID, run.run_id)
+    return params
+
+
+_UNSAFE = re.compile(r"[^\w.\-]+")
+
+
+def safe_name(text: str, limit: int = 128) -> str:
+    """`text` with anything but letters, digits, `_`, `.` and `-` replaced by `-` (ids, file names)."""
+    cleaned = _UNSAFE.sub("-", text).strip("-.") or "run"
+    return cleaned[:limit]
+
+
+def run_folder(options: ExporterOptions, run: RunInfo) -> Path:
+    """The run's folder under the otel-train directory (the same one TensorBoard writes)."""
+    return Path(options.directory) / run.run_name
+
+
+def bounded(values: Sequence[_RowT], size: int) -> Iterator[Sequence[_RowT]]:
+    """`values` in chunks of at most `size` (for backends with per-call limits)."""
+    for start in range(0, len(values), size):
+        yield values[start:start + size]

@@ -1,0 +1,249 @@
+"""MLflow backend: one MLflow run per training run, one `log_batch` per window.
+
+- Store: `MLFLOW_TRACKING_URI` when set; else a local SQLite store ``<OTEL_TRAIN_DIR>/mlruns/mlflow.db``
+  with artifacts under ``<OTEL_TRAIN_DIR>/mlruns/artifacts`` (MLflow 3 refuses new file stores).
+  The experiment is `MLFLOW_EXPERIMENT_ID` / `MLFLOW_EXPERIMENT_NAME` when set, else the otel-train
+  project.
+- Run identity: the run carries the tag `train.run.id`; a later process with the same run id (a restarted
+  job, another rank) finds it and continues it. Two processes creating it at once both keep the oldest
+  such run and delete the other, so they agree without talking.
+- Keys: MLflow allows only letters, digits, ``_ - . / space`` in metric and param keys, so the series
+  suffix is mapped deterministically: ``{`` -> ``__``, ``,`` -> ``__``, ``=`` -> ``-``, ``}`` dropped;
+  any other character -> ``_`` (``eval/acc{split=val}`` -> ``eval/acc__split-val``).
+- Steps: ``step`` is `train.step`. A resumed run records the last step of each rank in the tag
+  ``otel_train.last_step[.rankN]``; rows at or below it are dropped and counted, so no step is written twice.
+- Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes into the same run with ``{rank=N}`` in its keys
+  (``train/loss__rank-1``); MLflow runs can be shared by processes.
+- Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from otel_train.exporters._runs import StepGate, bounded, by_step, flatten, hparams_for, rank_tag, wanted
+from otel_train.exporters.base import RowExporter
+from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
+
+__all__ = ["MLflowExporter", "mlflow_key", "LAST_STEP_TAG"]
+
+_logger = logging.getLogger(__name__)
+
+LAST_STEP_TAG = "otel_train.last_step"
+_MAX_KEY = 250
+_MAX_PARAM_VALUE = 6000
+_METRICS_PER_BATCH = 1000
+_PARAMS_PER_BATCH = 100
+_SUFFIX_MAP = str.maketrans({"{": "__", ",": "__", "=": "-", "}": ""})
+_DISALLOWED = re.compile(r"[^/\w.\- ]")
+
+
+def mlflow_key(tag: str) -> str:
+    """A metric/param key MLflow accepts, mapped deterministically from a series tag.
+
+    Example:
+        >>> mlflow_key("eval/acc{fold=1,split=val}")
+        'eval/acc__fold-1__split-val'
+        >>> mlflow_key("loss{rank=2}")
+        'loss__rank-2'
+    """
+    key = _DISALLOWED.sub("_", tag.translate(_SUFFIX_MAP))
+    # MLflow treats keys as paths: no empty, `.` or `..` segments, no leading `/`.
+    parts = [p if p not in (".", "..") else p.replace(".", "_") for p in key.split("/") if p]
+    key = "/".join(parts) or "_"
+    if len(key) > _MAX_KEY:
+        digest = hashlib.sha256(tag.encode()).hexdigest()[:8]
+        key = f"{key[:_MAX_KEY - 9]}-{digest}"
+    return key
+
+
+def _last_step_tag(rank: int) -> str:
+    return LAST_STEP_TAG if rank == 0 else f"{LAST_STEP_TAG}.rank{rank}"
+
+
+class MLflowExporter(RowExporter):
+    """Writes scalars (histograms as their count/sum/min/max series) to MLflow runs.
+
+    Args:
+        options: Directory, project, hyperparameters and rank policy; default from the env vars.
+
+    Raises:
+        ModuleNotFoundError: `mlflow` is not installed.
+    """
+
+    name = "mlflow"
+    handles_metrics = True
+    handles_spans = False
+
+    def __init__(self, options: ExporterOptions | None = None) -> None:
+        try:
+            import mlflow  # noqa: F401
+        except ImportError as err:
+            raise ModuleNotFoundError(
+                "MLflowExporter needs mlflow: pip install 'otel-train[mlflow]'", name="mlflow"
+            ) from err
+        super().__init__(options)
+        self._client: MlflowClient | None = None
+        self._default_store: Path | None = None
+        self._experiment_id: str | None = None
+        self._runs: dict[str, str] = {}  # train.run.id -> MLflow run id
+        self._tags: dict[str, dict[str, str]] = {}  # MLflow run id -> its tags when found
+        self._gate = StepGate("mlflow", monotonic=False)
+        self._floored: set[tuple[str, int]] = set()
+
+    @property
+    def steps_dropped(self) -> int:
+        """Rows dropped because the resumed run already held their step."""
+        return self._gate.dropped
+
+    @property
+    def run_ids(self) -> dict[str, str]:
+        """`train.run.id` -> MLflow run id of every run written so far."""
+        return dict(self._runs)
+
+    @property
+    def tracking_uri(self) -> str:
+        """`MLFLOW_TRACKING_URI`, else the local SQLite store under the otel-train directory."""
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if uri:
+            return uri
+        store = (Path(self.options.directory) / "mlruns").resolve()
+        self._default_store = store
+        return f"sqlite:///{store / 'mlflow.db'}"
+
+    # -- hooks -------------------------------------------------------------------------------
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        per_run: dict[str, tuple[RunInfo, list[MetricRow]]] = {}
+        for row in rows:
+            if wanted(self.options, row.run):
+                per_run.setdefault(row.run.run_id, (row.run, []))[1].append(row)
+        client = self._get_client()
+        for run_info, run_rows in per_run.values():
+            mlflow_id = self._run(run_info)
+            metrics: list[Any] = []
+            last: dict[int, int] = {}
+            for step, step_rows in by_step(run_rows):
+                for row in step_rows:
+                    rank = row.run.rank
+                    self._ensure_floor(mlflow_id, rank)
+                    if not self._gate.admit((mlflow_id, rank), step):
+                        continue
+                    last[rank] = max(step, last.get(rank, step))
+                    key = mlflow_key(rank_tag(row.tag, row.name, row.attributes, rank))
+                    stamp = row.time_unix_nano // 1_000_000 or int(time.time() * 1000)
+                    metrics.append(Metric(key, row.value, stamp, step))
+            tags = [RunTag(_last_step_tag(rank), str(step)) for rank, step in sorted(last.items())]
+            chunks = list(bounded(metrics, _METRICS_PER_BATCH)) or [[]]
+            for i, chunk in enumerate(chunks):
+                # The last-step tags go with the last chunk: they claim only what is stored.
+                client.log_batch(mlflow_id, metrics=list(chunk), tags=tags if i == len(chunks) - 1 else [])
+
+    def close(self) -> None:
+        if self._client is None:
+            return
+        for mlflow_id in self._runs.values():
+            try:
+                self._client.set_terminated(mlflow_id)
+            except Exception as err:
+                _logger.error("mlflow: ending run %s failed: %s", mlflow_id, err)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _get_client(self) -> MlflowClient:
+        if self._client is None:
+            from mlflow.tracking import MlflowClient
+
+            uri = self.tracking_uri
+            if self._default_store is not None:
+                self._default_store.mkdir(parents=True, exist_ok=True)
+            self._client = MlflowClient(tracking_uri=uri)
+        return self._client
+
+    def _experiment(self, client: MlflowClient) -> str:
+        if self._experiment_id is None:
+            env_id = os.environ.get("MLFLOW_EXPERIMENT_ID")
+            if env_id:
+                self._experiment_id = env_id
+            else:
+                name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or self.options.project
+                found = client.get_experiment_by_name(name)
+                if found is not None:
+                    self._experiment_id = found.experiment_id
+                else:
+                    artifacts = None
+                    if self._default_store is not None:
+                        artifacts = (self._default_store / "artifacts").as_uri()
+                    self._experiment_id = client.create_experiment(name, artifact_location=artifacts)
+        return self._experiment_id
+
+    def _find(self, client: MlflowClient, experiment_id: str, run_id: str) -> list[Any]:
+        quoted = run_id.replace("\\", "\\\\").replace("'", "\\'")
+        runs = client.search_runs(
+            [experiment_id], filter_string=f"tags.`{RUN_ID}` = '{quoted}'", max_results=50,
+            order_by=["attributes.start_time ASC"],
+        )
+        return sorted(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+
+    def _run(self, info: RunInfo) -> str:
+        mlflow_id = self._runs.get(info.run_id)
+        if mlflow_id is not None:
+            return mlflow_id
+        client = self._get_client()
+        experiment_id = self._experiment(client)
+        found = self._find(client, experiment_id, info.run_id)
+        params = hparams_for(self.options, info)
+        if found:
+            run = found[0]
+            if run.info.status != "RUNNING":
+                client.update_run(run.info.run_id, status="RUNNING")
+        else:
+            tags = {RUN_ID: info.run_id}
+            if params.get(CONFIG_HASH):
+                tags[CONFIG_HASH] = str(params[CONFIG_HASH])
+            created = client.create_run(experiment_id, run_name=info.run_name, tags=tags)
+            # Another process may have created it at the same moment: everyone keeps the oldest.
+            found = self._find(client, experiment_id, info.run_id)
+            run = found[0] if found else created
+            if run.info.run_id != created.info.run_id:
+                client.delete_run(created.info.run_id)
+        mlflow_id = run.info.run_id
+        self._runs[info.run_id] = mlflow_id
+        self._tags[mlflow_id] = dict(run.data.tags)
+        self._log_params(client, mlflow_id, params, dict(run.data.params))
+        return mlflow_id
+
+    def _ensure_floor(self, mlflow_id: str, rank: int) -> None:
+        if (mlflow_id, rank) in self._floored:
+            return
+        self._floored.add((mlflow_id, rank))
+        held = self._tags.get(mlflow_id, {}).get(_last_step_tag(rank))
+        if held is not None:
+            try:
+                self._gate.set_floor((mlflow_id, rank), int(held))
+            except ValueError:
+                pass
+
+    def _log_params(self, client: MlflowClient, mlflow_id: str, params: dict[str, Any], held: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        new: list[Any] = []
+        for key, value in flatten(params).items():
+            k, v = mlflow_key(key), str(value)[:_MAX_PARAM_VALUE]
+            if k not in held:
+                new.append(Param(k, v))
+            elif held[k] != v:  # params are immutable in MLflow: keep the first, say so once
+                self._log.warning(f"param-{k}", "mlflow: run %s already has param %s=%r; not changing it to %r",
+                                  mlflow_id, k, held[k], v)
+        for chunk in bounded(new, _PARAMS_PER_BATCH):
+            client.log_batch(mlflow_id, params=list(chunk))

@@ -1,0 +1,197 @@
+"""Weights & Biases backend: one W&B run per training run, one `log` call per step.
+
+- Run identity: the W&B run id is `train.run.id` (characters W&B reserves become `-`), opened with
+  ``resume="allow"``, so a restarted job continues the same run. The name is `train.run.name`.
+- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call. W&B needs increasing
+  steps, so a step older than the last one written, or one a resumed run already holds, is dropped
+  and counted (`steps_dropped`, one warning) instead of W&B's warning per call. A row for the step
+  written last is merged into it (W&B commits a step when a later one arrives, or at `finish`).
+- Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes its own run ``<run id>-rank<N>`` named
+  ``<run name>-rank<N>``; every rank's run is in the group `train.run.id`. W&B runs cannot be shared
+  by processes, and the sink does the same, so a run looks alike on both paths.
+- Settings: `WANDB_PROJECT` (default: the otel-train project), `WANDB_ENTITY`, `WANDB_MODE`,
+  `WANDB_DIR` (default: the run's folder under `OTEL_TRAIN_DIR`), `WANDB_RUN_GROUP`, `WANDB_CONSOLE`
+  (default here: ``off``, so W&B does not wrap the training process's stdout) are W&B's own; they
+  are passed to `wandb.init`, never written to `os.environ`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from otel_train.exporters._runs import StepGate, by_step, hparams_for, run_folder, wanted
+from otel_train.exporters.base import RowExporter
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
+
+if TYPE_CHECKING:
+    from wandb.sdk.wandb_run import Run
+
+__all__ = ["WandbExporter", "wandb_run_id"]
+
+_logger = logging.getLogger(__name__)
+
+_RESERVED = ":;,#?/'\\%"
+_MAX_BINS = 512  # W&B's limit for a histogram
+
+
+def wandb_run_id(run: RunInfo) -> str:
+    """The W&B run id of one rank of a training run.
+
+    Example:
+        >>> wandb_run_id(RunInfo("job/42", "n", rank=3))
+        'job-42-rank3'
+    """
+    base = "".join("-" if c in _RESERVED else c for c in run.run_id.strip()) or "run"
+    return base if run.rank == 0 else f"{base}-rank{run.rank}"
+
+
+class WandbExporter(RowExporter):
+    """Writes scalars and histograms to Weights & Biases runs.
+
+    Args:
+        options: Directory, project, hyperparameters and rank policy; default from the env vars.
+
+    Raises:
+        ModuleNotFoundError: `wandb` is not installed.
+
+    Example:
+        >>> import tempfile, os
+        >>> from otel_train.records import ExporterOptions
+        >>> exporter = WandbExporter(ExporterOptions(directory=tempfile.mkdtemp()))  # doctest: +SKIP
+    """
+
+    name = "wandb"
+    handles_metrics = True
+    handles_spans = False
+
+    def __init__(self, options: ExporterOptions | None = None) -> None:
+        try:
+            import wandb  # noqa: F401
+        except ImportError as err:
+            raise ModuleNotFoundError(
+                "WandbExporter needs wandb: pip install 'otel-train[wandb]'", name="wandb"
+            ) from err
+        super().__init__(options)
+        self._runs: dict[tuple[str, int], Run] = {}
+        self._markers: dict[tuple[str, int], Path] = {}
+        self._committed: dict[tuple[str, int], int] = {}
+        self._marked: dict[tuple[str, int], int] = {}
+        self._gate = StepGate("wandb", monotonic=True)
+
+    @property
+    def steps_dropped(self) -> int:
+        """Rows' steps dropped because W&B already held a later (or the same, resumed) step."""
+        return self._gate.dropped
+
+    # -- hooks -------------------------------------------------------------------------------
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        per_run: dict[tuple[str, int], tuple[RunInfo, list[MetricRow | HistogramRow]]] = {}
+        for row in [*rows, *histograms]:
+            if not wanted(self.options, row.run):
+                continue
+            key = (row.run.run_id, row.run.rank)
+            per_run.setdefault(key, (row.run, []))[1].append(row)
+        for key, (run_info, run_rows) in per_run.items():
+            run = self._run(key, run_info)
+            for step, step_rows in by_step(run_rows):
+                previous = self._gate.last(key)
+                if not self._gate.admit(key, step):
+                    continue
+                if step > previous >= 0:
+                    self._committed[key] = previous  # W&B commits a step when a later one arrives
+                run.log(self._payload(step_rows), step=step)
+            self._write_marker(key, self._committed.get(key))
+
+    def close(self) -> None:
+        for key, run in list(self._runs.items()):
+            try:
+                run.finish()
+                self._write_marker(key, self._gate.last(key))
+            except Exception as err:  # one failing run must not keep the others open
+                _logger.error("wandb: finishing run %s failed: %s", key[0], err)
+        self._runs.clear()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _run(self, key: tuple[str, int], info: RunInfo) -> Run:
+        run = self._runs.get(key)
+        if run is not None:
+            return run
+        import wandb
+
+        env = os.environ
+        wandb_id = wandb_run_id(info)
+        name = info.run_name if info.rank == 0 else f"{info.run_name}-rank{info.rank}"
+        kwargs: dict[str, Any] = {
+            "project": env.get("WANDB_PROJECT") or self.options.project,
+            "id": wandb_id,
+            "name": name,
+            "resume": "allow",
+            "reinit": "create_new",  # the sink writes several runs from one process
+            "config": hparams_for(self.options, info),
+        }
+        if not env.get("WANDB_DIR"):
+            folder = run_folder(self.options, info)
+            folder.mkdir(parents=True, exist_ok=True)
+            kwargs["dir"] = str(folder)
+        if self.options.ranks == "all":
+            kwargs["group"] = env.get("WANDB_RUN_GROUP") or info.run_id
+        settings: dict[str, Any] = {}
+        if not env.get("WANDB_CONSOLE"):
+            settings["console"] = "off"
+        run = wandb.init(settings=wandb.Settings(**settings), **kwargs)
+        self._runs[key] = run
+        # Steps a resumed run already holds: W&B's own count online, our marker offline.
+        marker = Path(run.settings.wandb_dir) / f"otel-train-{wandb_id}.last-step"
+        self._markers[key] = marker
+        held = max(int(run.starting_step or 0) - 1, _read_marker(marker))
+        self._gate.set_floor(key, held)
+        return run
+
+    @staticmethod
+    def _payload(step_rows: list[MetricRow | HistogramRow]) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for row in step_rows:
+            if isinstance(row, MetricRow):
+                data[row.tag] = row.value
+            else:
+                hist = _histogram(row)
+                if hist is not None:
+                    data[row.tag] = hist
+        return data
+
+    def _write_marker(self, key: tuple[str, int], step: int | None) -> None:
+        marker = self._markers.get(key)
+        if marker is None or step is None or step < 0 or self._marked.get(key) == step:
+            return
+        try:
+            marker.write_text(str(step))
+            self._marked[key] = step
+        except OSError as err:
+            self._log.warning("marker", "wandb: cannot write %s (%s); a resumed run may repeat steps", marker, err)
+
+
+def _read_marker(path: Path) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return -1
+
+
+def _histogram(row: HistogramRow) -> Any:
+    """A `wandb.Histogram` of an explicit-bucket histogram; the outer edges are its min and max."""
+    import wandb
+
+    counts = list(row.bucket_counts)
+    bounds = list(row.explicit_bounds)
+    if not counts or len(counts) != len(bounds) + 1 or len(counts) > _MAX_BINS or row.count == 0:
+        return None
+    low = min(row.min, bounds[0]) if bounds else row.min
+    high = max(row.max, bounds[-1]) if bounds else row.max
+    if high <= low:
+        high = low + 1.0
+    edges = [low, *bounds, high]
+    return wandb.Histogram(np_histogram=(counts, edges))

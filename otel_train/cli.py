@@ -1,0 +1,89 @@
+"""The `otel-train` command: `demo`, `trace merge`, `sink`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import otel_train as ot
+    from otel_train.demo import train
+
+    session = ot.init(dir=args.dir, run_name=args.run_name)
+    loss = train(steps=args.steps)
+    ot.shutdown()
+    if not session.enabled:
+        sys.stdout.write("otel-train is disabled (OTEL_TRAIN_DISABLED / OTEL_SDK_DISABLED); nothing was written\n")
+        return 0
+    run_dir = Path(session.settings.dir) / session.run.run_name
+    lines = [f"trained {args.steps} steps, final loss {loss:.4f}; run {session.run.run_name!r}"]
+    names = session.settings.exporters
+    if "tensorboard" in names:
+        lines.append(f"  curves:   tensorboard --logdir {session.settings.dir}")
+    if "chrome_trace" in names:
+        lines.append(f"  timeline: open {run_dir / 'trace' / f'rank{session.run.rank}.trace.json'} in https://ui.perfetto.dev")
+    if "jsonl" in names:
+        lines.append(f"  records:  {run_dir / f'rank{session.run.rank}.jsonl'}")
+    others = [n for n in names if n not in ("tensorboard", "chrome_trace", "jsonl")]
+    if others:
+        lines.append(f"  also sent to: {', '.join(others)}")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+def _trace_merge(args: argparse.Namespace) -> int:
+    from otel_train.trace_merge import merge_traces
+
+    count = merge_traces(args.out, args.files)
+    sys.stdout.write(f"merged {count} events from {len(args.files)} file(s) into {args.out}\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="otel-train", description="OpenTelemetry for training loops.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a tiny NumPy model and write TensorBoard curves + a trace")
+    demo.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    demo.add_argument("--dir", default=None, help="output directory (default: OTEL_TRAIN_DIR or ./otel-train-runs)")
+    demo.add_argument("--run-name", default=None, help="run name (default: OTEL_TRAIN_RUN_NAME or the run id)")
+    demo.set_defaults(func=_demo)
+
+    trace = sub.add_parser("trace", help="Chrome trace tools")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    merge = trace_sub.add_parser("merge", help="merge per-rank trace files into one")
+    merge.add_argument("out", type=Path, help="the merged trace file to write")
+    merge.add_argument("files", type=Path, nargs="+", help="per-rank trace files (rank<N>.trace.json)")
+    merge.set_defaults(func=_trace_merge)
+
+    try:
+        from otel_train.sink import cli as sink_cli
+    except ImportError:
+        sink_cli = None  # type: ignore[assignment]
+    if sink_cli is not None:
+        sink = sub.add_parser("sink", help="receive OTLP from a collector and write every run to the backends",
+                              description=sink_cli.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        sink_cli.add_arguments(sink)
+        sink.set_defaults(func=sink_cli.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from otel_train.errors import OtelTrainError
+
+    logging.basicConfig(level=logging.INFO, format="otel-train: %(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except OtelTrainError as err:
+        sys.stderr.write(f"otel-train: error: {err}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Command line of the sink: `otel-train sink` / `python -m otel_train.sink`.
+
+`add_arguments(parser)` and `main(args) -> int` let the top-level CLI mount it as a subcommand.
+Every flag also reads its environment variable; a flag wins over the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+__all__ = ["DESCRIPTION", "add_arguments", "main"]
+
+DESCRIPTION = """\
+Receive OTLP metrics and spans (from a collector or directly from training processes) and write
+each training run (grouped by the resource attribute train.run.id, all ranks) to the configured
+backends, the same ones and the same layout as in-process export.
+
+Endpoints: OTLP/gRPC on --grpc; on --http: POST /v1/metrics and /v1/traces (protobuf or JSON),
+GET /health, GET /runs, and the old Metrics Service API under /metrics/.
+Stops cleanly (flushing every run) on SIGTERM or Ctrl-C.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the sink's flags to `parser`."""
+    parser.add_argument("--grpc", metavar="HOST:PORT",
+                        help="OTLP/gRPC bind address [env OTEL_TRAIN_SINK_GRPC; default 127.0.0.1:4317]")
+    parser.add_argument("--http", metavar="HOST:PORT",
+                        help="OTLP/HTTP + API bind address [env OTEL_TRAIN_SINK_HTTP; default 127.0.0.1:4318]")
+    parser.add_argument("--exporters", metavar="LIST",
+                        help="comma list of backends [env OTEL_TRAIN_EXPORTERS; default tensorboard,chrome_trace]")
+    parser.add_argument("--dir", metavar="DIR",
+                        help="directory local backends write under [env OTEL_TRAIN_DIR; default ./otel-train-runs]")
+    parser.add_argument("--project", metavar="NAME",
+                        help="project for W&B/ClearML/MLflow/Trackio [env OTEL_TRAIN_PROJECT; default otel-train]")
+    parser.add_argument("--token", metavar="TOKEN",
+                        help="require `authorization: Bearer TOKEN` on every request [env OTEL_TRAIN_SINK_TOKEN]")
+    parser.add_argument("--aggregate", metavar="LIST",
+                        help="cross-rank aggregates from mean,min,max written as NAME/mean ... "
+                             "[env OTEL_TRAIN_SINK_AGGREGATE; default none]")
+    parser.add_argument("--aggregate-timeout-s", metavar="S", dest="aggregate_timeout_s",
+                        help="write a step's aggregate after S seconds even if ranks are missing "
+                             "[env OTEL_TRAIN_SINK_AGGREGATE_TIMEOUT_S; default 30]")
+    parser.add_argument("--idle-s", metavar="S", dest="idle_s",
+                        help="close a run's backends after S seconds without data "
+                             "[env OTEL_TRAIN_SINK_IDLE_S; default 300]")
+    parser.add_argument("--max-body-bytes", metavar="N", dest="max_body_bytes",
+                        help="largest request accepted [env OTEL_TRAIN_SINK_MAX_BODY_BYTES; default 16 MiB]")
+    parser.add_argument("--status-interval-s", metavar="S", dest="status_interval_s",
+                        help="seconds between status log lines [env OTEL_TRAIN_SINK_STATUS_INTERVAL_S; default 10]")
+    parser.add_argument("--tls-cert", metavar="FILE", dest="tls_cert",
+                        help="PEM certificate: serve both protocols over TLS (needs --tls-key)")
+    parser.add_argument("--tls-key", metavar="FILE", dest="tls_key", help="PEM private key of --tls-cert")
+    parser.add_argument("--log-level", metavar="LEVEL", default="INFO", dest="log_level",
+                        help="logging level on stderr (DEBUG, INFO, WARNING) [default INFO]")
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"otel-train sink: error: {message}\n")
+    return 2
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the sink until SIGTERM/SIGINT. Returns the exit code (2: bad setting, 1: cannot bind)."""
+    from otel_train.config import load_settings, load_sink_settings
+    from otel_train.errors import ConfigError
+    from otel_train.records import ExporterOptions
+
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        return _fail(f"--log-level: {args.log_level!r} is not allowed; use DEBUG, INFO, WARNING or ERROR")
+    logging.basicConfig(stream=sys.stderr, level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = load_sink_settings(
+            grpc=args.grpc, http=args.http, token=args.token, aggregate=args.aggregate, idle_s=args.idle_s,
+            aggregate_timeout_s=args.aggregate_timeout_s, max_body_bytes=args.max_body_bytes,
+            status_interval_s=args.status_interval_s, tls_cert=args.tls_cert, tls_key=args.tls_key)
+        if (settings.tls_cert is None) != (settings.tls_key is None):
+            raise ConfigError("--tls-cert/--tls-key: give both (a PEM certificate and its key) or neither")
+        for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
+            if path is not None and not path.is_file():
+                raise ConfigError(f"{flag}: {str(path)!r} is not a readable file")
+        run_settings = load_settings(exporters=args.exporters, dir=args.dir, project=args.project)
+        if not run_settings.exporters:
+            raise ConfigError("OTEL_TRAIN_EXPORTERS: empty; give at least one backend, e.g. tensorboard")
+        # Every rank arrives at the sink, so every rank's metrics are written.
+        options = ExporterOptions(run_settings.dir, run_settings.project, None, "all", run_settings.trace_counters)
+        from otel_train.sink.service import Sink, exporter_factory
+
+        factory = exporter_factory(run_settings.exporters, options)
+    except ConfigError as err:
+        return _fail(str(err))
+
+    sink = Sink(settings, factory)
+    try:
+        sink.start()
+    except OSError as err:
+        sys.stderr.write(f"otel-train sink: error: {err}\n")
+        return 1
+    logging.getLogger("otel_train.sink").info(
+        "writing %s under %s", ",".join(run_settings.exporters), run_settings.dir)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        sink.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0

@@ -1,0 +1,165 @@
+"""MLflowExporter: a real local MLflow store read back with `MlflowClient`; resume in a second process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from otel_train.exporters.base import Window
+
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, MetricsConverter, RunInfo, config_hash
+
+HPARAMS = {"lr": 0.01, "optim": {"name": "adam", "betas": [0.9, 0.99]}}
+RUN_ID = "mlf-run-1"
+
+
+def row(run: RunInfo, step: int, tag: str, value: float, **attrs: Any) -> MetricRow:
+    return MetricRow(run, step, tag.split("{")[0], tag, value, "gauge", 1_700_000_000_000_000_000 + step, attrs)
+
+
+def isolated_mlflow_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    for key in list(os.environ):
+        if key.startswith("MLFLOW_"):
+            mp.delenv(key)
+    mp.setenv("HOME", str(root / "home"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from otel_train.exporters.mlflow import MLflowExporter
+
+    root = tmp_path_factory.mktemp("mlflow")
+    with pytest.MonkeyPatch.context() as mp:
+        isolated_mlflow_env(mp, root)
+        # ranks "all" with one instance seeing two ranks: the sink's situation.
+        options = ExporterOptions(directory=root / "runs", project="otel-mlflow-test", hparams=HPARAMS, ranks="all")
+        r0 = RunInfo(RUN_ID, "mlf", rank=0, world_size=2, config_hash=config_hash(HPARAMS))
+        r1 = RunInfo(RUN_ID, "mlf", rank=1, world_size=2, config_hash=config_hash(HPARAMS))
+        exporter = MLflowExporter(options)
+        assert exporter.export_window(Window(metrics=[
+            row(r0, 1, "train/loss", 0.5), row(r0, 0, "train/loss", 1.0), row(r0, 2, "train/loss", 0.25),
+            row(r0, 1, "eval/acc{split=val}", 0.75, split="val"),
+            row(r1, 0, "train/loss", 1.5), row(r1, 1, "train/loss", 1.25),
+        ], histograms=[HistogramRow(r0, 1, "grad", "grad", 2, 3.0, 1.0, 2.0, (1.5,), (1, 1), 0)]))
+        assert exporter.export_window(Window(metrics=[row(r0, 3, "train/loss", 0.125)]))
+        mlflow_id = exporter.run_ids[RUN_ID]
+        uri = exporter.tracking_uri
+        exporter.shutdown()
+        exporter.shutdown()
+        yield {"root": root, "uri": uri, "id": mlflow_id, "env": dict(os.environ)}
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def test_default_store_is_local_sqlite_under_the_directory(store: dict[str, Any]) -> None:
+    assert store["uri"] == f"sqlite:///{(store['root'] / 'runs' / 'mlruns' / 'mlflow.db').resolve()}"
+    assert (store["root"] / "runs" / "mlruns" / "mlflow.db").is_file()
+
+
+def test_every_step_and_value(store: dict[str, Any]) -> None:
+    uri, rid = store["uri"], store["id"]
+    assert history(uri, rid, "train/loss") == [(0, 1.0), (1, 0.5), (2, 0.25), (3, 0.125)]
+    assert history(uri, rid, "eval/acc__split-val") == [(1, 0.75)]
+    assert history(uri, rid, "train/loss__rank-1") == [(0, 1.5), (1, 1.25)]  # rank 1: same run, suffixed
+
+
+def test_run_identity_params_and_tags(store: dict[str, Any]) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store["uri"])
+    run = client.get_run(store["id"])
+    assert run.info.run_name == "mlf" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "otel-mlflow-test"
+    assert run.data.tags["train.run.id"] == RUN_ID
+    assert run.data.tags["train.config.hash"] == config_hash(HPARAMS)
+    assert run.data.tags["otel_train.last_step"] == "3" and run.data.tags["otel_train.last_step.rank1"] == "1"
+    assert run.data.params == {"lr": "0.01", "optim/name": "adam", "optim/betas": "[0.9, 0.99]",
+                               "train.config.hash": config_hash(HPARAMS), "train.run.id": RUN_ID}
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from otel_train.exporters.base import Window
+    from otel_train.exporters.mlflow import MLflowExporter
+    from otel_train.records import ExporterOptions, MetricRow, RunInfo
+
+    run = RunInfo(sys.argv[2], "mlf")
+    exp = MLflowExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-mlflow-test",
+                                         hparams={"lr": 0.01}))
+    rows = [MetricRow(run, s, "train/loss", "train/loss", 10.0 + s, "gauge", 0) for s in range(2, 6)]
+    assert exp.export_window(Window(metrics=rows))
+    exp.shutdown()
+    print("dropped", exp.steps_dropped, "run", exp.run_ids[sys.argv[2]])
+""")
+
+
+def test_resumed_job_continues_the_same_run(store: dict[str, Any], tmp_path: Path) -> None:
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(store["root"] / "runs"), RUN_ID],
+                          env=store["env"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"dropped 2 run {store['id']}" in done.stdout  # steps 2, 3 were already there
+    assert history(store["uri"], store["id"], "train/loss") == [
+        (0, 1.0), (1, 0.5), (2, 0.25), (3, 0.125), (4, 14.0), (5, 15.0)]
+
+
+def test_otel_sdk_path_with_counter_totals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain OTel: MeterProvider + reader -> `exporter.export(MetricsData)`; counters as running totals."""
+    from mlflow.tracking import MlflowClient
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+    from otel_train.exporters.mlflow import MLflowExporter
+
+    isolated_mlflow_env(monkeypatch, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'env.db'}")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    from opentelemetry.sdk.metrics import Counter
+    from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+    reader = InMemoryMetricReader(preferred_temporality={Counter: AggregationTemporality.DELTA})
+    provider = MeterProvider(metric_readers=[reader],
+                             resource=Resource.create(RunInfo("sdk-run", "sdk").resource_attributes()))
+    counter = provider.get_meter("t").create_counter("data/samples")
+    exporter = MLflowExporter(ExporterOptions(directory=tmp_path / "unused"))
+    for step in range(3):
+        counter.add(10, {"train.step": step, "split": "train"})
+        exporter.export(reader.get_metrics_data())
+    exporter.shutdown()
+    provider.shutdown()
+    assert not (tmp_path / "unused").exists()  # MLFLOW_TRACKING_URI wins
+    client = MlflowClient(f"sqlite:///{tmp_path / 'env.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("from-env").experiment_id])
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "data/samples__split-train")) \
+        == [(0, 10.0), (1, 20.0), (2, 30.0)]
+
+
+def test_keys_map_deterministically() -> None:
+    from otel_train.exporters.mlflow import mlflow_key
+
+    assert mlflow_key("a/b{x=1,y=z w}") == "a/b__x-1__y-z w"
+    assert mlflow_key("/odd//name:{k=@}") == "odd/name___k-_"
+    assert mlflow_key("../x") == "__/x"
+    long = mlflow_key("x" * 300)
+    assert len(long) == 250 and long == mlflow_key("x" * 300) != mlflow_key("x" * 301)
+
+
+def test_missing_mlflow_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.exporters.mlflow import MLflowExporter
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[mlflow\]'"):
+        MLflowExporter(ExporterOptions())
+    assert MetricsConverter  # imported for the SDK path above

@@ -1,0 +1,147 @@
+"""Start and stop real processes for the end-to-end tests: the rotel collector and the sink CLI.
+
+rotel opens its ports before it validates its config, so "port open" is not "ready": we also
+check the process is still alive. It writes pid/log files to /tmp unless told otherwise, so both
+are passed under the test's tmp_path. Its queue is memory-only (dropped ~3 s after SIGTERM): wait
+for the sink to have the data before stopping it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def rotel_binary() -> Path:
+    import rotel
+
+    return Path(rotel.__file__).parent / "rotel-agent"
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+class Rotel:
+    """rotel on loopback: OTLP in on `grpc_port`/`http_port`, OTLP/gRPC out to `target_grpc_port`."""
+
+    def __init__(self, workdir: Path, target_grpc_port: int) -> None:
+        self.workdir = workdir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.target = target_grpc_port
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, timeout_s: float = 20.0) -> Rotel:
+        self.starts += 1
+        log = self.workdir / f"rotel-{self.starts}.out"
+        cmd = [
+            str(rotel_binary()), "start",
+            "--otlp-grpc-endpoint", f"127.0.0.1:{self.grpc_port}",
+            "--otlp-http-endpoint", f"127.0.0.1:{self.http_port}",
+            "--exporter", "otlp",
+            "--otlp-exporter-endpoint", f"http://127.0.0.1:{self.target}",  # rotel needs the scheme
+            "--otlp-exporter-protocol", "grpc",
+            "--batch-timeout", "50ms",
+            "--pid-file", str(self.workdir / "rotel.pid"),
+            "--log-file", str(self.workdir / "rotel.log"),
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rotel exited with {self.proc.returncode}: {log.read_text()[-2000:]}")
+            if _port_open(self.grpc_port) and _port_open(self.http_port):
+                time.sleep(0.3)  # rotel binds before validating its config: still alive after that?
+                if self.proc.poll() is None:
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"rotel did not open its ports in {timeout_s} s: {log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+
+
+class SinkProcess:
+    """`python -m otel_train.sink` as a subprocess on free loopback ports."""
+
+    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.log = workdir / "sink.log"
+        workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{self.grpc_port}",
+               "--http", f"127.0.0.1:{self.http_port}", "--status-interval-s", "1", *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout_s: float = 30.0) -> SinkProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sink exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                self.get("/health")
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError(f"sink not ready in {timeout_s} s: {self.log.read_text()[-2000:]}")
+
+    def get(self, path: str) -> Any:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def points(self, run_id: str) -> int:
+        for run in self.get("/runs")["runs"]:
+            if run["run_id"] == run_id:
+                return int(run["points"])
+        return 0
+
+    def wait_points(self, run_id: str, expected: int, timeout_s: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        got = 0
+        while time.monotonic() < deadline:
+            got = self.points(run_id)
+            if got >= expected:
+                return got
+            time.sleep(0.1)
+        return got
+
+    def stop(self) -> int:
+        """SIGTERM (the sink flushes every run) and return the exit code."""
+        _stop(self.proc, timeout_s=30.0)
+        return int(self.proc.returncode)

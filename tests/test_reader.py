@@ -1,0 +1,264 @@
+"""StepAlignedMetricReader: windows, threads, fan-out, bounded queues, isolation of failing backends."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+import otel_train as ot
+from otel_train.instrument import LogBuffer
+from otel_train.reader import StepAlignedMetricReader
+from otel_train.step import StepEnd
+from otel_train.testing import InMemoryRowExporter
+
+
+class CapturingMetricExporter(MetricExporter):
+    """A plain OTel metric exporter (as OTLP would be): keeps the MetricsData it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[MetricsData] = []
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+        self.batches.append(metrics_data)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        pass
+
+    def points(self) -> list[tuple[str, dict[str, Any], float]]:
+        return [
+            (m.name, dict(p.attributes or {}), p.value)
+            for md in self.batches for rm in md.resource_metrics for sm in rm.scope_metrics
+            for m in sm.metrics for p in m.data.data_points
+        ]
+
+
+def _end(reader: StepAlignedMetricReader, step: int) -> None:
+    reader.on_step_end(StepEnd(step, 0.01, 0.01 * (step + 1), step + 1, None))
+
+
+def test_export_every_n_steps_windows(run_dir: Path) -> None:
+    mem = InMemoryRowExporter()
+    session = ot.init(exporters=[mem], dir=run_dir, export_every=4, export_interval_s=3600)
+
+    def wait_for_windows(n: int) -> None:  # the collector runs on its own thread: poll with a deadline
+        deadline = time.monotonic() + 10
+        while session.reader.windows < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    for i in ot.steps(range(3)):
+        ot.log({"loss": float(i)})
+    time.sleep(0.05)
+    assert session.reader.windows == 0  # three steps: no window due yet
+    with ot.step(3):
+        ot.log({"loss": 3.0})
+    wait_for_windows(1)
+    assert session.reader.windows == 1
+    assert mem.values("loss") == {i: float(i) for i in range(4)}
+    for i in ot.steps(range(4, 8), start=4):
+        ot.log({"loss": float(i)})
+    wait_for_windows(2)
+    assert session.reader.windows == 2
+    ot.flush()
+    assert mem.values("loss") == {i: float(i) for i in range(8)}
+
+
+def test_points_from_several_threads(run_dir: Path) -> None:
+    mem = InMemoryRowExporter()
+    ot.init(exporters=[mem], dir=run_dir, export_every=3)
+    gauge = ot.get_meter().create_gauge("worker/value")
+
+    def worker(k: int) -> None:
+        for i in range(50):
+            ot.log({f"w{k}/x": float(i)}, step=i)
+            gauge.set(float(k * 1000 + i), {"train.step": i, "worker": k})
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for i in ot.steps(range(20)):
+        ot.log({"main": float(i)})
+    for t in threads:
+        t.join()
+    ot.flush()
+    for k in range(4):
+        assert mem.values(f"w{k}/x") == {i: float(i) for i in range(50)}
+        assert mem.values(f"worker/value{{worker={k}}}") == {i: float(k * 1000 + i) for i in range(50)}
+    assert mem.values("main") == {i: float(i) for i in range(20)}
+
+
+def test_per_step_attributes_do_not_overflow_after_thousands_of_steps() -> None:
+    """Under DELTA the SDK frees attribute sets each collection, so step 2,500 is still its own point."""
+    mem = InMemoryRowExporter()
+    reader = StepAlignedMetricReader([mem], export_every=100, export_interval_s=3600)
+    provider = MeterProvider(metric_readers=[reader])
+    gauge = provider.get_meter("t").create_gauge("loss")
+    for i in range(3000):
+        gauge.set(float(i), {"train.step": i})
+        if i % 100 == 99:
+            reader.force_flush()
+    reader.force_flush()
+    values = mem.values("loss")
+    assert len(values) == 3000 and values[2999] == 2999.0
+    assert not any("otel.metric.overflow" in r.attributes for r in mem.metrics)
+    provider.shutdown()
+
+
+def test_plugged_into_users_own_meter_provider() -> None:
+    mem = InMemoryRowExporter()
+    otel_metrics = CapturingMetricExporter()
+    reader = StepAlignedMetricReader([mem, otel_metrics], export_interval_s=3600)
+    provider = MeterProvider(metric_readers=[reader])
+    counter = provider.get_meter("user").create_counter("samples")
+    for i in range(3):
+        counter.add(10, {"train.step": i})
+        _end(reader, i)
+        reader.force_flush()
+    assert mem.values("samples") == {0: 10.0, 1: 20.0, 2: 30.0}
+    # The plain OTel exporter gets SDK data (DELTA) with train.step on every point.
+    pts = otel_metrics.points()
+    assert [(a["train.step"], v) for n, a, v in pts if n == "samples"] == [(0, 10), (1, 10), (2, 10)]
+    provider.shutdown()
+
+
+def test_plain_otel_exporters_get_log_gauges_and_spans_with_steps(run_dir: Path) -> None:
+    otel_metrics = CapturingMetricExporter()
+    otel_spans = InMemorySpanExporter()
+    ot.init(exporters=[otel_metrics, otel_spans], dir=run_dir, run_id="r-7")
+    for i in ot.steps(range(2)):
+        with ot.span("forward", {"layer": 3}):
+            ot.log({"train/loss": 2.0 - i})
+    ot.flush()
+    loss = [(a, v) for n, a, v in otel_metrics.points() if n == "train/loss"]
+    assert loss == [({"train.step": 0}, 2.0), ({"train.step": 1}, 1.0)]
+    resource = otel_metrics.batches[0].resource_metrics[0].resource.attributes
+    assert resource["train.run.id"] == "r-7" and resource["train.rank"] == 0
+    spans = otel_spans.get_finished_spans()
+    assert [(s.name, s.attributes["train.step"], s.attributes["layer"]) for s in spans] == [
+        ("forward", 0, 3), ("forward", 1, 3)]
+    assert spans[0].attributes["thread.id"] == threading.get_native_id()
+    assert spans[0].resource.attributes["train.run.id"] == "r-7"
+
+
+def test_failing_exporter_is_isolated_counted_and_logged_once(
+    run_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = InMemoryRowExporter()
+    bad = InMemoryRowExporter(fail_times=10**9)
+    session = ot.init(exporters=[good, bad], dir=run_dir)
+    with caplog.at_level(logging.ERROR):
+        for i in ot.steps(range(20)):
+            ot.log({"loss": float(i)})
+            ot.flush()
+    assert good.values("loss") == {i: float(i) for i in range(20)}
+    assert bad.failures >= 2  # every flush retries, and counts
+    assert session.reader.failures >= bad.failures
+    assert sum("exporter `memory` failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_failing_exporter_recovers_and_delivers_pending_windows(run_dir: Path) -> None:
+    flaky = InMemoryRowExporter(fail_times=2)
+    ot.init(exporters=[flaky], dir=run_dir)
+    for i in ot.steps(range(5)):
+        ot.log({"loss": float(i)})
+        ot.flush()
+    assert flaky.values("loss") == {i: float(i) for i in range(5)}
+    assert flaky.failures == 2
+
+
+class HangingExporter(InMemoryRowExporter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def write_metrics(self, rows: Sequence[Any], histograms: Sequence[Any]) -> None:
+        self.entered.set()
+        self.release.wait(30)
+        super().write_metrics(rows, histograms)
+
+
+def test_hanging_exporter_blocks_neither_training_nor_other_exporters(run_dir: Path) -> None:
+    good = InMemoryRowExporter()
+    hang = HangingExporter()
+    session = ot.init(exporters=[hang, good], dir=run_dir, queue_size=2, shutdown_timeout_s=1)
+    for i in ot.steps(range(8)):
+        ot.log({"loss": float(i)})
+        ot.flush(timeout_s=0.2)  # bounded even though one backend hangs
+    assert hang.entered.is_set()
+    assert good.values("loss") == {i: float(i) for i in range(8)}
+    worker = next(w for w in session.reader._workers if w.exporter is hang)
+    assert worker.dropped_batches > 0  # the hanging backend's queue stayed bounded
+    start = time.monotonic()
+    ot.shutdown()
+    assert time.monotonic() - start < 5  # never hangs the process
+    hang.release.set()
+
+
+def test_log_buffer_is_bounded_and_counts_drops(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    mem = InMemoryRowExporter()
+    ot.init(exporters=[mem], dir=run_dir, buffer_size=10, export_every=1000, export_interval_s=3600)
+    with caplog.at_level(logging.WARNING):
+        for i in range(25):
+            ot.log({"x": float(i)}, step=i)
+        ot.flush()
+    assert mem.values("x") == {i: float(i) for i in range(15, 25)}  # the newest survive
+    assert mem.values("otel_train.dropped_records")[0] == 15.0
+    assert any("dropped data" in r.getMessage() for r in caplog.records)
+
+
+def test_drain_reports_gaps() -> None:
+    buf = LogBuffer(3)
+    for i in range(5):
+        buf.append(i, {"x": i})
+    items = buf.drain()
+    assert [step for _, step, _, _ in items] == [2, 3, 4]
+    assert buf.dropped == 2
+    buf.append(5, {"x": 5})
+    assert len(buf.drain()) == 1 and buf.dropped == 2
+
+
+def test_interval_collects_without_steps(run_dir: Path) -> None:
+    mem = InMemoryRowExporter()
+    session = ot.init(exporters=[mem], dir=run_dir, export_every=10**6, export_interval_s=0.05)
+    ot.log({"heartbeat": 1.0}, step=0)
+    deadline = time.monotonic() + 10
+    while not mem.values("heartbeat") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert mem.values("heartbeat") == {0: 1.0}
+    assert session.reader.windows >= 1
+
+
+def test_flush_and_shutdown_are_idempotent(run_dir: Path) -> None:
+    mem = InMemoryRowExporter()
+    ot.init(exporters=[mem], dir=run_dir)
+    ot.log({"x": 1.0}, step=0)
+    assert ot.flush() and ot.flush()
+    ot.shutdown()
+    ot.shutdown()
+    assert mem.closed and mem.values("x") == {0: 1.0}
+
+
+def test_spans_only_on_ranks_that_do_not_export_metrics(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    mem = InMemoryRowExporter()
+    ot.init(exporters=[mem], dir=run_dir, run_id="job")
+    with ot.step(0), ot.span("forward"):
+        ot.log({"loss": 1.0})
+    ot.flush()
+    assert mem.metrics == []
+    assert [(s.name, s.run.rank) for s in mem.spans] == [("forward", 1)]
