@@ -237,10 +237,10 @@ class OTLPExporter(MetricExporter, SpanExporter):
         return ok
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:  # type: ignore[override]
-        """Send what is pending unless the collector failed at the last attempt, then close.
+        """Try once more to send what is pending, then close. Bounded and idempotent.
 
-        Bounded: with the collector down this returns at once and counts the batches in `dropped`.
-        Idempotent.
+        The last try is made only if a whole attempt (the exporter timeout) fits in `timeout_millis`;
+        what is still not sent is counted in `dropped`.
         """
         deadline = time.monotonic() + timeout_millis / 1000
         for ch in (self._metrics, self._traces):
@@ -251,8 +251,9 @@ class OTLPExporter(MetricExporter, SpanExporter):
             try:
                 if self._closed and not ch.pending:
                     continue
-                if ch.pending and not ch.attempts and deadline - time.monotonic() > 0:
-                    self._drain(ch, force=False)  # only while the collector answered last time
+                if ch.pending and deadline - time.monotonic() >= self._attempt_s(ch):
+                    # one last try (the collector may be back), only if a whole attempt fits the budget
+                    self._drain(ch, force=True)
                 for _, items in ch.pending:
                     self.dropped += items
                 if ch.pending:
@@ -263,6 +264,12 @@ class OTLPExporter(MetricExporter, SpanExporter):
             finally:
                 ch.lock.release()
         self._closed = True
+
+    @staticmethod
+    def _attempt_s(ch: _Channel) -> float:
+        """The longest one attempt of the SDK exporter can block (its timeout, in seconds)."""
+        timeout = getattr(ch.inner, "_timeout", None)
+        return float(timeout) if isinstance(timeout, (int, float)) else DEFAULT_TIMEOUT_S
 
     @staticmethod
     def _close_inner(ch: _Channel, deadline: float) -> None:

@@ -19,6 +19,12 @@ from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
+from opentelemetry.context.context import Context as _Context
+
+try:  # the key `trace.set_span_in_context` uses; reading it directly saves two dict copies per span
+    from opentelemetry.trace.propagation import _SPAN_KEY
+except ImportError:  # pragma: no cover - a future API without it
+    _SPAN_KEY = next(iter(otel_trace.set_span_in_context(otel_trace.INVALID_SPAN, _Context())))
 
 from otel_train.step import _current, current_step
 
@@ -26,7 +32,9 @@ __all__ = ["LogBuffer", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
-_get_span = otel_trace.get_current_span
+_get_context = otel_context.get_current
+_attach = otel_context.attach
+_detach = otel_context.detach
 _time_ns = time.time_ns
 _get_ident = threading.get_native_id  # small OS thread ids, as profilers show
 _current_thread = threading.current_thread
@@ -109,59 +117,81 @@ class SpanBuffer(_Bounded):
         self._items.append((next(self._seq), span))
 
 
-class SpanScope:
-    """The context manager behind `ot.span`: ids and OTel context now, the span itself later.
+class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
+    """The context manager behind `ot.span`: ids and OTel context now, the OTel span itself later.
 
-    A raw OTel span started inside is its child (we attach a non-recording span carrying our
-    ids to the OTel context), and it is the child of a raw OTel span it is started in.
+    The scope is its own record (appended to the buffer at exit: one object per span) and the
+    OTel `Span` placed in the context while it runs, so a raw OTel span started inside is its
+    child, and it is the child of a raw OTel span it is started in. Its `SpanContext` is built
+    only when someone asks for it (a raw OTel child, a propagator), not on every span.
     """
 
-    __slots__ = ("_buffer", "_name", "_attributes", "_record_context", "_token", "_trace_id",
-                 "_span_id", "_parent_id", "_start", "_thread_id", "_thread_name", "_step")
+    __slots__ = ("_buffer", "_record_context", "_token", "_span_context")
 
     def __init__(self, buffer: SpanBuffer, name: str, attributes: Mapping[str, Any] | None = None,
                  record_context: bool = True) -> None:
         self._buffer = buffer
-        self._name = name
-        self._attributes = attributes
+        self.name = name
+        self.attributes = attributes
         self._record_context = record_context
         self._token: object | None = None
+        self._span_context: otel_trace.SpanContext | None = None
+        self.error: str | None = None
 
     def __enter__(self) -> SpanScope:
-        parent = _get_span().get_span_context()
-        if parent.is_valid:
-            self._trace_id = parent.trace_id
-            self._parent_id: int | None = parent.span_id
+        current = _get_context()
+        parent = current.get(_SPAN_KEY)
+        if type(parent) is SpanScope:  # nested ot.span: no SpanContext needed
+            self.trace_id = parent.trace_id
+            self.parent_id: int | None = parent.span_id
         else:
-            self._trace_id = _rand64(128) or 1
-            self._parent_id = None
-        self._span_id = _rand64(64) or 1
+            ctx = parent.get_span_context() if isinstance(parent, otel_trace.Span) else None
+            if ctx is not None and ctx.is_valid:
+                self.trace_id = ctx.trace_id
+                self.parent_id = ctx.span_id
+            else:
+                self.trace_id = _rand64(128) or 1
+                self.parent_id = None
+        self.span_id = _rand64(64) or 1
         if self._record_context:
-            ctx = otel_trace.SpanContext(self._trace_id, self._span_id, False, _SAMPLED)
-            self._token = otel_context.attach(otel_trace.set_span_in_context(otel_trace.NonRecordingSpan(ctx)))
-        self._thread_id = _get_ident()
-        self._thread_name = _current_thread().name
+            values = dict(current)
+            values[_SPAN_KEY] = self
+            self._token = _attach(_Context(values))
+        self.thread_id = _get_ident()
+        self.thread_name = _current_thread().name
         step = _current.get()
-        self._step = current_step() if step is None else step
-        self._start = _time_ns()
+        self.step = current_step() if step is None else step
+        self.start_ns = _time_ns()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        end = _time_ns()
-        if self._token is not None:
-            otel_context.detach(self._token)  # type: ignore[arg-type]
+        self.end_ns = _time_ns()
+        token = self._token
+        if token is not None:
             self._token = None
-        error = None if exc_type is None else f"{exc_type.__name__}: {exc}"
-        self._buffer.append(
-            SpanRecord(self._name, self._trace_id, self._span_id, self._parent_id, self._start, end,
-                       self._thread_id, self._thread_name, self._step, self._attributes, error)
-        )
+            _detach(token)
+        if exc_type is not None:
+            self.error = f"{exc_type.__name__}: {exc}"
+        self._buffer.append(self)
+
+    # -- the OTel Span face (what `trace.get_current_span()` returns inside the scope) ----------
+    def get_span_context(self) -> otel_trace.SpanContext:
+        ctx = self._span_context
+        if ctx is None:
+            ctx = self._span_context = otel_trace.SpanContext(self.trace_id, self.span_id, False, _SAMPLED)
+        return ctx
 
     def set_attribute(self, key: str, value: Any) -> None:
         """Add an attribute to the span while it runs."""
-        attrs = dict(self._attributes or {})
+        attrs = dict(self.attributes or {})
         attrs[key] = value
-        self._attributes = attrs
+        self.attributes = attrs
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self.attributes = {**(self.attributes or {}), **attributes}
+
+    def __repr__(self) -> str:
+        return f"SpanScope({self.name!r}, span_id={getattr(self, 'span_id', 0):016x})"
 
 
 def traced_with(make_scope: Callable[[str, bool], Any], name: str | None, fn: _F) -> _F:

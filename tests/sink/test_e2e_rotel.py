@@ -127,7 +127,6 @@ def test_collector_killed_and_restarted_mid_run(tmp_path: Path) -> None:
     assert json.loads(stdout.strip().splitlines()[-1])["max_step_s"] < 0.5  # training never blocked
     loss = scalars(out / "e2e")["train/loss"]
     got = sorted(s for s, _ in loss)
-    print("STEPS", got)
     assert len(got) == len(set(got))  # nothing twice
-    assert set(range(20, steps)) <= set(got) and set(range(10)) <= set(got)
+    assert got == list(range(steps))  # the outage's steps were kept and retried after recovery
     assert all(v == float(s) for s, v in loss)

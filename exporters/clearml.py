@@ -1,0 +1,180 @@
+"""ClearML backend: one ClearML Task per training run, scalars with `report_scalar`.
+
+- Task: the running task when the process already has one (the user's own `Task.init`), else a new
+  Task in project `CLEARML_PROJECT` / the otel-train project, named `CLEARML_TASK` / `train.run.name`,
+  tagged ``train.run.id:<id>`` and ``train.config.hash:<hash>``. When no ClearML server is configured
+  (no `CLEARML_API_HOST`, `CLEARML_API_ACCESS_KEY`, `CLEARML_AUTH_TOKEN` or credentials in
+  `CLEARML_CONFIG_FILE` / ``~/.clearml.conf``) the Task runs offline: ClearML stores a session folder
+  (and a zip at close) under ``<CLEARML_CACHE_DIR>/offline/``, to import later. A Task we created
+  reports in-process (ClearML's reporter subprocess costs a process and ~10 s at close).
+- Names: instrument ``train/loss`` -> title ``train``, series ``loss``; the title is everything before
+  the last ``/`` (``optim/lr/group0`` -> ``optim/lr`` / ``group0``); a name without ``/`` is both title
+  and series. The ``{k=v}`` suffix stays on the series (``eval/acc{split=val}`` -> ``eval`` /
+  ``acc{split=val}``). Iteration = `train.step`. Histograms: `report_histogram` of the bucket counts.
+- Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the run's Task (the sink
+  sees every rank in one instance, so one Task holds them all). In-process, each rank's process opens
+  its own Task of the same name (offline sessions cannot be shared), its series still suffixed.
+- Hyperparameters: `Task.connect` in section ``General`` (with `train.config.hash`).
+- One Task per process: rows of a second run id in the same exporter are dropped with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
+from otel_train.exporters.base import RowExporter
+from otel_train.records import CONFIG_HASH, ExporterOptions, HistogramRow, MetricRow, RunInfo
+
+__all__ = ["ClearMLExporter", "title_series"]
+
+_logger = logging.getLogger(__name__)
+
+
+def title_series(name: str, tag: str) -> tuple[str, str]:
+    """ClearML (title, series) of a series tag: split the name at its last ``/``, suffix on the series.
+
+    Example:
+        >>> title_series("train/loss", "train/loss")
+        ('train', 'loss')
+        >>> title_series("eval/acc", "eval/acc{split=val}")
+        ('eval', 'acc{split=val}')
+        >>> title_series("lr", "lr{rank=1}")
+        ('lr', 'lr{rank=1}')
+    """
+    suffix = tag[len(name):] if tag.startswith(name) else ""
+    title, sep, series = name.rpartition("/")
+    if not sep or not title or not series:
+        return name, name + suffix
+    return title, series + suffix
+
+
+def _server_configured() -> bool:
+    """Whether ClearML has a server to talk to (env or its config file); else we go offline."""
+    import os
+
+    if any(os.environ.get(v) for v in ("CLEARML_API_HOST", "CLEARML_API_ACCESS_KEY", "CLEARML_AUTH_TOKEN",
+                                        "TRAINS_API_HOST", "TRAINS_API_ACCESS_KEY")):
+        return True
+    try:
+        from clearml.config import config_obj
+
+        return bool(config_obj.get("api.credentials.access_key", None))
+    except Exception:
+        return False
+
+
+class ClearMLExporter(RowExporter):
+    """Writes scalars and histograms to a ClearML Task.
+
+    Args:
+        options: Directory, project, hyperparameters and rank policy; default from the env vars.
+
+    Raises:
+        ModuleNotFoundError: `clearml` is not installed.
+    """
+
+    name = "clearml"
+    handles_metrics = True
+    handles_spans = False
+
+    def __init__(self, options: ExporterOptions | None = None) -> None:
+        try:
+            import clearml  # noqa: F401
+        except ImportError as err:
+            raise ModuleNotFoundError(
+                "ClearMLExporter needs clearml: pip install 'otel-train[clearml]'", name="clearml"
+            ) from err
+        super().__init__(options)
+        self._task: Any = None
+        self._own_task = False
+        self._run_id: str | None = None
+        self.rows_dropped = 0
+
+    @property
+    def task(self) -> Any:
+        """The ClearML Task written to (None before the first rows)."""
+        return self._task
+
+    # -- hooks -------------------------------------------------------------------------------
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        candidates = [r for r in [*rows, *histograms] if wanted(self.options, r.run)]
+        if not candidates:
+            return
+        logger = self._open(candidates[0].run).get_logger()
+        mine = [r for r in candidates if self._accept(r.run)]
+        for step, step_rows in by_step(mine):
+            for row in step_rows:
+                tag = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
+                title, series = title_series(row.name, tag)
+                if isinstance(row, MetricRow):
+                    logger.report_scalar(title, series, value=row.value, iteration=step)
+                elif row.count:
+                    logger.report_histogram(title, series, values=list(row.bucket_counts), iteration=step,
+                                            xlabels=_bucket_labels(row.explicit_bounds), xaxis=row.name,
+                                            yaxis="count")
+
+    def flush(self) -> None:
+        if self._task is not None:
+            self._task.get_logger().flush(wait=True)
+
+    def close(self) -> None:
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if self._own_task:
+            task.close()
+        else:
+            task.get_logger().flush(wait=True)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _accept(self, run: RunInfo) -> bool:
+        if self._run_id is None or run.run_id == self._run_id:
+            return True
+        self.rows_dropped += 1
+        self._log.warning("second-run", "clearml: one Task per process; rows of run %r dropped (writing run %r)",
+                          run.run_id, self._run_id)
+        return False
+
+    def _open(self, info: RunInfo) -> Any:
+        if self._task is not None:
+            return self._task
+        import os
+
+        from clearml import Task
+
+        task = Task.current_task()
+        if task is None:
+            if not _server_configured():
+                Task.set_offline(True)
+            # Report in-process: the reporter subprocess costs a process and ~10 s at close.
+            if hasattr(Task, "_report_subprocess_enabled"):
+                Task._report_subprocess_enabled = False
+            task = Task.init(
+                project_name=os.environ.get("CLEARML_PROJECT") or self.options.project,
+                task_name=os.environ.get("CLEARML_TASK") or info.run_name,
+                reuse_last_task_id=False,
+                auto_connect_frameworks=False,
+                auto_connect_arg_parser=False,
+                auto_connect_streams=False,
+                auto_resource_monitoring=False,
+            )
+            self._own_task = True
+        self._task = task
+        self._run_id = info.run_id
+        params = hparams_for(self.options, info)
+        tags = [f"train.run.id:{info.run_id}"]
+        if params.get(CONFIG_HASH):
+            tags.append(f"{CONFIG_HASH}:{params[CONFIG_HASH]}")
+        task.add_tags(tags)
+        task.connect(params)
+        return task
+
+
+def _bucket_labels(bounds: Sequence[float]) -> list[str]:
+    """``(-inf, b0]``, ``(b0, b1]``, ..., ``(bn, +inf)``: one label per explicit bucket."""
+    edges = [-math.inf, *bounds, math.inf]
+    return [f"({lo:g}, {hi:g}]" if not math.isinf(hi) else f"({lo:g}, +inf)" for lo, hi in zip(edges, edges[1:])]

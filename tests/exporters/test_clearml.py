@@ -1,0 +1,122 @@
+"""ClearMLExporter: a real offline ClearML session, read back from its stored offline data."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from otel_train.exporters.base import Window
+
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, config_hash
+
+HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
+RUN_ID = "cml-run-1"
+
+
+def row(run: RunInfo, step: int, tag: str, value: float, **attrs: Any) -> MetricRow:
+    return MetricRow(run, step, tag.split("{")[0], tag, value, "gauge", 0, attrs)
+
+
+def isolated_clearml_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """No server, no user config: ClearML goes offline and keeps everything under `root`."""
+    for key in list(os.environ):
+        if key.startswith(("CLEARML_", "TRAINS_")):
+            mp.delenv(key)
+    mp.setenv("CLEARML_OFFLINE_MODE", "0")  # recorded, so ClearML's own write of it is undone after
+    mp.delenv("CLEARML_OFFLINE_MODE")
+    mp.setenv("HOME", str(root / "home"))
+    mp.setenv("CLEARML_CONFIG_FILE", str(root / "clearml.conf"))  # absent: defaults only
+    mp.setenv("CLEARML_CACHE_DIR", str(root / "cache"))
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from otel_train.exporters.clearml import ClearMLExporter
+
+    root = tmp_path_factory.mktemp("clearml")
+    with pytest.MonkeyPatch.context() as mp:
+        isolated_clearml_env(mp, root)
+        options = ExporterOptions(directory=root / "runs", project="otel-clearml-test", hparams=HPARAMS,
+                                  ranks="all")
+        r0 = RunInfo(RUN_ID, "cml", rank=0, world_size=2, config_hash=config_hash(HPARAMS))
+        r1 = RunInfo(RUN_ID, "cml", rank=1, world_size=2, config_hash=config_hash(HPARAMS))
+        exporter = ClearMLExporter(options)
+        results: list[bool] = []
+
+        def export() -> None:  # the reader calls exporters from its own thread
+            results.append(exporter.export_window(Window(metrics=[
+                row(r0, 1, "train/loss", 0.5), row(r0, 0, "train/loss", 1.0), row(r0, 2, "train/loss", 0.25),
+                row(r0, 1, "eval/acc{split=val}", 0.75, split="val"), row(r0, 0, "lr", 0.01),
+                row(r0, 0, "optim/lr/group0", 0.02), row(r1, 0, "train/loss", 1.5),
+                row(RunInfo("other-run", "x"), 0, "train/loss", 9.0),
+            ], histograms=[HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)])))
+            results.append(exporter.force_flush())
+
+        worker = threading.Thread(target=export)
+        worker.start()
+        worker.join(120)
+        task = exporter.task
+        exporter.shutdown()
+        exporter.shutdown()
+        folder = Path(task.get_offline_mode_folder())
+        yield {"results": results, "folder": folder, "task_id": task.id, "exporter": exporter}
+
+
+def events(folder: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            out.extend(json.loads(line))
+    return out
+
+
+def test_offline_session_stored_locally(session: dict[str, Any]) -> None:
+    assert session["results"] == [True, True]
+    assert session["task_id"].startswith("offline-")
+    assert session["folder"].is_dir() and session["folder"].with_suffix(".zip").is_file()
+    assert "/cache/offline/" in session["folder"].as_posix()  # under CLEARML_CACHE_DIR, not ~/.clearml
+
+
+def test_scalars_with_title_series_mapping(session: dict[str, Any]) -> None:
+    scalars: dict[tuple[str, str], dict[int, float]] = {}
+    for ev in events(session["folder"]):
+        if ev["type"] == "training_stats_scalar":
+            scalars.setdefault((ev["metric"], ev["variant"]), {})[ev["iter"]] = ev["value"]
+    assert scalars[("train", "loss")] == {0: 1.0, 1: 0.5, 2: 0.25}
+    assert scalars[("eval", "acc{split=val}")] == {1: 0.75}
+    assert scalars[("lr", "lr")] == {0: 0.01}
+    assert scalars[("optim/lr", "group0")] == {0: 0.02}
+    assert scalars[("train", "loss{rank=1}")] == {0: 1.5}
+    assert len(scalars) == 5  # the other run's row was dropped
+    assert session["exporter"].rows_dropped == 1
+
+
+def test_histogram_reported(session: dict[str, Any]) -> None:
+    (plot,) = [ev for ev in events(session["folder"]) if ev["type"] == "plot"]
+    assert (plot["metric"], plot["variant"], plot["iter"]) == ("grad", "grad", 1)
+    data = json.loads(plot["plot_str"])["data"][0]
+    assert data["y"] == [1, 2, 1] and data["x"] == ["(-inf, 1]", "(1, 2]", "(2, +inf)"]
+
+
+def test_task_name_tags_and_hparams(session: dict[str, Any]) -> None:
+    task = json.loads((session["folder"] / "task.json").read_text())
+    assert task["name"] == "cml"
+    assert f"train.run.id:{RUN_ID}" in task["tags"]
+    assert f"train.config.hash:{config_hash(HPARAMS)}" in task["tags"]
+    general = {k: v["value"] for k, v in task["hyperparams"]["General"].items()}
+    assert general == {"lr": "0.2", "model/depth": "4", "train.config.hash": config_hash(HPARAMS),
+                       "train.run.id": RUN_ID}
+
+
+def test_missing_clearml_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.exporters.clearml import ClearMLExporter
+
+    monkeypatch.setitem(sys.modules, "clearml", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[clearml\]'"):
+        ClearMLExporter(ExporterOptions())

@@ -1,0 +1,144 @@
+"""The `otlp` exporter against the real sink (gRPC and HTTP/protobuf), and with nothing listening."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' helpers
+
+from sinkkit import make_sink, metrics_data, resource, scalars  # noqa: E402
+
+from otel_train.errors import ConfigError  # noqa: E402
+from otel_train.exporters.otlp import OTLPExporter  # noqa: E402
+
+
+def _point_to(monkeypatch: pytest.MonkeyPatch, sink: Any, protocol: str) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    if protocol == "grpc":
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.grpc_port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    else:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.http_port}")
+
+
+def test_protocol_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as GrpcMetrics
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpans
+
+    exp = OTLPExporter()
+    assert exp.protocols == {"metrics": "grpc", "traces": "grpc"}
+    assert isinstance(exp._metrics.inner, GrpcMetrics)
+    exp.shutdown()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc")
+    exp = OTLPExporter(None)
+    assert exp.protocols == {"metrics": "grpc", "traces": "http/protobuf"}
+    assert isinstance(exp._traces.inner, HttpSpans)
+    exp.shutdown()
+    exp.shutdown()  # idempotent
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
+    with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: 'http/json'"):
+        OTLPExporter()
+
+
+def test_registry_builds_it() -> None:
+    from otel_train.registry import get_spec, load_class
+
+    cls = load_class(get_spec("otlp"))
+    assert cls is OTLPExporter
+    cls().shutdown()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+
+    sink = make_sink(tmp_path, ("tensorboard", "chrome_trace"), token="s3cret")
+    try:
+        _point_to(monkeypatch, sink, protocol)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret")
+        exp = OTLPExporter()
+        assert exp.export(metrics_data("o", 0, 1, range(4))) is MetricExportResult.SUCCESS
+        tp = TracerProvider(resource=resource("o", 0, 1))
+        tp.add_span_processor(SimpleSpanProcessor(exp))
+        with tp.get_tracer("t").start_as_current_span("step", attributes={"train.step": 2}):
+            pass
+        assert exp.export([]) is SpanExportResult.SUCCESS
+        assert exp.sent == 8 + 1 and exp.failures == 0 and exp.dropped == 0
+        tp.shutdown()  # shuts the exporter down too
+        assert sink.flush(10)
+        assert sink.router.spans_in == 1
+    finally:
+        sink.stop()
+    got = scalars(tmp_path / "runs" / "o")
+    assert got["train/loss"] == [(s, float(s)) for s in range(4)]
+    assert got["train/tokens"] == [(s, 10.0 * (s + 1)) for s in range(4)]
+
+
+def test_wrong_token_is_a_counted_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink = make_sink(tmp_path, token="right")
+    try:
+        _point_to(monkeypatch, sink, "grpc")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20wrong")
+        exp = OTLPExporter()
+        exp.export(metrics_data("o", 0, 1, range(2)))
+        assert exp.failures == 1 and exp.pending == 1 and sink.router.points_in == 0
+        assert sink.rejected == {"unauthenticated": 1}
+        exp.shutdown(timeout_millis=100)  # no time for another attempt: counted as dropped
+        assert exp.dropped == 4
+    finally:
+        sink.stop()
+
+
+def test_collector_down_bounded_kept_and_sent_after_recovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rotel_proc import free_port
+
+    port = free_port()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    exp = OTLPExporter(max_pending=2)
+    t0 = time.monotonic()
+    exp.export(metrics_data("down", 0, 1, range(0, 2)))
+    assert time.monotonic() - t0 < 3.0  # bounded by our 2 s default timeout
+    assert exp.failures == 1 and exp.pending == 1
+    t0 = time.monotonic()
+    exp.export(metrics_data("down", 0, 1, range(2, 4)))  # in backoff: queued without blocking
+    exp.export(metrics_data("down", 0, 1, range(4, 6)))  # over max_pending: the oldest batch is dropped
+    assert time.monotonic() - t0 < 0.2
+    assert exp.pending == 2 and exp.dropped == 4 and exp.failures == 1
+    assert exp.force_flush() is False  # the collector failed last time: flush does not block on it
+    from otel_train.config import SinkSettings
+    from otel_train.records import ExporterOptions
+    from otel_train.sink import Sink, exporter_factory
+
+    sink = Sink(SinkSettings(grpc=f"127.0.0.1:{port}", http="127.0.0.1:0"),
+                exporter_factory(("tensorboard",), ExporterOptions(tmp_path / "runs", ranks="all"))).start()
+    try:
+        exp.shutdown(timeout_millis=10_000)  # the last try finds the collector back
+        assert exp.pending == 0 and exp.sent == 8 and exp.dropped == 4
+        assert sink.flush(10)
+    finally:
+        sink.stop()
+    assert scalars(tmp_path / "runs" / "down")["train/loss"] == [(s, float(s)) for s in range(2, 6)]
+
+
+def test_shutdown_with_collector_down_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rotel_proc import free_port
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+    exp = OTLPExporter()
+    exp.export(metrics_data("down", 0, 1, range(3)))
+    t0 = time.monotonic()
+    exp.shutdown(timeout_millis=1000)
+    assert time.monotonic() - t0 < 1.0
+    assert exp.dropped == 6
+    assert exp.export(metrics_data("down", 0, 1, range(1))).name == "FAILURE"  # after shutdown: counted
+    assert exp.dropped == 8

@@ -1,0 +1,124 @@
+"""TensorBoard exporter: read back with TensorBoard's own reader, and once through a real server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import otel_train as ot
+from otel_train.exporters.base import Window
+from otel_train.exporters.tensorboard import TensorBoardExporter
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
+
+
+def _scalars(path: Path, tag: str) -> dict[int, float]:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def test_values_at_steps_through_init(run_dir: Path) -> None:
+    ot.init(exporters="tensorboard", dir=run_dir, run_name="tb-run", export_every=3)
+    meter = ot.get_meter()
+    seen = meter.create_counter("train/samples")
+    for i in ot.steps(range(10)):
+        ot.log({"train/loss": 10.0 - i, "eval/acc": i / 10})
+        seen.add(32, {"train.step": i})
+    ot.shutdown()
+    path = run_dir / "tb-run"
+    assert _scalars(path, "train/loss") == {i: 10.0 - i for i in range(10)}
+    assert _scalars(path, "eval/acc") == pytest.approx({i: i / 10 for i in range(10)})
+    assert _scalars(path, "train/samples") == {i: 32.0 * (i + 1) for i in range(10)}  # a running total
+
+
+def test_histograms_and_suffix_tags(tmp_path: Path) -> None:
+    run = RunInfo("r", "hist")
+    rows = [MetricRow(run, 4, "eval/acc", "eval/acc{split=val}", 0.75, "gauge", 1_000_000_000)]
+    hist = HistogramRow(run, 4, "grad/norm", "grad/norm", 6, 21.0, 1.0, 6.0, (2.0, 4.0), (1, 2, 3), 1_000_000_000)
+    with TensorBoardExporter(ExporterOptions(directory=tmp_path)) as tb:
+        tb.export_window(Window(rows, [hist]))
+    acc = EventAccumulator(str(tmp_path / "hist"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/acc{split=val}")] == [(4, 0.75)]
+    (h,) = acc.Histograms("grad/norm")
+    assert h.step == 4
+    assert (h.histogram_value.num, h.histogram_value.sum, h.histogram_value.min, h.histogram_value.max) == (
+        6, 21.0, 1.0, 6.0)
+    assert list(h.histogram_value.bucket) == [1, 2, 3]
+    assert list(h.histogram_value.bucket_limit) == [2.0, 4.0, 6.0]
+
+
+def test_hparams_are_written_for_the_hparams_plugin(tmp_path: Path) -> None:
+    from tensorboard.plugins.hparams import metadata
+
+    options = ExporterOptions(directory=tmp_path, hparams={"lr": 0.01, "optim": {"name": "adam"}, "amp": True})
+    with TensorBoardExporter(options) as tb:
+        tb.export_window(Window([MetricRow(RunInfo("r", "hp"), 0, "loss", "loss", 1.0, "gauge", 0)]))
+    acc = EventAccumulator(str(tmp_path / "hp"))
+    acc.Reload()
+    content = acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]
+    info = metadata.parse_session_start_info_plugin_data(content)
+    assert info.hparams["lr"].number_value == 0.01
+    assert info.hparams["optim.name"].string_value == "adam"
+    assert info.hparams["amp"].bool_value is True
+
+
+def test_rank_subfolders_when_all_ranks_export(tmp_path: Path) -> None:
+    options = ExporterOptions(directory=tmp_path, ranks="all")
+    with TensorBoardExporter(options) as tb:
+        rows = [MetricRow(RunInfo("r", "ddp", rank=k, world_size=2), 0, "loss", "loss", float(k), "gauge", 0)
+                for k in range(2)]
+        tb.export_window(Window(rows))
+    assert _scalars(tmp_path / "ddp" / "rank0", "loss") == {0: 0.0}
+    assert _scalars(tmp_path / "ddp" / "rank1", "loss") == {0: 1.0}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_real_tensorboard_server_serves_the_curve(run_dir: Path, tmp_path: Path) -> None:
+    ot.init(exporters="tensorboard", dir=run_dir, run_name="served")
+    for i in ot.steps(range(5)):
+        ot.log({"train/loss": 1.0 / (i + 1)})
+    ot.shutdown()
+    port = _free_port()
+    log = (tmp_path / "tb.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--load_fast", "false"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        query = urllib.parse.urlencode({"run": "served", "tag": "train/loss"})
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?{query}"
+        deadline = time.monotonic() + 60
+        data = None
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (tmp_path / "tb.log").read_text()
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    data = json.load(resp)
+                if data:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.25)
+        assert data is not None, (tmp_path / "tb.log").read_text()
+        assert [(step, round(value, 6)) for _, step, value in data] == [
+            (i, round(1.0 / (i + 1), 6)) for i in range(5)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()

@@ -1,0 +1,36 @@
+"""The built wheel maps `exporters/` to `otel_train.exporters` and never ships a top-level `exporters`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_contents(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("otel_train-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "otel_train/exporters/tensorboard.py" in names
+    assert "otel_train/exporters/base.py" in names
+    assert "otel_train/py.typed" in names
+    assert not [n for n in names if n.startswith("exporters/")]
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "otel-train = otel_train.cli:main" in text
+    assert "[opentelemetry_metrics_exporter]" in text
+
+
+def test_bare_exporters_is_not_importable(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import otel_train.exporters.base; import exporters"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert result.returncode != 0
+    assert "No module named 'exporters'" in result.stderr

@@ -1,0 +1,157 @@
+"""init/shutdown: resource, run identity, errors at init, process hooks (SIGTERM), bounded shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import otel_train as ot
+from otel_train.config import load_settings
+from otel_train.errors import ConfigError
+from otel_train.runtime import resolve_run_id
+from otel_train.testing import InMemoryRowExporter
+
+
+def test_resource_carries_run_and_rank(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=vision")
+    session = ot.init(exporters=[], dir=run_dir, run_id="job-42", run_name="resnet", service_name="trainer")
+    attrs = session.resource.attributes
+    assert attrs["train.run.id"] == "job-42" and attrs["train.run.name"] == "resnet"
+    assert (attrs["train.rank"], attrs["train.local_rank"], attrs["train.world_size"]) == (0, 0, 4)
+    assert attrs["service.name"] == "trainer" and attrs["team"] == "vision"
+    assert attrs["process.pid"] == os.getpid() and attrs["host.name"]
+
+
+def test_run_id_is_the_same_on_every_rank_without_communication() -> None:
+    s = load_settings({})
+    assert resolve_run_id(s, {"TORCHELASTIC_RUN_ID": "abc", "RANK": "3"}) == "abc"
+    assert resolve_run_id(s, {"SLURM_JOB_ID": "991"}) == "991"
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert resolve_run_id(s, {**env, "RANK": "0"}) == resolve_run_id(s, {**env, "RANK": "1"})
+    assert resolve_run_id(load_settings({"OTEL_TRAIN_RUN_ID": "mine"}), {"SLURM_JOB_ID": "1"}) == "mine"
+    single = resolve_run_id(s, {})
+    assert single != resolve_run_id(s, {})  # a lone process gets a fresh id
+
+
+def test_second_init_warns_and_returns_the_same_session(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first = ot.init(exporters=[], dir=run_dir)
+    with caplog.at_level(logging.WARNING):
+        second = ot.init(exporters=["tensorboard"], dir=run_dir)
+    assert second is first
+    assert any("init() called again" in r.getMessage() for r in caplog.records)
+
+
+def test_unknown_exporter_lists_the_known_ones(run_dir: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        ot.init(exporters="tensorbord", dir=run_dir)
+    assert str(info.value).startswith(
+        "OTEL_TRAIN_EXPORTERS: unknown exporter 'tensorbord'; known: chrome_trace, clearml, console, jsonl, "
+        "mlflow, otlp, tensorboard, trackio, wandb"
+    )
+
+
+def test_missing_package_names_the_pip_install(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError) as info:
+        ot.init(exporters="tensorboard,wandb", dir=run_dir)
+    assert str(info.value) == (
+        "OTEL_TRAIN_EXPORTERS: exporter 'wandb' needs the `wandb` package, which is not installed; "
+        "run: pip install 'otel-train[wandb]'"
+    )
+
+
+def test_unwritable_dir_fails_at_init_naming_the_path(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"OTEL_TRAIN_DIR: cannot write to '.*a-file/runs'"):
+        ot.init(exporters=[], dir=blocker / "runs")
+
+
+def test_bad_env_fails_at_init(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_EVERY", "-3")
+    with pytest.raises(ConfigError, match="OTEL_TRAIN_EXPORT_EVERY: -3 is too small"):
+        ot.init(dir=run_dir)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    monkeypatch.delenv("OTEL_TRAIN_EXPORT_EVERY")
+    with pytest.raises(ConfigError, match="WORLD_SIZE: 'two' is not an integer"):
+        ot.init(exporters=[], dir=run_dir)
+
+
+def test_init_after_shutdown_starts_a_new_session(run_dir: Path) -> None:
+    a = InMemoryRowExporter()
+    first = ot.init(exporters=[a], dir=run_dir)
+    ot.shutdown()
+    b = InMemoryRowExporter()
+    second = ot.init(exporters=[b], dir=run_dir)
+    assert second is not first
+    ot.log({"x": 1.0}, step=0)
+    ot.flush()
+    assert b.values("x") == {0: 1.0} and a.metrics == []
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import otel_train as ot
+    ot.init(exporters="tensorboard,chrome_trace", dir=sys.argv[1], run_name="preempted",
+            export_every=1000, export_interval_s=3600)
+    for i in ot.steps(range(10**9)):
+        with ot.span("forward"):
+            ot.log({"train/loss": float(i)})
+        if i == 199:
+            print("ready", flush=True)
+        if i >= 199:
+            time.sleep(0.01)
+    """
+)
+
+
+def test_sigterm_mid_run_keeps_every_logged_step(tmp_path: Path) -> None:
+    """Preemption: every step logged before SIGTERM is in the TB files and the trace."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from otel_train.trace_merge import load_trace
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "runs")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    assert rc == -signal.SIGTERM  # the default action still ends the process, after our flush
+    acc = EventAccumulator(str(tmp_path / "runs" / "preempted"))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("train/loss")]
+    assert steps == list(range(len(steps))) and len(steps) >= 200
+    events = load_trace(tmp_path / "runs" / "preempted" / "trace" / "rank0.trace.json")
+    span_steps = sorted(e["args"]["train.step"] for e in events if e.get("ph") == "X")
+    assert span_steps[: len(steps)] == steps  # each logged step has its span
+
+
+def test_shutdown_is_bounded_when_an_exporter_hangs(run_dir: Path) -> None:
+    import threading
+
+    class Stuck(InMemoryRowExporter):
+        def write_metrics(self, rows, histograms):  # type: ignore[no-untyped-def]
+            threading.Event().wait(60)
+
+    ot.init(exporters=[Stuck()], dir=run_dir, shutdown_timeout_s=1)
+    ot.log({"x": 1.0}, step=0)
+    start = time.monotonic()
+    ot.shutdown()
+    assert time.monotonic() - start < 4
