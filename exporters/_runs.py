@@ -18,6 +18,7 @@ from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, RunInfo, co
 
 __all__ = [
     "StepGate",
+    "bounded",
     "by_step",
     "flatten",
     "hparams_for",

@@ -49,6 +49,7 @@ _DELTA_EVERYWHERE = {
     for kind in (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)
 }
 _MAX_PENDING = 64  # failed windows kept for retry before the oldest is dropped
+_MAX_ATTEMPTS = 8  # tries of one window before it is dropped
 _BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)
 
 
@@ -142,6 +143,18 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             except Exception as err:  # isolate the backend: count, log rarely, retry later
                 self.failures += 1
                 self._attempts += 1
+                if self._attempts >= _MAX_ATTEMPTS:
+                    # A window the backend rejects every time must not hold back every later one.
+                    self._pending.popleft()
+                    self.dropped_windows += 1
+                    self._attempts = 0
+                    self._log.error(
+                        "poison",
+                        "exporter `%s` rejected one window %d times (%s: %s); dropped it and moved on "
+                        "(logged at most once a minute)",
+                        self.name, _MAX_ATTEMPTS, type(err).__name__, err,
+                    )
+                    continue
                 delay = _BACKOFF_S[min(self._attempts, len(_BACKOFF_S)) - 1]
                 self._retry_at = time.monotonic() + delay
                 self._log.error(

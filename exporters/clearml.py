@@ -1,7 +1,8 @@
 """ClearML backend: one ClearML Task per training run, scalars with `report_scalar`.
 
 - Task: the running task when the process already has one (the user's own `Task.init`), else a new
-  Task in project `CLEARML_PROJECT` / the otel-train project, named `CLEARML_TASK` / `train.run.name`,
+  Task in project `CLEARML_PROJECT` / the otel-train project, named `CLEARML_TASK` / `train.run.name`
+  (the two variables as in Hugging Face accelerate),
   tagged ``train.run.id:<id>`` and ``train.config.hash:<hash>``. When no ClearML server is configured
   (no `CLEARML_API_HOST`, `CLEARML_API_ACCESS_KEY`, `CLEARML_AUTH_TOKEN` or credentials in
   `CLEARML_CONFIG_FILE` / ``~/.clearml.conf``) the Task runs offline: ClearML stores a session folder
@@ -20,6 +21,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -101,7 +103,8 @@ class ClearMLExporter(RowExporter):
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
-        candidates = [r for r in [*rows, *histograms] if wanted(self.options, r.run)]
+        all_rows: list[MetricRow | HistogramRow] = [*rows, *histograms]
+        candidates = [r for r in all_rows if wanted(self.options, r.run)]
         if not candidates:
             return
         logger = self._open(candidates[0].run).get_logger()
@@ -146,13 +149,13 @@ class ClearMLExporter(RowExporter):
 
         from clearml import Task
 
-        task = Task.current_task()
+        task: Any = Task.current_task()
         if task is None:
             if not _server_configured():
                 Task.set_offline(True)
             # Report in-process: the reporter subprocess costs a process and ~10 s at close.
             if hasattr(Task, "_report_subprocess_enabled"):
-                Task._report_subprocess_enabled = False
+                Task._report_subprocess_enabled = False  # type: ignore[assignment]
             task = Task.init(
                 project_name=os.environ.get("CLEARML_PROJECT") or self.options.project,
                 task_name=os.environ.get("CLEARML_TASK") or info.run_name,
@@ -177,4 +180,4 @@ class ClearMLExporter(RowExporter):
 def _bucket_labels(bounds: Sequence[float]) -> list[str]:
     """``(-inf, b0]``, ``(b0, b1]``, ..., ``(bn, +inf)``: one label per explicit bucket."""
     edges = [-math.inf, *bounds, math.inf]
-    return [f"({lo:g}, {hi:g}]" if not math.isinf(hi) else f"({lo:g}, +inf)" for lo, hi in zip(edges, edges[1:])]
+    return [f"({lo:g}, {hi:g}]" if not math.isinf(hi) else f"({lo:g}, +inf)" for lo, hi in itertools.pairwise(edges)]

@@ -35,7 +35,7 @@ from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, HistogramRo
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-__all__ = ["MLflowExporter", "mlflow_key", "LAST_STEP_TAG"]
+__all__ = ["LAST_STEP_TAG", "MLflowExporter", "mlflow_key"]
 
 _logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class MLflowExporter(RowExporter):
     @property
     def steps_dropped(self) -> int:
         """Rows dropped because the resumed run already held their step."""
-        return self._gate.dropped
+        return int(self._gate.dropped)
 
     @property
     def run_ids(self) -> dict[str, str]:
@@ -217,7 +217,7 @@ class MLflowExporter(RowExporter):
             run = found[0] if found else created
             if run.info.run_id != created.info.run_id:
                 client.delete_run(created.info.run_id)
-        mlflow_id = run.info.run_id
+        mlflow_id = str(run.info.run_id)
         self._runs[info.run_id] = mlflow_id
         self._tags[mlflow_id] = dict(run.data.tags)
         self._log_params(client, mlflow_id, params, dict(run.data.params))

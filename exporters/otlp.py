@@ -51,7 +51,7 @@ PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_TIMEOUT_S = 2.0
 _BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
-_DELTA = {
+_DELTA: dict[type, AggregationTemporality] = {
     kind: AggregationTemporality.DELTA
     for kind in (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)
 }
@@ -144,23 +144,29 @@ class OTLPExporter(MetricExporter, SpanExporter):
         timeout = _timeout_s("METRICS")
         try:
             if protocol == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-            else:
-                from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+                from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
+
+                return Grpc(timeout=timeout, preferred_temporality=dict(_DELTA))
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as Http
+
+            return Http(timeout=timeout, preferred_temporality=dict(_DELTA))
         except ImportError as err:
             raise self._missing(protocol, err) from err
-        return OTLPMetricExporter(timeout=timeout, preferred_temporality=dict(_DELTA))
 
     def _build_traces(self, protocol: str) -> Any:
         timeout = _timeout_s("TRACES")
         try:
             if protocol == "grpc":
-                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-            else:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                    OTLPSpanExporter as GrpcSpans,
+                )
+
+                return GrpcSpans(timeout=timeout)
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpans
+
+            return HttpSpans(timeout=timeout)
         except ImportError as err:
             raise self._missing(protocol, err) from err
-        return OTLPSpanExporter(timeout=timeout)
 
     # -- export ------------------------------------------------------------------------------------
     def export(self, data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -220,7 +226,7 @@ class OTLPExporter(MetricExporter, SpanExporter):
         return len(self._metrics.pending) + len(self._traces.pending)
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:  # type: ignore[override]
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
         """Send pending batches now, unless the collector failed at the last attempt (then the next
         export retries after the backoff): flushing must not block on a collector that is down."""
         ok = True
@@ -236,7 +242,7 @@ class OTLPExporter(MetricExporter, SpanExporter):
                 ch.lock.release()
         return ok
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:  # type: ignore[override]
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         """Try once more to send what is pending, then close. Bounded and idempotent.
 
         The last try is made only if a whole attempt (the exporter timeout) fits in `timeout_millis`;

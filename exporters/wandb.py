@@ -59,9 +59,8 @@ class WandbExporter(RowExporter):
         ModuleNotFoundError: `wandb` is not installed.
 
     Example:
-        >>> import tempfile, os
-        >>> from otel_train.records import ExporterOptions
-        >>> exporter = WandbExporter(ExporterOptions(directory=tempfile.mkdtemp()))  # doctest: +SKIP
+        >>> import otel_train as ot
+        >>> ot.init(exporters=["wandb"], run_id="job-1", config={"lr": 0.1})  # doctest: +SKIP
     """
 
     name = "wandb"
@@ -85,12 +84,13 @@ class WandbExporter(RowExporter):
     @property
     def steps_dropped(self) -> int:
         """Rows' steps dropped because W&B already held a later (or the same, resumed) step."""
-        return self._gate.dropped
+        return int(self._gate.dropped)
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         per_run: dict[tuple[str, int], tuple[RunInfo, list[MetricRow | HistogramRow]]] = {}
-        for row in [*rows, *histograms]:
+        all_rows: list[MetricRow | HistogramRow] = [*rows, *histograms]
+        for row in all_rows:
             if not wanted(self.options, row.run):
                 continue
             key = (row.run.run_id, row.run.rank)
@@ -183,6 +183,7 @@ def _read_marker(path: Path) -> int:
 
 def _histogram(row: HistogramRow) -> Any:
     """A `wandb.Histogram` of an explicit-bucket histogram; the outer edges are its min and max."""
+    import numpy as np
     import wandb
 
     counts = list(row.bucket_counts)
@@ -194,4 +195,4 @@ def _histogram(row: HistogramRow) -> Any:
     if high <= low:
         high = low + 1.0
     edges = [low, *bounds, high]
-    return wandb.Histogram(np_histogram=(counts, edges))
+    return wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges, dtype=float)))

@@ -36,15 +36,15 @@ _get_context = otel_context.get_current
 _attach = otel_context.attach
 _detach = otel_context.detach
 _time_ns = time.time_ns
-_get_ident = threading.get_native_id  # small OS thread ids, as profilers show
 _current_thread = threading.current_thread
 _rand64 = random.getrandbits
+_PLAIN = frozenset((float, int, bool))
 
 
 class _Bounded:
     """A bounded deque whose records are (seq, ...) tuples; `drain` reports how many were dropped."""
 
-    __slots__ = ("_items", "_seq", "_expected", "dropped")
+    __slots__ = ("_expected", "_items", "_seq", "dropped")
 
     def __init__(self, maxlen: int) -> None:
         self._items: deque[tuple[Any, ...]] = deque(maxlen=maxlen)
@@ -79,15 +79,46 @@ class LogBuffer(_Bounded):
     __slots__ = ()
 
     def append(self, step: int, mapping: Mapping[str, Any], time_ns: int | None = None) -> None:
+        for value in mapping.values():
+            if type(value) is not float:  # rare: tensors (and ints, arrays) take the slow path
+                mapping = _detached(mapping)
+                break
         self._items.append((next(self._seq), step, mapping, _time_ns() if time_ns is None else time_ns))
+
+
+def _detached(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`mapping` with tensors that require grad detached (no copy, no sync).
+
+    A kept tensor with `grad_fn` would keep its autograd graph (and, before `backward()`, the
+    activations it saved) alive until the next collection; `detach()` shares the storage and
+    costs under a microsecond.
+    """
+    out = None
+    for key, value in mapping.items():
+        if type(value) in _PLAIN:
+            continue
+        if getattr(value, "requires_grad", False) is True:
+            if out is None:
+                out = dict(mapping)
+            out[key] = value.detach()
+    return mapping if out is None else out
 
 
 class SpanRecord:
     """A finished `ot.span`, materialised into OTel spans / span rows on the export thread."""
 
     __slots__ = (
-        "name", "trace_id", "span_id", "parent_id", "start_ns", "end_ns",
-        "thread_id", "thread_name", "step", "attributes", "error",
+        "attributes",
+        "end_ns",
+        "error",
+        "name",
+        "parent_id",
+        "span_id",
+        "start_ns",
+        "step",
+        "thread_id",
+        "thread_name",
+        "trace_id",
     )
 
     def __init__(
@@ -126,7 +157,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
     only when someone asks for it (a raw OTel child, a propagator), not on every span.
     """
 
-    __slots__ = ("_buffer", "_record_context", "_token", "_span_context")
+    __slots__ = ("_buffer", "_record_context", "_span_context", "_token")
 
     def __init__(self, buffer: SpanBuffer, name: str, attributes: Mapping[str, Any] | None = None,
                  record_context: bool = True) -> None:
@@ -145,7 +176,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
             self.trace_id = parent.trace_id
             self.parent_id: int | None = parent.span_id
         else:
-            ctx = parent.get_span_context() if isinstance(parent, otel_trace.Span) else None
+            ctx = None if parent is None or not isinstance(parent, otel_trace.Span) else parent.get_span_context()
             if ctx is not None and ctx.is_valid:
                 self.trace_id = ctx.trace_id
                 self.parent_id = ctx.span_id
@@ -157,8 +188,9 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
             values = dict(current)
             values[_SPAN_KEY] = self
             self._token = _attach(_Context(values))
-        self.thread_id = _get_ident()
-        self.thread_name = _current_thread().name
+        thread = _current_thread()
+        self.thread_id = thread.native_id  # cached by `threading`: no gettid syscall per span
+        self.thread_name = thread.name
         step = _current.get()
         self.step = current_step() if step is None else step
         self.start_ns = _time_ns()

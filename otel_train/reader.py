@@ -52,6 +52,7 @@ from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
 from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
 
+_SyncGauge: type | None
 try:  # the synchronous gauge: the SDK's temporality-preference env var skips it, so name it here
     from opentelemetry.sdk.metrics._internal.instrument import Gauge as _SyncGauge
 except ImportError:  # pragma: no cover - older SDKs without a synchronous gauge
@@ -333,7 +334,7 @@ class StepAlignedMetricReader(MetricReader):
             try:
                 # The SDK's collect callback directly: `collect()` skips `_receive_metrics` when the
                 # SDK has no instruments, but the `ot.log` / span buffers still need draining.
-                data = self._collect(self, timeout_millis=10_000) if self._collect is not None else None
+                data = self._collect(self, 10_000) if self._collect is not None else None  # type: ignore[arg-type]
                 self._receive_metrics(data)  # type: ignore[arg-type]
             except Exception:
                 self._log.warning("collect", "collection failed; training goes on", exc_info=True)
@@ -354,7 +355,7 @@ class StepAlignedMetricReader(MetricReader):
         points = self._log_points(records)
         if self._need_rows:
             rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
-            if _has_points(metrics_data):
+            if metrics_data is not None and _has_points(metrics_data):
                 sdk_rows, hists = self._converter.rows(metrics_data, step)
                 rows.extend(sdk_rows)
         if self._need_md:

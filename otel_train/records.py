@@ -289,21 +289,21 @@ class MetricsConverter:
                                           p.time_unix_nano, _extra(attrs))
                             )
                     elif isinstance(d, Histogram):
-                        for p in d.data_points:
-                            attrs = p.attributes or {}
+                        for hp in d.data_points:
+                            attrs = hp.attributes or {}
                             step = _step_of(attrs, fallback)
                             extra = _extra(attrs)
                             tag = series_tag(name, attrs)
                             hist_rows.append(
-                                HistogramRow(run, step, name, tag, p.count, float(p.sum), float(p.min),
-                                             float(p.max), tuple(p.explicit_bounds), tuple(p.bucket_counts),
-                                             p.time_unix_nano, extra)
+                                HistogramRow(run, step, name, tag, hp.count, float(hp.sum), float(hp.min),
+                                             float(hp.max), tuple(hp.explicit_bounds), tuple(hp.bucket_counts),
+                                             hp.time_unix_nano, extra)
                             )
-                            for stat, value in (("count", p.count), ("sum", p.sum), ("min", p.min), ("max", p.max)):
+                            for stat, value in (("count", hp.count), ("sum", hp.sum), ("min", hp.min), ("max", hp.max)):
                                 stat_name = f"{name}/{stat}"
                                 metric_rows.append(
                                     MetricRow(run, step, stat_name, series_tag(stat_name, attrs), float(value),
-                                              "histogram", p.time_unix_nano, extra)
+                                              "histogram", hp.time_unix_nano, extra)
                                 )
                     # Exponential histograms have no faithful scalar form in every backend; skipped.
         return metric_rows, hist_rows

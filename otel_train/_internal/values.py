@@ -18,8 +18,20 @@ __all__ = ["to_float", "to_floats", "valid_name"]
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_./\-]{0,254}\Z")
 
 
+_VALID: dict[str, bool] = {}  # memo: the same few keys come every step
+_VALID_MAX = 65_536
+
+
 def valid_name(key: Any) -> bool:
-    return isinstance(key, str) and _NAME.match(key) is not None
+    """Whether `key` is a valid OTel instrument name (memoised: called for every logged value)."""
+    ok = _VALID.get(key) if type(key) is str else None
+    if ok is None:
+        ok = isinstance(key, str) and _NAME.match(key) is not None
+        if type(key) is str:
+            if len(_VALID) >= _VALID_MAX:  # unbounded key sets (ids in names) must not grow memory
+                _VALID.clear()
+            _VALID[key] = ok
+    return ok
 
 
 def to_float(value: Any) -> float | None:

@@ -28,6 +28,7 @@ from collections import defaultdict
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
+from otel_train.config import OTEL_TRAIN_RUN_ID, OTEL_TRAIN_SINK_TOKEN
 
 __all__ = ["MetricsClient"]
 
@@ -79,7 +80,7 @@ class MetricsClient:
         self.service_url = service_url.rstrip("/")
         self.timeout_s = timeout_s
         identity: dict[str, Any] = {}
-        run_id = run_id or os.environ.get("OTEL_TRAIN_RUN_ID") or None
+        run_id = run_id or os.environ.get(OTEL_TRAIN_RUN_ID) or None
         if run_id:
             identity["run_id"] = run_id
         for key, given, var in (("rank", rank, "RANK"), ("world_size", world_size, "WORLD_SIZE")):
@@ -90,7 +91,7 @@ class MetricsClient:
             except ValueError:
                 pass
         self._identity = identity
-        self._token = token or os.environ.get("OTEL_TRAIN_SINK_TOKEN") or None
+        self._token = token or os.environ.get(OTEL_TRAIN_SINK_TOKEN) or None
         self._buffer: defaultdict[int, list[dict[str, Any]]] = defaultdict(list)
         self._lock = threading.Lock()
         self._log = LogOnce(_logger)

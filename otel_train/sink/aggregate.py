@@ -59,8 +59,7 @@ class Aggregator:
             if row.kind not in _KINDS:
                 continue
             run = row.run
-            if run.world_size > self._world_size:
-                self._world_size = run.world_size
+            self._world_size = max(self._world_size, run.world_size)
             if run.rank == 0 and self._run0 is None:
                 self._run0 = run
             if row.step in self._done:
@@ -70,8 +69,7 @@ class Aggregator:
             if st is None:
                 st = self._steps[row.step] = _Step(now)
             st.ranks.add(run.rank)
-            if row.time_unix_nano > st.time_unix_nano:
-                st.time_unix_nano = row.time_unix_nano
+            st.time_unix_nano = max(st.time_unix_nano, row.time_unix_nano)
             entry = st.series.get(row.tag)
             if entry is None:
                 entry = st.series[row.tag] = (row.name, row.attributes, {})

@@ -27,7 +27,7 @@ from otel_train.records import MetricRow, RunInfo, SpanRow, series_tag
 if TYPE_CHECKING:
     from otel_train.sink.router import Router
 
-__all__ = ["CompatAPI", "DEFAULT_RUN_ID"]
+__all__ = ["DEFAULT_RUN_ID", "CompatAPI"]
 
 _logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class CompatAPI:
                 stack.append((ev, random.getrandbits(64) or 1))
                 self._open_count += 1
             elif ph == "E":
-                stack = self._open.get(key)
+                stack = self._open.get(key) or []
                 if not stack:
                     self.ignored += 1  # an end without a begin
                     continue

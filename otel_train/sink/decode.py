@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from otel_train.records import (
+    RUN_ID,
     HistogramRow,
     MetricRow,
     MetricsConverter,
@@ -39,7 +41,7 @@ class DecodeError(ValueError):
 class Decoded:
     """The rows of one request. Sum points stay pending until `finish` applies running totals."""
 
-    __slots__ = ("metrics", "histograms", "spans", "_sums")
+    __slots__ = ("_ids", "_sums", "histograms", "metrics", "spans", "unattributed")
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
@@ -47,6 +49,9 @@ class Decoded:
         self.spans: list[SpanRow] = []
         # (run, step, name, tag, value, kind, time, extra attrs, delta)
         self._sums: list[tuple[RunInfo, int, str, str, float, str, int, dict[str, Any], bool]] = []
+        #: Resources without `train.run.id` (their rows go to the run `unknown-run`).
+        self.unattributed = 0
+        self._ids: set[str] = set()  # run ids of the decoded Resources (saves a pass over the rows)
 
     @property
     def points(self) -> int:
@@ -60,6 +65,8 @@ class Decoded:
         self._sums.clear()
 
     def run_ids(self) -> set[str]:
+        if self._ids:
+            return self._ids
         ids = {r.run.run_id for r in self.metrics}
         ids.update(r[0].run_id for r in self._sums)
         ids.update(r.run.run_id for r in self.histograms)
@@ -68,8 +75,9 @@ class Decoded:
 
     def split_by_run(self) -> dict[str, Decoded]:
         """One `Decoded` per `train.run.id` (a collector batches several runs into one request)."""
-        if len(self.run_ids()) <= 1:
-            return {next(iter(self.run_ids())): self} if self.run_ids() else {}
+        ids = self.run_ids()
+        if len(ids) <= 1:
+            return {next(iter(ids)): self} if ids else {}
         out: dict[str, Decoded] = {}
 
         def part(run_id: str) -> Decoded:
@@ -235,12 +243,38 @@ def _zero(_: RunInfo) -> int:
     return 0
 
 
+def _point(kvs: Any, name: str, run: RunInfo, default_step: DefaultStep) -> tuple[int, str, dict[str, Any]]:
+    """(step, series tag, extra attributes) of one data point: the hot loop of the sink, kept flat."""
+    step: int | None = None
+    extra: dict[str, Any] = {}
+    for kv in kvs:
+        key = kv.key
+        if key == STEP_ATTRIBUTE:
+            v = kv.value
+            if v.WhichOneof("value") == "int_value":
+                step = v.int_value
+            else:
+                try:
+                    step = int(_any(v))
+                except (TypeError, ValueError):
+                    step = None
+        elif key != RANK_ATTRIBUTE:
+            extra[key] = _any(kv.value)
+    if step is None:
+        step = default_step(run)
+    return step, (series_tag(name, extra) if extra else name), extra
+
+
 # -- requests -> rows ----------------------------------------------------------------------------
 def decode_metrics(request: Any, runs: RunCache, default_step: DefaultStep = _zero) -> Decoded:
     """Rows of an `ExportMetricsServiceRequest`. `runs` only caches RunInfo by Resource."""
     out = Decoded()
     for rm in request.resource_metrics:
-        run = runs.run_for(_attrs(rm.resource.attributes))
+        resource = _attrs(rm.resource.attributes)
+        out.unattributed += RUN_ID not in resource
+        run = runs.run_for(resource)
+        if rm.scope_metrics:
+            out._ids.add(run.run_id)
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 name = metric.name
@@ -248,23 +282,23 @@ def decode_metrics(request: Any, runs: RunCache, default_step: DefaultStep = _ze
                     raise DecodeError("a metric has an empty name")
                 kind = metric.WhichOneof("data")
                 if kind == "gauge":
+                    append = out.metrics.append
                     for p in metric.gauge.data_points:
-                        attrs = _attrs(p.attributes)
-                        out.metrics.append(MetricRow(
-                            run, _step(attrs, run, default_step), name, series_tag(name, attrs), _value(p),
-                            "gauge", p.time_unix_nano, _extra(attrs)))
+                        step, tag, extra = _point(p.attributes, name, run, default_step)
+                        append(MetricRow(run, step, name, tag, p.as_double or float(p.as_int), "gauge",
+                                         p.time_unix_nano, extra))
                 elif kind == "sum":
                     s = metric.sum
                     sum_kind = "counter" if s.is_monotonic else "sum"
                     delta = s.aggregation_temporality == _DELTA
                     pts = []
                     for p in s.data_points:
-                        attrs = _attrs(p.attributes)
-                        pts.append((_step(attrs, run, default_step), attrs, p))
+                        step, tag, extra = _point(p.attributes, name, run, default_step)
+                        pts.append((step, tag, extra, p))
                     pts.sort(key=lambda x: x[0])  # running totals follow the step order
-                    for step, attrs, p in pts:
-                        out._sums.append((run, step, name, series_tag(name, attrs), _value(p), sum_kind,
-                                          p.time_unix_nano, _extra(attrs), delta))
+                    for step, tag, extra, p in pts:
+                        out._sums.append((run, step, name, tag, p.as_double or float(p.as_int), sum_kind,
+                                          p.time_unix_nano, extra, delta))
                 elif kind == "histogram":
                     for p in metric.histogram.data_points:
                         attrs = _attrs(p.attributes)
@@ -280,7 +314,7 @@ def decode_metrics(request: Any, runs: RunCache, default_step: DefaultStep = _ze
                             run, step, name, series_tag(name, attrs), int(p.count), total, lo, hi,
                             tuple(p.explicit_bounds), tuple(p.bucket_counts), p.time_unix_nano, extra))
                         for stat, value in (("count", float(p.count)), ("sum", total), ("min", lo), ("max", hi)):
-                            if stat in ("min", "max") and value != value:
+                            if stat in ("min", "max") and math.isnan(value):
                                 continue  # absent min/max: no row rather than NaN
                             stat_name = f"{name}/{stat}"
                             out.metrics.append(MetricRow(run, step, stat_name, series_tag(stat_name, attrs),
@@ -307,7 +341,11 @@ def decode_traces(request: Any, runs: RunCache) -> Decoded:
     """Span rows of an `ExportTraceServiceRequest`."""
     out = Decoded()
     for rs in request.resource_spans:
-        run = runs.run_for(_attrs(rs.resource.attributes))
+        resource = _attrs(rs.resource.attributes)
+        out.unattributed += RUN_ID not in resource
+        run = runs.run_for(resource)
+        if rs.scope_spans:
+            out._ids.add(run.run_id)
         for ss in rs.scope_spans:
             for span in ss.spans:
                 attrs = _attrs(span.attributes)

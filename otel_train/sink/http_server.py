@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -24,14 +25,33 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     sink: Sink
+    tls: Any = None  # ssl.SSLContext when serving HTTPS
+
+    def get_request(self) -> tuple[Any, Any]:
+        sock, addr = self.socket.accept()
+        if self.tls is not None:
+            # The handshake runs in the request's thread (`_Handler.setup`), so a client that
+            # connects and stalls cannot block the accept loop.
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, addr
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _logger.debug("HTTP connection from %s failed: %r", client_address, sys.exc_info()[1])
 
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
     server_version = "otel-train-sink"
+    timeout = 60  # seconds a connection may stay silent (slow or stuck clients free their thread)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+    def setup(self) -> None:
+        if self.server.tls is not None:
+            self.request.settimeout(self.timeout)
+            self.request.do_handshake()
+        super().setup()
+
+    def log_message(self, format: str, *args: Any) -> None:
         _logger.debug("%s " + format, self.address_string(), *args)
 
     # -- responses -----------------------------------------------------------------------------
@@ -87,7 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length)
 
     # -- verbs ---------------------------------------------------------------------------------
-    def do_GET(self) -> None:  # noqa: N802 - stdlib name
+    def do_GET(self) -> None:
         url = urlsplit(self.path)
         sink = self.server.sink
         if url.path == "/health":
@@ -104,7 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"code": 5, "message": f"no route {url.path}"})
 
-    def do_POST(self) -> None:  # noqa: N802 - stdlib name
+    def do_POST(self) -> None:
         from otel_train.sink.decode import DecodeError
         from otel_train.sink.router import Overloaded
 
@@ -163,7 +183,7 @@ def start_http(sink: Sink, address: str, tls_cert: str | None = None,
 
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(tls_cert, tls_key)
-        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+        server.tls = ctx
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                               name="otel-train-sink-http", daemon=True)
     thread.start()

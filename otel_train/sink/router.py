@@ -23,7 +23,7 @@ from otel_train.sink.decode import Decoded
 if TYPE_CHECKING:
     from otel_train.exporters.base import RowExporter
 
-__all__ = ["Overloaded", "Router", "ExporterFactory"]
+__all__ = ["ExporterFactory", "Overloaded", "Router"]
 
 _logger = logging.getLogger(__name__)
 

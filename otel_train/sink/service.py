@@ -9,10 +9,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from otel_train._internal.ratelimit import LogOnce
 from otel_train.config import SinkSettings
 from otel_train.records import ExporterOptions
 from otel_train.sink.compat import CompatAPI
-from otel_train.sink.decode import DecodeError, RunCache, decode_metrics, decode_traces, parse_metrics, parse_traces
+from otel_train.sink.decode import (
+    DecodeError,
+    RunCache,
+    decode_metrics,
+    decode_traces,
+    parse_metrics,
+    parse_traces,
+)
 from otel_train.sink.grpc_server import token_matches
 from otel_train.sink.router import ExporterFactory, Router
 
@@ -67,6 +75,8 @@ class Sink:
         self.grpc_port = 0
         self.http_port = 0
         self.rejected: dict[str, int] = {}
+        self.unattributed = 0
+        self._log = LogOnce(_logger, interval_s=60.0)
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
         self._stopped = False
@@ -99,6 +109,12 @@ class Sink:
         else:
             raise DecodeError(f"unknown signal {signal!r}")
         n = decoded.points + len(decoded.spans)
+        if decoded.unattributed:
+            self.unattributed += decoded.unattributed
+            self._log.warning("unattributed", "received %s data without the `train.run.id` resource attribute "
+                              "(%d resource(s) so far), written under the run `unknown-run`; check the sender "
+                              "(and a collector's batching) keeps the Resource (logged at most once a minute)",
+                              signal, self.unattributed)
         if n:
             self.router.ingest(decoded)
         return n
@@ -112,6 +128,7 @@ class Sink:
             "spans": self.router.spans_in,
             "errors": self.router.errors,
             "rejected": dict(self.rejected),
+            "unattributed_resources": self.unattributed,
         }
 
     # -- lifecycle -----------------------------------------------------------------------------

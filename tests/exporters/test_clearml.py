@@ -8,11 +8,11 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
-from otel_train.exporters.base import Window
 
+from otel_train.exporters.base import Window
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, config_hash
 
 HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
@@ -28,8 +28,10 @@ def isolated_clearml_env(mp: pytest.MonkeyPatch, root: Path) -> None:
     for key in list(os.environ):
         if key.startswith(("CLEARML_", "TRAINS_")):
             mp.delenv(key)
-    mp.setenv("CLEARML_OFFLINE_MODE", "0")  # recorded, so ClearML's own write of it is undone after
-    mp.delenv("CLEARML_OFFLINE_MODE")
+    # ClearML writes these itself (offline mode, process master id): record them, so they are undone after.
+    for key in ("CLEARML_OFFLINE_MODE", "TRAINS_OFFLINE_MODE", "CLEARML_PROC_MASTER_ID", "TRAINS_PROC_MASTER_ID"):
+        mp.setenv(key, "")
+        mp.delenv(key)
     mp.setenv("HOME", str(root / "home"))
     mp.setenv("CLEARML_CONFIG_FILE", str(root / "clearml.conf"))  # absent: defaults only
     mp.setenv("CLEARML_CACHE_DIR", str(root / "cache"))
@@ -120,3 +122,101 @@ def test_missing_clearml_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "clearml", None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[clearml\]'"):
         ClearMLExporter(ExporterOptions())
+
+
+class _FakeLogger:
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, str, float, int]] = []
+
+    def report_scalar(self, title: str, series: str, value: float, iteration: int) -> None:
+        self.scalars.append((title, series, value, iteration))
+
+    def flush(self, wait: bool = False) -> bool:
+        return True
+
+
+class _FakeTask:
+    current: ClassVar[_FakeTask | None] = None
+    offline_calls: ClassVar[list[bool]] = []
+    inits: ClassVar[list[dict[str, Any]]] = []
+    _report_subprocess_enabled = True
+
+    def __init__(self) -> None:
+        self.logger = _FakeLogger()
+        self.tags: list[str] = []
+        self.connected: list[dict[str, Any]] = []
+        self.closed = 0
+
+    @classmethod
+    def current_task(cls) -> _FakeTask | None:
+        return cls.current
+
+    @classmethod
+    def set_offline(cls, offline_mode: bool = False) -> None:
+        cls.offline_calls.append(offline_mode)
+
+    @classmethod
+    def init(cls, **kwargs: Any) -> _FakeTask:
+        cls.inits.append(kwargs)
+        return cls()
+
+    def get_logger(self) -> _FakeLogger:
+        return self.logger
+
+    def add_tags(self, tags: list[str]) -> None:
+        self.tags.extend(tags)
+
+    def connect(self, params: dict[str, Any]) -> None:
+        self.connected.append(params)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+@pytest.fixture
+def fake_clearml(monkeypatch: pytest.MonkeyPatch) -> type[_FakeTask]:
+    import types
+
+    class Task(_FakeTask):
+        current = None
+        offline_calls: ClassVar[list[bool]] = []
+        inits: ClassVar[list[dict[str, Any]]] = []
+
+    monkeypatch.setitem(sys.modules, "clearml", types.SimpleNamespace(Task=Task))
+    monkeypatch.setitem(sys.modules, "clearml.config", None)  # no config file to consult
+    for key in [k for k in os.environ if k.startswith(("CLEARML_", "TRAINS_"))]:
+        monkeypatch.delenv(key)
+    return Task
+
+
+def test_users_own_task_is_reused_and_left_open(fake_clearml: type[_FakeTask], tmp_path: Path) -> None:
+    from otel_train.exporters.clearml import ClearMLExporter
+
+    mine = fake_clearml()
+    fake_clearml.current = mine
+    with ClearMLExporter(ExporterOptions(directory=tmp_path)) as exp:
+        exp.export_window(Window(metrics=[row(RunInfo("r", "n"), 3, "train/loss", 0.5)]))
+    assert fake_clearml.inits == [] and mine.closed == 0  # not ours to close
+    assert mine.logger.scalars == [("train", "loss", 0.5, 3)]
+    assert "train.run.id:r" in mine.tags and mine.connected == [{"train.run.id": "r"}]
+
+
+def test_configured_server_means_online(fake_clearml: type[_FakeTask], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.exporters.clearml import ClearMLExporter
+
+    monkeypatch.setenv("CLEARML_API_HOST", "http://clearml.invalid:8008")
+    monkeypatch.setenv("CLEARML_PROJECT", "from-env")
+    with ClearMLExporter(ExporterOptions(directory=tmp_path, project="proj")) as exp:
+        exp.export_window(Window(metrics=[row(RunInfo("r", "n"), 0, "a", 1.0)]))
+    assert fake_clearml.offline_calls == []
+    assert fake_clearml.inits[0]["project_name"] == "from-env" and fake_clearml.inits[0]["task_name"] == "n"
+    assert fake_clearml._report_subprocess_enabled is False
+
+
+def test_no_server_means_offline(fake_clearml: type[_FakeTask], tmp_path: Path) -> None:
+    from otel_train.exporters.clearml import ClearMLExporter
+
+    with ClearMLExporter(ExporterOptions(directory=tmp_path)) as exp:
+        exp.export_window(Window(metrics=[row(RunInfo("r", "n"), 0, "a", 1.0)]))
+    assert fake_clearml.offline_calls == [True]

@@ -11,10 +11,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' helpers
 
-from sinkkit import make_sink, metrics_data, resource, scalars  # noqa: E402
+from sinkkit import make_sink, metrics_data, resource, scalars
 
-from otel_train.errors import ConfigError  # noqa: E402
-from otel_train.exporters.otlp import OTLPExporter  # noqa: E402
+from otel_train.errors import ConfigError
+from otel_train.exporters.otlp import OTLPExporter
 
 
 def _point_to(monkeypatch: pytest.MonkeyPatch, sink: Any, protocol: str) -> None:
@@ -105,7 +105,7 @@ def test_collector_down_bounded_kept_and_sent_after_recovery(tmp_path: Path, mon
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     exp = OTLPExporter(max_pending=2)
     t0 = time.monotonic()
-    exp.export(metrics_data("down", 0, 1, range(0, 2)))
+    exp.export(metrics_data("down", 0, 1, range(2)))
     assert time.monotonic() - t0 < 3.0  # bounded by our 2 s default timeout
     assert exp.failures == 1 and exp.pending == 1
     t0 = time.monotonic()

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: let tests import their helpers
 
-from sinkkit import make_sink  # noqa: E402
+from sinkkit import make_sink
 
 
 @pytest.fixture

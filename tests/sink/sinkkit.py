@@ -9,7 +9,6 @@ from otel_train.config import SinkSettings
 from otel_train.records import ExporterOptions
 
 
-
 def make_sink(tmp_path: Path, exporters: tuple[str, ...] = ("tensorboard",), **settings: Any) -> Any:
     from otel_train.sink import Sink, exporter_factory
 

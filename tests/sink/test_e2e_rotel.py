@@ -76,7 +76,7 @@ def test_three_ranks_through_rotel_to_tensorboard_and_trace(tmp_path: Path) -> N
     try:
         procs = [_trainer(tmp_path, r, world, rotel, steps) for r in range(world)]
         for p in procs:
-            stdout, stderr = p.communicate(timeout=60)
+            _, stderr = p.communicate(timeout=60)
             assert p.returncode == 0, stderr[-2000:]
         run = _wait_last_steps(sink, world, steps - 1)
         assert run.get("ranks"), f"sink never saw every rank: {run}"

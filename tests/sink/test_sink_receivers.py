@@ -35,9 +35,9 @@ def test_grpc_and_http_interleaved_out_of_order(sink: Any, tmp_path: Path) -> No
     ok = MetricExportResult.SUCCESS
     # rank 1 of run a sends its later steps first; run b interleaves; both protocols at once.
     assert http_exp.export(metrics_data("a", 1, 2, range(5, 10))) is ok
-    assert grpc_exp.export(metrics_data("a", 0, 2, range(0, 10))) is ok
-    assert grpc_exp.export(metrics_data("b", 0, 1, range(0, 3), run_name="run-b")) is ok
-    assert http_exp.export(metrics_data("a", 1, 2, range(0, 5))) is ok
+    assert grpc_exp.export(metrics_data("a", 0, 2, range(10))) is ok
+    assert grpc_exp.export(metrics_data("b", 0, 1, range(3), run_name="run-b")) is ok
+    assert http_exp.export(metrics_data("a", 1, 2, range(5))) is ok
     assert sink.flush(10)
     runs = tmp_path / "runs"
     rank0, rank1 = scalars(runs / "a" / "rank0"), scalars(runs / "a" / "rank1")
@@ -116,7 +116,7 @@ def test_idle_run_is_closed_and_reopened_with_its_totals(tmp_path: Path) -> None
     sink = make_sink(tmp_path, idle_s=0.2)
     try:
         exp = _grpc_metrics(sink)
-        exp.export(metrics_data("idle", 0, 1, range(0, 3)))
+        exp.export(metrics_data("idle", 0, 1, range(3)))
         deadline = time.monotonic() + 10
         while sink.router.runs_open and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -136,10 +136,10 @@ def test_aggregates_when_all_ranks_reported_or_timeout(tmp_path: Path) -> None:
     sink = make_sink(tmp_path, aggregate=("mean", "min", "max"), aggregate_timeout_s=0.5)
     try:
         exp = _grpc_metrics(sink)
-        exp.export(metrics_data("agg", 0, 3, range(0, 4)))
-        exp.export(metrics_data("agg", 1, 3, range(0, 4)))
+        exp.export(metrics_data("agg", 0, 3, range(4)))
+        exp.export(metrics_data("agg", 1, 3, range(4)))
         assert sink.router.aggregate_rows == 0  # rank 2 missing
-        exp.export(metrics_data("agg", 2, 3, range(0, 3)))  # step 3 only from ranks 0 and 1
+        exp.export(metrics_data("agg", 2, 3, range(3)))  # step 3 only from ranks 0 and 1
         # steps 0..2 complete at once: 3 steps x 2 series x 3 stats
         assert sink.router.aggregate_rows == 18
         deadline = time.monotonic() + 10

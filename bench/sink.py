@@ -1,0 +1,195 @@
+"""Benchmark of `otel-train sink`: OTLP points/s decoded and written to TensorBoard, sink CPU and RSS.
+
+N client processes send pre-encoded OTLP/gRPC metric requests (each `--steps-per-request` steps of
+`--metrics` gauges, like the step-aligned reader with export_every > 1) for `--steps` steps, either
+straight to the sink or through the rotel collector. The sink runs as its own process
+(`python -m otel_train.sink`) with the tensorboard backend.
+
+    python bench/sink.py --quick           # < 1 minute
+    python bench/sink.py --clients 4 --steps 2000 --metrics 100 --via both
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+_METHOD = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _requests(rank: int, world: int, steps: int, metrics: int, per_request: int) -> list[bytes]:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    out = []
+    for first in range(0, steps, per_request):
+        req = ExportMetricsServiceRequest()
+        rm = req.resource_metrics.add()
+        for key, value in (("train.run.id", "bench"), ("train.rank", rank), ("train.world_size", world)):
+            kv = rm.resource.attributes.add(key=key)
+            if isinstance(value, int):
+                kv.value.int_value = value
+            else:
+                kv.value.string_value = value
+        sm = rm.scope_metrics.add()
+        for m in range(metrics):
+            metric = sm.metrics.add(name=f"train/metric_{m}")
+            for step in range(first, min(steps, first + per_request)):
+                p = metric.gauge.data_points.add(as_double=rank + step * 0.001 + m, time_unix_nano=time.time_ns())
+                p.attributes.add(key="train.step").value.int_value = step
+        out.append(req.SerializeToString())
+    return out
+
+
+def _client(port: int, rank: int, world: int, args: argparse.Namespace, ready: Any, go: Any) -> None:
+    import grpc
+
+    payloads = _requests(rank, world, args.steps, args.metrics, args.steps_per_request)
+    ready.release()
+    go.wait()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(_METHOD)
+        for body in payloads:
+            for _ in range(50):
+                try:
+                    call(body, timeout=30)
+                    break
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    time.sleep(0.1)
+
+
+def _get(port: int, path: str) -> Any:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _run_counts(http_port: int) -> tuple[int, int]:
+    for run in _get(http_port, "/runs")["runs"]:
+        if run["run_id"] == "bench":
+            return int(run["points"]), int(run["written"])
+    return 0, 0
+
+
+def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
+    import psutil
+
+    workdir = Path(tempfile.mkdtemp(prefix="otel-train-bench-"))
+    grpc_port, http_port = _free_port(), _free_port()
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
+         f"127.0.0.1:{http_port}", "--exporters", "tensorboard", "--dir", str(workdir / "runs"),
+         "--log-level", "WARNING", "--max-body-bytes", str(64 << 20)],
+        stdout=subprocess.DEVNULL, stderr=(workdir / "sink.log").open("wb"))
+    rotel = None
+    target = grpc_port
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                _get(http_port, "/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline or sink.poll() is not None:
+                    raise RuntimeError((workdir / "sink.log").read_text()[-2000:]) from None
+                time.sleep(0.1)
+        if via == "rotel":
+            import rotel as rotel_pkg
+
+            target = _free_port()
+            rotel = subprocess.Popen(
+                [str(Path(rotel_pkg.__file__).parent / "rotel-agent"), "start",
+                 "--otlp-grpc-endpoint", f"127.0.0.1:{target}", "--otlp-http-endpoint", f"127.0.0.1:{_free_port()}",
+                 "--exporter", "otlp", "--otlp-exporter-endpoint", f"http://127.0.0.1:{grpc_port}",
+                 # rotel (0.0.1a15) drops the Resource of a batch part split off at --batch-max-size
+                 # (default 8192 points); a large maximum avoids the split (the 200 ms timeout flushes).
+                 "--batch-max-size", "1000000",
+                 "--pid-file", str(workdir / "rotel.pid"), "--log-file", str(workdir / "rotel.log")],
+                stdout=(workdir / "rotel.out").open("wb"), stderr=subprocess.STDOUT)
+            time.sleep(1.0)
+            if rotel.poll() is not None:
+                raise RuntimeError("rotel exited at start")
+        proc = psutil.Process(sink.pid)
+        cpu0 = sum(proc.cpu_times()[:2])
+        ready, go = mp.Semaphore(0), mp.Event()
+        clients = [mp.Process(target=_client, args=(target, r, args.clients, args, ready, go))
+                   for r in range(args.clients)]
+        for c in clients:
+            c.start()
+        for _ in clients:
+            ready.acquire()
+        total = args.clients * args.steps * args.metrics
+        rss = proc.memory_info().rss
+        t0 = time.perf_counter()
+        go.set()
+        t_in = t_out = None
+        _last = [0, 0]
+        deadline = time.monotonic() + args.timeout_s
+        while time.monotonic() < deadline:
+            points, written = _last[:] = _run_counts(http_port)
+            rss = max(rss, proc.memory_info().rss)
+            now = time.perf_counter()
+            if t_in is None and points >= total:
+                t_in = now - t0
+            if written >= total:
+                t_out = now - t0
+                break
+            time.sleep(0.05)
+        for c in clients:
+            c.join(30)
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+        sink.send_signal(signal.SIGTERM)
+        sink.wait(60)
+        return {
+            "via": via, "clients": args.clients, "points": total,
+            "ingested_points_per_s": round(total / t_in) if t_in else None,
+            "written_points_per_s": round(total / t_out) if t_out else None,
+            "seconds_to_written": round(t_out, 2) if t_out else None,
+            "sink_cpu_s": round(cpu, 2), "sink_peak_rss_mib": round(rss / 2**20, 1),
+            "sink_exit_code": sink.returncode, "received": _last[0], "written": _last[1],
+        }
+    finally:
+        for p in (rotel, sink):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--metrics", type=int, default=100, help="gauges per step per client")
+    parser.add_argument("--steps-per-request", type=int, default=10, dest="steps_per_request")
+    parser.add_argument("--via", choices=("direct", "rotel", "both"), default="both")
+    parser.add_argument("--timeout-s", type=float, default=300.0, dest="timeout_s")
+    parser.add_argument("--quick", action="store_true", help="2 clients x 500 steps x 50 metrics, both paths")
+    args = parser.parse_args()
+    if args.quick:
+        args.clients, args.steps, args.metrics, args.timeout_s = 2, 500, 50, 25.0
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    for via in (("direct", "rotel") if args.via == "both" else (args.via,)):
+        sys.stdout.write(json.dumps(bench(args, via)) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Trackio backend: a local Trackio project and run, one `log(..., step=)` per step.
+
+- Store: Trackio's local SQLite database ``<TRACKIO_DIR>/<project>.db`` (Trackio reads `TRACKIO_DIR`
+  when it is imported; default ``$HF_HOME/trackio``). Nothing is deployed: no Space and no server unless
+  the user set Trackio's own `TRACKIO_SPACE_ID` / `TRACKIO_SERVER_URL`.
+- Run identity: project = the otel-train project (`OTEL_TRAIN_PROJECT`); run name `train.run.name`, opened
+  with ``resume="allow"``, so a restarted job (same `train.run.id`) continues its run. Trackio keys runs by
+  name, so when the local store already has a run of that name from another `train.run.id`, the run
+  is named ``<run name>-<run id>`` instead of merging two training runs.
+- Steps: ``step=`` is `train.step`; a resumed run drops (and counts) rows at or below the last step it
+  already holds.
+- Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the same run, and the run's
+  group is `train.run.id`.
+- Hyperparameters: the run config (with `train.config.hash`). Histograms: `trackio.Histogram`.
+- Trackio keeps its current run in a context variable; the run is opened in a context of its own, so
+  a Trackio run of the user's (on any thread) is never finished or replaced by this exporter.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from otel_train.exporters._runs import StepGate, by_step, hparams_for, rank_tag, safe_name, wanted
+from otel_train.exporters.base import RowExporter
+from otel_train.records import RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
+
+__all__ = ["TrackioExporter"]
+
+_logger = logging.getLogger(__name__)
+
+_MAX_BINS = 512
+
+
+class TrackioExporter(RowExporter):
+    """Writes scalars and histograms to a local Trackio run.
+
+    Args:
+        options: Directory, project, hyperparameters and rank policy; default from the env vars.
+
+    Raises:
+        ModuleNotFoundError: `trackio` is not installed.
+    """
+
+    name = "trackio"
+    handles_metrics = True
+    handles_spans = False
+
+    def __init__(self, options: ExporterOptions | None = None) -> None:
+        try:
+            import trackio  # noqa: F401
+        except ImportError as err:
+            raise ModuleNotFoundError(
+                "TrackioExporter needs trackio: pip install 'otel-train[trackio]'", name="trackio"
+            ) from err
+        super().__init__(options)
+        self._runs: dict[str, Any] = {}  # train.run.id -> trackio Run
+        self._gate = StepGate("trackio", monotonic=False)
+
+    @property
+    def steps_dropped(self) -> int:
+        """Rows dropped because the resumed run already held their step."""
+        return int(self._gate.dropped)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        per_run: dict[str, tuple[RunInfo, list[MetricRow | HistogramRow]]] = {}
+        all_rows: list[MetricRow | HistogramRow] = [*rows, *histograms]
+        for row in all_rows:
+            if wanted(self.options, row.run):
+                per_run.setdefault(row.run.run_id, (row.run, []))[1].append(row)
+        for run_id, (info, run_rows) in per_run.items():
+            run = self._run(info)
+            for step, step_rows in by_step(run_rows):
+                data: dict[str, Any] = {}
+                for row in step_rows:
+                    if not self._gate.admit((run_id, row.run.rank), step):
+                        continue
+                    key = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
+                    if isinstance(row, MetricRow):
+                        data[key] = row.value
+                    else:
+                        hist = _histogram(row)
+                        if hist is not None:
+                            data[key] = hist
+                if data:
+                    run.log(data, step=step)
+
+    def close(self) -> None:
+        for run_id, run in list(self._runs.items()):
+            try:
+                run.finish()
+            except Exception as err:
+                _logger.error("trackio: finishing run %s failed: %s", run_id, err)
+        self._runs.clear()
+
+    # -- internals -------------------------------------------------------------------------------
+    def _run(self, info: RunInfo) -> Any:
+        run = self._runs.get(info.run_id)
+        if run is not None:
+            return run
+        import trackio
+
+        name = info.run_name
+        if _stored_run_id(self.options.project, name) not in (None, info.run_id):
+            name = f"{name}-{safe_name(info.run_id)}"
+        kwargs: dict[str, Any] = {
+            "project": self.options.project,
+            "name": name,
+            "resume": "allow",
+            "config": hparams_for(self.options, info),
+            "embed": False,
+            "auto_log_gpu": False,
+            "auto_log_cpu": False,
+        }
+        if self.options.ranks == "all":
+            kwargs["group"] = info.run_id
+        # A fresh context: trackio.init would finish whatever run is current in the caller's context.
+        run = contextvars.Context().run(trackio.init, **kwargs)
+        self._runs[info.run_id] = run
+        # Trackio continues a resumed run after its last step; below that nothing is written again.
+        next_step = getattr(run, "_next_step", 0)
+        if isinstance(next_step, int) and next_step > 0:
+            for rank in range(max(1, info.world_size)):
+                self._gate.set_floor((info.run_id, rank), next_step - 1)
+        return run
+
+
+def _stored_run_id(project: str, name: str) -> str | None:
+    """`train.run.id` of the run `name` already in the local store (None: no such run, or unknown)."""
+    try:
+        from trackio.sqlite_storage import SQLiteStorage
+
+        config = SQLiteStorage.get_run_config(project, name)
+    except Exception:  # a remote store, or another Trackio layout: resume by name as Trackio does
+        return None
+    if not config or RUN_ID not in config:
+        return None
+    return str(config[RUN_ID])
+
+
+def _histogram(row: HistogramRow) -> Any:
+    """A `trackio.Histogram` of an explicit-bucket histogram; the outer edges are its min and max."""
+    import trackio
+
+    counts = list(row.bucket_counts)
+    bounds = list(row.explicit_bounds)
+    if not counts or len(counts) != len(bounds) + 1 or len(counts) > _MAX_BINS or row.count == 0:
+        return None
+    low = min(row.min, bounds[0]) if bounds else row.min
+    high = max(row.max, bounds[-1]) if bounds else row.max
+    if high <= low:
+        high = low + 1.0
+    return trackio.Histogram(np_histogram=(counts, [low, *bounds, high]))

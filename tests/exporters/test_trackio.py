@@ -1,0 +1,130 @@
+"""TrackioExporter: a real local Trackio store (under TRACKIO_DIR), read back with Trackio's storage;
+resume in a second process; the user's own Trackio run is left alone.
+
+Trackio reads TRACKIO_DIR when it is imported, so the real runs happen in subprocesses with their own
+environment (the pytest process may have imported trackio already).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otel_train.records import ExporterOptions, config_hash
+
+HPARAMS = {"lr": 0.3, "data": {"bs": 8}}
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+    from otel_train.exporters.base import Window
+    from otel_train.exporters.trackio import TrackioExporter
+    from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, config_hash
+
+    phase, directory = sys.argv[1], Path(sys.argv[2])
+    hp = json.loads(sys.argv[3])
+    r0 = RunInfo("trk-run-1", "trk", rank=0, world_size=2, config_hash=config_hash(hp))
+    r1 = RunInfo("trk-run-1", "trk", rank=1, world_size=2, config_hash=config_hash(hp))
+
+    def row(run, step, tag, value, **attrs):
+        return MetricRow(run, step, tag.split("{")[0], tag, value, "gauge", 0, attrs)
+
+    # The user's own Trackio run, current in this thread: the exporter must not finish or replace it.
+    user = trackio.init(project="user-project", name="mine", embed=False, auto_log_gpu=False, auto_log_cpu=False)
+    exp = TrackioExporter(ExporterOptions(directory=directory, project="otel-trackio-test", hparams=hp,
+                                          ranks="all"))
+    if phase == "first":
+        ok = exp.export_window(Window(metrics=[
+            row(r0, 1, "train/loss", 0.5), row(r0, 0, "train/loss", 1.0), row(r0, 2, "train/loss", 0.25),
+            row(r0, 1, "eval/acc{split=val}", 0.75, split="val"), row(r1, 0, "train/loss", 1.5),
+        ], histograms=[HistogramRow(r0, 2, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)]))
+    else:  # a restarted job: steps 1 and 2 are already stored
+        ok = exp.export_window(Window(metrics=[row(r0, s, "train/loss", 10.0 + s) for s in range(1, 5)]))
+        # Another training run with the same name must not continue this one.
+        with TrackioExporter(ExporterOptions(directory=directory, project="otel-trackio-test")) as other:
+            other.export_window(Window(metrics=[row(RunInfo("trk-run-2", "trk"), 0, "train/loss", 5.0)]))
+        print("OTHER" + json.dumps(SQLiteStorage.get_logs("otel-trackio-test", "trk-trk-run-2"), default=str))
+    exp.shutdown()
+    user_alive = trackio.context_vars.current_run.get() is user
+    trackio.log({"mine": 1.0}, step=0)
+    user.finish()
+    logs = SQLiteStorage.get_logs("otel-trackio-test", "trk")
+    config = SQLiteStorage.get_run_config("otel-trackio-test", "trk")
+    print("RESULT" + json.dumps({"ok": ok, "dropped": exp.steps_dropped, "user_alive": user_alive,
+                                 "logs": logs, "config": config, "runs": SQLiteStorage.get_runs("otel-trackio-test"),
+                                 "files": sorted(p.name for p in Path(sys.argv[4]).iterdir())}, default=str))
+""")
+
+
+def run_phase(phase: str, root: Path, script: Path) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACKIO_", "HF_", "OTEL_TRAIN_"))}
+    env.update(HOME=str(root / "home"), TRACKIO_DIR=str(root / "trackio"), HF_HOME=str(root / "hf"))
+    done = subprocess.run([sys.executable, str(script), phase, str(root / "runs"), json.dumps(HPARAMS),
+                           str(root / "trackio")], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    result = json.loads(line[len("RESULT"):])
+    other = [x for x in done.stdout.splitlines() if x.startswith("OTHER")]
+    if other:
+        result["other"] = json.loads(other[0][len("OTHER"):])
+    return result
+
+
+@pytest.fixture(scope="module")
+def phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("trackio")
+    script = root / "phase.py"
+    script.write_text(SCRIPT)
+    return {"first": run_phase("first", root, script), "resume": run_phase("resume", root, script)}
+
+
+def series(logs: list[dict[str, Any]], key: str) -> dict[int, Any]:
+    return {entry["step"]: entry[key] for entry in logs if key in entry}
+
+
+def test_every_step_and_value_in_the_local_store(phases: dict[str, dict[str, Any]]) -> None:
+    first = phases["first"]
+    assert first["ok"] and first["runs"] == ["trk"]
+    assert "otel-trackio-test.db" in first["files"]  # under TRACKIO_DIR, no Space, no server
+    logs = first["logs"]
+    assert series(logs, "train/loss") == {0: 1.0, 1: 0.5, 2: 0.25}
+    assert series(logs, "eval/acc{split=val}") == {1: 0.75}
+    assert series(logs, "train/loss{rank=1}") == {0: 1.5}  # rank 1: same run, suffixed
+    assert series(logs, "grad")[2]["_type"] == "trackio.histogram"
+
+
+def test_config_has_hparams_hash_and_group(phases: dict[str, dict[str, Any]]) -> None:
+    config = phases["first"]["config"]
+    assert config["lr"] == 0.3 and config["data"] == {"bs": 8}
+    assert config["train.config.hash"] == config_hash(HPARAMS) and config["train.run.id"] == "trk-run-1"
+    assert config["_Group"] == "trk-run-1"
+
+
+def test_resume_continues_without_duplicate_steps(phases: dict[str, dict[str, Any]]) -> None:
+    resumed = phases["resume"]
+    assert resumed["ok"] and resumed["dropped"] == 2
+    assert resumed["runs"] == ["trk", "trk-trk-run-2"]  # same name, other run id: a run of its own
+    assert [(e["step"], e["train/loss"]) for e in resumed["other"]] == [(0, 5.0)]
+    loss = [(e["step"], e["train/loss"]) for e in resumed["logs"] if "train/loss" in e]
+    assert loss == [(0, 1.0), (1, 0.5), (2, 0.25), (3, 13.0), (4, 14.0)]
+
+
+def test_the_users_own_trackio_run_is_untouched(phases: dict[str, dict[str, Any]]) -> None:
+    assert phases["first"]["user_alive"] and phases["resume"]["user_alive"]
+
+
+def test_missing_trackio_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.exporters.trackio import TrackioExporter
+
+    monkeypatch.setitem(sys.modules, "trackio", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[trackio\]'"):
+        TrackioExporter(ExporterOptions())
