@@ -30,9 +30,12 @@ exec(_make_values_source(), _ns)  # noqa: S102 - a dict literal, as user code wr
 make_values: Callable[[int], dict[str, float]] = _ns["make_values"]
 
 
+_OFFSET = {k: j / 32 for j, k in enumerate(KEYS)}
+
+
 def expected(step: int, key: str) -> float:
     """The value of `key` at `step` (exact in float32, so every backend can be checked exactly)."""
-    return float(step % 1000) + KEYS.index(key) / 32
+    return float(step % 1000) + _OFFSET[key]
 
 
 class NoStep:

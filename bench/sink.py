@@ -15,6 +15,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -170,6 +171,8 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(10)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main() -> int:
@@ -180,6 +183,7 @@ def main() -> int:
     parser.add_argument("--steps-per-request", type=int, default=10, dest="steps_per_request")
     parser.add_argument("--via", choices=("direct", "rotel", "both"), default="both")
     parser.add_argument("--timeout-s", type=float, default=300.0, dest="timeout_s")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary run directory (logs, events)")
     parser.add_argument("--quick", action="store_true", help="2 clients x 500 steps x 50 metrics, both paths")
     args = parser.parse_args()
     if args.quick:

@@ -21,6 +21,28 @@ __all__ = ["TensorBoardExporter"]
 _logger = logging.getLogger(__name__)
 
 
+def _use_fast_crc() -> None:
+    """Swap TensorBoard's pure-Python record checksum for google-crc32c's C one (same values).
+
+    The checksum dominates TensorBoard's writer cost (measured: the sink writes 45k -> 71k
+    points/s with it); the file format is unchanged and TensorBoard's reader verifies it.
+    """
+    try:
+        import google_crc32c
+        from tensorboard.summary.writer import record_writer
+    except ImportError:
+        return
+    if getattr(record_writer.masked_crc32c, "_otel_train_fast", False):
+        return
+
+    def masked_crc32c(data: bytes) -> int:
+        x = google_crc32c.value(bytes(data))
+        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    masked_crc32c._otel_train_fast = True  # type: ignore[attr-defined]
+    record_writer.masked_crc32c = masked_crc32c
+
+
 class TensorBoardExporter(RowExporter):
     """Writes scalar and histogram rows to TensorBoard event files.
 
@@ -54,6 +76,7 @@ class TensorBoardExporter(RowExporter):
             raise ModuleNotFoundError(
                 "TensorBoardExporter needs tensorboard: pip install tensorboard", name="tensorboard"
             ) from err
+        _use_fast_crc()
         super().__init__(options)
         self._event_pb2 = event_pb2
         self._summary_pb2 = summary_pb2

@@ -13,6 +13,7 @@ import itertools
 import random
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -74,16 +75,55 @@ class _Bounded:
 
 
 class LogBuffer(_Bounded):
-    """Records of `ot.log`: ``(seq, step, mapping, time_ns)``."""
+    """Records of `ot.log`: ``(seq, step, mapping, time_ns)``.
 
-    __slots__ = ()
+    With `strict` (`OTEL_TRAIN_STRICT_SYNC`), values that will cost a device sync per value when
+    converted (device arrays with `.item()` that are not torch tensors: CuPy, JAX ...) and device
+    tensors that are not scalars are reported once per key, on the training thread where the
+    warning points at the `ot.log` call. Off, the check costs nothing: it runs only on the path
+    taken by non-float values.
+    """
+
+    __slots__ = ("_warned", "strict")
+
+    def __init__(self, maxlen: int, strict: bool = False) -> None:
+        super().__init__(maxlen)
+        self.strict = strict
+        self._warned: set[str] = set()
 
     def append(self, step: int, mapping: Mapping[str, Any], time_ns: int | None = None) -> None:
         for value in mapping.values():
             if type(value) is not float:  # rare: tensors (and ints, arrays) take the slow path
+                if self.strict:
+                    self._check_sync(mapping)
                 mapping = _detached(mapping)
                 break
         self._items.append((next(self._seq), step, mapping, _time_ns() if time_ns is None else time_ns))
+
+    def _check_sync(self, mapping: Mapping[str, Any]) -> None:
+        for key, value in mapping.items():
+            if type(value) in _PLAIN or key in self._warned:
+                continue
+            why = _sync_cost(value)
+            if why:
+                self._warned.add(key)
+                warnings.warn(f"otel_train.log: key {key!r}: {why} (OTEL_TRAIN_STRICT_SYNC; warned once per key)",
+                              RuntimeWarning, stacklevel=5)  # the user's `ot.log` line
+
+
+def _sync_cost(value: Any) -> str | None:
+    """Why converting `value` would sync a device one value at a time, or None when it would not."""
+    t = type(value)
+    if t.__module__ == "torch" and t.__name__ in ("Tensor", "Parameter"):
+        if value.device.type != "cpu" and value.numel() != 1:
+            return (f"a {value.device.type} tensor of {value.numel()} elements is not a scalar and is dropped; "
+                    "log a scalar tensor (`.mean()`, `[i]`)")
+        return None  # scalar tensors are stacked and copied once per window, off the training thread
+    device = getattr(value, "device", None)
+    if callable(getattr(value, "item", None)) and device is not None and "cpu" not in str(device).lower():
+        return (f"a {t.__module__}.{t.__name__} on {device} is read with `.item()`, one device sync per value "
+                "on the export thread; log a torch tensor or a float")
+    return None
 
 
 def _detached(mapping: Mapping[str, Any]) -> Mapping[str, Any]:

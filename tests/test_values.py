@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from fractions import Fraction
 from pathlib import Path
@@ -110,3 +111,29 @@ def test_logged_tensor_does_not_keep_the_graph_alive(run_dir: Path) -> None:
     assert ref() is None, "the autograd graph of a logged tensor is still alive before collection"
     ot.flush()
     assert mem.values("loss") == {0: 8.0}
+
+
+class _DeviceArray:
+    """Stands in for a CuPy/JAX array on a GPU: `.item()` would sync per value."""
+
+    device = "cuda:0"
+
+    def item(self) -> float:
+        return 2.0
+
+
+def test_strict_sync_warns_once_per_key_on_the_training_thread() -> None:
+    buf = LogBuffer(10, strict=True)
+    with pytest.warns(RuntimeWarning, match=r"key 'x'.*one device sync per value") as caught:
+        buf.append(0, {"x": _DeviceArray(), "cpu": torch.tensor(1.0), "f": 1.0, "i": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning for the same key would raise here
+        buf.append(1, {"x": _DeviceArray()})
+    assert len(caught) == 1
+    assert len(buf.drain()) == 2
+
+
+def test_strict_sync_off_costs_no_check(recwarn: pytest.WarningsRecorder) -> None:
+    buf = LogBuffer(10)
+    buf.append(0, {"x": _DeviceArray()})
+    assert not [w for w in recwarn if "device sync" in str(w.message)]

@@ -3,7 +3,8 @@
 A step is aggregated once every rank of `train.world_size` has reported at least one row for it,
 or when `timeout_s` has passed since its first row (a slow or dead rank must not hold the series
 back forever); then over the ranks that did report. Rows for a step already aggregated are late:
-they are written per rank as usual and counted, but the aggregate is not rewritten.
+they are written per rank as usual and counted, but the aggregate is not rewritten. Runs with a
+`train.world_size` of 1 get no aggregates (they would repeat the series).
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ class Aggregator:
         now = self._clock()
         touched: set[int] = set()
         for row in rows:
-            if row.kind not in _KINDS:
-                continue
             run = row.run
+            if row.kind not in _KINDS or run.world_size <= 1:
+                continue  # a single-rank run has nothing to aggregate across
             self._world_size = max(self._world_size, run.world_size)
             if run.rank == 0 and self._run0 is None:
                 self._run0 = run

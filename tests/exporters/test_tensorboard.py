@@ -122,3 +122,18 @@ def test_a_real_tensorboard_server_serves_the_curve(run_dir: Path, tmp_path: Pat
         proc.terminate()
         proc.wait(timeout=10)
         log.close()
+
+
+def test_fast_checksum_matches_tensorboards_own() -> None:
+    import os
+
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
+    from tensorboard.summary.writer import record_writer
+
+    from otel_train.exporters.tensorboard import _use_fast_crc
+
+    _use_fast_crc()
+    assert getattr(record_writer.masked_crc32c, "_otel_train_fast", False)
+    for size in (0, 1, 7, 64, 1000):
+        data = os.urandom(size)
+        assert record_writer.masked_crc32c(data) == reference(data)

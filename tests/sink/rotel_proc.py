@@ -126,6 +126,7 @@ class SinkProcess:
                 return self
             except OSError:
                 time.sleep(0.1)
+        _stop(self.proc, signal.SIGKILL)
         raise RuntimeError(f"sink not ready in {timeout_s} s: {self.log.read_text()[-2000:]}")
 
     def get(self, path: str) -> Any:

@@ -73,6 +73,7 @@ def test_three_ranks_through_rotel_to_tensorboard_and_trace(tmp_path: Path) -> N
     sink = SinkProcess(tmp_path / "sink", "--dir", str(out), "--exporters", "tensorboard,chrome_trace",
                        "--aggregate", "mean,min,max").wait_ready()
     rotel = Rotel(tmp_path / "rotel", sink.grpc_port).start()
+    procs: list[subprocess.Popen[str]] = []
     try:
         procs = [_trainer(tmp_path, r, world, rotel, steps) for r in range(world)]
         for p in procs:
@@ -81,6 +82,10 @@ def test_three_ranks_through_rotel_to_tensorboard_and_trace(tmp_path: Path) -> N
         run = _wait_last_steps(sink, world, steps - 1)
         assert run.get("ranks"), f"sink never saw every rank: {run}"
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
         rotel.stop()
         code = sink.stop()
     assert code == 0, sink.log.read_text()[-2000:]
@@ -122,6 +127,7 @@ def test_collector_killed_and_restarted_mid_run(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(10)
         rotel.stop()
         assert sink.stop() == 0
     assert json.loads(stdout.strip().splitlines()[-1])["max_step_s"] < 0.5  # training never blocked
