@@ -36,7 +36,7 @@ ROWS: list[tuple[str, bool]] = [
     ("clearml", True),
     ("clearml-nosub", True),
     ("mlflow-sync", True),
-    ("mlflow-async", False),
+    ("mlflow-async", True),
     ("trackio", False),
     ("ot:tensorboard", False),
     ("ot:tensorboard,chrome_trace", False),

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, RunInfo, config_hash, series_tag
+from otel_train.records import run_folder as records_run_folder
 
 __all__ = [
     "StepGate",
@@ -22,6 +23,7 @@ __all__ = [
     "by_step",
     "flatten",
     "hparams_for",
+    "import_backend",
     "rank_tag",
     "run_folder",
     "safe_name",
@@ -34,6 +36,18 @@ _RowT = TypeVar("_RowT")
 
 #: The key under which the rank goes into the series suffix (`train/loss{rank=1}`).
 RANK_SUFFIX_KEY = "rank"
+
+
+def import_backend(module: str, exporter: str) -> Any:
+    """Import a backend's client, or fail loudly with the exact install line (at construction)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"{exporter} needs {module}: pip install 'otel-train[{module}]'", name=module
+        ) from err
 
 
 def wanted(options: ExporterOptions, run: RunInfo) -> bool:
@@ -162,7 +176,7 @@ def safe_name(text: str, limit: int = 128) -> str:
 
 def run_folder(options: ExporterOptions, run: RunInfo) -> Path:
     """The run's folder under the otel-train directory (the same one TensorBoard writes)."""
-    return Path(options.directory) / run.run_name
+    return records_run_folder(options.directory, run.run_name)
 
 
 def bounded(values: Sequence[_RowT], size: int) -> Iterator[Sequence[_RowT]]:

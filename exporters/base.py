@@ -40,13 +40,23 @@ if TYPE_CHECKING:
 
     from opentelemetry.sdk.trace import ReadableSpan
 
-__all__ = ["RowExporter", "Window"]
+__all__ = ["DELTA_TEMPORALITY", "RowExporter", "Window"]
 
 _logger = logging.getLogger(__name__)
 
-_DELTA_EVERYWHERE = {
+_SyncGauge: type | None
+try:  # the synchronous gauge: the SDK's temporality-preference env var skips it, so name it here
+    from opentelemetry.sdk.metrics._internal.instrument import Gauge as _SyncGauge
+except ImportError:  # pragma: no cover - older SDKs without a synchronous gauge
+    _SyncGauge = None
+
+#: DELTA for every instrument kind: the SDK frees per-step attribute sets after each collection,
+#: and the records layer turns DELTA sums back into running totals.
+DELTA_TEMPORALITY: dict[type, AggregationTemporality] = {
     kind: AggregationTemporality.DELTA
-    for kind in (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)
+    for kind in (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge,
+                 _SyncGauge)
+    if kind is not None
 }
 _MAX_PENDING = 64  # failed windows kept for retry before the oldest is dropped
 _MAX_ATTEMPTS = 8  # tries of one window before it is dropped
@@ -90,7 +100,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     def __init__(self, options: ExporterOptions | None = None) -> None:
         # DELTA, as in our reader: on a plain SDK pipeline a counter with a per-step attribute then
         # still becomes a running total here (and the SDK frees per-step attribute sets).
-        MetricExporter.__init__(self, preferred_temporality=_DELTA_EVERYWHERE)
+        MetricExporter.__init__(self, preferred_temporality=dict(DELTA_TEMPORALITY))
         self.options = options if options is not None else ExporterOptions.from_env()
         self._converter = MetricsConverter()
         self._lock = threading.RLock()

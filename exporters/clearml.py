@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
+from otel_train.exporters._runs import by_step, hparams_for, import_backend, rank_tag, wanted
 from otel_train.exporters.base import RowExporter
 from otel_train.records import CONFIG_HASH, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
@@ -84,12 +84,7 @@ class ClearMLExporter(RowExporter):
     handles_spans = False
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        try:
-            import clearml  # noqa: F401
-        except ImportError as err:
-            raise ModuleNotFoundError(
-                "ClearMLExporter needs clearml: pip install 'otel-train[clearml]'", name="clearml"
-            ) from err
+        import_backend("clearml", "ClearMLExporter")
         super().__init__(options)
         self._task: Any = None
         self._own_task = False

@@ -28,7 +28,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.exporters._runs import StepGate, bounded, by_step, flatten, hparams_for, rank_tag, wanted
+from otel_train.exporters._runs import (
+    StepGate,
+    bounded,
+    by_step,
+    flatten,
+    hparams_for,
+    import_backend,
+    rank_tag,
+    wanted,
+)
 from otel_train.exporters.base import RowExporter
 from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
@@ -86,12 +95,7 @@ class MLflowExporter(RowExporter):
     handles_spans = False
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        try:
-            import mlflow  # noqa: F401
-        except ImportError as err:
-            raise ModuleNotFoundError(
-                "MLflowExporter needs mlflow: pip install 'otel-train[mlflow]'", name="mlflow"
-            ) from err
+        import_backend("mlflow", "MLflowExporter")
         super().__init__(options)
         self._client: MlflowClient | None = None
         self._default_store: Path | None = None

@@ -23,16 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from opentelemetry.sdk.metrics import (
-    Counter,
-    Histogram,
-    ObservableCounter,
-    ObservableGauge,
-    ObservableUpDownCounter,
-    UpDownCounter,
-)
 from opentelemetry.sdk.metrics.export import (
-    AggregationTemporality,
     MetricExporter,
     MetricExportResult,
     MetricsData,
@@ -41,6 +32,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.errors import ConfigError
+from otel_train.exporters.base import DELTA_TEMPORALITY
 from otel_train.records import ExporterOptions
 
 __all__ = ["OTLPExporter"]
@@ -50,12 +42,6 @@ _logger = logging.getLogger(__name__)
 PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_TIMEOUT_S = 2.0
 _BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
-
-_DELTA: dict[type, AggregationTemporality] = {
-    kind: AggregationTemporality.DELTA
-    for kind in (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge)
-}
-
 
 def _protocol(signal: str) -> tuple[str, str]:
     """(protocol, variable it came from) for ``METRICS`` or ``TRACES``."""
@@ -122,7 +108,7 @@ class OTLPExporter(MetricExporter, SpanExporter):
     handles_spans = True
 
     def __init__(self, options: ExporterOptions | None = None, *, max_pending: int = 64) -> None:
-        MetricExporter.__init__(self, preferred_temporality=dict(_DELTA))
+        MetricExporter.__init__(self, preferred_temporality=dict(DELTA_TEMPORALITY))
         self.options = options
         m_proto, _ = _protocol("METRICS")
         t_proto, _ = _protocol("TRACES")
@@ -146,10 +132,10 @@ class OTLPExporter(MetricExporter, SpanExporter):
             if protocol == "grpc":
                 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter as Grpc
 
-                return Grpc(timeout=timeout, preferred_temporality=dict(_DELTA))
+                return Grpc(timeout=timeout, preferred_temporality=dict(DELTA_TEMPORALITY))
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter as Http
 
-            return Http(timeout=timeout, preferred_temporality=dict(_DELTA))
+            return Http(timeout=timeout, preferred_temporality=dict(DELTA_TEMPORALITY))
         except ImportError as err:
             raise self._missing(protocol, err) from err
 

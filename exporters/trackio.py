@@ -23,7 +23,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from otel_train.exporters._runs import StepGate, by_step, hparams_for, rank_tag, safe_name, wanted
+from otel_train.exporters._runs import (
+    StepGate,
+    by_step,
+    hparams_for,
+    import_backend,
+    rank_tag,
+    safe_name,
+    wanted,
+)
 from otel_train.exporters.base import RowExporter
 from otel_train.records import RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
@@ -49,12 +57,7 @@ class TrackioExporter(RowExporter):
     handles_spans = False
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        try:
-            import trackio  # noqa: F401
-        except ImportError as err:
-            raise ModuleNotFoundError(
-                "TrackioExporter needs trackio: pip install 'otel-train[trackio]'", name="trackio"
-            ) from err
+        import_backend("trackio", "TrackioExporter")
         super().__init__(options)
         self._runs: dict[str, Any] = {}  # train.run.id -> trackio Run
         self._gate = StepGate("trackio", monotonic=False)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.exporters._runs import StepGate, by_step, hparams_for, run_folder, wanted
+from otel_train.exporters._runs import StepGate, by_step, hparams_for, import_backend, run_folder, wanted
 from otel_train.exporters.base import RowExporter
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
 
@@ -68,12 +68,7 @@ class WandbExporter(RowExporter):
     handles_spans = False
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        try:
-            import wandb  # noqa: F401
-        except ImportError as err:
-            raise ModuleNotFoundError(
-                "WandbExporter needs wandb: pip install 'otel-train[wandb]'", name="wandb"
-            ) from err
+        import_backend("wandb", "WandbExporter")
         super().__init__(options)
         self._runs: dict[tuple[str, int], Run] = {}
         self._markers: dict[tuple[str, int], Path] = {}

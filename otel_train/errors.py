@@ -6,7 +6,7 @@ training loop.
 
 from __future__ import annotations
 
-__all__ = ["OtelTrainError", "ConfigError"]
+__all__ = ["ConfigError", "OtelTrainError"]
 
 
 class OtelTrainError(Exception):

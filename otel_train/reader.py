@@ -20,16 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from opentelemetry.sdk.metrics import (
-    Counter,
-    Histogram,
-    ObservableCounter,
-    ObservableGauge,
-    ObservableUpDownCounter,
-    UpDownCounter,
-)
 from opentelemetry.sdk.metrics.export import (
-    AggregationTemporality,
     Gauge,
     Metric,
     MetricExporter,
@@ -47,30 +38,16 @@ from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
-from otel_train.exporters.base import RowExporter, Window
+from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
 from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
 from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
-
-_SyncGauge: type | None
-try:  # the synchronous gauge: the SDK's temporality-preference env var skips it, so name it here
-    from opentelemetry.sdk.metrics._internal.instrument import Gauge as _SyncGauge
-except ImportError:  # pragma: no cover - older SDKs without a synchronous gauge
-    _SyncGauge = None
 
 __all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
 
 _logger = logging.getLogger(__name__)
 _SCOPE = InstrumentationScope("otel_train")
 _SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
-
-
-def _delta_everywhere() -> dict[type, AggregationTemporality]:
-    kinds: list[type] = [Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter,
-                         ObservableGauge]
-    if _SyncGauge is not None:
-        kinds.append(_SyncGauge)
-    return {k: AggregationTemporality.DELTA for k in kinds}
 
 
 class ThreadSpanProcessor(SpanProcessor):
@@ -256,8 +233,8 @@ class StepAlignedMetricReader(MetricReader):
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(
-            preferred_temporality=_delta_everywhere(),
-            cardinality_limits={k: limit for k in _delta_everywhere()},
+            preferred_temporality=dict(DELTA_TEMPORALITY),
+            cardinality_limits={k: limit for k in DELTA_TEMPORALITY},
         )
         self.export_every = max(1, int(export_every))
         self.export_interval_s = float(export_interval_s)

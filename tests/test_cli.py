@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "otel_train.cli", *args], cwd=cwd, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "otel_train.cli", *args], cwd=cwd, capture_output=True, text=True, check=False)
 
 
 def test_demo_writes_curves_and_trace_and_says_where(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
     env = {**os.environ, "OTEL_TRAIN_EXPORTERS": "tensorbord"}
     result = subprocess.run([sys.executable, "-m", "otel_train.cli", "demo", "--steps", "1"], cwd=tmp_path,
-                            capture_output=True, text=True, env=env)
+                            capture_output=True, text=True, env=env, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("otel-train: error: OTEL_TRAIN_EXPORTERS: unknown exporter 'tensorbord'")
     assert len(result.stderr.strip().splitlines()) == 1
