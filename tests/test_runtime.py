@@ -155,3 +155,32 @@ def test_shutdown_is_bounded_when_an_exporter_hangs(run_dir: Path) -> None:
     start = time.monotonic()
     ot.shutdown()
     assert time.monotonic() - start < 4
+
+
+_CHAINED = textwrap.dedent(
+    """
+    import signal, sys
+    import otel_train as ot
+    got = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))  # e.g. a checkpoint-on-preemption hook
+    ot.init(exporters="jsonl", dir=sys.argv[1], run_name="chained", export_every=1000, export_interval_s=3600)
+    for i in ot.steps(range(5)):
+        ot.log({"x": float(i)})
+    signal.raise_signal(signal.SIGTERM)
+    print("handler called:", got == [signal.SIGTERM], flush=True)
+    import json
+    with open(sys.argv[1] + "/chained/rank0.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    print("flushed before the handler returned:", sum(r.get("tag") == "x" for r in rows), flush=True)
+    """
+)
+
+
+def test_sigterm_flushes_then_chains_the_previous_handler(tmp_path: Path) -> None:
+    script = tmp_path / "chained.py"
+    script.write_text(_CHAINED)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "handler called: True" in result.stdout
+    assert "flushed before the handler returned: 5" in result.stdout

@@ -1,0 +1,26 @@
+"""The examples in docstrings run."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "otel_train",
+    "otel_train.step",
+    "otel_train.records",
+    "otel_train.reader",
+    "otel_train.testing",
+    "otel_train.exporters.tensorboard",
+    "otel_train.exporters.chrome_trace",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0
