@@ -64,6 +64,15 @@ class RunInfo:
     pid: int = 0
     config_hash: str = ""
 
+    def __hash__(self) -> int:
+        # Rows are grouped by run per point on the export thread: hash once, not per lookup.
+        cached: int | None = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.run_id, self.run_name, self.rank, self.local_rank, self.world_size,
+                           self.service_name, self.host, self.pid, self.config_hash))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     def resource_attributes(self) -> dict[str, Any]:
         """The Resource attributes of DESIGN.md for this run and rank."""
         attrs: dict[str, Any] = {
@@ -124,9 +133,12 @@ class ExporterOptions:
         return cls(s.dir, s.project, s.config, s.ranks, s.trace_counters)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class MetricRow:
     """One value of one series at one step.
+
+    Rows are shared by every exporter of a window: read them, never change them (not frozen
+    only because frozen dataclasses cost ~4x more to build, on the export thread).
 
     Attributes:
         tag: `name` plus a deterministic ``{k=v,...}`` suffix for extra attributes: the key every
@@ -149,7 +161,7 @@ class MetricRow:
         return self.run.rank
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class HistogramRow:
     """A full explicit-bucket histogram at one step, for backends that draw histograms."""
 
@@ -167,7 +179,7 @@ class HistogramRow:
     attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class SpanRow:
     """One finished span, with the thread that started it and its step (if any)."""
 
