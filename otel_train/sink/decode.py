@@ -245,6 +245,12 @@ def _zero(_: RunInfo) -> int:
 
 def _point(kvs: Any, name: str, run: RunInfo, default_step: DefaultStep) -> tuple[int, str, dict[str, Any]]:
     """(step, series tag, extra attributes) of one data point: the hot loop of the sink, kept flat."""
+    if len(kvs) == 1:  # the common case: only `train.step`, as the step-aligned reader sends it
+        kv = kvs[0]
+        if kv.key == STEP_ATTRIBUTE:
+            v = kv.value
+            if v.WhichOneof("value") == "int_value":
+                return v.int_value, name, {}
     step: int | None = None
     extra: dict[str, Any] = {}
     for kv in kvs:
