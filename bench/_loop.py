@@ -8,8 +8,10 @@ time them with `perf_counter` and log the 4 durations with the 20 scalars (24 va
 from __future__ import annotations
 
 import gc
+import json
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -160,6 +162,13 @@ def run_loop(tool: Tool, steps: int, gap_s: float, warmup: int = 200) -> dict[st
             sleep(gap_s)  # the device's share of a step: the GIL is free for background threads
     wall1, thread1 = time.perf_counter(), time.thread_time()
     children_loop = children_cpu_s()
+    srt = sorted(total)
+    loop = {"steps": steps, "total_steps": warmup + steps, "mean_us": sum(total) / steps / 1e3,
+            "p50_us": srt[steps // 2] / 1e3, "p99_us": srt[min(steps - 1, int(steps * 0.99))] / 1e3,
+            "span_us": sum(spans) / steps / 1e3, "log_us": sum(logs) / steps / 1e3,
+            "train_cpu_us": (thread1 - thread0) / steps * 1e6, "peak_rss_mb": peak_rss_mb()}
+    sys.stdout.write("LOOP " + json.dumps(loop) + "\n")  # what survives a close that never returns
+    sys.stdout.flush()
     tc = time.perf_counter()
     tool.close()
     close_s = time.perf_counter() - tc

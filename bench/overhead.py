@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,13 @@ def main() -> int:
     p.add_argument("--timeout-s", type=float, default=900.0)
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="otel-train-overhead-"))
+    try:
+        return _run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, tmp: Path) -> int:
     rows = {tool: run_row(tool, args.steps, args, tmp) for tool in ("floor", "ot", "raw-otel")}
     for tool, r in rows.items():
         if "error" in r:

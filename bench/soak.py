@@ -60,8 +60,8 @@ def main() -> int:
     p.add_argument("--gap-us", type=float, default=0.0)
     p.add_argument("--dir", type=Path, default=None)
     a = p.parse_args()
-    directory = a.dir or Path(tempfile.mkdtemp(prefix="otel-train-soak-"))
-    out = soak(a.steps, a.every, a.exporters, a.gap_us, directory)
+    with tempfile.TemporaryDirectory(prefix="otel-train-soak-") as tmp:
+        out = soak(a.steps, a.every, a.exporters, a.gap_us, a.dir or Path(tmp))
     print("RESULT " + json.dumps(out))
     print(f"RSS {out['rss_first_interval_mb']:.1f} MB at step {a.every:,} -> {out['rss_end_mb']:.1f} MB at step "
           f"{a.steps:,}: growth {out['growth_mb']:+.1f} MB; dropped {out['dropped_records']} records, "

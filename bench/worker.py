@@ -77,9 +77,10 @@ class OtelTrain(Tool):
         self.backends = backends
         self.root = root
         self.counter = _counting_exporter() if backends == "count" else None
-        exporters: Any = [self.counter] if self.counter is not None else backends.split(",")
-        self.session = ot.init(exporters=exporters, dir=root / "runs", run_name="bench", run_id="bench-run",
-                               project="bench")
+        if self.counter is None:
+            os.environ["OTEL_TRAIN_EXPORTERS"] = backends  # as a job launcher would set it
+        self.session = ot.init(exporters=[self.counter] if self.counter is not None else None, dir=root / "runs",
+                               run_name="bench", run_id="bench-run", project="bench")
         self.name = "ot" if backends == "count" else f"ot->{backends}"
         self.step = ot.step  # type: ignore[assignment]
         self.region = ot.span  # type: ignore[assignment]

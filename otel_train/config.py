@@ -40,10 +40,12 @@ OTEL_TRAIN_DISABLED = "OTEL_TRAIN_DISABLED"
 OTEL_TRAIN_SHUTDOWN_TIMEOUT_S = "OTEL_TRAIN_SHUTDOWN_TIMEOUT_S"
 """Upper bound in seconds for the flush at shutdown (float > 0). Default 10."""
 OTEL_TRAIN_QUEUE_SIZE = "OTEL_TRAIN_QUEUE_SIZE"
-"""Export windows queued per exporter before the oldest is dropped (int >= 1). Default 256."""
+"""Export windows queued per exporter before the oldest is dropped (int >= 1). While an exporter is
+busy, new windows merge into the queued one (up to 50,000 rows), so this bounds a slow backend's
+memory, not its steps. Default 16."""
 OTEL_TRAIN_BUFFER_SIZE = "OTEL_TRAIN_BUFFER_SIZE"
-"""Logged records and spans buffered between two collections before the oldest is dropped
-(int >= 1). Default 1,000,000."""
+"""Logged records (one per `ot.log` call) and spans buffered between two collections before the
+oldest is dropped (int >= 1). Default 100,000 (about 0.5 GB at 20 scalars per record)."""
 OTEL_TRAIN_STRICT_SYNC = "OTEL_TRAIN_STRICT_SYNC"
 """Boolean; warn once per key when a logged value would force a device sync on the training
 thread. Default false."""
@@ -89,8 +91,8 @@ class Settings:
     ranks: str = "0"
     disabled: bool = False
     shutdown_timeout_s: float = 10.0
-    queue_size: int = 256
-    buffer_size: int = 1_000_000
+    queue_size: int = 16
+    buffer_size: int = 100_000
     strict_sync: bool = False
     config: Mapping[str, Any] | None = None
     trace_counters: bool = True

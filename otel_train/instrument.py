@@ -16,7 +16,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
@@ -28,6 +28,9 @@ except ImportError:  # pragma: no cover - a future API without it
     _SPAN_KEY = next(iter(otel_trace.set_span_in_context(otel_trace.INVALID_SPAN, _Context())))
 
 from otel_train.step import _current, current_step
+
+if TYPE_CHECKING:
+    from contextvars import Token
 
 __all__ = ["LogBuffer", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
 
@@ -205,7 +208,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
         self.name = name
         self.attributes = attributes
         self._record_context = record_context
-        self._token: object | None = None
+        self._token: Token[Any] | None = None
         self._span_context: otel_trace.SpanContext | None = None
         self.error: str | None = None
 
@@ -229,7 +232,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
             values[_SPAN_KEY] = self
             self._token = _attach(_Context(values))
         thread = _current_thread()
-        self.thread_id = thread.native_id  # cached by `threading`: no gettid syscall per span
+        self.thread_id = thread.native_id or 0  # cached by `threading`: no gettid syscall per span
         self.thread_name = thread.name
         step = _current.get()
         self.step = current_step() if step is None else step

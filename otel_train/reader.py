@@ -84,6 +84,26 @@ class _Batch:
     spans: Sequence[ReadableSpan]
 
 
+_MERGE_ROWS = 50_000  # rows one merged window may hold (~7 MB); with `queue_size` it bounds a slow backend's queue
+
+
+def _rows_in(batch: _Batch) -> int:
+    w = batch.window
+    return len(w.metrics) + len(w.histograms) + len(w.spans) + len(batch.spans)
+
+
+def _merge_batches(batches: list[_Batch]) -> _Batch:
+    """One batch holding the rows of several windows, in order."""
+    if len(batches) == 1:
+        return batches[0]
+    ws = [b.window for b in batches]
+    window = Window([r for w in ws for r in w.metrics], [h for w in ws for h in w.histograms],
+                    [s for w in ws for s in w.spans])
+    mds = [b.metrics_data for b in batches if b.metrics_data is not None]
+    md = MetricsData([rm for m in mds for rm in m.resource_metrics]) if mds else None
+    return _Batch(window, md, [s for b in batches for s in b.spans])
+
+
 class _ExportWorker:
     """One thread and one bounded queue per exporter."""
 
@@ -110,17 +130,24 @@ class _ExportWorker:
         self._start()
 
     def submit(self, batch: _Batch | None) -> None:
+        """Queue a window. While the worker is busy, windows merge into the queued tail (up to
+        `_MERGE_ROWS` rows), so a slow backend gets fewer, bigger writes instead of drops."""
         with self._cv:
             if self._closed:
                 return
-            self._queue.append(batch)
+            tail = self._queue[-1] if self._queue else None
             if batch is None:
+                self._queue.append(None)
                 self._closed = True
-            elif len(self._queue) > self._queue_size:
-                self._queue.popleft()
-                self.dropped_batches += 1
-                self._log.warning("drop", "export queue of `%s` full: oldest window dropped (%d so far)",
-                                  getattr(self.exporter, "name", self.exporter), self.dropped_batches)
+            elif tail is not None and _rows_in(tail) + _rows_in(batch) <= _MERGE_ROWS:
+                self._queue[-1] = _merge_batches([tail, batch])
+            else:
+                self._queue.append(batch)
+                if len(self._queue) > self._queue_size:
+                    self._queue.popleft()
+                    self.dropped_batches += 1
+                    self._log.warning("drop", "export queue of `%s` full: oldest window dropped (%d so far)",
+                                      getattr(self.exporter, "name", self.exporter), self.dropped_batches)
             self._cv.notify_all()
 
     def wait_idle(self, deadline: float) -> bool:
@@ -136,13 +163,18 @@ class _ExportWorker:
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: bool(self._queue))
-                batch = self._queue.popleft()
+                batches: list[_Batch] = []
+                while self._queue and self._queue[0] is not None:  # everything queued: one write
+                    batches.append(self._queue.popleft())  # type: ignore[arg-type]
+                stop = not batches
+                if stop:
+                    self._queue.popleft()
                 self._busy = True
             try:
-                if batch is None:
-                    self._call(lambda: self.exporter.shutdown(timeout_millis=10_000))
+                if stop:
+                    self._call(self._shutdown_exporter)
                     return
-                self._export(batch)
+                self._export(_merge_batches(batches))
             finally:
                 with self._cv:
                     self._busy = False
@@ -163,6 +195,13 @@ class _ExportWorker:
         if self.send_spans and isinstance(ex, SpanExporter) and batch.spans:
             spans = batch.spans
             self._call(lambda: ex.export(spans))
+
+    def _shutdown_exporter(self) -> None:
+        ex = self.exporter
+        if isinstance(ex, MetricExporter):  # RowExporter included
+            ex.shutdown(timeout_millis=10_000)
+        else:  # OTel's SpanExporter.shutdown() takes no timeout
+            ex.shutdown()
 
     def _call(self, fn: Any) -> None:
         try:
@@ -225,7 +264,7 @@ class StepAlignedMetricReader(MetricReader):
         *,
         export_every: int = 1,
         export_interval_s: float = 30.0,
-        queue_size: int = 256,
+        queue_size: int = 16,
         log_buffer: LogBuffer | None = None,
         span_buffer: SpanBuffer | None = None,
         export_metrics: bool = True,
@@ -238,8 +277,8 @@ class StepAlignedMetricReader(MetricReader):
         )
         self.export_every = max(1, int(export_every))
         self.export_interval_s = float(export_interval_s)
-        self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(1_000_000)
-        self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(1_000_000)
+        self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(100_000)
+        self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(100_000)
         self._resource = resource or Resource.create()
         self._converter = MetricsConverter()
         self._workers = [
@@ -323,8 +362,8 @@ class StepAlignedMetricReader(MetricReader):
         records = self.log_buffer.drain()
         spans = self.span_buffer.drain()
         self._report_drops(step, records)
-        if not records and not spans and not _has_points(metrics_data):
-            return
+        if not self._workers or (not records and not spans and not _has_points(metrics_data)):
+            return  # no exporter wants anything: draining bounded the memory, converting would waste CPU
         run = self._converter.run_for(self._resource.attributes)
         rows: list[MetricRow] = []
         hists: list[Any] = []
@@ -352,30 +391,30 @@ class StepAlignedMetricReader(MetricReader):
             w.submit(batch)
 
     def _log_points(self, records: list[tuple[Any, ...]]) -> list[tuple[str, int, float, int]]:
-        keys: list[str] = []
-        steps: list[int] = []
-        times: list[int] = []
-        values: list[Any] = []
+        out: list[Any] = []
+        append = out.append
+        slow = []
         for _, step, mapping, t in records:
             for key, value in mapping.items():
-                keys.append(key)
-                steps.append(step)
-                times.append(t)
-                values.append(value)
-        floats = to_floats(values)
-        out = []
-        for key, step, value, raw, t in zip(keys, steps, floats, values, times):
+                if type(value) is float and valid_name(key):  # the common case: nothing to convert
+                    append((key, step, value, t))
+                else:  # tensors, ints, bad names: converted together below, order kept
+                    slow.append((len(out), key, step, value, t))
+                    append(None)
+        if not slow:
+            return out
+        floats = to_floats([s[3] for s in slow])
+        for (idx, key, step, raw, t), value in zip(slow, floats):
             if value is None:
                 self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
                                   "skipped (warned once per key)", key, type(raw).__name__)
-                continue
-            if not valid_name(key):
+            elif not valid_name(key):
                 self._log.warning(f"name:{key}", "otel_train.log: key %r is not a valid OTel instrument name "
                                   "(a letter, then up to 254 of letters, digits, `_ . / -`); skipped "
                                   "(warned once per key)", key)
-                continue
-            out.append((key, step, value, t))
-        return out
+            else:
+                out[idx] = (key, step, value, t)
+        return [p for p in out if p is not None]
 
     def _report_drops(self, step: int, records: list[tuple[Any, ...]]) -> None:
         drops = (

@@ -109,7 +109,7 @@ class Session:
         self.exporters = self._build_exporters(settings.exporters, options) + list(instances)
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
-        self.log_buffer = LogBuffer(settings.buffer_size)
+        self.log_buffer = LogBuffer(settings.buffer_size, strict=settings.strict_sync)
         self.span_buffer = SpanBuffer(settings.buffer_size)
         self.reader = StepAlignedMetricReader(
             self.exporters,
