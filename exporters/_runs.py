@@ -22,6 +22,7 @@ __all__ = [
     "bounded",
     "by_step",
     "flatten",
+    "histogram_bins",
     "hparams_for",
     "import_backend",
     "rank_tag",
@@ -48,6 +49,22 @@ def import_backend(module: str, exporter: str) -> Any:
         raise ModuleNotFoundError(
             f"{exporter} needs {module}: pip install 'otel-train[{module}]'", name=module
         ) from err
+
+
+def histogram_bins(row: Any, max_bins: int) -> tuple[list[int], list[float]] | None:
+    """(counts, edges) of an explicit-bucket `HistogramRow`, the outer edges at its min and max.
+
+    None when it cannot be drawn (no buckets, inconsistent counts, too many bins, empty).
+    """
+    counts = list(row.bucket_counts)
+    bounds = list(row.explicit_bounds)
+    if not counts or len(counts) != len(bounds) + 1 or len(counts) > max_bins or row.count == 0:
+        return None
+    low = min(row.min, bounds[0]) if bounds else row.min
+    high = max(row.max, bounds[-1]) if bounds else row.max
+    if high <= low:
+        high = low + 1.0
+    return counts, [low, *bounds, high]
 
 
 def wanted(options: ExporterOptions, run: RunInfo) -> bool:

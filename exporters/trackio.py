@@ -26,6 +26,7 @@ from typing import Any
 from otel_train.exporters._runs import (
     StepGate,
     by_step,
+    histogram_bins,
     hparams_for,
     import_backend,
     rank_tag,
@@ -148,12 +149,7 @@ def _histogram(row: HistogramRow) -> Any:
     """A `trackio.Histogram` of an explicit-bucket histogram; the outer edges are its min and max."""
     import trackio
 
-    counts = list(row.bucket_counts)
-    bounds = list(row.explicit_bounds)
-    if not counts or len(counts) != len(bounds) + 1 or len(counts) > _MAX_BINS or row.count == 0:
+    bins = histogram_bins(row, _MAX_BINS)
+    if bins is None:
         return None
-    low = min(row.min, bounds[0]) if bounds else row.min
-    high = max(row.max, bounds[-1]) if bounds else row.max
-    if high <= low:
-        high = low + 1.0
-    return trackio.Histogram(np_histogram=(counts, [low, *bounds, high]))
+    return trackio.Histogram(np_histogram=bins)

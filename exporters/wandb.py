@@ -23,7 +23,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.exporters._runs import StepGate, by_step, hparams_for, import_backend, run_folder, wanted
+from otel_train.exporters._runs import (
+    StepGate,
+    by_step,
+    histogram_bins,
+    hparams_for,
+    import_backend,
+    run_folder,
+    wanted,
+)
 from otel_train.exporters.base import RowExporter
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
 
@@ -181,13 +189,8 @@ def _histogram(row: HistogramRow) -> Any:
     import numpy as np
     import wandb
 
-    counts = list(row.bucket_counts)
-    bounds = list(row.explicit_bounds)
-    if not counts or len(counts) != len(bounds) + 1 or len(counts) > _MAX_BINS or row.count == 0:
+    bins = histogram_bins(row, _MAX_BINS)
+    if bins is None:
         return None
-    low = min(row.min, bounds[0]) if bounds else row.min
-    high = max(row.max, bounds[-1]) if bounds else row.max
-    if high <= low:
-        high = low + 1.0
-    edges = [low, *bounds, high]
+    counts, edges = bins
     return wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges, dtype=float)))
