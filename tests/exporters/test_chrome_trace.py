@@ -89,7 +89,7 @@ def test_thread_names_once_across_windows_and_fallback_tid(tmp_path: Path) -> No
     assert sorted(e["args"]["name"] for e in names) == ["MainThread", "thread 1", "worker"]
     xs = {e["name"]: e for e in by_ph(events, "X")}
     assert xs["bare"]["tid"] == 1 and xs["bare"]["args"] == {"train.step": 3}
-    assert 1 < xs["named"]["tid"] < 100_001 and "train.step" not in xs["named"]["args"]
+    assert xs["named"]["tid"] > 1 and xs["named"]["tid"] < 100_001 and "train.step" not in xs["named"]["args"]
     assert [e["args"]["train.step"] for e in by_ph(events, "X") if e["name"] == "step"] == [0, 1, 2]
 
 
