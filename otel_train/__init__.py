@@ -126,16 +126,21 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
     if s is None:
         _require_session()
     if s.closed:
-        _warn_closed()
+        _warn_closed(getattr(s, "forked", False))
         return
     s.log(mapping, step)
 
 
-def _warn_closed() -> None:
+def _warn_closed(forked: bool) -> None:
     global _warned_closed
     if not _warned_closed:
         _warned_closed = True
-        _logger.warning("otel_train.log()/span() after shutdown(): dropped (warned once)")
+        if forked:
+            _logger.warning("otel_train.log() in a forked child process: dropped, because the child shares the "
+                            "parent's files (call otel_train.shutdown() and init() in the child to export from it; "
+                            "warned once)")
+        else:
+            _logger.warning("otel_train.log()/span() after shutdown(): dropped (warned once)")
 
 
 class _NoSpan:

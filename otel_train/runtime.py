@@ -133,6 +133,15 @@ class Session:
         self._append = self.log_buffer.append
         self._step_listener = self._on_step_end
         add_step_end_listener(self._step_listener)
+        self.forked = False
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child (e.g. a DataLoader worker) shares the parent's open files and backend runs:
+        # exporting from both would interleave them. The child drops its data unless it calls init().
+        self._closed = True
+        self.forked = True
 
     @staticmethod
     def _build_exporters(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:

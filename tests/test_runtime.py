@@ -184,3 +184,37 @@ def test_sigterm_flushes_then_chains_the_previous_handler(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     assert "handler called: True" in result.stdout
     assert "flushed before the handler returned: 5" in result.stdout
+
+
+def _forked_child(conn) -> None:  # type: ignore[no-untyped-def]
+    try:
+        with ot.step(100), ot.span("in-child"):
+            ot.log({"x": -1.0})
+        ot.flush()
+        conn.send("ok")
+    except BaseException as err:  # report anything that would have reached user code
+        conn.send(repr(err))
+
+
+def test_forked_child_neither_raises_nor_writes_into_the_parents_files(run_dir: Path) -> None:
+    """A DataLoader worker started by fork shares the parent's files: its data is dropped, not interleaved."""
+    import multiprocessing
+
+    from otel_train.exporters.jsonl import read_jsonl
+
+    ot.init(exporters="jsonl", dir=run_dir, run_name="forked")
+    with ot.step(0):
+        ot.log({"x": 1.0})
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_forked_child, args=(child_end,))
+    proc.start()
+    assert parent_end.recv() == "ok"
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    with ot.step(1):
+        ot.log({"x": 2.0})
+    ot.shutdown()
+    rows = list(read_jsonl(run_dir / "forked" / "rank0.jsonl"))
+    assert {(r["step"], r["value"]) for r in rows if r.get("tag") == "x"} == {(0, 1.0), (1, 2.0)}
+    assert not [r for r in rows if r.get("name") == "in-child"]
