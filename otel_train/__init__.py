@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from otel_train.errors import ConfigError, OtelTrainError
+from otel_train.instrument import NO_SPAN
 from otel_train.step import STEP_ATTRIBUTE, current_step, step, steps
 
 if TYPE_CHECKING:
@@ -106,16 +107,6 @@ def init(
         return _session
 
 
-def _require_session() -> Any:
-    s = _session
-    if s is None:
-        raise OtelTrainError(
-            "otel_train.log() was called before otel_train.init(); call init() first "
-            "(or set OTEL_TRAIN_DISABLED=1 and still call init() to turn logging off)"
-        )
-    return s
-
-
 def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
     """Record each value of `mapping` as a gauge named by its key, at `step` (default: the current step).
 
@@ -124,7 +115,10 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
     """
     s = _session
     if s is None:
-        _require_session()
+        raise OtelTrainError(
+            "otel_train.log() was called before otel_train.init(); call init() first "
+            "(or set OTEL_TRAIN_DISABLED=1 and still call init() to turn logging off)"
+        )
     if s.closed:
         _warn_closed(getattr(s, "forked", False))
         return
@@ -143,37 +137,24 @@ def _warn_closed(forked: bool) -> None:
             _logger.warning("otel_train.log()/span() after shutdown(): dropped (warned once)")
 
 
-class _NoSpan:
-    def __enter__(self) -> _NoSpan:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        return None
-
-
-_NO_SPAN = _NoSpan()
-
-
 def span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
     """A context manager timing a block as a span (with `train.step` and the thread).
 
     Before `init()` (or when disabled) it does nothing. An exception marks the span as error and
     propagates unchanged.
     """
+    return _scope(name, attributes, True)
+
+
+def _scope(name: str, attributes: Mapping[str, Any] | None, record_context: bool) -> Any:
     s = _session
     if s is None or s.closed:
-        return _NO_SPAN
-    return s.span(name, attributes)
+        return NO_SPAN
+    return s.span(name, attributes, record_context)
 
 
 def _span_for_decorator(name: str, record_context: bool) -> Any:
-    s = _session
-    if s is None or s.closed:
-        return _NO_SPAN
-    return s.span(name, None, record_context)
+    return _scope(name, None, record_context)
 
 
 def traced(name: str | Callable[..., Any] | None = None) -> Any:

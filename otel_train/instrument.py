@@ -32,7 +32,7 @@ from otel_train.step import _current, current_step
 if TYPE_CHECKING:
     from contextvars import Token
 
-__all__ = ["LogBuffer", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
+__all__ = ["NO_SPAN", "LogBuffer", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
@@ -189,6 +189,24 @@ class SpanBuffer(_Bounded):
 
     def append(self, span: Any) -> None:
         self._items.append((next(self._seq), span))
+
+
+class _NoSpan:
+    """What `ot.span` returns before `init()`, after `shutdown()` and when disabled: does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NoSpan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        return None
+
+
+NO_SPAN = _NoSpan()
 
 
 class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):

@@ -20,7 +20,7 @@ from typing import Any
 
 from otel_train import config as cfg
 from otel_train.errors import ConfigError
-from otel_train.instrument import LogBuffer, SpanBuffer, SpanScope
+from otel_train.instrument import NO_SPAN, LogBuffer, SpanBuffer, SpanScope
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import StepEnd, _current, add_step_end_listener, current_step, remove_step_end_listener
@@ -90,9 +90,10 @@ class Session:
 
         self.settings = settings
         rank = _env_int(env, "RANK", 0)
+        run_id = resolve_run_id(settings, env)
         self.run = RunInfo(
-            run_id=resolve_run_id(settings, env),
-            run_name="",
+            run_id=run_id,
+            run_name=settings.run_name or run_id,
             rank=rank,
             local_rank=_env_int(env, "LOCAL_RANK", 0),
             world_size=max(1, _env_int(env, "WORLD_SIZE", 1)),
@@ -101,7 +102,6 @@ class Session:
             pid=os.getpid(),
             config_hash=config_hash(settings.config),
         )
-        self.run = RunInfo(**{**self.run.__dict__, "run_name": settings.run_name or self.run.run_id})
         self.export_metrics = settings.ranks == "all" or rank == 0
         directory = _check_dir(settings.dir)
         options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
@@ -240,9 +240,7 @@ class DisabledSession:
         return None
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
-        from contextlib import nullcontext
-
-        return nullcontext()
+        return NO_SPAN
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return True
