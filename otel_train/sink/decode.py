@@ -272,15 +272,21 @@ def _point(kvs: Any, name: str, run: RunInfo, default_step: DefaultStep) -> tupl
 
 
 # -- requests -> rows ----------------------------------------------------------------------------
+def _resource_run(resource: Any, has_data: bool, runs: RunCache, out: Decoded) -> RunInfo:
+    """The run of one Resource of a request; counts Resources without `train.run.id`."""
+    attrs = _attrs(resource.attributes)
+    out.unattributed += RUN_ID not in attrs
+    run = runs.run_for(attrs)
+    if has_data:
+        out._ids.add(run.run_id)
+    return run
+
+
 def decode_metrics(request: Any, runs: RunCache, default_step: DefaultStep = _zero) -> Decoded:
     """Rows of an `ExportMetricsServiceRequest`. `runs` only caches RunInfo by Resource."""
     out = Decoded()
     for rm in request.resource_metrics:
-        resource = _attrs(rm.resource.attributes)
-        out.unattributed += RUN_ID not in resource
-        run = runs.run_for(resource)
-        if rm.scope_metrics:
-            out._ids.add(run.run_id)
+        run = _resource_run(rm.resource, bool(rm.scope_metrics), runs, out)
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 name = metric.name
@@ -347,11 +353,7 @@ def decode_traces(request: Any, runs: RunCache) -> Decoded:
     """Span rows of an `ExportTraceServiceRequest`."""
     out = Decoded()
     for rs in request.resource_spans:
-        resource = _attrs(rs.resource.attributes)
-        out.unattributed += RUN_ID not in resource
-        run = runs.run_for(resource)
-        if rs.scope_spans:
-            out._ids.add(run.run_id)
+        run = _resource_run(rs.resource, bool(rs.scope_spans), runs, out)
         for ss in rs.scope_spans:
             for span in ss.spans:
                 attrs = _attrs(span.attributes)
