@@ -128,6 +128,7 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
             if rotel.poll() is not None:
                 raise RuntimeError("rotel exited at start")
         proc = psutil.Process(sink.pid)
+        machine0 = psutil.cpu_times()
         cpu0 = sum(proc.cpu_times()[:2])
         ready, go = mp.Semaphore(0), mp.Event()
         clients = [mp.Process(target=_client, args=(target, r, args.clients, args, ready, go))
@@ -156,6 +157,9 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
         for c in clients:
             c.join(30)
         cpu = sum(proc.cpu_times()[:2]) - cpu0
+        machine1 = psutil.cpu_times()
+        busy = sum(getattr(machine1, f) - getattr(machine0, f) for f in ("user", "system", "nice", "irq", "softirq"))
+        idle = (machine1.idle - machine0.idle) + (getattr(machine1, "iowait", 0) - getattr(machine0, "iowait", 0))
         sink.send_signal(signal.SIGTERM)
         sink.wait(60)
         return {
@@ -163,7 +167,8 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
             "ingested_points_per_s": round(total / t_in) if t_in else None,
             "written_points_per_s": round(total / t_out) if t_out else None,
             "seconds_to_written": round(t_out, 2) if t_out else None,
-            "sink_cpu_s": round(cpu, 2), "sink_peak_rss_mib": round(rss / 2**20, 1),
+            "sink_cpu_s": round(cpu, 2), "machine_busy": f"{busy / max(busy + idle, 1e-9):.0%}",
+            "sink_peak_rss_mib": round(rss / 2**20, 1),
             "sink_exit_code": sink.returncode, "received": _last[0], "written": _last[1],
         }
     finally:

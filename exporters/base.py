@@ -113,6 +113,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self.dropped_windows = 0
 
     # -- hooks -------------------------------------------------------------------------------
+    @classmethod
+    def preload(cls) -> None:
+        """Import the backend's heavy modules now (the sink calls this at start, so that its first
+        run does not pay for the imports). Must not create anything."""
+
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         """Write one window's scalar rows (and full histograms). Runs on the export thread."""
 

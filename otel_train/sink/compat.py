@@ -260,7 +260,8 @@ class CompatAPI:
         from otel_train.sink.decode import Decoded
 
         step = self._step(doc)
-        decoded = Decoded()
+        metrics: list[MetricRow] = []
+        spans: list[SpanRow] = []
         with self._lock:
             for key in self._matching(doc):
                 rows = self._buffer[key].pop(step, [])
@@ -268,10 +269,11 @@ class CompatAPI:
                     del self._buffer[key]
                 self._buffered -= len(rows)
                 for row in rows:
-                    (decoded.spans if isinstance(row, SpanRow) else decoded.metrics).append(row)  # type: ignore[arg-type]
+                    (spans if isinstance(row, SpanRow) else metrics).append(row)  # type: ignore[arg-type]
             for h in self._history:
                 if h["step"] == step:
                     h["reported"] = True
+        decoded = Decoded.of_rows(metrics, spans)
         if decoded.metrics or decoded.spans:
             self._router.ingest(decoded)
         return _ok(step=step, metrics=len(decoded.metrics), spans=len(decoded.spans))
@@ -322,14 +324,16 @@ class CompatAPI:
         """Write every buffered value (the sink is stopping)."""
         from otel_train.sink.decode import Decoded
 
-        decoded = Decoded()
+        metrics: list[MetricRow] = []
+        spans: list[SpanRow] = []
         with self._lock:
             for steps in self._buffer.values():
                 for rows in steps.values():
                     for row in rows:
-                        (decoded.spans if isinstance(row, SpanRow) else decoded.metrics).append(row)  # type: ignore[arg-type]
+                        (spans if isinstance(row, SpanRow) else metrics).append(row)  # type: ignore[arg-type]
             self._buffer.clear()
             self._buffered = 0
+        decoded = Decoded.of_rows(metrics, spans)
         if decoded.metrics or decoded.spans:
             try:
                 self._router.ingest(decoded)

@@ -3,14 +3,17 @@
 Decoding is pure: a request is turned into a `Decoded` batch without touching any state, so a
 malformed request fails as a whole and nothing of it is written. Counter totals (DELTA sums ->
 running totals) are applied afterwards, by the router, with `Decoded.finish`.
+
+Gauge and sum points of protobuf requests are read from their encoding (`otel_train.sink.points`);
+OTLP/JSON, other metric kinds and traces through protobuf's objects.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import functools
 import math
-from collections.abc import Callable, Mapping
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from otel_train.records import (
@@ -22,9 +25,23 @@ from otel_train.records import (
     SpanRow,
     series_tag,
 )
+from otel_train.sink.otlp import (
+    NO_EXTRA,
+    DecodeError,
+    attributes,
+    lean_metrics_request,
+    number_point,
+    parse_metrics,
+    parse_traces,
+    point_attributes,
+)
+from otel_train.sink.points import DOUBLE, TIME, TIME_DOUBLE, WHOLE, AttributeCache, split_point
 from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
-__all__ = ["DecodeError", "Decoded", "RunCache", "decode_metrics", "decode_traces", "parse_metrics", "parse_traces"]
+__all__ = [
+    "DecodeCache", "DecodeError", "Decoded", "decode_metrics", "decode_traces", "parse_metrics",
+    "parse_traces",
+]
 
 _DELTA = 1  # AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA in the proto enum
 _STATUS_ERROR = 2  # Status.STATUS_CODE_ERROR
@@ -34,48 +51,66 @@ _SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
 DefaultStep = Callable[[RunInfo], int]
 
 
-class DecodeError(ValueError):
-    """The request is not a valid OTLP payload; the message says why (sent back to the client)."""
-
-
 class Decoded:
-    """The rows of one request. Sum points stay pending until `finish` applies running totals."""
+    """The rows of one request, with what the router needs to know of them (computed while decoding,
+    so the router does not walk the rows again). Sum points stay pending until `finish` applies
+    running totals.
 
-    __slots__ = ("_ids", "_sums", "histograms", "metrics", "spans", "unattributed")
+    Attributes:
+        runs: Every run (one rank of one training run) that sent data, with its highest step.
+        tags: The series tags of each training run (`train.run.id`).
+    """
+
+    __slots__ = ("_sums", "histograms", "metrics", "runs", "spans", "tags", "unattributed")
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
         self.histograms: list[HistogramRow] = []
         self.spans: list[SpanRow] = []
-        # (run, step, name, tag, value, kind, time, extra attrs, delta)
-        self._sums: list[tuple[RunInfo, int, str, str, float, str, int, dict[str, Any], bool]] = []
+        # Sum rows holding their point's value, and whether it is a delta, until `finish`.
+        self._sums: list[tuple[MetricRow, bool]] = []
+        self.runs: dict[RunInfo, int] = {}  # highest step of metric points; -1 for none (spans only)
+        self.tags: dict[str, set[str]] = {}
         #: Resources without `train.run.id` (their rows go to the run `unknown-run`).
         self.unattributed = 0
-        self._ids: set[str] = set()  # run ids of the decoded Resources (saves a pass over the rows)
+
+    @classmethod
+    def of_rows(cls, metrics: Sequence[MetricRow] = (), spans: Sequence[SpanRow] = ()) -> Decoded:
+        """A batch of rows built elsewhere (the compat API, aggregates)."""
+        out = cls()
+        out.metrics.extend(metrics)
+        out.spans.extend(spans)
+        for row in metrics:
+            out.saw(row.run, row.step)
+            out.tags_of(row.run).add(row.tag)
+        for sp in spans:
+            out.runs.setdefault(sp.run, -1)
+        return out
 
     @property
     def points(self) -> int:
         return len(self.metrics) + len(self._sums) + len(self.histograms)
 
+    def saw(self, run: RunInfo, step: int) -> None:
+        if step > self.runs.get(run, -1):
+            self.runs[run] = step
+
+    def tags_of(self, run: RunInfo) -> set[str]:
+        tags = self.tags.get(run.run_id)
+        if tags is None:
+            tags = self.tags[run.run_id] = set()
+        return tags
+
     def finish(self, converter: MetricsConverter) -> None:
         """Turn pending sum points into rows with running totals (arrival order, step order inside)."""
-        for run, step, name, tag, value, kind, t, extra, delta in self._sums:
-            total = converter.accumulate(run, tag, value, delta)
-            self.metrics.append(MetricRow(run, step, name, tag, total, kind, t, extra))
+        for row, delta in self._sums:  # rows not yet shared with anyone: set in place
+            row.value = converter.accumulate(row.run, row.tag, row.value, delta)
+            self.metrics.append(row)
         self._sums.clear()
-
-    def run_ids(self) -> set[str]:
-        if self._ids:
-            return self._ids
-        ids = {r.run.run_id for r in self.metrics}
-        ids.update(r[0].run_id for r in self._sums)
-        ids.update(r.run.run_id for r in self.histograms)
-        ids.update(r.run.run_id for r in self.spans)
-        return ids
 
     def split_by_run(self) -> dict[str, Decoded]:
         """One `Decoded` per `train.run.id` (a collector batches several runs into one request)."""
-        ids = self.run_ids()
+        ids = {run.run_id for run in self.runs}
         if len(ids) <= 1:
             return {next(iter(ids)): self} if ids else {}
         out: dict[str, Decoded] = {}
@@ -86,10 +121,14 @@ class Decoded:
                 d = out[run_id] = Decoded()
             return d
 
+        for run, step in self.runs.items():
+            d = part(run.run_id)
+            d.runs[run] = step
+            d.tags[run.run_id] = self.tags.get(run.run_id, set())
         for m in self.metrics:
             part(m.run.run_id).metrics.append(m)
         for s in self._sums:
-            part(s[0].run_id)._sums.append(s)
+            part(s[0].run.run_id)._sums.append(s)
         for h in self.histograms:
             part(h.run.run_id).histograms.append(h)
         for sp in self.spans:
@@ -104,22 +143,27 @@ def _as_int(value: Any) -> int:
         return 0
 
 
-# -- AnyValue / KeyValue ------------------------------------------------------------------------
-def _any(value: Any) -> Any:
-    kind = value.WhichOneof("value")
-    if kind is None:
-        return None
-    if kind == "array_value":
-        return tuple(_any(v) for v in value.array_value.values)
-    if kind == "kvlist_value":
-        return json.dumps({kv.key: _any(kv.value) for kv in value.kvlist_value.values}, default=str)
-    if kind == "bytes_value":
-        return value.bytes_value.hex()
-    return getattr(value, kind)
+class DecodeCache:
+    """What decoding learns once and reuses: RunInfo by Resource attributes (every process of every
+    run has its own Resource) and decoded point attributes by their encoding. Both bounded."""
+
+    def __init__(self, max_entries: int = 10_000) -> None:
+        self._runs: dict[tuple[tuple[str, Any], ...], RunInfo] = {}
+        self._max = max_entries
+        self.points = AttributeCache()
+
+    def run_for(self, resource_attributes: Mapping[str, Any]) -> RunInfo:
+        key = tuple(sorted(resource_attributes.items(), key=lambda kv: kv[0]))
+        run = self._runs.get(key)
+        if run is None:
+            if len(self._runs) >= self._max:
+                self._runs.clear()
+            run = self._runs[key] = RunInfo.from_resource(resource_attributes)
+        return run
 
 
-def _attrs(kvs: Any) -> dict[str, Any]:
-    return {kv.key: _any(kv.value) for kv in kvs}
+def _zero(_: RunInfo) -> int:
+    return 0
 
 
 def _step(attrs: Mapping[str, Any], run: RunInfo, default_step: DefaultStep) -> int:
@@ -136,157 +180,157 @@ def _extra(attrs: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in attrs.items() if k not in _SERIES_EXCLUDED} if attrs else {}
 
 
-def _value(point: Any) -> float:
-    return float(point.as_double) if point.WhichOneof("value") == "as_double" else float(point.as_int)
-
-
-# -- parsing -------------------------------------------------------------------------------------
-def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
-    enc = (encoding or "").strip().lower()
-    if enc in ("", "identity"):
-        return body
-    if enc == "gzip":
-        import zlib
-
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        try:
-            out = d.decompress(body, limit + 1)
-        except zlib.error as err:
-            raise DecodeError(f"invalid gzip body: {err}") from None
-        if len(out) > limit:
-            raise OverflowError(f"decompressed body exceeds {limit} bytes")
-        return out
-    raise DecodeError(f"unsupported content-encoding {encoding!r}; use gzip or none")
-
-
-def _hex_ids_to_base64(obj: Any, keys: tuple[str, ...]) -> None:
-    """OTLP/JSON writes trace and span ids as hex; protobuf's JSON mapping expects base64."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k in keys and isinstance(v, str) and v:
-                try:
-                    obj[k] = base64.b64encode(bytes.fromhex(v)).decode()
-                except ValueError:
-                    raise DecodeError(f"`{k}` {v[:40]!r} is not a hex id") from None
-            else:
-                _hex_ids_to_base64(v, keys)
-    elif isinstance(obj, list):
-        for v in obj:
-            _hex_ids_to_base64(v, keys)
-
-
-_ID_KEYS = ("traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id")
-
-
-def _parse(message: Any, body: bytes, content_type: str | None) -> Any:
-    ctype = (content_type or "application/x-protobuf").split(";")[0].strip().lower()
-    if ctype == "application/json":
-        from google.protobuf import json_format
-
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise DecodeError(f"invalid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise DecodeError("invalid OTLP/JSON: expected an object")
-        _hex_ids_to_base64(data, _ID_KEYS)
-        try:
-            json_format.ParseDict(data, message, ignore_unknown_fields=True)
-        except (json_format.ParseError, ValueError, TypeError) as err:
-            raise DecodeError(f"invalid OTLP/JSON: {str(err)[:200]}") from None
-        return message
-    if ctype in ("application/x-protobuf", "application/protobuf", "application/octet-stream"):
-        from google.protobuf.message import DecodeError as PbDecodeError
-
-        try:
-            message.ParseFromString(body)
-        except (PbDecodeError, ValueError, RuntimeError) as err:
-            raise DecodeError(f"invalid OTLP protobuf: {str(err)[:200] or type(err).__name__}") from None
-        return message
-    raise DecodeError(f"unsupported content-type {content_type!r}; use application/x-protobuf or application/json")
-
-
-def parse_metrics(body: bytes, content_type: str | None = None, encoding: str | None = None,
-                  limit: int = 1 << 62) -> Any:
-    """Parse an `ExportMetricsServiceRequest` from a (possibly gzipped) protobuf or JSON body."""
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-
-    return _parse(ExportMetricsServiceRequest(), _decompress(body, encoding, limit), content_type)
-
-
-def parse_traces(body: bytes, content_type: str | None = None, encoding: str | None = None,
-                 limit: int = 1 << 62) -> Any:
-    """Parse an `ExportTraceServiceRequest` from a (possibly gzipped) protobuf or JSON body."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    return _parse(ExportTraceServiceRequest(), _decompress(body, encoding, limit), content_type)
-
-
-class RunCache:
-    """RunInfo by Resource attributes, bounded (every process of every run has its own Resource)."""
-
-    def __init__(self, max_entries: int = 10_000) -> None:
-        self._runs: dict[tuple[tuple[str, Any], ...], RunInfo] = {}
-        self._max = max_entries
-
-    def run_for(self, resource_attributes: Mapping[str, Any]) -> RunInfo:
-        key = tuple(sorted(resource_attributes.items(), key=lambda kv: kv[0]))
-        run = self._runs.get(key)
-        if run is None:
-            if len(self._runs) >= self._max:
-                self._runs.clear()
-            run = self._runs[key] = RunInfo.from_resource(resource_attributes)
-        return run
-
-
-def _zero(_: RunInfo) -> int:
-    return 0
-
-
-def _point(kvs: Any, name: str, run: RunInfo, default_step: DefaultStep) -> tuple[int, str, dict[str, Any]]:
-    """(step, series tag, extra attributes) of one data point: the hot loop of the sink, kept flat."""
-    if len(kvs) == 1:  # the common case: only `train.step`, as the step-aligned reader sends it
-        kv = kvs[0]
-        if kv.key == STEP_ATTRIBUTE:
-            v = kv.value
-            if v.WhichOneof("value") == "int_value":
-                return v.int_value, name, {}
-    step: int | None = None
-    extra: dict[str, Any] = {}
-    for kv in kvs:
-        key = kv.key
-        if key == STEP_ATTRIBUTE:
-            v = kv.value
-            if v.WhichOneof("value") == "int_value":
-                step = v.int_value
-            else:
-                try:
-                    step = int(_any(v))
-                except (TypeError, ValueError):
-                    step = None
-        elif key != RANK_ATTRIBUTE:
-            extra[key] = _any(kv.value)
+def _one_point(p: Any, name: str, kind: str, run: RunInfo, default_step: DefaultStep) -> MetricRow:
+    step, extra = point_attributes(p.attributes)
     if step is None:
         step = default_step(run)
-    return step, (series_tag(name, extra) if extra else name), extra
+    tag = series_tag(name, extra) if extra else name
+    return MetricRow(run, step, name, tag, p.as_double or float(p.as_int), kind, p.time_unix_nano, extra)
+
+
+def _numbers(points: Any, name: str, kind: str, run: RunInfo, default_step: DefaultStep,
+             seen: Decoded) -> list[MetricRow]:
+    """Rows of gauge or sum points given as protobuf objects (OTLP/JSON requests)."""
+    out = []
+    append = out.append
+    tags = seen.tags_of(run)
+    hi = -1
+    for p in points:
+        kvs = p.attributes
+        if len(kvs) == 1 and (kv := kvs[0]).key == STEP_ATTRIBUTE and (
+                (step := kv.value.int_value) or kv.value.WhichOneof("value") == "int_value"):
+            row = MetricRow(run, step, name, name, p.as_double or float(p.as_int), kind, p.time_unix_nano, NO_EXTRA)
+        else:
+            row = _one_point(p, name, kind, run, default_step)
+            step = row.step
+        tags.add(row.tag)
+        if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
+            hi = step
+        append(row)
+    if out:
+        seen.saw(run, hi)
+    return out
+
+
+def _raw_numbers(points: Any, name: str, kind: str, run: RunInfo, default_step: DefaultStep, seen: Decoded,
+                 cache: AttributeCache) -> list[MetricRow]:
+    """Rows of gauge or sum points given as their encodings (protobuf requests): the sink's hot loop,
+    kept flat (see `otel_train.sink.points`)."""
+    out = []
+    append = out.append
+    tags = seen.tags_of(run)
+    entries = cache.entries
+    unpack = TIME_DOUBLE.unpack_from
+    hi = -1
+    plain = False
+    for raw in points:
+        try:
+            time_key, t, value_key, value = unpack(raw)
+        except struct.error:  # shorter than the common front
+            time_key = value_key = 0
+        if time_key == TIME and value_key == DOUBLE:
+            rem = raw[18:]
+        else:
+            parts = split_point(raw)
+            if parts is None:
+                row = _one_point(number_point(raw), name, kind, run, default_step)
+                tags.add(row.tag)
+                hi = max(hi, row.step)
+                append(row)
+                continue
+            t, value, rem = parts
+        entry = entries.get(rem)
+        if entry is None:
+            entry = cache.decode(rem)
+        if entry is WHOLE:
+            row = _one_point(number_point(raw), name, kind, run, default_step)
+            tags.add(row.tag)
+            hi = max(hi, row.step)
+            append(row)
+            continue
+        step, extra = entry
+        if step is None:
+            step = default_step(run)
+        if extra is NO_EXTRA:
+            plain = True
+            tag = name
+        else:
+            tag = series_tag(name, extra)
+            tags.add(tag)
+        if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
+            hi = step
+        append(MetricRow(run, step, name, tag, value, kind, t, extra))
+    if plain:
+        tags.add(name)
+    if out:
+        seen.saw(run, hi)
+    return out
+
+
+def _add_sums(out: Decoded, rows: list[MetricRow], delta: bool) -> None:
+    rows.sort(key=lambda r: r.step)  # running totals follow the step order
+    out._sums.extend((row, delta) for row in rows)
+
+
+def _histogram_or_summary(metric: Any, kind: str, name: str, run: RunInfo, default_step: DefaultStep,
+                          out: Decoded) -> None:
+    if kind == "histogram":
+        for p in metric.histogram.data_points:
+            attrs = attributes(p.attributes)
+            step = _step(attrs, run, default_step)
+            extra = _extra(attrs)
+            total = float(p.sum) if p.HasField("sum") else 0.0
+            lo = float(p.min) if p.HasField("min") else float("nan")
+            hi = float(p.max) if p.HasField("max") else float("nan")
+            if len(p.bucket_counts) not in (0, len(p.explicit_bounds) + 1):
+                raise DecodeError(f"histogram `{name}`: {len(p.bucket_counts)} bucket counts for "
+                                  f"{len(p.explicit_bounds)} bounds")
+            tag = series_tag(name, attrs)
+            out.tags_of(run).add(tag)
+            out.saw(run, step)
+            out.histograms.append(HistogramRow(
+                run, step, name, tag, int(p.count), total, lo, hi,
+                tuple(p.explicit_bounds), tuple(p.bucket_counts), p.time_unix_nano, extra))
+            for stat, value in (("count", float(p.count)), ("sum", total), ("min", lo), ("max", hi)):
+                if stat in ("min", "max") and math.isnan(value):
+                    continue  # absent min/max: no row rather than NaN
+                stat_name = f"{name}/{stat}"
+                tag = series_tag(stat_name, attrs)
+                out.tags_of(run).add(tag)
+                out.metrics.append(MetricRow(run, step, stat_name, tag, value, "histogram",
+                                             p.time_unix_nano, extra))
+    elif kind == "summary":
+        for p in metric.summary.data_points:
+            attrs = attributes(p.attributes)
+            step = _step(attrs, run, default_step)
+            out.saw(run, step)
+            for stat, value in (("count", float(p.count)), ("sum", float(p.sum))):
+                stat_name = f"{name}/{stat}"
+                tag = series_tag(stat_name, attrs)
+                out.tags_of(run).add(tag)
+                out.metrics.append(MetricRow(run, step, stat_name, tag, value, "histogram",
+                                             p.time_unix_nano, _extra(attrs)))
 
 
 # -- requests -> rows ----------------------------------------------------------------------------
-def _resource_run(resource: Any, has_data: bool, runs: RunCache, out: Decoded) -> RunInfo:
+def _resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: Decoded) -> RunInfo:
     """The run of one Resource of a request; counts Resources without `train.run.id`."""
-    attrs = _attrs(resource.attributes)
     out.unattributed += RUN_ID not in attrs
     run = runs.run_for(attrs)
     if has_data:
-        out._ids.add(run.run_id)
+        out.runs.setdefault(run, -1)
     return run
 
 
-def decode_metrics(request: Any, runs: RunCache, default_step: DefaultStep = _zero) -> Decoded:
-    """Rows of an `ExportMetricsServiceRequest`. `runs` only caches RunInfo by Resource."""
+def decode_metrics(request: Any, runs: DecodeCache, default_step: DefaultStep = _zero) -> Decoded:
+    """Rows of an `ExportMetricsServiceRequest` (the usual class or `parse_metrics`'s lean one)."""
+    lean = lean_metrics_request()
+    numbers: Callable[..., list[MetricRow]] = _numbers
+    if lean is not None and isinstance(request, lean):
+        numbers = functools.partial(_raw_numbers, cache=runs.points)
     out = Decoded()
     for rm in request.resource_metrics:
-        run = _resource_run(rm.resource, bool(rm.scope_metrics), runs, out)
+        run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 name = metric.name
@@ -294,51 +338,13 @@ def decode_metrics(request: Any, runs: RunCache, default_step: DefaultStep = _ze
                     raise DecodeError("a metric has an empty name")
                 kind = metric.WhichOneof("data")
                 if kind == "gauge":
-                    append = out.metrics.append
-                    for p in metric.gauge.data_points:
-                        step, tag, extra = _point(p.attributes, name, run, default_step)
-                        append(MetricRow(run, step, name, tag, p.as_double or float(p.as_int), "gauge",
-                                         p.time_unix_nano, extra))
+                    out.metrics.extend(numbers(metric.gauge.data_points, name, "gauge", run, default_step, out))
                 elif kind == "sum":
                     s = metric.sum
-                    sum_kind = "counter" if s.is_monotonic else "sum"
-                    delta = s.aggregation_temporality == _DELTA
-                    pts = []
-                    for p in s.data_points:
-                        step, tag, extra = _point(p.attributes, name, run, default_step)
-                        pts.append((step, tag, extra, p))
-                    pts.sort(key=lambda x: x[0])  # running totals follow the step order
-                    for step, tag, extra, p in pts:
-                        out._sums.append((run, step, name, tag, p.as_double or float(p.as_int), sum_kind,
-                                          p.time_unix_nano, extra, delta))
-                elif kind == "histogram":
-                    for p in metric.histogram.data_points:
-                        attrs = _attrs(p.attributes)
-                        step = _step(attrs, run, default_step)
-                        extra = _extra(attrs)
-                        total = float(p.sum) if p.HasField("sum") else 0.0
-                        lo = float(p.min) if p.HasField("min") else float("nan")
-                        hi = float(p.max) if p.HasField("max") else float("nan")
-                        if len(p.bucket_counts) not in (0, len(p.explicit_bounds) + 1):
-                            raise DecodeError(f"histogram `{name}`: {len(p.bucket_counts)} bucket counts for "
-                                              f"{len(p.explicit_bounds)} bounds")
-                        out.histograms.append(HistogramRow(
-                            run, step, name, series_tag(name, attrs), int(p.count), total, lo, hi,
-                            tuple(p.explicit_bounds), tuple(p.bucket_counts), p.time_unix_nano, extra))
-                        for stat, value in (("count", float(p.count)), ("sum", total), ("min", lo), ("max", hi)):
-                            if stat in ("min", "max") and math.isnan(value):
-                                continue  # absent min/max: no row rather than NaN
-                            stat_name = f"{name}/{stat}"
-                            out.metrics.append(MetricRow(run, step, stat_name, series_tag(stat_name, attrs),
-                                                         value, "histogram", p.time_unix_nano, extra))
-                elif kind == "summary":
-                    for p in metric.summary.data_points:
-                        attrs = _attrs(p.attributes)
-                        step = _step(attrs, run, default_step)
-                        for stat, value in (("count", float(p.count)), ("sum", float(p.sum))):
-                            stat_name = f"{name}/{stat}"
-                            out.metrics.append(MetricRow(run, step, stat_name, series_tag(stat_name, attrs),
-                                                         value, "histogram", p.time_unix_nano, _extra(attrs)))
+                    _add_sums(out, numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", run,
+                                           default_step, out), s.aggregation_temporality == _DELTA)
+                elif kind in ("histogram", "summary"):
+                    _histogram_or_summary(metric, kind, name, run, default_step, out)
                 # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
     return out
 
@@ -349,14 +355,14 @@ def _id(raw: bytes, size: int, what: str) -> int:
     return int.from_bytes(raw, "big")
 
 
-def decode_traces(request: Any, runs: RunCache) -> Decoded:
+def decode_traces(request: Any, runs: DecodeCache) -> Decoded:
     """Span rows of an `ExportTraceServiceRequest`."""
     out = Decoded()
     for rs in request.resource_spans:
-        run = _resource_run(rs.resource, bool(rs.scope_spans), runs, out)
+        run = _resource_run(attributes(rs.resource.attributes), bool(rs.scope_spans), runs, out)
         for ss in rs.scope_spans:
             for span in ss.spans:
-                attrs = _attrs(span.attributes)
+                attrs = attributes(span.attributes)
                 step = attrs.get(STEP_ATTRIBUTE)
                 parent = _id(span.parent_span_id, 8, "parent_span_id") if span.parent_span_id else None
                 out.spans.append(SpanRow(

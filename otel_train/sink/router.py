@@ -242,18 +242,12 @@ class Router:
             with state.lock:
                 part.finish(state.converter)
                 state.last_seen = time.monotonic()
-                for row in part.metrics:
-                    state.series.add(row.tag)
-                    last = state.last_step.get(row.run.rank)
-                    if last is None or row.step > last:
-                        state.last_step[row.run.rank] = row.step
-                    run = row.run
-                for h in part.histograms:
-                    state.series.add(h.tag)
-                    run = h.run
-                for sp in part.spans:
-                    run = sp.run
-                if part.metrics or part.histograms or part.spans:
+                state.series.update(part.tags.get(run_id, ()))
+                for run, step in part.runs.items():
+                    if step >= 0:
+                        last = state.last_step.get(run.rank)
+                        if last is None or step > last:
+                            state.last_step[run.rank] = step
                     state.run_name = run.run_name
                     state.world_size = max(state.world_size, run.world_size)
                 npoints = len(part.metrics) + len(part.histograms)
@@ -270,8 +264,7 @@ class Router:
 
     def _emit_aggregates(self, state: _Run, rows: list[MetricRow]) -> None:
         if rows:
-            d = Decoded()
-            d.metrics.extend(rows)
+            d = Decoded.of_rows(rows)
             self.aggregate_rows += len(rows)
             try:
                 state.put(d, self._ingest_timeout_s)

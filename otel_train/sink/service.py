@@ -14,8 +14,8 @@ from otel_train.config import SinkSettings
 from otel_train.records import ExporterOptions
 from otel_train.sink.compat import CompatAPI
 from otel_train.sink.decode import (
+    DecodeCache,
     DecodeError,
-    RunCache,
     decode_metrics,
     decode_traces,
     parse_metrics,
@@ -42,6 +42,8 @@ def exporter_factory(names: Sequence[str], options: ExporterOptions) -> Exporter
         raise ConfigError("OTEL_TRAIN_EXPORTERS: `otlp` is not allowed in the sink (it would loop back); "
                           "use backends such as tensorboard, chrome_trace, wandb")
     classes = [(spec.name, load_class(spec)) for spec in specs]
+    for _, cls in classes:
+        cls.preload()
 
     def make() -> list[Any]:
         out = []
@@ -68,7 +70,7 @@ class Sink:
         self.token = settings.token
         self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s)
         self.compat = CompatAPI(self.router)
-        self._runs = RunCache()
+        self._runs = DecodeCache()
         self._grpc: Any = None
         self._http: Any = None
         self._http_thread: threading.Thread | None = None

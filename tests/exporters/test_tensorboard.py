@@ -10,6 +10,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -88,16 +89,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_real_tensorboard_server_serves_the_curve(run_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("load_fast", ["false", "true"], ids=["python-reader", "rust-data-server"])
+def test_a_real_tensorboard_server_serves_the_curve(run_dir: Path, tmp_path: Path, load_fast: str) -> None:
+    """Both of TensorBoard's readers (Python, and the Rust data server it uses by default) read our
+    events, whose summaries are assembled from cached per-tag encodings."""
     ot.init(exporters="tensorboard", dir=run_dir, run_name="served")
     for i in ot.steps(range(5)):
-        ot.log({"train/loss": 1.0 / (i + 1)})
+        ot.log({"train/loss": 1.0 / (i + 1), "train/lr": 0.1})
     ot.shutdown()
     port = _free_port()
     log = (tmp_path / "tb.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir), "--host", "127.0.0.1",
-         "--port", str(port), "--load_fast", "false"],
+         "--port", str(port), "--load_fast", load_fast],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
@@ -137,3 +141,65 @@ def test_fast_checksum_matches_tensorboards_own() -> None:
     for size in (0, 1, 7, 64, 1000):
         data = os.urandom(size)
         assert record_writer.masked_crc32c(data) == reference(data)
+
+
+def test_values_beyond_float32_are_infinite_like_protobufs(tmp_path: Path) -> None:
+    run = RunInfo("r", "big")
+    rows = [MetricRow(run, i, "x", "x", v, "gauge", 0) for i, v in enumerate((1e300, -1e300, 3.0e38, float("nan")))]
+    with TensorBoardExporter(ExporterOptions(directory=tmp_path)) as tb:
+        assert tb.export_window(Window(rows))
+    got = _scalars(tmp_path / "big", "x")
+    assert got[0] == float("inf") and got[1] == float("-inf")
+    assert got[2] == pytest.approx(3.0e38, rel=1e-6)
+    assert got[3] != got[3]  # NaN
+
+
+def test_a_failed_append_leaves_no_partial_record_and_the_retry_writes_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk error halfway through a window's append: the file is cut back to its last whole record,
+    the exporter retries the window later, and every step is then in the file exactly once."""
+    import builtins
+
+    from otel_train.exporters import tensorboard as tb_module
+
+    run = RunInfo("r", "disk")
+    real_open = builtins.open
+    failing = {"on": False}
+
+    class HalfWriter:
+        def __init__(self, f: Any) -> None:
+            self._f = f
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._f, name)
+
+        def __enter__(self) -> HalfWriter:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._f.close()
+
+        def write(self, data: bytes) -> int:
+            self._f.write(bytes(data[: len(data) // 2]))
+            self._f.flush()
+            raise OSError(28, "No space left on device")
+
+    def flaky_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real_open(path, mode, *args, **kwargs)
+        return HalfWriter(f) if failing["on"] and "a" in mode else f
+
+    monkeypatch.setattr(tb_module, "open", flaky_open, raising=False)
+    with TensorBoardExporter(ExporterOptions(directory=tmp_path)) as tb:
+        assert tb.export_window(Window([MetricRow(run, 0, "loss", "loss", 1.0, "gauge", 0)]))
+        (events,) = (tmp_path / "disk").iterdir()
+        size = events.stat().st_size
+        failing["on"] = True
+        assert not tb.export_window(Window([MetricRow(run, s, "loss", "loss", float(s), "gauge", 0)
+                                            for s in (1, 2)]))
+        assert events.stat().st_size == size  # the half-written window was cut off
+        failing["on"] = False
+        tb._retry_at = 0.0  # skip the backoff wait
+        assert tb.export_window(Window([MetricRow(run, 3, "loss", "loss", 3.0, "gauge", 0)]))
+    acc = EventAccumulator(str(tmp_path / "disk"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 1.0), (1, 1.0), (2, 2.0), (3, 3.0)]
