@@ -10,7 +10,6 @@ OTLP/JSON, other metric kinds and traces through protobuf's objects.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -212,59 +211,75 @@ def _numbers(points: Any, name: str, kind: str, run: RunInfo, default_step: Defa
     return out
 
 
-def _raw_numbers(points: Any, name: str, kind: str, run: RunInfo, default_step: DefaultStep, seen: Decoded,
-                 cache: AttributeCache) -> list[MetricRow]:
-    """Rows of gauge or sum points given as their encodings (protobuf requests): the sink's hot loop,
-    kept flat (see `otel_train.sink.points`)."""
-    out = []
-    append = out.append
-    tags = seen.tags_of(run)
+def _lean_resource(scope_metrics: Any, run: RunInfo, default_step: DefaultStep, out: Decoded,
+                   cache: AttributeCache) -> None:
+    """Rows of one Resource's metrics from a lean request: gauge and sum points are read from their
+    encoding (see `otel_train.sink.points`). The sink's hot loop, kept flat: one call per Resource,
+    not per metric (a request often holds one point per metric)."""
     entries = cache.entries
     unpack = TIME_DOUBLE.unpack_from
+    tags = out.tags_of(run)
     hi = -1
-    plain = False
-    for raw in points:
-        try:
-            time_key, t, value_key, value = unpack(raw)
-        except struct.error:  # shorter than the common front
-            time_key = value_key = 0
-        if time_key == TIME and value_key == DOUBLE:
-            rem = raw[18:]
-        else:
-            parts = split_point(raw)
-            if parts is None:
-                row = _one_point(number_point(raw), name, kind, run, default_step)
-                tags.add(row.tag)
-                hi = max(hi, row.step)
-                append(row)
+    for sm in scope_metrics:
+        for metric in sm.metrics:
+            name = metric.name
+            if not name:
+                raise DecodeError("a metric has an empty name")
+            kind = metric.WhichOneof("data")
+            if kind == "gauge":
+                points, row_kind, sums = metric.gauge.data_points, "gauge", None
+                append = out.metrics.append
+            elif kind == "sum":
+                s = metric.sum
+                points, row_kind, sums = s.data_points, ("counter" if s.is_monotonic else "sum"), []
+                append = sums.append
+            else:
+                if kind in ("histogram", "summary"):
+                    _histogram_or_summary(metric, kind, name, run, default_step, out)
+                # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
                 continue
-            t, value, rem = parts
-        entry = entries.get(rem)
-        if entry is None:
-            entry = cache.decode(rem)
-        if entry is WHOLE:
-            row = _one_point(number_point(raw), name, kind, run, default_step)
-            tags.add(row.tag)
-            hi = max(hi, row.step)
-            append(row)
-            continue
-        step, extra = entry
-        if step is None:
-            step = default_step(run)
-        if extra is NO_EXTRA:
-            plain = True
-            tag = name
-        else:
-            tag = series_tag(name, extra)
-            tags.add(tag)
-        if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
-            hi = step
-        append(MetricRow(run, step, name, tag, value, kind, t, extra))
-    if plain:
-        tags.add(name)
-    if out:
-        seen.saw(run, hi)
-    return out
+            plain = False
+            for raw in points:
+                try:
+                    time_key, t, value_key, value = unpack(raw)
+                except struct.error:  # shorter than the common front
+                    time_key = value_key = 0
+                if time_key == TIME and value_key == DOUBLE:
+                    rem = raw[18:]
+                    entry = entries.get(rem)
+                    if entry is None:
+                        entry = cache.decode(rem)
+                else:
+                    parts = split_point(raw)
+                    if parts is None:
+                        entry = WHOLE
+                    else:
+                        t, value, rem = parts
+                        entry = entries.get(rem) or cache.decode(rem)
+                if entry is WHOLE:
+                    row = _one_point(number_point(raw), name, row_kind, run, default_step)
+                    tags.add(row.tag)
+                    hi = max(hi, row.step)
+                    append(row)
+                    continue
+                step, extra = entry
+                if step is None:
+                    step = default_step(run)
+                if extra is NO_EXTRA:
+                    plain = True
+                    tag = name
+                else:
+                    tag = series_tag(name, extra)
+                    tags.add(tag)
+                if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
+                    hi = step
+                append(MetricRow(run, step, name, tag, value, row_kind, t, extra))
+            if plain:
+                tags.add(name)
+            if sums:
+                _add_sums(out, sums, s.aggregation_temporality == _DELTA)
+    if hi >= 0:
+        out.saw(run, hi)
 
 
 def _add_sums(out: Decoded, rows: list[MetricRow], delta: bool) -> None:
@@ -325,10 +340,12 @@ def _resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out:
 def decode_metrics(request: Any, runs: DecodeCache, default_step: DefaultStep = _zero) -> Decoded:
     """Rows of an `ExportMetricsServiceRequest` (the usual class or `parse_metrics`'s lean one)."""
     lean = lean_metrics_request()
-    numbers: Callable[..., list[MetricRow]] = _numbers
-    if lean is not None and isinstance(request, lean):
-        numbers = functools.partial(_raw_numbers, cache=runs.points)
     out = Decoded()
+    if lean is not None and isinstance(request, lean):
+        for rm in request.resource_metrics:
+            run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
+            _lean_resource(rm.scope_metrics, run, default_step, out, runs.points)
+        return out
     for rm in request.resource_metrics:
         run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
         for sm in rm.scope_metrics:
@@ -338,11 +355,11 @@ def decode_metrics(request: Any, runs: DecodeCache, default_step: DefaultStep = 
                     raise DecodeError("a metric has an empty name")
                 kind = metric.WhichOneof("data")
                 if kind == "gauge":
-                    out.metrics.extend(numbers(metric.gauge.data_points, name, "gauge", run, default_step, out))
+                    out.metrics.extend(_numbers(metric.gauge.data_points, name, "gauge", run, default_step, out))
                 elif kind == "sum":
                     s = metric.sum
-                    _add_sums(out, numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", run,
-                                           default_step, out), s.aggregation_temporality == _DELTA)
+                    _add_sums(out, _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", run,
+                                            default_step, out), s.aggregation_temporality == _DELTA)
                 elif kind in ("histogram", "summary"):
                     _histogram_or_summary(metric, kind, name, run, default_step, out)
                 # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
