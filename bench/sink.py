@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,35 +36,75 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _requests(rank: int, world: int, steps: int, metrics: int, per_request: int) -> list[bytes]:
+def _encode(rank: int, world: int, steps: range, metrics: int) -> bytes:
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
-    out = []
-    for first in range(0, steps, per_request):
-        req = ExportMetricsServiceRequest()
-        rm = req.resource_metrics.add()
-        for key, value in (("train.run.id", "bench"), ("train.rank", rank), ("train.world_size", world)):
-            kv = rm.resource.attributes.add(key=key)
-            if isinstance(value, int):
-                kv.value.int_value = value
-            else:
-                kv.value.string_value = value
-        sm = rm.scope_metrics.add()
-        for m in range(metrics):
-            metric = sm.metrics.add(name=f"train/metric_{m}")
-            for step in range(first, min(steps, first + per_request)):
-                p = metric.gauge.data_points.add(as_double=rank + step * 0.001 + m, time_unix_nano=time.time_ns())
-                p.attributes.add(key="train.step").value.int_value = step
-        out.append(req.SerializeToString())
-    return out
+    req = ExportMetricsServiceRequest()
+    rm = req.resource_metrics.add()
+    for key, value in (("train.run.id", "bench"), ("train.rank", rank), ("train.world_size", world)):
+        kv = rm.resource.attributes.add(key=key)
+        if isinstance(value, int):
+            kv.value.int_value = value
+        else:
+            kv.value.string_value = value
+    sm = rm.scope_metrics.add()
+    for m in range(metrics):
+        metric = sm.metrics.add(name=f"train/metric_{m}")
+        for step in steps:
+            p = metric.gauge.data_points.add(as_double=rank + step * 0.001 + m, time_unix_nano=time.time_ns())
+            p.attributes.add(key="train.step").value.int_value = step
+    return req.SerializeToString()
 
 
-def _client(port: int, rank: int, world: int, args: argparse.Namespace, ready: Any, go: Any) -> None:
+def _requests(rank: int, world: int, steps: int, metrics: int, per_request: int) -> list[bytes]:
+    return [_encode(rank, world, range(first, min(steps, first + per_request)), metrics)
+            for first in range(0, steps, per_request)]
+
+
+def _endless(rank: int, world: int, metrics: int, per_request: int, until: float, sent: Any) -> Iterator[bytes]:
+    """Requests encoded as they are sent, until `until` (time.monotonic); counts points in `sent`."""
+    first = 0
+    while time.monotonic() < until:
+        yield _encode(rank, world, range(first, first + per_request), metrics)
+        sent.value += per_request * metrics
+        first += per_request
+
+
+def _http_client(port: int, payloads: Iterable[bytes]) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"Content-Type": "application/x-protobuf"}
+    for body in payloads:
+        for _ in range(50):
+            conn.request("POST", "/v1/metrics", body=body, headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            if resp.status == 200:
+                break
+            if resp.status != 503:
+                raise RuntimeError(f"HTTP {resp.status}")
+            time.sleep(0.1)
+    conn.close()
+
+
+def _client(port: int, rank: int, world: int, args: argparse.Namespace, ready: Any, go: Any, sent: Any) -> None:
     import grpc
 
-    payloads = _requests(rank, world, args.steps, args.metrics, args.steps_per_request)
-    ready.release()
-    go.wait()
+    payloads: Iterable[bytes]
+    if args.duration_s:
+        ready.release()
+        go.wait()
+        payloads = _endless(rank, world, args.metrics, args.steps_per_request, time.monotonic() + args.duration_s,
+                            sent)
+    else:
+        payloads = _requests(rank, world, args.steps, args.metrics, args.steps_per_request)
+        sent.value = len(payloads) and args.steps * args.metrics
+        ready.release()
+        go.wait()
+    if args.protocol == "http":
+        _http_client(port, payloads)
+        return
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.unary_unary(_METHOD)
         for body in payloads:
@@ -100,7 +141,7 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
          "--log-level", "WARNING", "--max-body-bytes", str(64 << 20)],
         stdout=subprocess.DEVNULL, stderr=(workdir / "sink.log").open("wb"))
     rotel = None
-    target = grpc_port
+    target = http_port if args.protocol == "http" else grpc_port
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -131,28 +172,35 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
         machine0 = psutil.cpu_times()
         cpu0 = sum(proc.cpu_times()[:2])
         ready, go = mp.Semaphore(0), mp.Event()
-        clients = [mp.Process(target=_client, args=(target, r, args.clients, args, ready, go))
+        sent = [mp.Value("q", 0) for _ in range(args.clients)]
+        clients = [mp.Process(target=_client, args=(target, r, args.clients, args, ready, go, sent[r]))
                    for r in range(args.clients)]
         for c in clients:
             c.start()
         for _ in clients:
             ready.acquire()
-        total = args.clients * args.steps * args.metrics
         rss = proc.memory_info().rss
+        samples: list[tuple[float, float, int]] = []  # (seconds, RSS MiB, points written)
         t0 = time.perf_counter()
         go.set()
         t_in = t_out = None
+        total = 0
         _last = [0, 0]
-        deadline = time.monotonic() + args.timeout_s
+        deadline = time.monotonic() + args.timeout_s + (args.duration_s or 0.0)
         while time.monotonic() < deadline:
             points, written = _last[:] = _run_counts(http_port)
-            rss = max(rss, proc.memory_info().rss)
             now = time.perf_counter()
-            if t_in is None and points >= total:
-                t_in = now - t0
-            if written >= total:
-                t_out = now - t0
-                break
+            rss_now = proc.memory_info().rss
+            rss = max(rss, rss_now)
+            if not samples or now - t0 - samples[-1][0] >= args.sample_s:
+                samples.append((round(now - t0, 1), round(rss_now / 2**20, 1), written))
+            if not any(c.is_alive() for c in clients) or not args.duration_s:
+                total = sum(v.value for v in sent)
+                if t_in is None and total and points >= total:
+                    t_in = now - t0
+                if total and written >= total:
+                    t_out = now - t0
+                    break
             time.sleep(0.05)
         for c in clients:
             c.join(30)
@@ -163,12 +211,14 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
         sink.send_signal(signal.SIGTERM)
         sink.wait(60)
         return {
-            "via": via, "clients": args.clients, "points": total,
+            "via": via, "protocol": "grpc" if via == "rotel" else args.protocol, "clients": args.clients,
+            "points": total,
             "ingested_points_per_s": round(total / t_in) if t_in else None,
             "written_points_per_s": round(total / t_out) if t_out else None,
             "seconds_to_written": round(t_out, 2) if t_out else None,
             "sink_cpu_s": round(cpu, 2), "machine_busy": f"{busy / max(busy + idle, 1e-9):.0%}",
             "sink_peak_rss_mib": round(rss / 2**20, 1),
+            **({"rss_mib_over_time": [[t, r] for t, r, _ in samples]} if args.duration_s else {}),
             "sink_exit_code": sink.returncode, "received": _last[0], "written": _last[1],
         }
     finally:
@@ -187,7 +237,14 @@ def main() -> int:
     parser.add_argument("--metrics", type=int, default=100, help="gauges per step per client")
     parser.add_argument("--steps-per-request", type=int, default=10, dest="steps_per_request")
     parser.add_argument("--via", choices=("direct", "rotel", "both"), default="both")
-    parser.add_argument("--timeout-s", type=float, default=300.0, dest="timeout_s")
+    parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc",
+                        help="how clients send to the sink directly (through rotel: always gRPC)")
+    parser.add_argument("--timeout-s", type=float, default=300.0, dest="timeout_s",
+                        help="give up this long after the clients are done (or after the start, without --duration-s)")
+    parser.add_argument("--duration-s", type=float, default=0.0, dest="duration_s",
+                        help="soak: clients encode and send for this long (--steps is then ignored)")
+    parser.add_argument("--sample-s", type=float, default=30.0, dest="sample_s",
+                        help="with --duration-s: how often the sink's RSS is recorded")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run directory (logs, events)")
     parser.add_argument("--quick", action="store_true", help="2 clients x 500 steps x 50 metrics, both paths")
     args = parser.parse_args()

@@ -142,10 +142,7 @@ class Sink:
         s = self.settings
         cert = Path(s.tls_cert).read_bytes() if s.tls_cert else None
         key = Path(s.tls_key).read_bytes() if s.tls_key else None
-        try:
-            self._grpc, self.grpc_port = start_grpc(self, s.grpc, s.max_body_bytes, cert, key)
-        except RuntimeError as err:  # grpcio raises RuntimeError when it cannot bind
-            raise OSError(f"cannot bind the OTLP/gRPC receiver to {s.grpc}: {err}") from None
+        self._grpc, self.grpc_port = start_grpc(self, s.grpc, s.max_body_bytes, cert, key)
         try:
             self._http, self._http_thread, self.http_port = start_http(
                 self, s.http, str(s.tls_cert) if s.tls_cert else None, str(s.tls_key) if s.tls_key else None)
@@ -197,7 +194,7 @@ class Sink:
             self._stopped = True
         self._stop.set()
         if self._grpc is not None:
-            self._grpc.stop(grace=min(5.0, timeout_s)).wait(min(5.0, timeout_s))
+            self._grpc.stop(min(5.0, timeout_s))
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
