@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from otel_train.records import (
@@ -211,6 +211,16 @@ def _numbers(points: Any, name: str, kind: str, run: RunInfo, default_step: Defa
     return out
 
 
+def _named_metrics(scope_metrics: Any) -> Iterator[tuple[str, str | None, Any]]:
+    """(name, data kind, metric) of every metric of a Resource; an empty name fails the request."""
+    for sm in scope_metrics:
+        for metric in sm.metrics:
+            name = metric.name
+            if not name:
+                raise DecodeError("a metric has an empty name")
+            yield name, metric.WhichOneof("data"), metric
+
+
 def _lean_resource(scope_metrics: Any, run: RunInfo, default_step: DefaultStep, out: Decoded,
                    cache: AttributeCache) -> None:
     """Rows of one Resource's metrics from a lean request: gauge and sum points are read from their
@@ -220,64 +230,59 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, default_step: DefaultStep, 
     unpack = TIME_DOUBLE.unpack_from
     tags = out.tags_of(run)
     hi = -1
-    for sm in scope_metrics:
-        for metric in sm.metrics:
-            name = metric.name
-            if not name:
-                raise DecodeError("a metric has an empty name")
-            kind = metric.WhichOneof("data")
-            if kind == "gauge":
-                points, row_kind, sums = metric.gauge.data_points, "gauge", None
-                append = out.metrics.append
-            elif kind == "sum":
-                s = metric.sum
-                points, row_kind, sums = s.data_points, ("counter" if s.is_monotonic else "sum"), []
-                append = sums.append
+    for name, kind, metric in _named_metrics(scope_metrics):
+        if kind == "gauge":
+            points, row_kind, sums = metric.gauge.data_points, "gauge", None
+            append = out.metrics.append
+        elif kind == "sum":
+            s = metric.sum
+            points, row_kind, sums = s.data_points, ("counter" if s.is_monotonic else "sum"), []
+            append = sums.append
+        else:
+            if kind in ("histogram", "summary"):
+                _histogram_or_summary(metric, kind, name, run, default_step, out)
+            # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
+            continue
+        plain = False
+        for raw in points:
+            try:
+                time_key, t, value_key, value = unpack(raw)
+            except struct.error:  # shorter than the common front
+                time_key = value_key = 0
+            if time_key == TIME and value_key == DOUBLE:
+                rem = raw[18:]
+                entry = entries.get(rem)
+                if entry is None:
+                    entry = cache.decode(rem)
             else:
-                if kind in ("histogram", "summary"):
-                    _histogram_or_summary(metric, kind, name, run, default_step, out)
-                # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
+                parts = split_point(raw)
+                if parts is None:
+                    entry = WHOLE
+                else:
+                    t, value, rem = parts
+                    entry = entries.get(rem) or cache.decode(rem)
+            if entry is WHOLE:
+                row = _one_point(number_point(raw), name, row_kind, run, default_step)
+                tags.add(row.tag)
+                hi = max(hi, row.step)
+                append(row)
                 continue
-            plain = False
-            for raw in points:
-                try:
-                    time_key, t, value_key, value = unpack(raw)
-                except struct.error:  # shorter than the common front
-                    time_key = value_key = 0
-                if time_key == TIME and value_key == DOUBLE:
-                    rem = raw[18:]
-                    entry = entries.get(rem)
-                    if entry is None:
-                        entry = cache.decode(rem)
-                else:
-                    parts = split_point(raw)
-                    if parts is None:
-                        entry = WHOLE
-                    else:
-                        t, value, rem = parts
-                        entry = entries.get(rem) or cache.decode(rem)
-                if entry is WHOLE:
-                    row = _one_point(number_point(raw), name, row_kind, run, default_step)
-                    tags.add(row.tag)
-                    hi = max(hi, row.step)
-                    append(row)
-                    continue
-                step, extra = entry
-                if step is None:
-                    step = default_step(run)
-                if extra is NO_EXTRA:
-                    plain = True
-                    tag = name
-                else:
-                    tag = series_tag(name, extra)
-                    tags.add(tag)
-                if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
-                    hi = step
-                append(MetricRow(run, step, name, tag, value, row_kind, t, extra))
-            if plain:
-                tags.add(name)
-            if sums:
-                _add_sums(out, sums, s.aggregation_temporality == _DELTA)
+            step, extra = entry
+            if step is None:
+                step = default_step(run)
+            if extra is NO_EXTRA:
+                plain = True
+                tag = name
+            else:
+                tag = series_tag(name, extra)
+                tags.add(tag)
+            if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
+                hi = step
+            append(MetricRow(run, step, name, tag, value, row_kind, t, extra))
+        if plain:
+            tags.add(name)
+        if sums:
+            _add_sums(out, sums, s.aggregation_temporality == _DELTA)
     if hi >= 0:
         out.saw(run, hi)
 
@@ -348,21 +353,16 @@ def decode_metrics(request: Any, runs: DecodeCache, default_step: DefaultStep = 
         return out
     for rm in request.resource_metrics:
         run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
-        for sm in rm.scope_metrics:
-            for metric in sm.metrics:
-                name = metric.name
-                if not name:
-                    raise DecodeError("a metric has an empty name")
-                kind = metric.WhichOneof("data")
-                if kind == "gauge":
-                    out.metrics.extend(_numbers(metric.gauge.data_points, name, "gauge", run, default_step, out))
-                elif kind == "sum":
-                    s = metric.sum
-                    _add_sums(out, _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", run,
-                                            default_step, out), s.aggregation_temporality == _DELTA)
-                elif kind in ("histogram", "summary"):
-                    _histogram_or_summary(metric, kind, name, run, default_step, out)
-                # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
+        for name, kind, metric in _named_metrics(rm.scope_metrics):
+            if kind == "gauge":
+                out.metrics.extend(_numbers(metric.gauge.data_points, name, "gauge", run, default_step, out))
+            elif kind == "sum":
+                s = metric.sum
+                _add_sums(out, _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", run,
+                                        default_step, out), s.aggregation_temporality == _DELTA)
+            elif kind in ("histogram", "summary"):
+                _histogram_or_summary(metric, kind, name, run, default_step, out)
+            # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
     return out
 
 

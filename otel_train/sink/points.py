@@ -51,9 +51,13 @@ def split_point(raw: bytes) -> tuple[int, float, bytes] | None:
 
 
 class AttributeCache:
-    """Decoded point remainders by their encoding (bounded; shared by the receiver threads)."""
+    """Decoded point remainders by their encoding (bounded; shared by the receiver threads).
 
-    def __init__(self, max_entries: int = 100_000) -> None:
+    A remainder usually differs only by its step, so entries pay off within the requests of a few
+    recent steps; the bound keeps a long run's cache to a few MiB (it is cleared when full).
+    """
+
+    def __init__(self, max_entries: int = 16_384) -> None:
         self.entries: dict[bytes, Any] = {}
         self._max = max_entries
 
