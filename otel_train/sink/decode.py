@@ -190,7 +190,7 @@ def _one_point(p: Any, name: str, kind: str, run: RunInfo, default_step: Default
 def _numbers(points: Any, name: str, kind: str, run: RunInfo, default_step: DefaultStep,
              seen: Decoded) -> list[MetricRow]:
     """Rows of gauge or sum points given as protobuf objects (OTLP/JSON requests)."""
-    out = []
+    out: list[MetricRow] = []
     append = out.append
     tags = seen.tags_of(run)
     hi = -1
@@ -230,6 +230,8 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, default_step: DefaultStep, 
     unpack = TIME_DOUBLE.unpack_from
     tags = out.tags_of(run)
     hi = -1
+    sums: list[MetricRow] | None
+    entry: Any
     for name, kind, metric in _named_metrics(scope_metrics):
         if kind == "gauge":
             points, row_kind, sums = metric.gauge.data_points, "gauge", None
