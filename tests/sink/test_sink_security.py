@@ -151,3 +151,47 @@ def test_tls_on_both_protocols(tmp_path: Path) -> None:
         assert {r["run_id"] for r in sink.router.summary()["runs"]} == {"tls-http", "tls-grpc"}
     finally:
         sink.stop()
+
+
+def test_backends_far_behind_get_retry_later_and_the_sink_stays_up(tmp_path: Path) -> None:
+    """Backpressure: when a run's queue stays full (its backend hangs), gRPC answers UNAVAILABLE and
+    HTTP 503 (OTLP senders retry those); /health keeps answering; once the backend moves again,
+    every accepted request is written and new ones are taken."""
+    import threading
+
+    import grpc
+
+    from otel_train.config import SinkSettings
+    from otel_train.sink import Sink
+    from otel_train.testing import InMemoryRowExporter
+
+    release = threading.Event()
+
+    class Stuck(InMemoryRowExporter):
+        def write_metrics(self, rows: Any, histograms: Any) -> None:
+            release.wait(30)
+            super().write_metrics(rows, histograms)
+
+    backend = Stuck()
+    sink = Sink(SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0"), lambda: [backend])
+    # A short queue and wait, so that the test does not take the defaults' 256 requests and 10 s.
+    sink.router._queue_windows, sink.router._ingest_timeout_s = 2, 0.5
+    sink.start()
+    try:
+        codes = [_grpc_call(sink.grpc_port, _request_bytes("bp", range(i, i + 1)))[0] for i in range(6)]
+        assert codes[:3] == [grpc.StatusCode.OK] * 3  # one in the backend, two queued
+        assert grpc.StatusCode.UNAVAILABLE in codes[3:]
+        status, body = _http(sink.http_port, _request_bytes("bp", range(9, 10)), {})
+        assert status == 503 and "retry" in _status_message(body)
+        with urllib.request.urlopen(f"http://127.0.0.1:{sink.http_port}/health", timeout=5) as resp:
+            assert json.load(resp)["status"] == "ok"
+        release.set()
+        assert sink.flush(10)
+        assert _grpc_call(sink.grpc_port, _request_bytes("bp", range(20, 21)))[0] == grpc.StatusCode.OK
+        assert sink.flush(10)
+    finally:
+        release.set()
+        sink.stop()
+    accepted = sum(1 for c in codes if c == grpc.StatusCode.OK) + 1
+    steps = sorted({row.step for row in backend.metrics if row.name == "train/loss"})
+    assert len(steps) == accepted and steps[-1] == 20
