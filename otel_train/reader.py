@@ -100,8 +100,26 @@ def _merge_batches(batches: list[_Batch]) -> _Batch:
     window = Window([r for w in ws for r in w.metrics], [h for w in ws for h in w.histograms],
                     [s for w in ws for s in w.spans])
     mds = [b.metrics_data for b in batches if b.metrics_data is not None]
-    md = MetricsData([rm for m in mds for rm in m.resource_metrics]) if mds else None
+    md = merge_metrics_data([rm for m in mds for rm in m.resource_metrics]) if mds else None
     return _Batch(window, md, [s for b in batches for s in b.spans])
+
+
+def merge_metrics_data(resource_metrics: Sequence[ResourceMetrics]) -> MetricsData:
+    """One `MetricsData` with one entry per Resource and, inside it, per scope (metrics concatenated).
+
+    OTLP encoders, the SDK's among them, assume each Resource (and each scope within it) appears
+    once and keep only the last entry of a repeated one: merged windows must not repeat them.
+    """
+    by_resource: dict[Resource, tuple[str, dict[InstrumentationScope, tuple[str, list[Metric]]]]] = {}
+    for rm in resource_metrics:
+        _, scopes = by_resource.setdefault(rm.resource, (rm.schema_url, {}))
+        for sm in rm.scope_metrics:
+            scopes.setdefault(sm.scope, (sm.schema_url, []))[1].extend(sm.metrics)
+    return MetricsData([
+        ResourceMetrics(resource, [ScopeMetrics(scope, metrics, url) for scope, (url, metrics) in scopes.items()],
+                        schema_url)
+        for resource, (schema_url, scopes) in by_resource.items()
+    ])
 
 
 class _ExportWorker:
@@ -450,7 +468,7 @@ class StepAlignedMetricReader(MetricReader):
                 resource_metrics[0] = ResourceMetrics(first.resource, [*first.scope_metrics, ours], first.schema_url)
             else:
                 resource_metrics.append(ResourceMetrics(self._resource, [ours], ""))
-        return MetricsData(resource_metrics)
+        return merge_metrics_data(resource_metrics)  # the SDK's meters may use our scope too
 
     # -- flush / shutdown ---------------------------------------------------------------------
     def force_flush(self, timeout_millis: float = 10_000) -> bool:

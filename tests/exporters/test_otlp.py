@@ -142,3 +142,38 @@ def test_shutdown_with_collector_down_is_bounded(monkeypatch: pytest.MonkeyPatch
     assert exp.dropped == 6
     assert exp.export(metrics_data("down", 0, 1, range(1))).name == "FAILURE"  # after shutdown: counted
     assert exp.dropped == 8
+
+
+def test_windows_merged_behind_a_slow_collector_all_arrive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While an export is in flight, later windows merge into one batch; each window repeats the same
+    Resource, which the SDK's OTLP encoder keeps only once (the last), so the merge must not repeat it.
+    Every step of every series must reach the sink."""
+    import otel_train as ot
+
+    sink = make_sink(tmp_path)
+    try:
+        _point_to(monkeypatch, sink, "grpc")
+        exp = OTLPExporter()
+        inner = exp._metrics.inner
+        real_export = inner.export
+        calls = []
+
+        def slow_first(data: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(data)
+            if len(calls) == 1:
+                time.sleep(1.0)  # a collector slow to answer: the next windows queue up and merge
+            return real_export(data, *args, **kwargs)
+
+        monkeypatch.setattr(inner, "export", slow_first)
+        ot.init(exporters=[exp], run_id="merged", run_name="merged", dir=tmp_path / "local")
+        for i in ot.steps(range(30)):
+            ot.log({"train/loss": float(i), "train/lr": 0.5})
+            time.sleep(0.01)
+        ot.shutdown()
+        assert 2 <= len(calls) < 30  # windows were merged
+        assert sink.flush(10)
+    finally:
+        sink.stop()
+    got = scalars(tmp_path / "runs" / "merged")
+    assert got["train/loss"] == [(s, float(s)) for s in range(30)]
+    assert [s for s, _ in got["train/lr"]] == list(range(30))
