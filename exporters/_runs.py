@@ -24,7 +24,6 @@ __all__ = [
     "flatten",
     "histogram_bins",
     "hparams_for",
-    "import_backend",
     "rank_tag",
     "run_folder",
     "safe_name",
@@ -37,18 +36,6 @@ _RowT = TypeVar("_RowT")
 
 #: The key under which the rank goes into the series suffix (`train/loss{rank=1}`).
 RANK_SUFFIX_KEY = "rank"
-
-
-def import_backend(module: str, exporter: str) -> Any:
-    """Import a backend's client, or fail loudly with the exact install line (at construction)."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as err:
-        raise ModuleNotFoundError(
-            f"{exporter} needs {module}: pip install 'otel-train[{module}]'", name=module
-        ) from err
 
 
 def histogram_bins(row: Any, max_bins: int) -> tuple[list[int], list[float]] | None:

@@ -96,6 +96,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     handles_spans: bool = False
     #: Registry name, used in log messages.
     name: str = "row"
+    #: The backend's client package (an optional extra), imported by `preload`.
+    client_module: str | None = None
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         # DELTA, as in our reader: on a plain SDK pipeline a counter with a per-step attribute then
@@ -115,8 +117,21 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     # -- hooks -------------------------------------------------------------------------------
     @classmethod
     def preload(cls) -> None:
-        """Import the backend's heavy modules now (the sink calls this at start, so that its first
-        run does not pay for the imports). Must not create anything."""
+        """Import the backend's client now: backends call it first thing in `__init__`, and the sink
+        at start, so that its first run does not pay for the imports. Must not create anything.
+
+        Raises:
+            ModuleNotFoundError: the client is not installed (the message has the install line).
+        """
+        if cls.client_module is None:
+            return
+        import importlib
+
+        try:
+            importlib.import_module(cls.client_module)
+        except ImportError as err:
+            raise ModuleNotFoundError(f"{cls.__name__} needs {cls.client_module}: "
+                                      f"pip install 'otel-train[{cls.client_module}]'", name=cls.client_module) from err
 
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         """Write one window's scalar rows (and full histograms). Runs on the export thread."""

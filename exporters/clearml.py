@@ -27,7 +27,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from otel_train.exporters._runs import by_step, hparams_for, import_backend, rank_tag, wanted
+from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
 from otel_train.exporters.base import RowExporter
 from otel_train.records import CONFIG_HASH, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
@@ -82,9 +82,10 @@ class ClearMLExporter(RowExporter):
     name = "clearml"
     handles_metrics = True
     handles_spans = False
+    client_module = "clearml"
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        import_backend("clearml", "ClearMLExporter")
+        self.preload()
         super().__init__(options)
         self._task: Any = None
         self._own_task = False

@@ -34,7 +34,6 @@ from otel_train.exporters._runs import (
     by_step,
     flatten,
     hparams_for,
-    import_backend,
     rank_tag,
     wanted,
 )
@@ -93,9 +92,10 @@ class MLflowExporter(RowExporter):
     name = "mlflow"
     handles_metrics = True
     handles_spans = False
+    client_module = "mlflow"
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        import_backend("mlflow", "MLflowExporter")
+        self.preload()
         super().__init__(options)
         self._client: MlflowClient | None = None
         self._default_store: Path | None = None

@@ -70,13 +70,6 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _float32(value: float) -> bytes:
-    try:
-        return _FLOAT32.pack(value)
-    except OverflowError:  # beyond float32, as protobuf stores it
-        return _FLOAT32.pack(math.copysign(math.inf, value))
-
-
 class _EventFile:
     """One event file (TensorBoard's naming), appended a window at a time, never held open.
 
@@ -214,8 +207,8 @@ class TensorBoardExporter(RowExporter):
             prefix = prefixes.get(row.tag) or self._value(row.tag)
             try:
                 event[0].append(prefix + pack(row.value))
-            except OverflowError:
-                event[0].append(prefix + _float32(row.value))
+            except OverflowError:  # beyond float32: infinite, as protobuf stores it
+                event[0].append(prefix + pack(math.copysign(math.inf, row.value)))
         Summary = self._summary_pb2.Summary
         for h in histograms:
             event = grouped.setdefault(h.run, {}).setdefault(h.step, ([], h.time_unix_nano))

@@ -28,7 +28,6 @@ from otel_train.exporters._runs import (
     by_step,
     histogram_bins,
     hparams_for,
-    import_backend,
     rank_tag,
     safe_name,
     wanted,
@@ -56,9 +55,10 @@ class TrackioExporter(RowExporter):
     name = "trackio"
     handles_metrics = True
     handles_spans = False
+    client_module = "trackio"
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        import_backend("trackio", "TrackioExporter")
+        self.preload()
         super().__init__(options)
         self._runs: dict[str, Any] = {}  # train.run.id -> trackio Run
         self._gate = StepGate("trackio", monotonic=False)

@@ -28,7 +28,6 @@ from otel_train.exporters._runs import (
     by_step,
     histogram_bins,
     hparams_for,
-    import_backend,
     run_folder,
     wanted,
 )
@@ -74,9 +73,10 @@ class WandbExporter(RowExporter):
     name = "wandb"
     handles_metrics = True
     handles_spans = False
+    client_module = "wandb"
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
-        import_backend("wandb", "WandbExporter")
+        self.preload()
         super().__init__(options)
         self._runs: dict[tuple[str, int], Run] = {}
         self._markers: dict[tuple[str, int], Path] = {}

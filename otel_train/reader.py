@@ -100,11 +100,11 @@ def _merge_batches(batches: list[_Batch]) -> _Batch:
     window = Window([r for w in ws for r in w.metrics], [h for w in ws for h in w.histograms],
                     [s for w in ws for s in w.spans])
     mds = [b.metrics_data for b in batches if b.metrics_data is not None]
-    md = merge_metrics_data([rm for m in mds for rm in m.resource_metrics]) if mds else None
+    md = _merge_metrics_data([rm for m in mds for rm in m.resource_metrics]) if mds else None
     return _Batch(window, md, [s for b in batches for s in b.spans])
 
 
-def merge_metrics_data(resource_metrics: Sequence[ResourceMetrics]) -> MetricsData:
+def _merge_metrics_data(resource_metrics: Sequence[ResourceMetrics]) -> MetricsData:
     """One `MetricsData` with one entry per Resource and, inside it, per scope (metrics concatenated).
 
     OTLP encoders, the SDK's among them, assume each Resource (and each scope within it) appears
@@ -468,7 +468,7 @@ class StepAlignedMetricReader(MetricReader):
                 resource_metrics[0] = ResourceMetrics(first.resource, [*first.scope_metrics, ours], first.schema_url)
             else:
                 resource_metrics.append(ResourceMetrics(self._resource, [ours], ""))
-        return merge_metrics_data(resource_metrics)  # the SDK's meters may use our scope too
+        return _merge_metrics_data(resource_metrics)  # the SDK's meters may use our scope too
 
     # -- flush / shutdown ---------------------------------------------------------------------
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
