@@ -34,3 +34,30 @@ def test_bare_exporters_is_not_importable(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "No module named 'exporters'" in result.stderr
+
+
+_STRAY = (".whl", ".tar.gz", ".pyc", ".so", ".zip")
+_STRAY_DIRS = ("otel-train-runs/", "wandb/", "mlruns/", ".venv", "__pycache__/", ".ci/")
+
+
+def _stray(names: list[str]) -> list[str]:
+    return [n for n in names if n.endswith(_STRAY) or any(d in n for d in _STRAY_DIRS)]
+
+
+def test_wheel_and_sdist_hold_no_stray_files(tmp_path: Path) -> None:
+    """Build artefacts, run folders and binaries never ship, in the wheel nor in the sdist."""
+    import tarfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True, capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("otel_train-*.whl")
+    assert _stray(zipfile.ZipFile(wheel).namelist()) == []
+    code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(tmp_path)!r}))"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+    (sdist,) = tmp_path.glob("otel_train-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = tar.getnames()
+    assert any(n.endswith("otel_train/__init__.py") for n in names)
+    assert _stray(names) == []
