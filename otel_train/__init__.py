@@ -70,6 +70,9 @@ def init(
     config: Mapping[str, Any] | None = None,
     trace_counters: bool | None = None,
     service_name: str | None = None,
+    rank: int | None = None,
+    local_rank: int | None = None,
+    world_size: int | None = None,
 ) -> Any:
     """Start otel-train for this process. Settings come from `OTEL_TRAIN_*` variables; keywords override.
 
@@ -79,6 +82,8 @@ def init(
         exporters: Exporter names (``"tensorboard"``) and/or exporter instances (any OTel
             `MetricExporter`/`SpanExporter` or otel-train `RowExporter`); default
             `OTEL_TRAIN_EXPORTERS`. Every other keyword overrides its `OTEL_TRAIN_*` variable.
+        rank, local_rank, world_size: The process's place in the job, for frameworks that know it
+            better than the launcher's `RANK`/`LOCAL_RANK`/`WORLD_SIZE` variables (which they override).
 
     Raises:
         ConfigError: a setting is invalid (one line: the setting, the value, what is allowed), an
@@ -103,7 +108,14 @@ def init(
             shutdown_timeout_s=shutdown_timeout_s, queue_size=queue_size, buffer_size=buffer_size,
             strict_sync=strict_sync, config=config, trace_counters=trace_counters, service_name=service_name,
         )
-        _session = runtime.start(settings, instances=instances)
+        env = None
+        placement = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size}
+        if any(v is not None for v in placement.values()):
+            import os
+
+            env = dict(os.environ)
+            env.update({k: str(int(v)) for k, v in placement.items() if v is not None})
+        _session = runtime.start(settings, env=env, instances=instances)
         return _session
 
 

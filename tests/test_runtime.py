@@ -218,3 +218,15 @@ def test_forked_child_neither_raises_nor_writes_into_the_parents_files(run_dir: 
     rows = list(read_jsonl(run_dir / "forked" / "rank0.jsonl"))
     assert {(r["step"], r["value"]) for r in rows if r.get("tag") == "x"} == {(0, 1.0), (1, 2.0)}
     assert not [r for r in rows if r.get("name") == "in-child"]
+
+
+def test_init_rank_keywords_override_the_launcher_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frameworks pass their own rank to `init()`; it wins over RANK/WORLD_SIZE and gates metric export."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    session = ot.init(exporters=[], dir=tmp_path, rank=2, local_rank=1, world_size=4)
+    try:
+        assert (session.run.rank, session.run.local_rank, session.run.world_size) == (2, 1, 4)
+        assert session.export_metrics is False
+    finally:
+        ot.shutdown()

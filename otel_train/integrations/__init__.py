@@ -1,1 +1,1 @@
-"""otel_train.integrations (being built)."""
+"""Framework integrations: one module per framework, each importing its framework lazily."""

@@ -1,0 +1,53 @@
+"""Start otel-train for an integration when the user has not, and shut down only what it started.
+
+Every framework integration holds one `OwnedSession`: ``ensure()`` at the framework's "run begins"
+event, ``close()`` at "run ends". A session the user started with `otel_train.init()` is used as it
+is and never shut down by the integration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import otel_train as ot
+
+
+def session_running() -> bool:
+    """Whether `otel_train.init()` has started a session that is not shut down yet."""
+    s = ot._session
+    return s is not None and not s.closed
+
+
+class OwnedSession:
+    """An `init()` made on the user's behalf, remembered so that only it is shut down."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def ensure(
+        self,
+        *,
+        rank: int | None = None,
+        local_rank: int | None = None,
+        world_size: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        run_name: str | None = None,
+    ) -> None:
+        """Call `otel_train.init()` (env configuration, plus the framework's own rank) unless a session runs.
+
+        Raises:
+            ConfigError: the env configuration is invalid (before any training step runs).
+        """
+        if session_running():
+            return
+        ot.init(rank=rank, local_rank=local_rank, world_size=world_size, config=config, run_name=run_name)
+        self.started = True
+
+    def close(self) -> None:
+        """Shut down the session if this object started it; otherwise flush what was logged so far."""
+        if self.started:
+            self.started = False
+            ot.shutdown()
+        elif session_running():
+            ot.flush()
