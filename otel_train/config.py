@@ -54,10 +54,24 @@ OTEL_TRAIN_CONFIG_JSON = "OTEL_TRAIN_CONFIG_JSON"
 OTEL_TRAIN_TRACE_COUNTERS = "OTEL_TRAIN_TRACE_COUNTERS"
 """Boolean; write logged metrics as counter events under the Chrome trace timeline. Default true."""
 
+OTEL_TRAIN_EXPORT_PROCESS = "OTEL_TRAIN_EXPORT_PROCESS"
+"""Where named backends run: ``auto`` (default: in an exporter process started at `init()` when a named
+exporter is configured), ``on`` (same) or ``off`` (threads in the training process). Exporter objects
+passed to `init(exporters=[...])` always stay in the training process."""
+OTEL_TRAIN_DRAIN_TIMEOUT_S = "OTEL_TRAIN_DRAIN_TIMEOUT_S"
+"""Seconds the exporter process keeps delivering after the training process has handed off or died,
+before it exits (float > 0). Default 120. What it could not deliver waits in the spool for `otel-train replay`."""
+OTEL_TRAIN_EXPORT_CPUS = "OTEL_TRAIN_EXPORT_CPUS"
+"""CPU list the exporter process pins itself to, e.g. ``1`` or ``8-9,12``. Default: the training
+process's affinity."""
+OTEL_TRAIN_EXPORT_NICE = "OTEL_TRAIN_EXPORT_NICE"
+"""Niceness added to the exporter process (int 0-19). Default 0."""
+
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 
 RANKS_ALLOWED = ("0", "all")
+EXPORT_PROCESS_ALLOWED = ("auto", "on", "off")
 DEFAULT_EXPORTERS = ("tensorboard", "chrome_trace")
 
 #: Launcher variables holding an id shared by every rank of one job, most specific first.
@@ -97,6 +111,10 @@ class Settings:
     config: Mapping[str, Any] | None = None
     trace_counters: bool = True
     service_name: str = "otel-train"
+    export_process: str = "auto"
+    drain_timeout_s: float = 120.0
+    export_cpus: tuple[int, ...] = ()
+    export_nice: int = 0
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -155,6 +173,35 @@ def _parse_config_json(name: str, raw: str) -> Mapping[str, Any]:
     return value
 
 
+def _parse_export_process(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in EXPORT_PROCESS_ALLOWED:
+        raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(EXPORT_PROCESS_ALLOWED)}")
+    return value
+
+
+def _parse_cpus(name: str, raw: str) -> tuple[int, ...]:
+    """A CPU list as `taskset -c` takes it: ``1``, ``0,2``, ``8-9,12``."""
+    cpus: set[int] = set()
+    try:
+        for part in raw.replace(" ", "").split(","):
+            first, _, last = part.partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 0 or hi < lo:
+                raise ValueError(part)
+            cpus.update(range(lo, hi + 1))
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a CPU list; expected e.g. `1`, `0,2` or `8-9,12`") from None
+    return tuple(sorted(cpus))
+
+
+def _parse_nice(name: str, raw: str) -> int:
+    value = _parse_int(name, raw, 0)
+    if value > 19:
+        raise ConfigError(f"{name}: {value} is too large; expected an integer from 0 to 19")
+    return value
+
+
 def _parse_text(name: str, raw: str) -> str:
     value = raw.strip()
     if not value:
@@ -179,6 +226,10 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "config": (OTEL_TRAIN_CONFIG_JSON, _parse_config_json),
     "trace_counters": (OTEL_TRAIN_TRACE_COUNTERS, parse_bool),
     "service_name": (OTEL_SERVICE_NAME, _parse_text),
+    "export_process": (OTEL_TRAIN_EXPORT_PROCESS, _parse_export_process),
+    "drain_timeout_s": (OTEL_TRAIN_DRAIN_TIMEOUT_S, _parse_positive_float),
+    "export_cpus": (OTEL_TRAIN_EXPORT_CPUS, _parse_cpus),
+    "export_nice": (OTEL_TRAIN_EXPORT_NICE, _parse_nice),
 }
 
 
@@ -201,8 +252,12 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return _parse_int(field, str(value), 1)
-    if field in ("export_interval_s", "shutdown_timeout_s"):
+    if field in ("export_interval_s", "shutdown_timeout_s", "drain_timeout_s"):
         return _parse_positive_float(field, str(value))
+    if field == "export_nice":
+        return _parse_nice(field, str(value))
+    if field == "export_cpus":
+        return _parse_cpus(field, ",".join(str(c) for c in value))
     return value
 
 

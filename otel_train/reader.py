@@ -261,6 +261,8 @@ class StepAlignedMetricReader(MetricReader):
         span_buffer: Where finished spans wait for collection.
         metrics_ranks: Whether this process exports metrics (spans always go out).
         resource: The Resource for `ot.log` data; taken from the MeterProvider when registered.
+        channel: Where encoded windows go besides `exporters` (the exporter process's
+            `send_window` / `flush` / `close`); None for none.
 
     Example:
         >>> from opentelemetry.sdk.metrics import MeterProvider
@@ -287,6 +289,7 @@ class StepAlignedMetricReader(MetricReader):
         span_buffer: SpanBuffer | None = None,
         export_metrics: bool = True,
         resource: Resource | None = None,
+        channel: Any = None,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(
@@ -308,6 +311,8 @@ class StepAlignedMetricReader(MetricReader):
         self._need_rows = any(isinstance(w.exporter, RowExporter) for w in self._workers)
         self._need_md = any(w.send_metrics and not isinstance(w.exporter, RowExporter) for w in self._workers)
         self._need_spans = any(w.send_spans and not isinstance(w.exporter, RowExporter) for w in self._workers)
+        self._channel = channel
+        self._channel_metrics = export_metrics
         self._log = LogOnce(_logger)
         self._collect_lock = threading.Lock()
         self._steps_since = 0
@@ -380,18 +385,21 @@ class StepAlignedMetricReader(MetricReader):
         records = self.log_buffer.drain()
         spans = self.span_buffer.drain()
         self._report_drops(step, records)
-        if not self._workers or (not records and not spans and not _has_points(metrics_data)):
+        if (not self._workers and self._channel is None) or (
+                not records and not spans and not _has_points(metrics_data)):
             return  # no exporter wants anything: draining bounded the memory, converting would waste CPU
         run = self._converter.run_for(self._resource.attributes)
+        need_rows = self._need_rows or self._channel is not None
         rows: list[MetricRow] = []
+        sdk_rows: list[MetricRow] = []
         hists: list[Any] = []
         md: MetricsData | None = None
         points = self._log_points(records)
+        if need_rows and metrics_data is not None and _has_points(metrics_data):
+            sdk_rows, hists = self._converter.rows(metrics_data, step)
         if self._need_rows:
             rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
-            if metrics_data is not None and _has_points(metrics_data):
-                sdk_rows, hists = self._converter.rows(metrics_data, step)
-                rows.extend(sdk_rows)
+            rows.extend(sdk_rows)
         if self._need_md:
             md = self._metrics_data(metrics_data, points, step)
         row_spans: list[SpanRow] = []
@@ -399,12 +407,22 @@ class StepAlignedMetricReader(MetricReader):
         if spans:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
-            if self._need_rows:
+            if need_rows:
                 row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self._converter)
             if self._need_spans:
                 otel_spans = [_readable_span(r, self._resource) for r in recs] + sdk_spans
-        batch = _Batch(Window(rows, hists, row_spans), md, otel_spans)
         self.windows += 1
+        if self._channel is not None:
+            try:
+                if self._channel_metrics:
+                    self._channel.send_window(run, points, sdk_rows, hists, row_spans)
+                else:
+                    self._channel.send_window(run, (), (), (), row_spans)
+            except Exception:
+                self._log.warning("channel", "handing a window to the exporter process failed", exc_info=True)
+        if not self._workers:
+            return
+        batch = _Batch(Window(rows, hists, row_spans), md, otel_spans)
         for w in self._workers:
             w.submit(batch)
 
@@ -473,7 +491,9 @@ class StepAlignedMetricReader(MetricReader):
     # -- flush / shutdown ---------------------------------------------------------------------
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         """Collect now (on the collector thread) and wait until every exporter has written it."""
-        deadline = time.monotonic() + timeout_millis / 1000
+        return self._flush(time.monotonic() + timeout_millis / 1000, wait_channel=True)
+
+    def _flush(self, deadline: float, wait_channel: bool) -> bool:
         if self._shutdown:
             return True
         caller_step = current_step()  # a flush inside a step stamps that step, not the previous one
@@ -488,6 +508,8 @@ class StepAlignedMetricReader(MetricReader):
         else:
             self._collect_window()
         ok = all([w.wait_idle(deadline) for w in self._workers])  # wait for each, not the first failure
+        if wait_channel and self._channel is not None:
+            ok = self._channel.flush(deadline) and ok
         for w in self._workers:
             w.flush(deadline)
         return ok
@@ -497,7 +519,9 @@ class StepAlignedMetricReader(MetricReader):
         if self._shutdown:
             return
         deadline = time.monotonic() + timeout_millis / 1000
-        self.force_flush(timeout_millis * 0.8)
+        self._flush(time.monotonic() + timeout_millis * 0.8 / 1000, wait_channel=False)
+        if self._channel is not None:
+            self._channel.close(deadline)  # waits for the exporter process's backends up to `deadline`
         self._shutdown = True
         self._stop = True
         self._wake.set()

@@ -106,7 +106,19 @@ class Session:
         directory = _check_dir(settings.dir)
         options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
                                   settings.trace_counters)
-        self.exporters = self._build_exporters(settings.exporters, options) + list(instances)
+        local, remote = _placement(settings)
+        self.export_process = None
+        if remote:
+            from otel_train.export_process import ExportProcess
+
+            self.export_process = ExportProcess(remote, options, self.run, drain_timeout_s=settings.drain_timeout_s,
+                                                cpus=settings.export_cpus, nice=settings.export_nice)
+        try:
+            self.exporters = self._build_exporters(local, options) + list(instances)
+        except BaseException:
+            if self.export_process is not None:
+                self.export_process.close(time.monotonic() + 1.0)
+            raise
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
         self.log_buffer = LogBuffer(settings.buffer_size, strict=settings.strict_sync)
@@ -120,6 +132,7 @@ class Session:
             span_buffer=self.span_buffer,
             export_metrics=self.export_metrics,
             resource=self.resource,
+            channel=self.export_process,
         )
         self.meter_provider = MeterProvider(
             metric_readers=[self.reader], resource=self.resource,
@@ -142,6 +155,13 @@ class Session:
         # exporting from both would interleave them. The child drops its data unless it calls init().
         self._closed = True
         self.forked = True
+
+    def export_progress(self, timeout_s: float = 5.0) -> Any:
+        """The exporter process's progress (`otel_train.delivery.Progress`: windows spooled, per backend
+        the last durable window and step, `behind()`), or None when every backend runs in this process."""
+        if self.export_process is None:
+            return None
+        return self.export_process.progress(timeout_s)
 
     @staticmethod
     def _build_exporters(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:
@@ -225,6 +245,24 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Split the named exporters into (built here, built in the exporter process).
+
+    Built-in backends go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`; third-party
+    names (entry points) stay here: their classes may not expect to run elsewhere. Unknown names and
+    missing packages fail here, before anything starts.
+    """
+    from otel_train.registry import check_available, get_spec
+
+    names = settings.exporters
+    for spec in [get_spec(n) for n in names]:
+        check_available(spec)
+    if settings.export_process == "off":
+        return names, ()
+    remote = tuple(n for n in names if get_spec(n).target.startswith("otel_train.exporters."))
+    return tuple(n for n in names if n not in remote), remote
 
 
 class DisabledSession:
