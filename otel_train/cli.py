@@ -1,4 +1,4 @@
-"""The `otel-train` command: `demo`, `trace merge`, `sink`."""
+"""The `otel-train` command: `demo`, `trace merge`, `replay`, `sink`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,20 @@ def _trace_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from otel_train.export_process import replay
+
+    results = replay(args.run_dir, timeout_s=args.timeout)
+    if not results:
+        sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
+        return 0
+    behind = False
+    for name, progress in results.items():
+        sys.stdout.write(f"{name}: {progress.summary()}\n")
+        behind = behind or bool(progress.behind())
+    return 1 if behind else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="otel-train", description="OpenTelemetry for training loops.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("out", type=Path, help="the merged trace file to write")
     merge.add_argument("files", type=Path, nargs="+", help="per-rank trace files (rank<N>.trace.json)")
     merge.set_defaults(func=_trace_merge)
+
+    replay = sub.add_parser("replay", help="deliver what a run's exporter process had spooled but not delivered",
+                            description="Feed every backend the spooled windows it has not acknowledged, for every "
+                                        "rank of the run folder. Safe to run twice: each backend resumes after its "
+                                        "cursor.")
+    replay.add_argument("run_dir", type=Path, help="the run folder (OTEL_TRAIN_DIR/<run name>)")
+    replay.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the backends (default 600)")
+    replay.set_defaults(func=_replay)
 
     try:
         from otel_train.sink import cli as sink_cli

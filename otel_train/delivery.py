@@ -116,7 +116,7 @@ class _Backend:
                 flush, self._flush_wanted = self._flush_wanted, False
                 stop = self._stop
             if reload and self.spool is not None:
-                items = [(seq, step, w) for seq, step, w in self._from_spool()] + [i for i in items if i[0] > self.handed]
+                items = self._from_spool() + items
             self._export(items)
             due = self.handed > self.acked and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S
             if flush or due:
@@ -139,6 +139,12 @@ class _Backend:
         return out
 
     def _export(self, items: list[tuple[int, int, Window]]) -> None:
+        # The spool and the queue may both hold a window around a reload: each seq goes out once.
+        fresh: list[tuple[int, int, Window]] = []
+        for item in sorted(items, key=lambda i: i[0]):
+            if item[0] > (fresh[-1][0] if fresh else self.handed):
+                fresh.append(item)
+        items = fresh
         start = 0
         while start < len(items):
             end, rows = start, 0

@@ -247,12 +247,16 @@ class Session:
         return self._closed
 
 
+_IN_PROCESS = frozenset({"otlp"})
+
+
 def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Split the named exporters into (built here, built in the exporter process).
 
-    Built-in backends go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`; third-party
-    names (entry points) stay here: their classes may not expect to run elsewhere. Unknown names and
-    missing packages fail here, before anything starts.
+    Built-in row backends go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`. Staying
+    here: `otlp` (it sends the SDK's own data, unconverted, which only exists here) and third-party
+    names (entry points; their classes may not expect to run elsewhere). Unknown names and missing
+    packages fail here, before anything starts.
     """
     from otel_train.registry import check_available, get_spec
 
@@ -261,7 +265,7 @@ def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]
         check_available(spec)
     if settings.export_process == "off":
         return names, ()
-    remote = tuple(n for n in names if get_spec(n).target.startswith("otel_train.exporters."))
+    remote = tuple(n for n in names if n not in _IN_PROCESS and get_spec(n).target.startswith("otel_train.exporters."))
     return tuple(n for n in names if n not in remote), remote
 
 

@@ -42,49 +42,54 @@ class Spool:
         self._cursor_file = self.path / "cursors.json"
         self.cursors: dict[str, int] = self._load_cursors()
         self._cursor_lock = threading.Lock()  # one thread per backend acknowledges
+        self._file_lock = threading.Lock()  # the writer appends while a backend's thread reads back
         self.last_seq = 0
         self.last_step = -1
+        self._file = None
+        self._file_bytes = 0
         for seq, step, _ in self.read(0):  # the tail of an earlier writer (restart, replay)
             self.last_seq = seq
             self.last_step = max(self.last_step, step)
         # Seqs continue after everything ever acknowledged here, even once its segments are gone.
         self.last_seq = max(self.last_seq, *self.cursors.values(), 0)
-        self._file = None
-        self._file_bytes = 0
 
     # -- writing ------------------------------------------------------------------------------
     def append(self, seq: int, max_step: int, payload: bytes) -> bool:
         """Append one window; a seq at or below the last one is a resend and is skipped."""
-        if seq <= self.last_seq:
-            return False
-        if self._file is None or self._file_bytes >= _SEGMENT_BYTES:
-            self._roll(seq)
-        assert self._file is not None
-        self._file.write(_HEADER.pack(seq, max_step, len(payload), zlib.crc32(payload)))
-        self._file.write(payload)
-        self._file_bytes += _HEADER.size + len(payload)
-        self.last_seq = seq
-        self.last_step = max(self.last_step, max_step)
-        return True
+        with self._file_lock:
+            if seq <= self.last_seq:
+                return False
+            if self._file is None or self._file_bytes >= _SEGMENT_BYTES:
+                self._roll(seq)
+            assert self._file is not None
+            self._file.write(_HEADER.pack(seq, max_step, len(payload), zlib.crc32(payload)))
+            self._file.write(payload)
+            self._file_bytes += _HEADER.size + len(payload)
+            self.last_seq = seq
+            self.last_step = max(self.last_step, max_step)
+            return True
 
     def _roll(self, seq: int) -> None:
         if self._file is not None:
-            self.sync()
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
         self._file = open(self.path / f"{seq:016d}.seg", "ab")  # noqa: SIM115 - kept open across appends
         self._file_bytes = 0
 
     def sync(self) -> None:
         """Make every appended window durable (flush + fsync)."""
-        if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+        with self._file_lock:
+            if self._file is not None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        if self._file is not None:
-            self.sync()
-            self._file.close()
-            self._file = None
+        self.sync()
+        with self._file_lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
     # -- reading ------------------------------------------------------------------------------
     def segments(self) -> list[Path]:
@@ -92,6 +97,9 @@ class Spool:
 
     def read(self, after: int) -> Iterator[tuple[int, int, bytes]]:
         """Every intact record with seq > `after`, in order: (seq, max step, payload)."""
+        with self._file_lock:
+            if self._file is not None:
+                self._file.flush()  # to the OS: what this process appended is readable below
         segments = self.segments()
         for i, seg in enumerate(segments):
             if i + 1 < len(segments) and int(segments[i + 1].stem) <= after + 1:
