@@ -221,6 +221,7 @@ class ExportProcess:
             except (EOFError, OSError):
                 break
             except Exception:  # a reply we cannot read must not end the thread
+                _logger.debug("unreadable reply from the exporter process", exc_info=True)
                 continue
             kind = msg[0]
             if kind == "spooled":
