@@ -263,8 +263,8 @@ def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]
     names = settings.exporters
     for spec in [get_spec(n) for n in names]:
         check_available(spec)
-    if settings.export_process == "off":
-        return names, ()
+    if settings.export_process == "off" or (settings.export_process == "auto" and os.name != "posix"):
+        return names, ()  # the exporter process needs Unix sockets and fd passing
     remote = tuple(n for n in names if n not in _IN_PROCESS and get_spec(n).target.startswith("otel_train.exporters."))
     return tuple(n for n in names if n not in remote), remote
 

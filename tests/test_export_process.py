@@ -295,3 +295,20 @@ def test_kill_9_of_the_training_process_loses_nothing_the_child_received(tmp_pat
         # Every flushed step (and whatever else reached the child), in order, each exactly once.
         assert got == list(range(len(got))) and len(got) > flushed
         assert _tb_steps(Path(cfg["dir"]), cfg["run"]) == got
+
+
+def test_ctrl_c_to_the_job_does_not_reach_the_exporter_process(tmp_path: Path) -> None:
+    directory, run = tmp_path / "runs", "ctrl-c"
+    cfg = {"exporters": ["jsonl"], "dir": str(directory), "run": run, "steps": 15, "wait": True}
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=_env(tmp_path), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline().split()[1])
+    assert proc.stdout.readline().strip() == "READY"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err  # the training process got it; the exporter process did not die of it
+    assert _wait_gone(child, 30)
+    assert _jsonl_steps(directory, run) == list(range(15))
