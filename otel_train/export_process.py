@@ -269,36 +269,35 @@ class ExportProcess:
             self._reply_cv.notify_all()
 
     # -- flush / close / progress (any thread) -------------------------------------------------------
+    def _ask(self, kind: bytes, deadline: float) -> tuple[int, bool]:
+        """Flush (``F``) or close (``C``) and wait for the answer: (request id, every backend done).
+        The id is 0 when the in-process fallback answered."""
+        if self.fallback is None:
+            rid = self._request(kind)
+            reply = self._wait(rid, "done", deadline)
+            if self.fallback is None:
+                return rid, bool(reply and reply.get("done"))
+        fallback = self.fallback
+        return 0, fallback.flush(deadline) if kind == b"F" else fallback.close(deadline)
+
     def flush(self, deadline: float) -> bool:
         """Wait until every backend has everything sent so far, or `deadline` (then: durable, and warn)."""
         if self._closing or os.getpid() != self._pid:
             return True
-        if self.fallback is not None:
-            return self.fallback.flush(deadline)
-        rid = self._request(b"F")
-        reply = self._wait(rid, "done", deadline)
-        if self.fallback is not None:
-            return self.fallback.flush(deadline)
-        if reply is not None and reply.get("done"):
-            return True
-        _logger.warning("otel-train: flush timed out: %s; the exporter process keeps delivering",
-                        self.last_progress.summary())
-        return False
+        rid, ok = self._ask(b"F", deadline)
+        if not ok and rid:
+            _logger.warning("otel-train: flush timed out: %s; the exporter process keeps delivering",
+                            self.last_progress.summary())
+        return ok
 
     def close(self, deadline: float) -> bool:
         """Hand off: wait for every backend up to `deadline`, else for the spool to be durable; the child
         keeps draining on its own for up to its drain timeout."""
         if os.getpid() != self._pid:
             return True
-        if self.fallback is not None:
-            return self.fallback.close(deadline)
-        rid = self._request(b"C")
-        reply = self._wait(rid, "done", deadline)
-        if self.fallback is not None:
-            return self.fallback.close(deadline)
-        ok = reply is not None and bool(reply.get("done"))
-        if not ok:
-            durable = self._wait(rid, "durable", deadline + 1.0)
+        rid, ok = self._ask(b"C", deadline)
+        if not ok and rid:
+            durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
             state = "durable in the spool" if durable else "NOT confirmed durable"
             _logger.warning("otel-train: shutdown timed out; data is %s; %s; the exporter process (pid %d) keeps "
                             "delivering for up to OTEL_TRAIN_DRAIN_TIMEOUT_S, and `otel-train replay %s` "
