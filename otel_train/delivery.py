@@ -210,6 +210,8 @@ class Delivery:
         self._lock = threading.Lock()
         self._last_seq = spool.last_seq if spool is not None else 0
         self._last_step = spool.last_step if spool is not None else -1
+        if spool is not None:
+            spool.backends = list(backends)
         self._backends = [_Backend(name, ex, spool, queue_windows) for name, ex in backends.items()]
 
     @property

@@ -43,6 +43,8 @@ class Spool:
         self.cursors: dict[str, int] = self._load_cursors()
         self._cursor_lock = threading.Lock()  # one thread per backend acknowledges
         self._file_lock = threading.Lock()  # the writer appends while a backend's thread reads back
+        #: The backends reading this spool: a segment all of them acknowledged is deleted.
+        self.backends: list[str] = []
         self.last_seq = 0
         self.last_step = -1
         self._file = None
@@ -138,6 +140,8 @@ class Spool:
             tmp = self._cursor_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(self.cursors))
             os.replace(tmp, self._cursor_file)  # atomic: a crash leaves the old cursors or the new ones
+        if self.backends:
+            self.remove_acknowledged(self.backends)  # a long run's spool stays as small as the slowest backend
 
     def remove_acknowledged(self, backends: list[str]) -> None:
         """Delete segments every one of `backends` has acknowledged entirely (the open one only once closed)."""

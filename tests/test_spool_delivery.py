@@ -106,3 +106,14 @@ def test_a_new_delivery_resumes_each_backend_after_its_cursor(tmp_path: Path) ->
     again = InMemoryRowExporter()
     assert Delivery({"wandb": again}, Spool(tmp_path)).close(time.monotonic() + 30)
     assert _steps(again) == []  # replay is idempotent
+
+
+def test_segments_go_while_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spool_mod, "_SEGMENT_BYTES", 1)
+    exporter = InMemoryRowExporter()
+    delivery = Delivery({"mem": exporter}, Spool(tmp_path))
+    for step in range(20):
+        delivery.submit(step + 1, step, window(step))
+    assert delivery.flush(time.monotonic() + 30)
+    assert [int(s.stem) for s in Spool(tmp_path).segments()] == [20]  # only the open segment is left
+    delivery.close(time.monotonic() + 30)
