@@ -6,7 +6,8 @@ per-step attribute sets are freed after each collection), drains the `ot.log` / 
 converts everything once (rows for our backends, OTel `MetricsData` / spans for plain OTel
 exporters) and hands the window to one worker thread per exporter through a bounded queue
 (oldest window dropped and counted when full). A slow or hanging backend only stalls its own
-worker.
+worker. Named backends run in the exporter process instead: the reader hands it each window through
+`channel` (`otel_train.export_process`), encoded once.
 """
 
 from __future__ import annotations
