@@ -45,6 +45,7 @@ _WINDOW = struct.Struct("<qq")
 _ID = struct.Struct("<q")
 _START_TIMEOUT_S = 60.0  # building W&B / ClearML runs can take seconds; a stuck start must not hang init()
 _BACKLOG = 4096  # windows kept until the child confirms they are spooled (a restart resends them)
+_ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
 _META = "exporters.json"
 _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
          "from otel_train.export_process import _boot; _boot(int(sys.argv[1]))")
@@ -224,11 +225,11 @@ class ExportProcess:
                 _logger.debug("unreadable reply from the exporter process", exc_info=True)
                 continue
             kind = msg[0]
-            if kind == "spooled":
-                with self._lock:
-                    while self._backlog and self._backlog[0][0] <= msg[1]:
-                        self._backlog.popleft()
-            elif kind in ("durable", "done", "progress"):
+            spooled = msg[1] if kind == "spooled" else msg[-1].spooled
+            with self._lock:
+                while self._backlog and self._backlog[0][0] <= spooled:
+                    self._backlog.popleft()
+            if kind in ("durable", "done", "progress"):
                 self.last_progress = msg[-1]
                 with self._reply_cv:
                     entry = self._replies.setdefault(msg[1], {})
@@ -378,6 +379,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         reply("done", rid, ok, delivery.progress())
 
     close_id = None
+    last_ack = 0.0
     while True:
         try:
             frame = conn.recv_bytes()
@@ -387,8 +389,10 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         if kind == b"W":
             seq, step = _WINDOW.unpack_from(frame, 1)
             delivery.submit(seq, step, frame[1 + _WINDOW.size:])
-            if not conn.poll(0):  # acknowledge once the burst is spooled, not per window
+            now = time.monotonic()
+            if now - last_ack >= _ACK_EVERY_S and not conn.poll(0):  # a few acks a second wake the trainer
                 reply("spooled", seq)
+                last_ack = now
             continue
         (rid,) = _ID.unpack_from(frame, 1)
         if kind == b"F":
