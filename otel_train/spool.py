@@ -64,8 +64,8 @@ class Spool:
             if self._file is None or self._file_bytes >= _SEGMENT_BYTES:
                 self._roll(seq)
             assert self._file is not None
-            self._file.write(_HEADER.pack(seq, max_step, len(payload), zlib.crc32(payload)))
-            self._file.write(payload)
+            # One unbuffered write: once `append` returns, a kill -9 of this process cannot lose it.
+            self._file.write(_HEADER.pack(seq, max_step, len(payload), zlib.crc32(payload)) + payload)
             self._file_bytes += _HEADER.size + len(payload)
             self.last_seq = seq
             self.last_step = max(self.last_step, max_step)
@@ -73,17 +73,15 @@ class Spool:
 
     def _roll(self, seq: int) -> None:
         if self._file is not None:
-            self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
-        self._file = open(self.path / f"{seq:016d}.seg", "ab")  # noqa: SIM115 - kept open across appends
+        self._file = open(self.path / f"{seq:016d}.seg", "ab", buffering=0)  # noqa: SIM115 - kept open across appends
         self._file_bytes = 0
 
     def sync(self) -> None:
         """Make every appended window durable (flush + fsync)."""
         with self._file_lock:
             if self._file is not None:
-                self._file.flush()
                 os.fsync(self._file.fileno())
 
     def close(self) -> None:
@@ -99,9 +97,6 @@ class Spool:
 
     def read(self, after: int) -> Iterator[tuple[int, int, bytes]]:
         """Every intact record with seq > `after`, in order: (seq, max step, payload)."""
-        with self._file_lock:
-            if self._file is not None:
-                self._file.flush()  # to the OS: what this process appended is readable below
         segments = self.segments()
         for i, seg in enumerate(segments):
             if i + 1 < len(segments) and int(segments[i + 1].stem) <= after + 1:
