@@ -175,9 +175,13 @@ def test_init_errors_are_raised_in_the_training_process(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_DIR: cannot write to "):
         ot.init(exporters=["tensorboard"], dir=blocker / "runs")
     # A backend that fails to start inside the exporter process: its one-line error, raised here.
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
-    with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_PROTOCOL: 'carrier-pigeon' is not supported"):
-        ot.init(exporters=["jsonl", "otlp"], dir=tmp_path / "runs")
+    broken = tmp_path / "fakes" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise RuntimeError('injected: no wandb here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "fakes"))  # the exporter process gets this sys.path
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_EXPORTERS: exporter 'wandb' could not start: "
+                                          r"RuntimeError: injected: no wandb here$"):
+        ot.init(exporters=["jsonl", "wandb"], dir=tmp_path / "runs")
     assert ot._session is None
 
 
