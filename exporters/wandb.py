@@ -71,6 +71,7 @@ class WandbExporter(RowExporter):
     """
 
     name = "wandb"
+    display_names = True
     handles_metrics = True
     handles_spans = False
     client_module = "wandb"

@@ -1,0 +1,142 @@
+"""Per-backend routing: which rows one backend gets, applied on the export side.
+
+`RowExporter.export_window` passes every window through its `RowFilter` before the backend sees
+it, so routing runs off the training thread (in the exporter process where there is one) and the
+same in the sink, whose backends are built from the same `ExporterOptions`. The rules come from
+`OTEL_TRAIN_<BACKEND>_{INCLUDE,EXCLUDE,EVERY,RANKS}` and `init(routes=...)`, parsed in
+`otel_train.config`.
+
+The filter also renames the built-in series to their dashboard names for backends that group by
+``/`` (see `otel_train.semconv`), and remembers which patterns matched a metric, so that a
+misspelt pattern is reported once at shutdown instead of leaving a silently empty dashboard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, TypeVar
+
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, SpanRow
+from otel_train.semconv import DISPLAY_NAMES, display_name
+
+if TYPE_CHECKING:
+    from otel_train.config import Route
+
+__all__ = ["RowFilter", "bind"]
+
+_logger = logging.getLogger(__name__)
+_RowT = TypeVar("_RowT", MetricRow, HistogramRow)
+
+
+def bind(backend: str, options: ExporterOptions, display_names: bool) -> tuple[ExporterOptions, RowFilter | None]:
+    """The options one backend runs with and its filter (``None``: the backend gets every row unchanged).
+
+    The backend's `_RANKS` replaces `options.ranks`, so its own rank handling (folders, run names)
+    follows the override too.
+    """
+    routes = options.routes or {}
+    route = routes.get(backend)
+    if route is not None and route.ranks is not None and route.ranks != options.ranks:
+        options = dataclasses.replace(options, ranks=route.ranks)
+    # With another backend's `_RANKS=all`, every rank exports metrics: the others drop ranks > 0 here.
+    drop_other_ranks = options.ranks == "0" and any(r.ranks == "all" for r in routes.values())
+    if route is None and not display_names and not drop_other_ranks:
+        return options, None
+    return options, RowFilter(route, rank0_only=drop_other_ranks, display_names=display_names)
+
+
+class RowFilter:
+    """Routes one backend's rows: include/exclude globs, every N-th step, ranks, display names.
+
+    Called on one export thread at a time (the exporter's lock), so its caches need no lock.
+
+    Args:
+        route: The backend's rules, or ``None`` for none.
+        rank0_only: Drop metric rows of ranks other than 0.
+        display_names: Show built-in series under their dashboard names.
+
+    Example:
+        >>> from otel_train.config import Route
+        >>> from otel_train.records import RunInfo
+        >>> f = RowFilter(Route(include="train/*", every=2), rank0_only=False, display_names=True)
+        >>> rows = [MetricRow(RunInfo("r", "r"), s, n, n, 1.0, "gauge", 0)
+        ...         for s in (1, 2) for n in ("train/loss", "train.iterations", "eval/acc")]
+        >>> [(r.step, r.tag) for r in f.apply(rows, (), ())[0]]
+        [(2, 'train/loss'), (2, 'train/iterations')]
+    """
+
+    def __init__(self, route: Route | None, *, rank0_only: bool, display_names: bool) -> None:
+        self.include = route.include if route is not None and route.include else ()
+        self.exclude = route.exclude if route is not None and route.exclude else ()
+        self.every = route.every if route is not None and route.every else 1
+        self.rank0_only = rank0_only
+        self.display_names = display_names
+        self._settings = (route.include_setting, route.exclude_setting) if route is not None else ("", "")
+        self._keep: dict[str, bool] = {}  # metric name -> routed to this backend
+        self._hits: set[tuple[int, str]] = set()  # (0 include / 1 exclude, pattern) that matched a name
+        self._saw_rank0 = False
+        self._reported = False
+
+    def wants(self, name: str) -> bool:
+        """Whether metric `name` passes include/exclude (cached; records which patterns matched)."""
+        keep = self._keep.get(name)
+        if keep is None:
+            names = (name, display_name(name))
+            included = self._match(0, self.include, names) if self.include else True
+            excluded = self._match(1, self.exclude, names)
+            keep = self._keep[name] = included and not excluded
+        return keep
+
+    def _match(self, which: int, patterns: Sequence[str], names: tuple[str, str]) -> bool:
+        matched = False
+        for pattern in patterns:  # every pattern, not just the first hit: each one's use is tracked
+            if any(fnmatchcase(n, pattern) for n in names):
+                self._hits.add((which, pattern))
+                matched = True
+        return matched
+
+    def _step_ok(self, step: int | None) -> bool:
+        return step is None or self.every == 1 or step % self.every == 0
+
+    def _rows(self, rows: Sequence[_RowT]) -> list[_RowT]:
+        out: list[_RowT] = []
+        for row in rows:
+            rank0 = row.run.rank == 0
+            self._saw_rank0 = self._saw_rank0 or rank0
+            if not self.wants(row.name) or (self.rank0_only and not rank0) or not self._step_ok(row.step):
+                continue
+            if self.display_names and row.name in DISPLAY_NAMES:
+                shown = DISPLAY_NAMES[row.name]
+                row = dataclasses.replace(row, tag=shown + row.tag[len(row.name):])  # rows are shared: copy
+            out.append(row)
+        return out
+
+    def apply(
+        self, metrics: Sequence[MetricRow], histograms: Sequence[HistogramRow], spans: Sequence[SpanRow]
+    ) -> tuple[Sequence[MetricRow], Sequence[HistogramRow], Sequence[SpanRow]]:
+        """The rows of one window this backend gets."""
+        routed_spans: Sequence[SpanRow] = spans
+        if self.every > 1 and spans:
+            routed_spans = [s for s in spans if self._step_ok(s.step)]
+        return self._rows(metrics), self._rows(histograms), routed_spans
+
+    def unmatched(self) -> list[str]:
+        """One line per pattern that matched no metric name this backend was offered."""
+        lines: list[str] = []
+        for which, patterns in ((0, self.include), (1, self.exclude)):
+            for pattern in patterns:
+                if (which, pattern) not in self._hits:
+                    lines.append(f"{self._settings[which]}: pattern {pattern!r} matched no metric")
+        return lines
+
+    def report(self) -> None:
+        """Log each unmatched pattern once, at shutdown, where rank 0's metrics were seen."""
+        if self._reported or not self._saw_rank0:  # other ranks' processes stay quiet
+            return
+        self._reported = True
+        for line in self.unmatched():
+            _logger.warning("%s", line)
+
