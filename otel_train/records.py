@@ -24,9 +24,9 @@ from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData
+    from opentelemetry.sdk.trace import ReadableSpan
 
     from otel_train.config import Route
-    from opentelemetry.sdk.trace import ReadableSpan
 
 __all__ = [
     "ExporterOptions",

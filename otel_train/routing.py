@@ -41,11 +41,12 @@ def bind(backend: str, options: ExporterOptions, display_names: bool) -> tuple[E
     route = routes.get(backend)
     if route is not None and route.ranks is not None and route.ranks != options.ranks:
         options = dataclasses.replace(options, ranks=route.ranks)
-    # With another backend's `_RANKS=all`, every rank exports metrics: the others drop ranks > 0 here.
-    drop_other_ranks = options.ranks == "0" and any(r.ranks == "all" for r in routes.values())
-    if route is None and not display_names and not drop_other_ranks:
+    # Rows of other ranks reach a `0` backend in the sink, and in-process when another backend's
+    # `_RANKS=all` makes every rank export metrics: drop them here.
+    rank0_only = options.ranks == "0"
+    if route is None and not display_names and not (rank0_only and any(r.ranks == "all" for r in routes.values())):
         return options, None
-    return options, RowFilter(route, rank0_only=drop_other_ranks, display_names=display_names)
+    return options, RowFilter(route, rank0_only=rank0_only, display_names=display_names)
 
 
 class RowFilter:
