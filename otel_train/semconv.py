@@ -94,11 +94,11 @@ CONVENTIONS: tuple[Convention, ...] = (
     # Names of the phase and system-metrics feature (defined there; listed here so the table is whole).
     Convention("phase/<name>_s", "metric", "float", "s", "phase timing (per step)"),
     Convention("phase/other_s", "metric", "float", "s", "phase timing: step time outside every phase"),
-    Convention("system/cpu_percent/mean|max", "metric", "float", "%", "system metrics sampler",
+    Convention("system/cpu_percent/{mean,max}", "metric", "float", "%", "system metrics sampler",
                "process.cpu.utilization"),
-    Convention("system/rss_bytes/mean|max", "metric", "int", "By", "system metrics sampler", "process.memory.usage"),
-    Convention("gpu<N>/util/mean|max", "metric", "float", "%", "system metrics sampler", "hw.gpu.utilization"),
-    Convention("gpu<N>/memory_used_bytes/mean|max", "metric", "int", "By", "system metrics sampler",
+    Convention("system/rss_bytes/{mean,max}", "metric", "int", "By", "system metrics sampler", "process.memory.usage"),
+    Convention("gpu<N>/util/{mean,max}", "metric", "float", "%", "system metrics sampler", "hw.gpu.utilization"),
+    Convention("gpu<N>/memory_used_bytes/{mean,max}", "metric", "int", "By", "system metrics sampler",
                "hw.gpu.memory.usage"),
 )
 
