@@ -23,6 +23,12 @@ from otel_train.compat import MetricsServiceAdapter, tracking_utils
 from otel_train.testing import InMemoryRowExporter
 
 STEPS = range(6)
+
+
+@pytest.fixture(autouse=True)
+def _end_open_step() -> Any:
+    yield
+    tracking_utils._finish()  # the step `flush_metrics` opened lives in this thread's context
 USER_SERIES = ("train/loss", "train/lr")
 
 

@@ -128,6 +128,7 @@ def init_tracking(args: Any) -> None:
         ConfigError: a setting is invalid (one line naming it), as `otel_train.init` does.
     """
     global _state
+    _finish()
     kwargs, wandb = settings_from_args(args)
     names: list[Any] = list(kwargs.pop("exporters"))
     if wandb:  # a W&B entity/group: build that exporter here with the session's options
@@ -147,6 +148,15 @@ def init_tracking(args: Any) -> None:
         names.append(timeline)
     ot.init(exporters=names, **kwargs)
     _state = _Tracking(timeline)
+
+
+def _finish() -> None:
+    """End the step `flush_metrics` opened and forget the state (tests; a new `init_tracking` does it too)."""
+    global _state
+    if _state is not None:
+        with _state.lock:
+            _state._close()
+        _state = None
 
 
 def _tracking(call: str) -> _Tracking | None:
