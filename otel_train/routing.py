@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, TypeVar
 
@@ -43,8 +43,10 @@ def bind(backend: str, options: ExporterOptions, display_names: bool) -> tuple[E
         options = dataclasses.replace(options, ranks=route.ranks)
     # Rows of other ranks reach a `0` backend in the sink, and in-process when another backend's
     # `_RANKS=all` makes every rank export metrics: drop them here.
-    rank0_only = options.ranks == "0"
-    if route is None and not display_names and not (rank0_only and any(r.ranks == "all" for r in routes.values())):
+    # (With the global `OTEL_TRAIN_RANKS=0` and no `all` anywhere, other ranks never export metrics.)
+    rank0_only = options.ranks == "0" and (
+        (route is not None and route.ranks is not None) or any(r.ranks == "all" for r in routes.values()))
+    if route is None and not display_names and not rank0_only:
         return options, None
     return options, RowFilter(route, rank0_only=rank0_only, display_names=display_names)
 
@@ -102,18 +104,34 @@ class RowFilter:
     def _step_ok(self, step: int | None) -> bool:
         return step is None or self.every == 1 or step % self.every == 0
 
-    def _rows(self, rows: Sequence[_RowT]) -> list[_RowT]:
+    def _rows(self, rows: Sequence[_RowT]) -> Sequence[_RowT]:
+        shown = DISPLAY_NAMES if self.display_names else None
+        if not (self.include or self.exclude or self.rank0_only) and self.every == 1:
+            # Display names only (the common case): untouched unless a built-in series is in the window.
+            if shown is None or not any(row.name in shown for row in rows):
+                return rows
+            return [self._shown(row, shown) if row.name in shown else row for row in rows]
         out: list[_RowT] = []
+        keep, every, rank0_only = self._keep, self.every, self.rank0_only
         for row in rows:
-            rank0 = row.run.rank == 0
-            self._saw_rank0 = self._saw_rank0 or rank0
-            if not self.wants(row.name) or (self.rank0_only and not rank0) or not self._step_ok(row.step):
+            name = row.name
+            wanted = keep.get(name)
+            if wanted is None:
+                wanted = self.wants(name)
+            if row.run.rank:
+                if rank0_only:
+                    continue
+            else:
+                self._saw_rank0 = True
+            if not wanted or (every != 1 and row.step % every):
                 continue
-            if self.display_names and row.name in DISPLAY_NAMES:
-                shown = DISPLAY_NAMES[row.name]
-                row = dataclasses.replace(row, tag=shown + row.tag[len(row.name):])  # rows are shared: copy
-            out.append(row)
+            out.append(self._shown(row, shown) if shown is not None and name in shown else row)
         return out
+
+    @staticmethod
+    def _shown(row: _RowT, shown: Mapping[str, str]) -> _RowT:
+        """A copy of `row` under its display name (rows are shared by every backend: never changed)."""
+        return dataclasses.replace(row, tag=shown[row.name] + row.tag[len(row.name):])
 
     def apply(
         self, metrics: Sequence[MetricRow], histograms: Sequence[HistogramRow], spans: Sequence[SpanRow]

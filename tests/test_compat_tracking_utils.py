@@ -50,6 +50,7 @@ def _tracking_utils_loop(args: Any) -> None:
         ]}, "step")
         tracking_utils.flush_metrics(args, step)
     ot.shutdown()
+    _wandb_written()
 
 
 def _native_loop() -> None:
@@ -59,12 +60,20 @@ def _native_loop() -> None:
             pass
         ot.log(_values(step))
     ot.shutdown()
+    _wandb_written()
 
 
 def _reset_step_state() -> None:
     import importlib
 
     importlib.import_module("otel_train.step")._reset_for_tests()
+
+
+def _wandb_written() -> None:
+    """Stop wandb's service process: its offline writer may still hold records after `finish()` returns."""
+    import wandb
+
+    wandb.teardown()
 
 
 def _tb(folder: Path) -> dict[str, dict[int, float]]:

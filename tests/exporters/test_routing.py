@@ -24,6 +24,13 @@ STEPS = range(12)
 BUILTINS = {"train/step_duration_s", "train/time_total_s", "train/iterations"}
 
 
+def _wandb_written() -> None:
+    """Stop wandb's service process: its offline writer may still hold records after `finish()` returns."""
+    import wandb
+
+    wandb.teardown()
+
+
 def _tb_scalars(logdir: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -46,6 +53,7 @@ def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch:
     ot.init(exporters=["tensorboard", "wandb", "clearml"], dir=tmp_path / "runs", run_id="route-1")
     _train(STEPS)
     ot.shutdown()
+    _wandb_written()
 
     tb = _tb_scalars(tmp_path / "runs" / "route-1")
     assert set(tb) == {"train/loss", "eval/acc", "system/cpu_percent", *BUILTINS}  # everything, built-ins in `train/`
