@@ -129,6 +129,7 @@ class TensorBoardExporter(RowExporter):
     """
 
     name = "tensorboard"
+    display_names = True
     handles_metrics = True
     handles_spans = False
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import config as cfg
+from otel_train import semconv
 from otel_train.errors import ConfigError
 from otel_train.instrument import NO_SPAN, LogBuffer, SpanBuffer, SpanScope
 from otel_train.records import ExporterOptions, RunInfo, config_hash
@@ -102,10 +103,12 @@ class Session:
             pid=os.getpid(),
             config_hash=config_hash(settings.config),
         )
-        self.export_metrics = settings.ranks == "all" or rank == 0
+        # A backend's `OTEL_TRAIN_<BACKEND>_RANKS=all` makes this rank export metrics; routing drops them elsewhere.
+        self.export_metrics = rank == 0 or settings.ranks == "all" or any(
+            r.ranks == "all" for r in settings.routes.values())
         directory = _check_dir(settings.dir)
         options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
-                                  settings.trace_counters)
+                                  settings.trace_counters, settings.routes)
         self.exporters = self._build_exporters(settings.exporters, options) + list(instances)
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
@@ -189,12 +192,12 @@ class Session:
 
     def _on_step_end(self, info: StepEnd) -> None:
         values: dict[str, float] = {
-            "train.step.duration_s": info.duration_s,
-            "train.time_total_s": info.time_total_s,
-            "train.iterations": info.iterations,
+            semconv.TRAIN_STEP_DURATION: info.duration_s,
+            semconv.TRAIN_TIME_TOTAL: info.time_total_s,
+            semconv.TRAIN_ITERATIONS: info.iterations,
         }
         if info.samples is not None and info.duration_s > 0:
-            values["train.throughput"] = info.samples / info.duration_s
+            values[semconv.TRAIN_THROUGHPUT] = info.samples / info.duration_s
         self._append(info.step, values)
         self.reader.on_step_end(info)
 
