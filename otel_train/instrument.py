@@ -11,6 +11,7 @@ import functools
 import inspect
 import itertools
 import random
+import sys
 import threading
 import time
 import warnings
@@ -32,7 +33,7 @@ from otel_train.step import _current, current_step
 if TYPE_CHECKING:
     from contextvars import Token
 
-__all__ = ["NO_SPAN", "LogBuffer", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
+__all__ = ["NO_SPAN", "LogBuffer", "ProfiledSpanScope", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
@@ -285,6 +286,40 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
 
     def __repr__(self) -> str:
         return f"SpanScope({self.name!r}, span_id={getattr(self, 'span_id', 0):016x})"
+
+
+class ProfiledSpanScope(SpanScope):
+    """`SpanScope` that also opens a `torch.profiler.record_function` of its name while a torch
+    profiler records (`OTEL_TRAIN_PROFILER_BRIDGE`), so the profiler's trace shows our phases.
+
+    torch is only looked up in `sys.modules`: a process that never imported it pays one dict lookup.
+    The record function opens after our start time and closes before our end, so it nests inside.
+    """
+
+    __slots__ = ("_record",)
+
+    def __enter__(self) -> SpanScope:
+        scope = super().__enter__()
+        self._record: Any = None
+        profiler = sys.modules.get("torch.autograd.profiler")
+        if profiler is not None and getattr(profiler, "_is_profiler_enabled", False):
+            try:
+                record = profiler.record_function(self.name)
+                record.__enter__()
+                self._record = record
+            except Exception:  # the profiler must never break the training loop
+                self._record = None
+        return scope
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        record = self._record
+        if record is not None:
+            self._record = None
+            try:
+                record.__exit__(None, None, None)
+            except Exception:
+                pass
+        super().__exit__(exc_type, exc, tb)
 
 
 def traced_with(make_scope: Callable[[str, bool], Any], name: str | None, fn: _F) -> _F:

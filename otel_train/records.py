@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -123,6 +123,8 @@ class ExporterOptions:
     hparams: Mapping[str, Any] | None = None
     ranks: str = "0"
     trace_counters: bool = True
+    trace_steps: Container[int] | None = None  # steps the Chrome trace keeps (None: all)
+    trace_gzip: bool = False
 
     @classmethod
     def from_env(cls) -> ExporterOptions:
@@ -130,7 +132,7 @@ class ExporterOptions:
         from otel_train.config import load_settings
 
         s = load_settings()
-        return cls(s.dir, s.project, s.config, s.ranks, s.trace_counters)
+        return cls(s.dir, s.project, s.config, s.ranks, s.trace_counters, s.trace_steps, s.trace_gzip)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
