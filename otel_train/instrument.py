@@ -7,6 +7,7 @@ path paying for it. Conversion to numbers and to OTel data happens later, on the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -155,6 +156,7 @@ class SpanRecord:
         "attributes",
         "end_ns",
         "error",
+        "in_step",
         "name",
         "parent_id",
         "span_id",
@@ -168,7 +170,7 @@ class SpanRecord:
     def __init__(
         self, name: str, trace_id: int, span_id: int, parent_id: int | None, start_ns: int, end_ns: int,
         thread_id: int, thread_name: str, step: int | None, attributes: Mapping[str, Any] | None,
-        error: str | None,
+        error: str | None, in_step: bool = True,
     ) -> None:
         self.name = name
         self.trace_id = trace_id
@@ -181,6 +183,7 @@ class SpanRecord:
         self.step = step
         self.attributes = attributes
         self.error = error
+        self.in_step = in_step  # opened inside `ot.step` (its context), not stamped with the latest step
 
 
 class SpanBuffer(_Bounded):
@@ -254,6 +257,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
         self.thread_id = thread.native_id or 0  # cached by `threading`: no gettid syscall per span
         self.thread_name = thread.name
         step = _current.get()
+        self.in_step = step is not None
         self.step = current_step() if step is None else step
         self.start_ns = _time_ns()
         return self
@@ -315,10 +319,8 @@ class ProfiledSpanScope(SpanScope):
         record = self._record
         if record is not None:
             self._record = None
-            try:
+            with contextlib.suppress(Exception):  # the profiler must never break the training loop
                 record.__exit__(None, None, None)
-            except Exception:
-                pass
         super().__exit__(exc_type, exc, tb)
 
 

@@ -5,10 +5,11 @@ that step become ``phase/<name>_s`` (the summed time of the spans with that name
 step) and ``phase/other_s`` (step time covered by no top-level span), so that
 ``sum(phase/*_s) == train.step.duration_s`` when the phases do not overlap.
 
-"Top-level" means: recorded on the thread that ran the step and not nested in another span of the
-same step, so ``backward`` inside ``train`` is counted once, in ``train``. The thread that ran the
-step is the one whose top-level spans cover most of it (spans of a prefetch thread overlap the step
-and are not phases of it). Spans of a step can arrive in an earlier window than the step's duration
+"Top-level" means: opened inside the step (in the context of `ot.step`, so not a prefetch thread's
+span stamped with the latest step) and not nested in another span of the same step, so ``backward``
+inside ``train`` is counted once, in ``train``. Should spans from several threads qualify (a
+thread started with a copy of the step's context), the thread whose spans cover most of the step
+gives the phases. Spans of a step can arrive in an earlier window than the step's duration
 (a collection in the middle of a step); `PhaseTimer` keeps them until the step ends.
 
 Everything here runs on the collector thread, never on the training thread.
@@ -51,6 +52,7 @@ class Span(NamedTuple):
     end_ns: int
     thread_id: int
     step: int | None
+    in_step: bool = True  # opened in the step's context (raw OTel spans: assumed)
 
 
 def span_of(span: Any) -> Span | None:
@@ -58,7 +60,8 @@ def span_of(span: Any) -> Span | None:
     if hasattr(span, "start_ns"):  # our SpanRecord
         if span.step is None:
             return None
-        return Span(span.name, span.span_id, span.parent_id, span.start_ns, span.end_ns, span.thread_id, span.step)
+        return Span(span.name, span.span_id, span.parent_id, span.start_ns, span.end_ns, span.thread_id, span.step,
+                    getattr(span, "in_step", True))
     attrs = span.attributes or {}
     step = attrs.get(STEP_ATTRIBUTE)
     ctx = span.context
@@ -105,7 +108,7 @@ def phase_values(spans: Sequence[Span], start_ns: int, end_ns: int,
     ids = {s.span_id for s in spans}
     top: dict[int, list[tuple[str, int, int]]] = {}  # thread -> (name, start, end) clipped to the step
     for s in spans:
-        if s.parent_id is not None and s.parent_id in ids:
+        if not s.in_step or (s.parent_id is not None and s.parent_id in ids):
             continue  # nested in a span of this step: counted in its parent
         start, end = max(s.start_ns, start_ns), min(s.end_ns, end_ns)
         if end > start:

@@ -19,6 +19,7 @@ Series (OTel semantic-convention names, for the README's table, in `SEMCONV`):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -91,10 +92,8 @@ class _Nvml:
     def close(self) -> None:
         if self.handles:
             self.handles = []
-            try:
+            with contextlib.suppress(Exception):
                 self._nvml.nvmlShutdown()
-            except Exception:
-                pass
 
 
 def _torch_cuda(out: dict[str, float]) -> None:
@@ -152,6 +151,7 @@ class SystemSampler:
         self._maxs: dict[str, float] = {}
         self._count = 0
         self._last_ns = 0
+        self.samples = 0  # samples taken so far
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -197,6 +197,7 @@ class SystemSampler:
                 self._maxs[key] = value if prev is None or value > prev else prev
             self._count += 1
             self._last_ns = now
+            self.samples += 1
 
     def _emit(self) -> None:
         if not self._count or self._step is None:

@@ -99,7 +99,7 @@ def load_profiler_trace(path: str | os.PathLike[str], rank: int | None = None) -
     if isinstance(data, list):
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{os.fspath(path)}: not a Chrome trace (expected `traceEvents`)")
+        raise ValueError(f"{os.fspath(path)}: not a Chrome trace (expected `traceEvents`)")  # noqa: TRY004
     if rank is None:
         info = data.get("distributedInfo")
         rank = int(info.get("rank", 0)) if isinstance(info, dict) else 0
