@@ -39,6 +39,7 @@ __all__ = ["load_profiler_trace", "load_trace", "merge_traces"]
 _HOST_CATEGORIES = frozenset({"cpu_op", "user_annotation", "python_function", "cpu_instant_event", "fwdbwd",
                               "Trace", "overhead", "gpu_user_annotation_host"})
 _DEVICE_PID_BASE = 1000
+_PROCESS_METADATA = frozenset({"process_name", "process_labels", "process_sort_index"})
 
 _logger = logging.getLogger(__name__)
 
@@ -117,6 +118,10 @@ def load_profiler_trace(path: str | os.PathLike[str], rank: int | None = None) -
         pid = e.get("pid")
         if pid in host:
             e["pid"] = rank
+            if e.get("ph") == "M" and e.get("name") in _PROCESS_METADATA:
+                e.pop("tid", None)  # keyed like ours, so the rank's own names win in a merge
+                if e.get("name") == "process_name":
+                    e["args"] = {"name": f"rank {rank}"}
         elif isinstance(pid, int):
             e["pid"] = _DEVICE_PID_BASE * (rank + 1) + pid
             if e.get("ph") == "M" and e.get("name") == "process_name":

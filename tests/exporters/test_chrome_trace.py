@@ -222,3 +222,70 @@ def test_failing_write_is_isolated_and_retried(tmp_path: Path) -> None:
     exp.shutdown()
     events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
     assert [e["name"] for e in by_ph(events, "X")] == ["s"]
+
+
+# -- long runs: step windows and gzip ----------------------------------------------------------------
+def test_trace_steps_keep_only_the_requested_steps(tmp_path: Path) -> None:
+    from otel_train.config import parse_step_selection
+
+    sel = parse_step_selection("OTEL_TRAIN_TRACE_STEPS", "2-3,every:10:2")
+    exp = ChromeTraceExporter(ExporterOptions(directory=tmp_path, trace_steps=sel))
+    for step in range(13):
+        exp.export_window(Window(metrics=[metric("train/loss", step, float(step), 100 * step + 50)],
+                                 spans=[span("forward", step, 100 * step, 10)]))
+    exp.export_window(Window(spans=[span("setup", None, 5000, 10)]))  # outside any step: left out too
+    exp.shutdown()
+    events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    assert sorted(e["args"]["train.step"] for e in by_ph(events, "X")) == [0, 1, 2, 3, 10, 11]
+    assert sorted(e["ts"] for e in by_ph(events, "C")) == [(T0 + (100 * s + 50) * 1000) / 1000 for s in (0, 1, 2, 3, 10, 11)]
+
+
+@pytest.mark.parametrize("raw", ["5-2", "x", "every:0", "every:5:6", "-3", "1-"])
+def test_bad_trace_steps_name_the_variable(raw: str) -> None:
+    from otel_train.config import load_settings
+    from otel_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"OTEL_TRAIN_TRACE_STEPS: .* is not a step selection; use `A-B`"):
+        load_settings({"OTEL_TRAIN_TRACE_STEPS": raw})
+
+
+def test_gzip_trace_loads_with_json_and_gzip(tmp_path: Path) -> None:
+    import gzip
+
+    exp = ChromeTraceExporter(ExporterOptions(directory=tmp_path, trace_gzip=True))
+    exp.export_window(Window(spans=[span("forward", s, 100 * s, 10) for s in range(50)]))
+    exp.shutdown()
+    path = trace_path(tmp_path, "demo", 0, gzipped=True)
+    assert path.name == "rank0.trace.json.gz" and exp.paths == [path]
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        events = json.load(f)
+    assert [e["args"]["train.step"] for e in by_ph(events, "X")] == list(range(50))
+    assert load_trace(path) == events
+
+
+def test_gzip_trace_cut_off_by_a_crash_still_loads(tmp_path: Path) -> None:
+    exp = ChromeTraceExporter(ExporterOptions(directory=tmp_path, trace_gzip=True))
+    exp.export_window(Window(spans=[span("forward", 0, 0, 10)]))
+    exp.export_window(Window(spans=[span("backward", 1, 20, 10)]))
+    path = trace_path(tmp_path, "demo", 0, gzipped=True)
+    cut = path.read_bytes()  # as a killed process leaves it: sync-flushed windows, no trailer
+    exp.shutdown()
+    crashed = tmp_path / "crashed.trace.json.gz"
+    crashed.write_bytes(cut)
+    assert [e["name"] for e in by_ph(load_trace(crashed), "X")] == ["forward", "backward"]
+
+
+def test_demo_with_trace_window_and_gzip_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import otel_train as ot
+    from otel_train.demo import train
+
+    monkeypatch.setenv("OTEL_TRAIN_TRACE_STEPS", "3-4")
+    monkeypatch.setenv("OTEL_TRAIN_TRACE_GZIP", "1")
+    ot.init(exporters=["chrome_trace"], dir=tmp_path, run_name="win")
+    train(steps=10, progress=None)
+    ot.shutdown()
+    events = load_trace(trace_path(tmp_path, "win", 0, gzipped=True))
+    spans = by_ph(events, "X")
+    assert {e["args"]["train.step"] for e in spans} == {3, 4}
+    assert sorted(e["name"] for e in spans if e["args"]["train.step"] == 3) == ["backward", "data", "forward",
+                                                                               "optimizer"]
