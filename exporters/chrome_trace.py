@@ -110,7 +110,7 @@ class _RankTrace:
         self._raw: IO[bytes] = open(path, "wb")  # noqa: SIM115 - held open, closed in close()
         # Sync-flushed per window (`push`): what reached the OS decompresses even without the trailer.
         self._gzip = gzip.GzipFile(fileobj=self._raw, mode="wb", compresslevel=6) if gzipped else None
-        self._file: IO[bytes] = self._gzip if self._gzip is not None else self._raw
+        self._file: gzip.GzipFile | IO[bytes] = self._gzip if self._gzip is not None else self._raw
         self._file.write(b"[\n")
         label = f"rank {run.rank}"
         if run.host or run.pid:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -47,9 +46,8 @@ def _demo_like(steps: int) -> None:
     for i in ot.steps(range(steps)):
         with ot.span("data"):
             time.sleep(0.001)
-        with ot.span("forward"):
-            with ot.span("matmul"):  # nested: inside forward_s, not its own phase
-                time.sleep(0.002)
+        with ot.span("forward"), ot.span("matmul"):  # nested: inside forward_s, not its own phase
+            time.sleep(0.002)
         with ot.span("backward"):
             time.sleep(0.002)
         time.sleep(0.001)  # not in any span: other_s
