@@ -39,6 +39,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _trace_merge(args: argparse.Namespace) -> int:
     from otel_train.trace_merge import merge_traces
 
+    if not args.files and not args.profiler:
+        sys.stderr.write("otel-train: error: trace merge: give trace files and/or --profiler FILE\n")
+        return 2
     count = merge_traces(args.out, args.files, args.profiler)
     n = len(args.files) + len(args.profiler)
     sys.stdout.write(f"merged {count} events from {n} file(s) into {args.out}\n")

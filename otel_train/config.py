@@ -284,7 +284,7 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return _parse_int(field, str(value), 1)
-    if field in ("export_interval_s", "shutdown_timeout_s"):
+    if field in ("export_interval_s", "shutdown_timeout_s", "system_interval_s"):
         return _parse_positive_float(field, str(value))
     return value
 

@@ -73,7 +73,7 @@ def span_of(span: Any) -> Span | None:
 
 
 def _phase_key(name: str) -> str:
-    cleaned = _INVALID.sub("_", name.strip()) or "unnamed"
+    cleaned = _INVALID.sub("_", name.strip())[:200] or "unnamed"  # OTel names: at most 255 characters
     return f"phase/{cleaned}_s"
 
 

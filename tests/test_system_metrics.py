@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -84,4 +85,7 @@ def test_cpu_and_rss_for_every_step_and_no_gpu_series_without_gpu(
         assert sorted(series["gpu0/memory_used_mb/mean"]) == list(range(steps))
     else:
         assert gpu_tags == []
-    assert [r for r in caplog.records if r.name.startswith("otel_train")] == []
+    # No error at all; on a host without NVIDIA devices not even the "install nvidia-ml-py" hint.
+    ours = [r for r in caplog.records if r.name.startswith("otel_train")]
+    limit = logging.WARNING if os.path.exists("/dev/nvidiactl") else 0
+    assert [r.getMessage() for r in ours if r.levelno > limit] == []
