@@ -39,6 +39,7 @@ OTHER = "phase/other_s"
 MAX_NAMES = 64
 """Distinct phase names per process; spans with further names count as `phase/other_s`."""
 _MAX_PENDING_SPANS = 100_000  # spans of steps whose end has not been seen (bounded memory)
+_MAX_PENDING_WINDOWS = 1_000  # windows after which a step that never ended is forgotten
 _INVALID = re.compile(r"[^A-Za-z0-9_./-]")
 
 
@@ -132,16 +133,18 @@ def phase_values(spans: Sequence[Span], start_ns: int, end_ns: int,
 class PhaseTimer:
     """Turns the spans and step durations of successive windows into phase points.
 
-    Keeps the spans of steps that have not ended yet (a collection inside a step), at most
-    100,000 of them; spans of a step that already ended (recorded after it, stamped with the
-    latest step) are outside the step and ignored.
+    Keeps the spans of steps that have not ended yet (a collection inside a step). Spans not opened
+    inside a step (another thread's, or code between steps, stamped with the latest step) are never
+    phases and are not kept. Steps that never end (spans with an explicit `train.step` but no
+    `ot.step`) are forgotten after 1,000 windows, and at most 100,000 spans are kept.
     """
 
     def __init__(self) -> None:
         self._pending: dict[int, list[Span]] = {}
+        self._first_window: dict[int, int] = {}
         self._pending_count = 0
+        self._window = 0
         self._names: set[str] = set()
-        self._closed_through: int | None = None
         self._warned_names = False
 
     def points(self, spans: Iterable[Any],
@@ -153,29 +156,34 @@ class PhaseTimer:
             points: This window's logged points ``(key, step, value, time_ns)``; the
                 ``train.step.duration_s`` ones mark the steps that ended.
         """
+        self._window += 1
         for raw in spans:
             s = span_of(raw)
-            if s is None or s.step is None:
+            if s is None or s.step is None or not s.in_step:
                 continue
-            if self._closed_through is not None and s.step <= self._closed_through and s.step not in self._pending:
-                continue  # recorded after its step ended
-            self._pending.setdefault(s.step, []).append(s)
+            pending = self._pending.get(s.step)
+            if pending is None:
+                pending = self._pending[s.step] = []
+                self._first_window[s.step] = self._window
+            pending.append(s)
             self._pending_count += 1
         out: list[tuple[str, int, float, int]] = []
         for key, step, value, t in points:
-            if key != DURATION_KEY:
+            if key != DURATION_KEY or step not in self._pending:
                 continue
-            step_spans = self._pending.pop(step, [])
-            self._pending_count -= len(step_spans)
-            if self._closed_through is None or step > self._closed_through:
-                self._closed_through = step
-            if not step_spans:
-                continue
+            step_spans = self._drop(step)
             # The duration point is recorded right after the step's end: the step spans [t - d, t].
             values = phase_values(step_spans, t - int(value * 1e9), t, self._allowed(step_spans))
             out.extend((k, step, v, t) for k, v in values.items())
-        self._bound()
+        if self._pending:
+            self._bound()
         return out
+
+    def _drop(self, step: int) -> list[Span]:
+        spans = self._pending.pop(step)
+        del self._first_window[step]
+        self._pending_count -= len(spans)
+        return spans
 
     def _allowed(self, spans: Sequence[Span]) -> set[str]:
         for s in spans:
@@ -191,9 +199,10 @@ class PhaseTimer:
         return self._names
 
     def _bound(self) -> None:
-        if self._closed_through is not None:  # steps before the latest ended one will never end now
-            for step in [k for k in self._pending if k < self._closed_through]:
-                self._pending_count -= len(self._pending.pop(step))
-        while self._pending_count > _MAX_PENDING_SPANS and self._pending:
-            oldest = min(self._pending)
-            self._pending_count -= len(self._pending.pop(oldest))
+        stale = [k for k, w in self._first_window.items() if self._window - w > _MAX_PENDING_WINDOWS]
+        for step in stale:
+            self._drop(step)
+        if self._pending_count > _MAX_PENDING_SPANS:  # keep the newest half of the steps
+            steps = sorted(self._first_window, key=self._first_window.__getitem__)
+            for step in steps[: len(steps) // 2 + 1]:
+                self._drop(step)

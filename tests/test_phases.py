@@ -37,9 +37,27 @@ def test_spans_before_the_steps_end_wait_for_it_across_windows() -> None:
     got = {k: v for k, s, v, _ in second if s == 5}
     assert got == {"phase/forward_s": pytest.approx(300e-9), "phase/backward_s": pytest.approx(400e-9),
                    "phase/other_s": pytest.approx(300e-9)}
-    # A span stamped with step 5 after it ended (outside it) does not reopen the step.
-    assert timer.points([Span("late", 3, None, t + 10, t + 20, 1, 5)], []) == []
+    # A span stamped with step 5 after it ended (between steps, no step context) is not kept.
+    assert timer.points([Span("late", 3, None, t + 10, t + 20, 1, 5, in_step=False)], []) == []
     assert timer._pending == {}
+
+
+def test_steps_numbered_again_from_zero_still_get_phases() -> None:
+    timer = PhaseTimer()
+    for epoch in range(2):
+        for step in range(3):
+            t = (epoch * 3 + step + 1) * 10_000
+            got = timer.points([Span("forward", step + 1, None, t - 5000, t - 1000, 1, step)],
+                               [(DURATION_KEY, step, 8000e-9, t)])
+            assert [(k, s) for k, s, _, _ in got] == [("phase/forward_s", step), ("phase/other_s", step)]
+
+
+def test_steps_that_never_end_are_forgotten() -> None:
+    timer = PhaseTimer()
+    timer.points([Span("orphan", 1, None, 0, 10, 1, 7)], [])  # explicit step, no `ot.step`
+    for _ in range(1001):
+        timer.points([], [])
+    assert timer._pending == {} and timer._pending_count == 0
 
 
 def _demo_like(steps: int) -> None:
