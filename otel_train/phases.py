@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -73,6 +74,7 @@ def span_of(span: Any) -> Span | None:
                 int(attrs.get("thread.id", 0) or 0), int(step))
 
 
+@functools.lru_cache(maxsize=1024)
 def _phase_key(name: str) -> str:
     cleaned = _INVALID.sub("_", name.strip())[:200] or "unnamed"  # OTel names: at most 255 characters
     return f"phase/{cleaned}_s"
@@ -117,7 +119,8 @@ def phase_values(spans: Sequence[Span], start_ns: int, end_ns: int,
     if not top:
         return {}
     # The thread that ran the step: the one whose top-level spans cover most of it.
-    main = max(top.values(), key=lambda items: _covered_ns([(a, b) for _, a, b in items]))
+    main = next(iter(top.values())) if len(top) == 1 else max(
+        top.values(), key=lambda items: _covered_ns([(a, b) for _, a, b in items]))
     values: dict[str, float] = {}
     named: list[tuple[int, int]] = []
     for name, start, end in main:
