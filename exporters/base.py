@@ -209,7 +209,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         ok = self.export_window(Window(spans=span_rows(spans, self._converter)))
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:  # type: ignore[override]
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
         with self._lock:
             if self._closed:
                 return True
@@ -222,7 +222,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                 return False
             return ok
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:  # type: ignore[override]
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         """Flush what is pending and close the backend; safe to call twice."""
         with self._lock:
             if self._closed:

@@ -558,7 +558,7 @@ def _has_points(md: MetricsData | None) -> bool:
 
 def _stamp(metric: Metric, step: int) -> Metric:
     """Give every point without `train.step` the step that ended the window."""
-    data = metric.data
+    data: Any = metric.data  # a union of point containers, each with `data_points`
     points = getattr(data, "data_points", None)
     if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):
         return metric
