@@ -129,3 +129,28 @@ def test_torch_profiler_trace_merges_onto_our_timeline(tmp_path: Path, monkeypat
     assert any(e.get("cat") == "cpu_op" and e["pid"] == 0 for e in events)  # torch's ops on the rank's track
     names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name" and e["pid"] == 0}
     assert len(names) == 1 and names.pop().startswith("rank 0")  # ours wins over torch's "python"
+
+
+def test_profiler_trace_of_rank_one_gets_its_pid_clock_and_device_tracks(tmp_path: Path) -> None:
+    """A Kineto-shaped file (times relative to `baseTimeNanoseconds`, host pid, one GPU) of rank 1."""
+    from otel_train.trace_merge import load_profiler_trace
+
+    base_ns = 1_700_000_000_000_000_000
+    kineto = {
+        "baseTimeNanoseconds": base_ns, "distributedInfo": {"rank": 1, "world_size": 2},
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 4242, "tid": 0, "args": {"name": "python"}},
+            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
+            {"ph": "X", "cat": "user_annotation", "name": "forward", "pid": 4242, "tid": 77, "ts": 10.0, "dur": 5.0},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 12.5, "dur": 1.0},
+        ],
+    }
+    path = tmp_path / "rank1_torch.json"
+    path.write_text(json.dumps(kineto))
+    events = {(e["ph"], e["name"], e.get("args", {}).get("name")): e for e in load_profiler_trace(path)}
+    forward = events[("X", "forward", None)]
+    gemm = events[("X", "gemm", None)]
+    assert (forward["pid"], forward["tid"], forward["ts"]) == (1, 77, base_ns / 1000 + 10.0)
+    assert (gemm["pid"], gemm["ts"]) == (2000, base_ns / 1000 + 12.5)  # 1000 * (rank + 1) + device 0
+    assert ("M", "process_name", "rank 1 GPU 0") in events and ("M", "process_name", "rank 1") in events
+    assert "tid" not in events[("M", "process_name", "rank 1")]  # keyed like ours, so ours win in a merge
