@@ -26,7 +26,8 @@ def _demo(args: argparse.Namespace) -> int:
     if "tensorboard" in names:
         lines.append(f"  curves:   tensorboard --logdir {session.settings.dir}")
     if "chrome_trace" in names:
-        lines.append(f"  timeline: open {run_dir / 'trace' / f'rank{session.run.rank}.trace.json'} in https://ui.perfetto.dev")
+        trace = f"rank{session.run.rank}.trace.json" + (".gz" if session.settings.trace_gzip else "")
+        lines.append(f"  timeline: open {run_dir / 'trace' / trace} in https://ui.perfetto.dev")
     if "jsonl" in names:
         lines.append(f"  records:  {run_dir / f'rank{session.run.rank}.jsonl'}")
     others = [n for n in names if n not in ("tensorboard", "chrome_trace", "jsonl")]
