@@ -186,9 +186,9 @@ _CRASH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("flush", ["flush", "no-flush"])  # each window reaches the OS even unflushed
-def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path, flush: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path), flush], stdout=subprocess.PIPE, text=True)
+def _run_crash_and_kill(tmp_path: Path, *argv: str) -> None:
+    """Run `_CRASH` until it has written its windows, then SIGKILL it."""
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path), *argv], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -198,6 +198,11 @@ def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path, flush: str) -> 
         if proc.stdout is not None:
             proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("flush", ["flush", "no-flush"])  # each window reaches the OS even unflushed
+def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path, flush: str) -> None:
+    _run_crash_and_kill(tmp_path, flush)
     text = trace_path(tmp_path, "crash", 3).read_text()
     assert text.startswith("[\n") and text.endswith(",\n")  # no closing bracket: killed
     with pytest.raises(json.JSONDecodeError):
@@ -266,17 +271,7 @@ def test_gzip_trace_loads_with_json_and_gzip(tmp_path: Path) -> None:
 def test_gzip_trace_of_a_killed_process_still_loads(tmp_path: Path) -> None:
     import zlib
 
-    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path), "no-flush", "gzip"],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    assert proc.returncode == -signal.SIGKILL
+    _run_crash_and_kill(tmp_path, "no-flush", "gzip")
     path = trace_path(tmp_path, "crash", 3, gzipped=True)
     inflater = zlib.decompressobj(wbits=31)
     text = inflater.decompress(path.read_bytes()).decode()
