@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from otel_train.errors import ConfigError
 
-__all__ = ["Route", "Settings", "SinkSettings", "load_settings", "load_sink_settings", "parse_bool"]
+__all__ = ["Route", "Settings", "SinkSettings", "StepSelection", "load_settings", "load_sink_settings", "parse_bool"]
 
 OTEL_TRAIN_EXPORTERS = "OTEL_TRAIN_EXPORTERS"
 """Comma list of exporter names. Default ``tensorboard,chrome_trace``."""
@@ -53,6 +53,27 @@ OTEL_TRAIN_CONFIG_JSON = "OTEL_TRAIN_CONFIG_JSON"
 """JSON object of hyperparameters sent once to every backend that has the notion. Default none."""
 OTEL_TRAIN_TRACE_COUNTERS = "OTEL_TRAIN_TRACE_COUNTERS"
 """Boolean; write logged metrics as counter events under the Chrome trace timeline. Default true."""
+OTEL_TRAIN_TRACE_STEPS = "OTEL_TRAIN_TRACE_STEPS"
+"""Which steps' spans and counters the Chrome trace keeps: a comma list of ``A-B`` (steps A to B,
+inclusive), ``A`` (one step) and ``every:N`` / ``every:N:K`` (K steps from every multiple of N; K
+defaults to 1), e.g. ``100-120`` or ``0-9,every:1000:5``. Spans outside any step are left out too.
+Default: every step."""
+OTEL_TRAIN_TRACE_GZIP = "OTEL_TRAIN_TRACE_GZIP"
+"""Boolean; write the Chrome trace gzip-compressed (``rank<N>.trace.json.gz``, which Perfetto opens).
+Default false."""
+OTEL_TRAIN_PHASES = "OTEL_TRAIN_PHASES"
+"""Boolean; record per-step ``phase/<span name>_s`` and ``phase/other_s`` from the top-level spans of
+each step (computed on the export thread). Default true."""
+OTEL_TRAIN_SYSTEM_METRICS = "OTEL_TRAIN_SYSTEM_METRICS"
+"""Boolean; sample process CPU and memory, host memory and (with NVML) every GPU on a background
+thread and record each step's mean and max (``system/cpu_percent/mean`` ...). Default false."""
+OTEL_TRAIN_SYSTEM_INTERVAL_S = "OTEL_TRAIN_SYSTEM_INTERVAL_S"
+"""Seconds between two system samples (float > 0). Default 1."""
+OTEL_TRAIN_PROFILER_BRIDGE = "OTEL_TRAIN_PROFILER_BRIDGE"
+"""Boolean; while a torch profiler records, every `ot.span` also opens a
+`torch.profiler.record_function` of the same name (torch is never imported by otel-train). Default false."""
+OTEL_TRAIN_QUIET = "OTEL_TRAIN_QUIET"
+"""Boolean; no summary line on stderr at shutdown (rank 0). Default false."""
 
 OTEL_TRAIN_BACKEND_INCLUDE = "OTEL_TRAIN_<BACKEND>_INCLUDE"
 """Comma list of globs on metric names; that backend gets only matching metrics (its wire name or its
@@ -148,6 +169,54 @@ def _patterns(name: str, value: Any) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepSelection:
+    """A set of steps (`OTEL_TRAIN_TRACE_STEPS`): inclusive ranges plus periodic runs.
+
+    Example:
+        >>> sel = parse_step_selection("OTEL_TRAIN_TRACE_STEPS", "100-102,every:1000:2")
+        >>> [s for s in (0, 1, 2, 100, 102, 103, 1001, 1002) if s in sel]
+        [0, 1, 100, 102, 1001]
+    """
+
+    ranges: tuple[tuple[int, int], ...] = ()
+    periodic: tuple[tuple[int, int], ...] = ()  # (every N, first K steps of each)
+
+    def __contains__(self, step: object) -> bool:
+        if not isinstance(step, int):
+            return False
+        return any(a <= step <= b for a, b in self.ranges) or any(step % n < k for n, k in self.periodic)
+
+
+def parse_step_selection(name: str, raw: str) -> StepSelection:
+    """Parse `OTEL_TRAIN_TRACE_STEPS` (see its docstring); raise `ConfigError` naming the bad item."""
+    allowed = "use `A-B`, `A`, `every:N` or `every:N:K` separated by commas, e.g. `100-120` or `every:1000:5`"
+    ranges: list[tuple[int, int]] = []
+    periodic: list[tuple[int, int]] = []
+    for item in (part.strip() for part in raw.split(",")):
+        try:
+            if item.startswith("every:"):
+                n, _, k = item[6:].partition(":")
+                every, count = int(n), int(k) if k else 1
+                if every < 1 or not 1 <= count <= every:
+                    raise ValueError
+                periodic.append((every, count))
+            elif "-" in item[1:]:
+                a, b = item.split("-", 1)
+                lo, hi = int(a), int(b)
+                if lo < 0 or hi < lo:
+                    raise ValueError
+                ranges.append((lo, hi))
+            else:
+                one = int(item)
+                if one < 0:
+                    raise ValueError
+                ranges.append((one, one))
+        except ValueError:
+            raise ConfigError(f"{name}: {item!r} in {raw!r} is not a step selection; {allowed}") from None
+    return StepSelection(tuple(ranges), tuple(periodic))
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """The validated settings of one `init()`."""
 
@@ -168,6 +237,13 @@ class Settings:
     trace_counters: bool = True
     service_name: str = "otel-train"
     routes: Mapping[str, Route] = dataclasses.field(default_factory=dict)
+    trace_steps: StepSelection | None = None
+    trace_gzip: bool = False
+    phases: bool = True
+    system_metrics: bool = False
+    system_interval_s: float = 1.0
+    profiler_bridge: bool = False
+    quiet: bool = False
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -250,6 +326,13 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "config": (OTEL_TRAIN_CONFIG_JSON, _parse_config_json),
     "trace_counters": (OTEL_TRAIN_TRACE_COUNTERS, parse_bool),
     "service_name": (OTEL_SERVICE_NAME, _parse_text),
+    "trace_steps": (OTEL_TRAIN_TRACE_STEPS, parse_step_selection),
+    "trace_gzip": (OTEL_TRAIN_TRACE_GZIP, parse_bool),
+    "phases": (OTEL_TRAIN_PHASES, parse_bool),
+    "system_metrics": (OTEL_TRAIN_SYSTEM_METRICS, parse_bool),
+    "system_interval_s": (OTEL_TRAIN_SYSTEM_INTERVAL_S, _parse_positive_float),
+    "profiler_bridge": (OTEL_TRAIN_PROFILER_BRIDGE, parse_bool),
+    "quiet": (OTEL_TRAIN_QUIET, parse_bool),
 }
 
 
@@ -340,7 +423,7 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return _parse_int(field, str(value), 1)
-    if field in ("export_interval_s", "shutdown_timeout_s"):
+    if field in ("export_interval_s", "shutdown_timeout_s", "system_interval_s"):
         return _parse_positive_float(field, str(value))
     return value
 

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData
     from opentelemetry.sdk.trace import ReadableSpan
 
-    from otel_train.config import Route
+    from otel_train.config import Route, Settings
 
 __all__ = [
     "ExporterOptions",
@@ -128,14 +128,23 @@ class ExporterOptions:
     trace_counters: bool = True
     #: Per-backend routing by exporter name (`OTEL_TRAIN_<BACKEND>_*`, `init(routes=)`); see `otel_train.routing`.
     routes: Mapping[str, Route] | None = None
+    trace_steps: Container[int] | None = None  # steps the Chrome trace keeps (None: all)
+    trace_gzip: bool = False
 
     @classmethod
     def from_env(cls) -> ExporterOptions:
         """Options from the `OTEL_TRAIN_*` variables (for exporters built with no arguments)."""
         from otel_train.config import load_settings
 
-        s = load_settings()
-        return cls(s.dir, s.project, s.config, s.ranks, s.trace_counters, s.routes)
+        return cls.from_settings(load_settings())
+
+    @classmethod
+    def from_settings(cls, s: Settings, *, directory: Path | None = None, ranks: str | None = None,
+                      with_hparams: bool = True) -> ExporterOptions:
+        """Options from loaded settings. The sink passes ``ranks="all"`` and no hyperparameters
+        (each run brings its own); the runtime passes the directory it checked."""
+        return cls(directory or s.dir, s.project, s.config if with_hparams else None, ranks or s.ranks,
+                   s.trace_counters, routes=s.routes, trace_steps=s.trace_steps, trace_gzip=s.trace_gzip)
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -137,7 +137,7 @@ def init_tracking(args: Any) -> None:
         from otel_train.records import ExporterOptions
 
         s = load_settings(exporters=[n for n in names if isinstance(n, str)], **kwargs)
-        options = ExporterOptions(s.dir, s.project, s.config, s.ranks, s.trace_counters, s.routes)
+        options = ExporterOptions.from_settings(s)
         names = [WandbExporter(options, **wandb) if n == "wandb" else n for n in names]
     timeline = None
     dump_dir = _attr(args, "timeline_dump_dir")
