@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -46,7 +47,7 @@ _ID = struct.Struct("<q")
 _START_TIMEOUT_S = 60.0  # building W&B / ClearML runs can take seconds; a stuck start must not hang init()
 _BACKLOG = 4096  # windows kept until the child confirms they are spooled (a restart resends them)
 _ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
-_META = "exporters.json"
+_META = "exporters.pickle"
 _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
          "from otel_train.export_process import _boot; _boot(int(sys.argv[1]))")
 
@@ -76,17 +77,6 @@ def build_backends(names: Sequence[str], options: ExporterOptions) -> dict[str, 
     return built
 
 
-def _options_dict(options: ExporterOptions) -> dict[str, Any]:
-    return {"directory": str(options.directory), "project": options.project,
-            "hparams": dict(options.hparams) if options.hparams else None, "ranks": options.ranks,
-            "trace_counters": options.trace_counters}
-
-
-def _options(data: dict[str, Any]) -> ExporterOptions:
-    return ExporterOptions(Path(data["directory"]), data["project"], data["hparams"], data["ranks"],
-                           data["trace_counters"])
-
-
 class ExportProcess:
     """The training process's end: starts the child, sends windows, waits for flushes.
 
@@ -111,7 +101,7 @@ class ExportProcess:
         self.names = tuple(names)
         self.spool_path = spool_dir(options.directory, run.run_name, run.rank)
         self._options = options
-        self._config = {"names": list(names), "options": _options_dict(options), "spool": str(self.spool_path),
+        self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice}
         self._lock = threading.RLock()  # one sender at a time; guards the backlog and restarts
         self._backlog: deque[tuple[int, int, bytes]] = deque()
@@ -363,7 +353,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
 
     try:
         spool = Spool(Path(config["spool"]))
-        backends = build_backends(config["names"], _options(config["options"]))
+        backends = build_backends(config["names"], config["options"])
     except ConfigError as err:
         reply("error", str(err))
         return
@@ -424,10 +414,10 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
 
 
 def _write_meta(path: Path, config: dict[str, Any]) -> None:
-    """What `otel-train replay` needs to rebuild the backends of this spool."""
-    meta = {"names": config["names"], "options": config["options"]}
+    """What `otel-train replay` needs to rebuild the backends of this spool (pickled: options hold paths,
+    routes and step selections; read only by the same otel-train)."""
     tmp = path / (_META + ".tmp")
-    tmp.write_text(json.dumps(meta))
+    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": config["options"]}))
     os.replace(tmp, path / _META)
 
 
@@ -441,9 +431,9 @@ def replay(run_dir: Path, timeout_s: float = 600.0) -> dict[str, Progress]:
     """
     results: dict[str, Progress] = {}
     for meta_file in sorted(Path(run_dir).glob(f"spool/*/{_META}")):
-        meta = json.loads(meta_file.read_text())
+        meta = pickle.loads(meta_file.read_bytes())  # written by our own exporter process
         spool = Spool(meta_file.parent)
-        backends = build_backends(meta["names"], _options(meta["options"]))
+        backends = build_backends(meta["names"], meta["options"])
         delivery = Delivery(backends, spool)
         delivery.close(time.monotonic() + timeout_s)
         results[meta_file.parent.name] = delivery.progress()

@@ -41,6 +41,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
 from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
 from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.phases import PhaseTimer
 from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
 
@@ -264,6 +265,7 @@ class StepAlignedMetricReader(MetricReader):
         resource: The Resource for `ot.log` data; taken from the MeterProvider when registered.
         channel: Where encoded windows go besides `exporters` (the exporter process's
             `send_window` / `flush` / `close`); None for none.
+        phases: Add per-step ``phase/<name>_s`` points computed from the spans of each step.
 
     Example:
         >>> from opentelemetry.sdk.metrics import MeterProvider
@@ -291,6 +293,7 @@ class StepAlignedMetricReader(MetricReader):
         export_metrics: bool = True,
         resource: Resource | None = None,
         channel: Any = None,
+        phases: bool = True,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(
@@ -321,6 +324,8 @@ class StepAlignedMetricReader(MetricReader):
         self._reported_drops = (0, 0, 0)
         self._shutdown = False
         self.windows = 0
+        self.points = 0
+        self._phases = PhaseTimer() if phases and export_metrics else None
         self._start_collector()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -396,6 +401,8 @@ class StepAlignedMetricReader(MetricReader):
         hists: list[Any] = []
         md: MetricsData | None = None
         points = self._log_points(records)
+        if self._phases is not None:  # phase timings are plain gauges from here on
+            points.extend(self._phases.points([s for _, s in spans], points))
         if need_rows and metrics_data is not None and _has_points(metrics_data):
             sdk_rows, hists = self._converter.rows(metrics_data, step)
         if self._need_rows:
@@ -413,6 +420,7 @@ class StepAlignedMetricReader(MetricReader):
             if self._need_spans:
                 otel_spans = [_readable_span(r, self._resource) for r in recs] + sdk_spans
         self.windows += 1
+        self.points += len(points) + len(sdk_rows) + len(hists)
         if self._channel is not None:
             try:
                 if self._channel_metrics:
@@ -542,6 +550,14 @@ class StepAlignedMetricReader(MetricReader):
     def exporters(self) -> list[Any]:
         return [w.exporter for w in self._workers] + self._unused
 
+    def stats(self) -> dict[str, Any]:
+        """Counters for the shutdown summary: points, windows, drops, failures per exporter."""
+        dropped = self.log_buffer.dropped + self.span_buffer.dropped + sum(
+            w.dropped_batches + getattr(w.exporter, "dropped_windows", 0) for w in self._workers)
+        failures = {getattr(w.exporter, "name", type(w.exporter).__name__):
+                    w.failures + getattr(w.exporter, "failures", 0) for w in self._workers}
+        return {"points": self.points, "windows": self.windows, "dropped": dropped, "failures": failures}
+
     @property
     def failures(self) -> int:
         return sum(w.failures for w in self._workers) + sum(
@@ -567,7 +583,7 @@ def _has_points(md: MetricsData | None) -> bool:
 
 def _stamp(metric: Metric, step: int) -> Metric:
     """Give every point without `train.step` the step that ended the window."""
-    data = metric.data
+    data: Any = metric.data  # a union of point containers, each with `data_points`
     points = getattr(data, "data_points", None)
     if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):
         return metric
