@@ -215,6 +215,9 @@ class ExportProcess:
                 _logger.debug("unreadable reply from the exporter process", exc_info=True)
                 continue
             kind = msg[0]
+            if kind == "log":  # the child's warnings, re-emitted here: the user's logging sees them
+                logging.getLogger(msg[2]).log(msg[1], "%s", msg[3])
+                continue
             spooled = msg[1] if kind == "spooled" else msg[-1].spooled
             with self._lock:
                 while self._backlog and self._backlog[0][0] <= spooled:
@@ -336,20 +339,40 @@ def _place(cpus: Sequence[int], nice: int) -> None:
             _logger.warning("OTEL_TRAIN_EXPORT_NICE: cannot renice the exporter process: %s", err)
 
 
+class _Forward(logging.Handler):
+    """Sends the exporter process's log records to the training process (its own stderr once that is gone)."""
+
+    def __init__(self, reply: Any) -> None:
+        super().__init__()
+        self._reply = reply
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            if not self._reply("log", record.levelno, record.name, text):
+                sys.stderr.write(f"otel-train exporter process: {record.levelname} {text}\n")
+        except Exception:
+            self.handleError(record)
+
+
 def child_main(conn: Connection, config: dict[str, Any]) -> None:
     """The exporter process: build the backends, then spool and deliver until the trainer is done."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we drain on its hand-off
-    logging.basicConfig(level=logging.WARNING, format="otel-train exporter process: %(levelname)s %(message)s")
-    _place(config["cpus"], config["nice"])
     drain_s = float(config["drain_timeout_s"])
     send_lock = threading.Lock()
 
-    def reply(*msg: Any) -> None:
+    def reply(*msg: Any) -> bool:
         with send_lock:
             try:
                 conn.send(msg)
+                return True
             except (OSError, ValueError):
-                pass  # the trainer is gone; we drain anyway
+                return False  # the trainer is gone; we drain anyway
+
+    logging.basicConfig(level=logging.WARNING, handlers=[_Forward(reply)], force=True)
+    _place(config["cpus"], config["nice"])
 
     try:
         spool = Spool(Path(config["spool"]))

@@ -278,6 +278,11 @@ class Session:
 _IN_PROCESS = frozenset({"otlp"})
 
 
+def _is_builtin(target: str) -> bool:
+    """Whether a registry target (``module:Class``) is one of our own backends."""
+    return target.partition(":")[0].split(".")[:2] == ["otel_train", "exporters"]
+
+
 def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Split the named exporters into (built here, built in the exporter process).
 
@@ -293,7 +298,7 @@ def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]
         check_available(spec)
     if settings.export_process == "off" or (settings.export_process == "auto" and os.name != "posix"):
         return names, ()  # the exporter process needs Unix sockets and fd passing
-    remote = tuple(n for n in names if n not in _IN_PROCESS and get_spec(n).target.startswith("otel_train.exporters."))
+    remote = tuple(n for n in names if n not in _IN_PROCESS and _is_builtin(get_spec(n).target))
     return tuple(n for n in names if n not in remote), remote
 
 
