@@ -46,6 +46,7 @@ _WINDOW = struct.Struct("<qq")
 _ID = struct.Struct("<q")
 _START_TIMEOUT_S = 60.0  # building W&B / ClearML runs can take seconds; a stuck start must not hang init()
 _BACKLOG = 4096  # windows kept until the child confirms they are spooled (a restart resends them)
+_BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
 _ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
 _META = "exporters.pickle"
 _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
@@ -105,6 +106,7 @@ class ExportProcess:
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice}
         self._lock = threading.RLock()  # one sender at a time; guards the backlog and restarts
         self._backlog: deque[tuple[int, int, bytes]] = deque()
+        self._backlog_bytes = 0
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply_cv = threading.Condition()
@@ -179,9 +181,10 @@ class ExportProcess:
                 self.fallback.submit(seq, max_step, payload)
                 return
             self._backlog.append((seq, max_step, payload))
-            if len(self._backlog) > _BACKLOG:
-                self._backlog.popleft()
-                self.dropped += 1
+            self._backlog_bytes += len(payload)
+            while len(self._backlog) > _BACKLOG or self._backlog_bytes > _BACKLOG_BYTES:
+                self._backlog_bytes -= len(self._backlog.popleft()[2])
+                self.dropped += 1  # only a restart would have needed it
             self._send(b"W" + _WINDOW.pack(seq, max_step) + payload)
 
     def _send(self, frame: bytes) -> bool:
@@ -221,7 +224,7 @@ class ExportProcess:
             spooled = msg[1] if kind == "spooled" else msg[-1].spooled
             with self._lock:
                 while self._backlog and self._backlog[0][0] <= spooled:
-                    self._backlog.popleft()
+                    self._backlog_bytes -= len(self._backlog.popleft()[2])
             if kind in ("durable", "done", "progress"):
                 self.last_progress = msg[-1]
                 with self._reply_cv:
@@ -255,6 +258,7 @@ class ExportProcess:
                 for seq, step, payload in self._backlog:
                     self.fallback.submit(seq, step, payload)
                 self._backlog.clear()
+                self._backlog_bytes = 0
             except Exception as err:
                 _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
                               "more data; `otel-train replay` delivers what was spooled", err)
