@@ -104,9 +104,10 @@ class ExportProcess:
         self._options = options
         self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice}
-        self._lock = threading.RLock()  # one sender at a time; guards the backlog and restarts
+        self._lock = threading.RLock()  # one sender at a time; held across restarts
         self._backlog: deque[tuple[int, int, bytes]] = deque()
         self._backlog_bytes = 0
+        self._backlog_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply_cv = threading.Condition()
@@ -180,11 +181,12 @@ class ExportProcess:
             if self.fallback is not None:
                 self.fallback.submit(seq, max_step, payload)
                 return
-            self._backlog.append((seq, max_step, payload))
-            self._backlog_bytes += len(payload)
-            while len(self._backlog) > _BACKLOG or self._backlog_bytes > _BACKLOG_BYTES:
-                self._backlog_bytes -= len(self._backlog.popleft()[2])
-                self.dropped += 1  # only a restart would have needed it
+            with self._backlog_lock:
+                self._backlog.append((seq, max_step, payload))
+                self._backlog_bytes += len(payload)
+                while len(self._backlog) > _BACKLOG or self._backlog_bytes > _BACKLOG_BYTES:
+                    self._backlog_bytes -= len(self._backlog.popleft()[2])
+                    self.dropped += 1  # only a restart would have needed it
             self._send(b"W" + _WINDOW.pack(seq, max_step) + payload)
 
     def _send(self, frame: bytes) -> bool:
@@ -222,7 +224,7 @@ class ExportProcess:
                 logging.getLogger(msg[2]).log(msg[1], "%s", msg[3])
                 continue
             spooled = msg[1] if kind == "spooled" else msg[-1].spooled
-            with self._lock:
+            with self._backlog_lock:  # never the send lock: a sender blocked on a full socket holds it
                 while self._backlog and self._backlog[0][0] <= spooled:
                     self._backlog_bytes -= len(self._backlog.popleft()[2])
             if kind in ("durable", "done", "progress"):
@@ -245,7 +247,9 @@ class ExportProcess:
                                 "windows it had spooled are delivered from the spool", code)
                 try:
                     self._conn, self._proc, _ = self._start()
-                    for seq, step, payload in self._backlog:
+                    with self._backlog_lock:
+                        backlog = list(self._backlog)
+                    for seq, step, payload in backlog:
                         self._send(b"W" + _WINDOW.pack(seq, step) + payload)
                     return
                 except ConfigError as err:
@@ -255,10 +259,12 @@ class ExportProcess:
             try:
                 backends = build_backends(self.names, self._options)
                 self.fallback = Delivery(backends, Spool(self.spool_path))
-                for seq, step, payload in self._backlog:
+                with self._backlog_lock:
+                    backlog = list(self._backlog)
+                    self._backlog.clear()
+                    self._backlog_bytes = 0
+                for seq, step, payload in backlog:
                     self.fallback.submit(seq, step, payload)
-                self._backlog.clear()
-                self._backlog_bytes = 0
             except Exception as err:
                 _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
                               "more data; `otel-train replay` delivers what was spooled", err)
