@@ -316,3 +316,10 @@ def test_ctrl_c_to_the_job_does_not_reach_the_exporter_process(tmp_path: Path) -
     assert "KeyboardInterrupt" in err  # the training process got it; the exporter process did not die of it
     assert _wait_gone(child, 30)
     assert _jsonl_steps(directory, run) == list(range(15))
+
+
+def test_replay_of_a_folder_without_a_spool_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from otel_train.cli import main
+
+    assert main(["replay", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"nothing to replay: no spool under {tmp_path}\n"
