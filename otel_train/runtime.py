@@ -12,6 +12,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -296,8 +297,9 @@ def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]
     names = settings.exporters
     for spec in [get_spec(n) for n in names]:
         check_available(spec)
-    if settings.export_process == "off" or (settings.export_process == "auto" and os.name != "posix"):
-        return names, ()  # the exporter process needs Unix sockets and fd passing
+    if settings.export_process == "off" or (settings.export_process == "auto" and (
+            os.name != "posix" or not sys.executable)):
+        return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start
     remote = tuple(n for n in names if n not in _IN_PROCESS and _is_builtin(get_spec(n).target))
     return tuple(n for n in names if n not in remote), remote
 
