@@ -39,17 +39,17 @@ from otel_train.integrations._session import OwnedSession
 try:
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.loggers import Logger
-    from lightning.pytorch.utilities.rank_zero import rank_zero_only
 except ImportError:
     try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
-        from pytorch_lightning.loggers import Logger  # type: ignore[no-redef]
-        from pytorch_lightning.utilities.rank_zero import rank_zero_only  # type: ignore[no-redef]
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+        from pytorch_lightning.loggers import Logger  # type: ignore[assignment,no-redef,unused-ignore]
     except ImportError as err:
         raise ModuleNotFoundError(
             "otel_train.integrations.lightning needs PyTorch Lightning: pip install 'otel-train[lightning]'",
             name="lightning",
         ) from err
+# Both packages' strategies set this one's `rank` to the global rank (a dependency of both).
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule, Trainer

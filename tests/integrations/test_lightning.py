@@ -11,16 +11,16 @@ import pytest
 
 pytest.importorskip("lightning", reason="the Lightning integration test needs `pip install 'otel-train[lightning]'`")
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import DataLoader, TensorDataset
 
-import otel_train as ot  # noqa: E402
-from otel_train.integrations.lightning import OtelTrainCallback, OtelTrainLogger  # noqa: E402
-from otel_train.trace_merge import load_trace  # noqa: E402
+import otel_train as ot
+from otel_train.integrations.lightning import OtelTrainCallback, OtelTrainLogger
+from otel_train.trace_merge import load_trace
 
 BATCHES_PER_EPOCH = 8
 EPOCHS = 2
