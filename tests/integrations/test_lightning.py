@@ -163,3 +163,24 @@ def test_lightning_rank_feeds_the_resource_and_otel_train_ranks_decides(
         assert _scalars(env, "train/loss") == {3: 0.25}  # the tensor, converted on the export thread
     else:
         assert not list(env.glob("events.*"))
+
+
+class Failing(Tiny):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("boom at batch 2")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_exception_marks_the_open_spans_and_training_code_sees_it_unchanged(tmp_path: Path, env: Path) -> None:
+    trainer = _trainer(tmp_path, [OtelTrainLogger()], [OtelTrainCallback()], log_every_n_steps=1,
+                       enable_checkpointing=False)
+    with pytest.raises(RuntimeError, match="boom at batch 2"):
+        trainer.fit(Failing(), _loader())
+    ot.shutdown()
+    spans = _spans(env)
+    batches = spans["train/batch"]
+    assert [e["args"]["train.step"] for e in batches] == [0, 1, 2]
+    assert "boom at batch 2" in batches[-1]["args"]["error"]
+    assert "boom at batch 2" in spans["train/epoch"][0]["args"]["error"]
+    assert _scalars(env, "train/loss").keys() == {0, 1}

@@ -96,3 +96,21 @@ def test_docstring_examples(name: str) -> None:
 
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize(("ranks", "exported"), [("0", False), ("all", True)])
+def test_trainer_process_index_is_the_rank_and_otel_train_ranks_decides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ranks: str, exported: bool
+) -> None:
+    from transformers import TrainerControl, TrainerState
+
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("OTEL_TRAIN_RANKS", ranks)
+    # What process 1 of a 2-process job sees (set by torch.distributed through Accelerate's state).
+    monkeypatch.setattr(TrainingArguments, "process_index", property(lambda self: 1))
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True)
+    OtelTrainCallback().on_log(args, TrainerState(global_step=4), TrainerControl(), logs={"loss": 0.5})
+    session = ot._session
+    assert (session.run.rank, session.run.world_size) == (1, 2)
+    assert session.export_metrics is exported
