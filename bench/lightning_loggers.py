@@ -4,13 +4,15 @@
     python bench/lightning_loggers.py --steps 200 --rounds 1
 
 Rows: no logger; Lightning's `TensorBoardLogger`; `WandbLogger` (offline); `OtelTrainLogger` with
-`OTEL_TRAIN_EXPORTERS=tensorboard,wandb` (W&B offline). Every row runs in its own process; rounds are
+`OTEL_TRAIN_EXPORTERS=tensorboard,wandb` (W&B offline); and, for reference, that logger with
+`OtelTrainCallback` (spans to a Chrome trace too, and export after every step). Every row runs in its own process; rounds are
 interleaved (each round runs every row once, in a rotated order) and each row's median over the rounds
 is compared with the no-logger median. Each step logs 5 values with ``log_every_n_steps=1`` (the
 worst case for a logger; Lightning's default of 50 makes every logger's cost small). Times: `fit` wall
-time; `fit` plus closing the logger (W&B finishing its offline run, otel-train's shutdown); and the wall
-time per step from step `--warmup` to the end of `fit` (start-up excluded: (b) and (c) both start a W&B
-run, which on 2 cores costs more than 500 steps of a tiny model).
+time (it includes the loggers' `finalize`, where otel-train flushes); `fit` plus closing the logger (W&B
+finishing its offline run, otel-train's shutdown); and the wall time per step from step `--warmup` to
+`on_train_end` (start-up excluded: (b) and (c) both start a W&B run, which on 2 cores costs more than 500
+steps of a tiny model).
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from typing import Any
 
 from run import isolated_env
 
-ROWS = ("none", "tensorboard", "wandb", "otel")
+ROWS = ("none", "tensorboard", "wandb", "otel", "otel+callback")
 LABELS = {
     "none": "no logger",
     "tensorboard": "(a) TensorBoardLogger",
     "wandb": "(b) WandbLogger offline",
     "otel": "(c) OtelTrainLogger -> tensorboard,wandb",
+    "otel+callback": "(d) (c) + OtelTrainCallback (spans, per-step export)",
 }
 
 
@@ -60,21 +63,25 @@ def worker(row: str, steps: int, warmup: int, root: Path) -> dict[str, Any]:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     class Clock(pl.Callback):
-        """Wall time from the start of step `warmup` to the end of fit: the per-step cost, without
-        start-up (W&B starts its service and run in (b) and (c) alike)."""
+        """Wall time from the start of step `warmup` to the end of training: the per-step cost, without
+        start-up (W&B starts its service and run in (b) and (c) alike) and the loggers' final flush."""
 
         def __init__(self) -> None:
-            self.t_warm = 0.0
+            self.t_warm = self.t_end = 0.0
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == warmup:
                 self.t_warm = time.perf_counter()
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.t_end = time.perf_counter()  # before loggers finalize (otel-train flushes there)
 
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(steps * 8, 32, generator=g), torch.randn(steps * 8, 1, generator=g))
     loader = DataLoader(data, batch_size=8)
     logger: Any = False
     close: Any = None
+    callbacks: list[Any] = []
     if row == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -85,16 +92,19 @@ def worker(row: str, steps: int, warmup: int, root: Path) -> dict[str, Any]:
 
         logger = WandbLogger(project="bench", save_dir=str(root), offline=True)
         close = wandb.finish
-    elif row == "otel":
+    elif row.startswith("otel"):
         import otel_train as ot
-        from otel_train.integrations.lightning import OtelTrainLogger
+        from otel_train.integrations.lightning import OtelTrainCallback, OtelTrainLogger
 
-        ot.init(exporters="tensorboard,wandb", dir=root / "ot", run_name="bench")
+        exporters = "tensorboard,wandb" + (",chrome_trace" if row == "otel+callback" else "")
+        ot.init(exporters=exporters, dir=root / "ot", run_name="bench")
         logger = OtelTrainLogger()
+        if row == "otel+callback":
+            callbacks.append(OtelTrainCallback())
         close = ot.shutdown
     clock = Clock()
     trainer = pl.Trainer(max_steps=steps, max_epochs=1, accelerator="cpu", devices=1, logger=logger,
-                         callbacks=[clock],
+                         callbacks=[clock, *callbacks],
                          log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     t0 = time.perf_counter()
@@ -104,8 +114,8 @@ def worker(row: str, steps: int, warmup: int, root: Path) -> dict[str, Any]:
         close()
     t2 = time.perf_counter()
     result: dict[str, Any] = {"row": row, "fit_s": t1 - t0, "fit_close_s": t2 - t0,
-                              "steady_ms": (t1 - clock.t_warm) / (steps - warmup) * 1e3}
-    if row == "otel":
+                              "steady_ms": (clock.t_end - clock.t_warm) / (steps - warmup) * 1e3}
+    if row.startswith("otel"):
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         acc = EventAccumulator(str(root / "ot" / "bench"), size_guidance={"scalars": 0})

@@ -67,7 +67,9 @@ class OtelTrainLogger(Logger):
 
     Lightning applies `log_every_n_steps` before calling loggers, so every call here is written.
     Values are logged on every rank that Lightning calls; `OTEL_TRAIN_RANKS` (default ``0``) decides
-    which ranks' values are exported.
+    which ranks' values are exported. Alone, the logger lets otel-train collect every
+    `OTEL_TRAIN_EXPORT_INTERVAL_S` and at each stage's end (Lightning's TensorBoardLogger flushes every
+    120 s); with `OtelTrainCallback`, collection follows steps (`OTEL_TRAIN_EXPORT_EVERY`).
 
     Example:
         >>> from otel_train.integrations.lightning import OtelTrainLogger  # doctest: +SKIP
