@@ -4,6 +4,7 @@ values read back with TensorBoard's reader at the steps given to `accelerator.lo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,11 @@ def _accumulator(path: Path) -> EventAccumulator:
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     return acc
+
+
+def _hparams(acc: EventAccumulator) -> Any:
+    return metadata.parse_session_start_info_plugin_data(
+        acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]).hparams
 
 
 def _train(accelerator: Accelerator, steps: int) -> dict[int, float]:
@@ -63,10 +69,9 @@ def test_accelerator_log_and_config_reach_tensorboard(runs: Path) -> None:
     assert {e.step: e.value for e in acc.Scalars("train/loss")} == pytest.approx(expected)
     assert {e.step: e.value for e in acc.Scalars("train/lr")} == pytest.approx({i: 0.1 for i in range(5)})
     assert "phase" not in acc.Tags()["scalars"]  # a string: skipped, not an error
-    info = metadata.parse_session_start_info_plugin_data(
-        acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG])
-    assert info.hparams["lr"].number_value == pytest.approx(0.1)
-    assert info.hparams["optimizer"].string_value == "sgd"
+    hparams = _hparams(acc)
+    assert hparams["lr"].number_value == pytest.approx(0.1)
+    assert hparams["optimizer"].string_value == "sgd"
 
 
 def test_a_user_session_gets_the_config_and_outlives_end_training(runs: Path) -> None:
@@ -79,9 +84,7 @@ def test_a_user_session_gets_the_config_and_outlives_end_training(runs: Path) ->
     ot.shutdown()
     acc = _accumulator(runs / "mine")
     assert sorted(e.step for e in acc.Scalars("train/loss")) == [0, 1]
-    info = metadata.parse_session_start_info_plugin_data(
-        acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG])
-    assert info.hparams["seed"].number_value == 7
+    assert _hparams(acc)["seed"].number_value == 7
 
 
 @pytest.mark.parametrize("main_process_only", [True, False])

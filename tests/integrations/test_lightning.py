@@ -66,6 +66,16 @@ def _scalars(path: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in acc.Scalars(tag)}
 
 
+def _hparams(path: Path) -> Any:
+    """The run config TensorBoard's HParams plugin holds for the run in `path`."""
+    from tensorboard.plugins.hparams import metadata
+
+    acc = EventAccumulator(str(path))
+    acc.Reload()
+    return metadata.parse_session_start_info_plugin_data(
+        acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]).hparams
+
+
 def _csv_series(csv_logger: CSVLogger, key: str) -> dict[int, float]:
     with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
         return {int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)}
@@ -104,14 +114,9 @@ def test_fit_values_at_lightning_steps_and_spans(tmp_path: Path, env: Path) -> N
     assert _scalars(env, "epoch") == pytest.approx(_csv_series(csv_logger, "epoch"))
 
     # save_hyperparameters() -> the run config, in TensorBoard's HParams plugin.
-    from tensorboard.plugins.hparams import metadata
-
-    acc = EventAccumulator(str(env))
-    acc.Reload()
-    info = metadata.parse_session_start_info_plugin_data(
-        acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG])
-    assert info.hparams["lr"].number_value == pytest.approx(0.05)
-    assert info.hparams["width"].number_value == 4
+    hparams = _hparams(env)
+    assert hparams["lr"].number_value == pytest.approx(0.05)
+    assert hparams["width"].number_value == 4
 
     # Batches ran inside otel_train.step(global_step): a step duration at every step.
     assert sorted(_scalars(env, "train.step.duration_s")) == list(range(BATCHES_PER_EPOCH * EPOCHS))
@@ -136,13 +141,7 @@ def test_user_session_gets_the_hyperparameters_and_is_left_running(tmp_path: Pat
     ot.shutdown()
     run = tmp_path / "runs" / "mine"
     assert sorted(_scalars(run, "train/loss")) == [0, 1, 2]
-    from tensorboard.plugins.hparams import metadata
-
-    acc = EventAccumulator(str(run))
-    acc.Reload()
-    info = metadata.parse_session_start_info_plugin_data(
-        acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG])
-    assert info.hparams["lr"].number_value == pytest.approx(0.2)
+    assert _hparams(run)["lr"].number_value == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize(("ranks", "exported"), [("0", False), ("all", True)])
