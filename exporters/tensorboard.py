@@ -51,7 +51,7 @@ def _use_fast_crc() -> None:
         return
 
     def masked_crc32c(data: bytes) -> int:
-        x = google_crc32c.value(bytes(data))
+        x = int(google_crc32c.value(bytes(data)))
         return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
     masked_crc32c._otel_train_fast = True  # type: ignore[attr-defined]
@@ -129,6 +129,7 @@ class TensorBoardExporter(RowExporter):
     """
 
     name = "tensorboard"
+    display_names = True
     handles_metrics = True
     handles_spans = False
 

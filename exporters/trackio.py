@@ -53,6 +53,7 @@ class TrackioExporter(RowExporter):
     """
 
     name = "trackio"
+    display_names = True
     handles_metrics = True
     handles_spans = False
     client_module = "trackio"

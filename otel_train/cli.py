@@ -26,7 +26,8 @@ def _demo(args: argparse.Namespace) -> int:
     if "tensorboard" in names:
         lines.append(f"  curves:   tensorboard --logdir {session.settings.dir}")
     if "chrome_trace" in names:
-        lines.append(f"  timeline: open {run_dir / 'trace' / f'rank{session.run.rank}.trace.json'} in https://ui.perfetto.dev")
+        trace = f"rank{session.run.rank}.trace.json" + (".gz" if session.settings.trace_gzip else "")
+        lines.append(f"  timeline: open {run_dir / 'trace' / trace} in https://ui.perfetto.dev")
     if "jsonl" in names:
         lines.append(f"  records:  {run_dir / f'rank{session.run.rank}.jsonl'}")
     others = [n for n in names if n not in ("tensorboard", "chrome_trace", "jsonl")]
@@ -39,8 +40,12 @@ def _demo(args: argparse.Namespace) -> int:
 def _trace_merge(args: argparse.Namespace) -> int:
     from otel_train.trace_merge import merge_traces
 
-    count = merge_traces(args.out, args.files)
-    sys.stdout.write(f"merged {count} events from {len(args.files)} file(s) into {args.out}\n")
+    if not args.files and not args.profiler:
+        sys.stderr.write("otel-train: error: trace merge: give trace files and/or --profiler FILE\n")
+        return 2
+    count = merge_traces(args.out, args.files, args.profiler)
+    n = len(args.files) + len(args.profiler)
+    sys.stdout.write(f"merged {count} events from {n} file(s) into {args.out}\n")
     return 0
 
 
@@ -56,9 +61,12 @@ def _parser() -> argparse.ArgumentParser:
 
     trace = sub.add_parser("trace", help="Chrome trace tools")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
-    merge = trace_sub.add_parser("merge", help="merge per-rank trace files into one")
-    merge.add_argument("out", type=Path, help="the merged trace file to write")
-    merge.add_argument("files", type=Path, nargs="+", help="per-rank trace files (rank<N>.trace.json)")
+    merge = trace_sub.add_parser("merge", help="merge per-rank trace files (and torch profiler traces) into one")
+    merge.add_argument("out", type=Path, help="the merged trace file to write (.json, or .json.gz compressed)")
+    merge.add_argument("files", type=Path, nargs="*", help="per-rank trace files (rank<N>.trace.json[.gz])")
+    merge.add_argument("--profiler", type=Path, action="append", default=[], metavar="FILE",
+                       help="a torch profiler Chrome trace to align with ours (repeatable; rank from its "
+                            "distributedInfo, else 0)")
     merge.set_defaults(func=_trace_merge)
 
     try:

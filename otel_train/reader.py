@@ -40,6 +40,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
 from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
 from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.phases import PhaseTimer
 from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
 
@@ -261,6 +262,7 @@ class StepAlignedMetricReader(MetricReader):
         span_buffer: Where finished spans wait for collection.
         metrics_ranks: Whether this process exports metrics (spans always go out).
         resource: The Resource for `ot.log` data; taken from the MeterProvider when registered.
+        phases: Add per-step ``phase/<name>_s`` points computed from the spans of each step.
 
     Example:
         >>> from opentelemetry.sdk.metrics import MeterProvider
@@ -287,6 +289,7 @@ class StepAlignedMetricReader(MetricReader):
         span_buffer: SpanBuffer | None = None,
         export_metrics: bool = True,
         resource: Resource | None = None,
+        phases: bool = True,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(
@@ -315,6 +318,8 @@ class StepAlignedMetricReader(MetricReader):
         self._reported_drops = (0, 0, 0)
         self._shutdown = False
         self.windows = 0
+        self.points = 0
+        self._phases = PhaseTimer() if phases and export_metrics else None
         self._start_collector()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -387,6 +392,8 @@ class StepAlignedMetricReader(MetricReader):
         hists: list[Any] = []
         md: MetricsData | None = None
         points = self._log_points(records)
+        if self._phases is not None:  # phase timings are plain gauges from here on
+            points.extend(self._phases.points([s for _, s in spans], points))
         if self._need_rows:
             rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
             if metrics_data is not None and _has_points(metrics_data):
@@ -405,6 +412,7 @@ class StepAlignedMetricReader(MetricReader):
                 otel_spans = [_readable_span(r, self._resource) for r in recs] + sdk_spans
         batch = _Batch(Window(rows, hists, row_spans), md, otel_spans)
         self.windows += 1
+        self.points += len(rows) + len(hists) if self._need_rows else len(points)
         for w in self._workers:
             w.submit(batch)
 
@@ -517,6 +525,14 @@ class StepAlignedMetricReader(MetricReader):
     def exporters(self) -> list[Any]:
         return [w.exporter for w in self._workers] + self._unused
 
+    def stats(self) -> dict[str, Any]:
+        """Counters for the shutdown summary: points, windows, drops, failures per exporter."""
+        dropped = self.log_buffer.dropped + self.span_buffer.dropped + sum(
+            w.dropped_batches + getattr(w.exporter, "dropped_windows", 0) for w in self._workers)
+        failures = {getattr(w.exporter, "name", type(w.exporter).__name__):
+                    w.failures + getattr(w.exporter, "failures", 0) for w in self._workers}
+        return {"points": self.points, "windows": self.windows, "dropped": dropped, "failures": failures}
+
     @property
     def failures(self) -> int:
         return sum(w.failures for w in self._workers) + sum(
@@ -542,7 +558,7 @@ def _has_points(md: MetricsData | None) -> bool:
 
 def _stamp(metric: Metric, step: int) -> Metric:
     """Give every point without `train.step` the step that ended the window."""
-    data = metric.data
+    data: Any = metric.data  # a union of point containers, each with `data_points`
     points = getattr(data, "data_points", None)
     if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):
         return metric

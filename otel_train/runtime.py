@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import config as cfg
+from otel_train import semconv
 from otel_train.errors import ConfigError
-from otel_train.instrument import NO_SPAN, LogBuffer, SpanBuffer, SpanScope
+from otel_train.instrument import NO_SPAN, LogBuffer, ProfiledSpanScope, SpanBuffer, SpanScope
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import StepEnd, _current, add_step_end_listener, current_step, remove_step_end_listener
@@ -103,10 +104,11 @@ class Session:
             pid=os.getpid(),
             config_hash=config_hash(settings.config),
         )
-        self.export_metrics = settings.ranks == "all" or rank == 0
+        # A backend's `OTEL_TRAIN_<BACKEND>_RANKS=all` makes this rank export metrics; routing drops them elsewhere.
+        self.export_metrics = rank == 0 or settings.ranks == "all" or any(
+            r.ranks == "all" for r in settings.routes.values())
         directory = _check_dir(settings.dir)
-        options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
-                                  settings.trace_counters)
+        options = ExporterOptions.from_settings(settings, directory=directory)
         self.exporters = self._build_exporters(settings.exporters, options) + list(instances)
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
@@ -121,6 +123,7 @@ class Session:
             span_buffer=self.span_buffer,
             export_metrics=self.export_metrics,
             resource=self.resource,
+            phases=settings.phases,
         )
         self.meter_provider = MeterProvider(
             metric_readers=[self.reader], resource=self.resource,
@@ -128,10 +131,17 @@ class Session:
         )
         self.tracer_provider = TracerProvider(resource=self.resource, shutdown_on_exit=False)
         self.tracer_provider.add_span_processor(ThreadSpanProcessor(self.span_buffer))
+        self.sampler = None
+        if settings.system_metrics and self.export_metrics:
+            from otel_train.system_metrics import SystemSampler
+
+            self.sampler = SystemSampler(self.log_buffer.append, settings.system_interval_s)
+            self.sampler.start()
         self._install_globals()
         self._closed = False
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
+        self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_listener = self._on_step_end
         add_step_end_listener(self._step_listener)
         self.forked = False
@@ -186,16 +196,16 @@ class Session:
                             type(mapping).__name__)
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
-        return SpanScope(self.span_buffer, name, attributes, record_context)
+        return self._scope_class(self.span_buffer, name, attributes, record_context)
 
     def _on_step_end(self, info: StepEnd) -> None:
         values: dict[str, float] = {
-            "train.step.duration_s": info.duration_s,
-            "train.time_total_s": info.time_total_s,
-            "train.iterations": info.iterations,
+            semconv.TRAIN_STEP_DURATION: info.duration_s,
+            semconv.TRAIN_TIME_TOTAL: info.time_total_s,
+            semconv.TRAIN_ITERATIONS: info.iterations,
         }
         if info.samples is not None and info.duration_s > 0:
-            values["train.throughput"] = info.samples / info.duration_s
+            values[semconv.TRAIN_THROUGHPUT] = info.samples / info.duration_s
         self._append(info.step, values)
         self.reader.on_step_end(info)
 
@@ -231,11 +241,27 @@ class Session:
             self._closed = True
         remove_step_end_listener(self._step_listener)
         try:
+            if self.sampler is not None:
+                self.sampler.stop()  # its last step goes out with the final flush
             self.reader.shutdown(self.settings.shutdown_timeout_s * 1000)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
             _logger.warning("shutdown did not complete cleanly", exc_info=True)
+        if self.run.rank == 0 and not self.settings.quiet:
+            self._write_summary()
+
+    def _write_summary(self) -> None:
+        from otel_train.records import run_folder
+        from otel_train.summary import summary_line, write_summary
+
+        try:
+            stats = self.reader.stats()
+            names = [str(getattr(ex, "name", type(ex).__name__)) for ex in self.exporters]
+            write_summary(summary_line(stats["points"], stats["windows"], names, stats["dropped"],
+                                       stats["failures"], str(run_folder(self.settings.dir, self.run.run_name))))
+        except Exception:
+            _logger.debug("no shutdown summary", exc_info=True)
 
     @property
     def closed(self) -> bool:

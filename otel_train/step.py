@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from otel_train import semconv
+
 __all__ = [
     "RANK_ATTRIBUTE",
     "STEP_ATTRIBUTE",
@@ -25,9 +27,9 @@ __all__ = [
     "steps",
 ]
 
-STEP_ATTRIBUTE = "train.step"
+STEP_ATTRIBUTE = semconv.TRAIN_STEP
 """The data-point / span attribute that carries the step (int)."""
-RANK_ATTRIBUTE = "train.rank"
+RANK_ATTRIBUTE = semconv.TRAIN_RANK
 
 _logger = logging.getLogger(__name__)
 _T = TypeVar("_T")

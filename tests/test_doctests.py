@@ -15,6 +15,10 @@ MODULES = [
     "otel_train.testing",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",
+    "otel_train.phases",
+    "otel_train.summary",
+    "otel_train.system_metrics",
+    "otel_train.trace_merge",
 ]
 
 

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import otel_train as ot
 from otel_train.integrations.lightning import OtelTrainCallback, OtelTrainLogger
+from otel_train.semconv import TRAIN_STEP_DURATION, display_name
 from otel_train.trace_merge import load_trace
 
 BATCHES_PER_EPOCH = 8
@@ -119,7 +120,7 @@ def test_fit_values_at_lightning_steps_and_spans(tmp_path: Path, env: Path) -> N
     assert hparams["width"].number_value == 4
 
     # Batches ran inside otel_train.step(global_step): a step duration at every step.
-    assert sorted(_scalars(env, "train.step.duration_s")) == list(range(BATCHES_PER_EPOCH * EPOCHS))
+    assert sorted(_scalars(env, display_name(TRAIN_STEP_DURATION))) == list(range(BATCHES_PER_EPOCH * EPOCHS))
 
     spans = _spans(env)
     assert [e["args"]["train.step"] for e in spans["train/batch"]] == list(range(BATCHES_PER_EPOCH * EPOCHS))

@@ -18,6 +18,7 @@ from transformers import Trainer, TrainingArguments
 
 import otel_train as ot
 from otel_train.integrations.transformers import OtelTrainCallback
+from otel_train.semconv import TRAIN_STEP_DURATION, display_name
 from otel_train.trace_merge import load_trace
 
 
@@ -86,7 +87,7 @@ def test_train_logs_at_global_steps_config_and_spans(tmp_path: Path, monkeypatch
     assert [e["args"]["train.step"] for e in spans["checkpoint/save"]] == [3, 6]
     assert len(spans["train/epoch"]) == 1
     # Every step ran inside otel_train.step(n): a step duration at 1..6.
-    assert sorted(_scalars(acc, "train.step.duration_s")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(_scalars(acc, display_name(TRAIN_STEP_DURATION))) == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("name", ["otel_train.integrations.transformers", "otel_train.integrations._hooks"])
