@@ -48,7 +48,7 @@ def main() -> int:
     colors = {"data": "tab:blue", "forward": "tab:orange", "backward": "tab:green", "optimizer": "tab:red"}
 
     # 1. the timeline of three typical consecutive steps (what Perfetto shows of the trace file)
-    durations = series["train.step.duration_s"]
+    durations = series["train/step_duration_s"]
     median = sorted(durations.values())[len(durations) // 2]
     first = min(range(10, STEPS - 3), key=lambda s: sum(abs(durations[s + k] - median) for k in range(3)))
     shown = (first, first + 1, first + 2)
@@ -68,14 +68,14 @@ def main() -> int:
     ax_t.set_title("Timeline: the spans of each step")
 
     # 2. where each step's time went (phase/*_s, stacked; TensorBoard's series)
-    steps = sorted(series["train.step.duration_s"])
+    steps = sorted(series["train/step_duration_s"])
     bottom = [0.0] * len(steps)
     for name in ("data", "forward", "backward", "optimizer", "other"):
         values = [series[f"phase/{name}_s"].get(s, 0.0) * 1e3 for s in steps]
         ax_p.fill_between(steps, bottom, [b + v for b, v in zip(bottom, values)], step="mid", linewidth=0,
                           color=colors.get(name, "lightgrey"), label=f"phase/{name}_s")
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax_p.plot(steps, [series["train.step.duration_s"][s] * 1e3 for s in steps], color="black", linewidth=0.6,
+    ax_p.plot(steps, [series["train/step_duration_s"][s] * 1e3 for s in steps], color="black", linewidth=0.6,
               label="train.step.duration_s")
     ax_p.set_ylabel("ms per step")
     ax_p.set_title("Phases per step (they add up to the step duration)")

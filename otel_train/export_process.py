@@ -9,12 +9,13 @@ trainer restarts it once (it resumes from the spool); if it dies again, the trai
 its own process from the same spool.
 
 Messages, trainer -> child: ``W`` + seq, max step + encoded window; ``F`` + id (flush); ``C`` + id
-(close); ``P`` + id (progress). Child -> trainer (pickled tuples): ``("ready", last seq)``,
+(close); ``P`` + id (progress); ``H`` + pickled hyperparameters (reported after `init()`). Child -> trainer (pickled tuples): ``("ready", last seq)``,
 ``("error", message)``, ``("spooled", seq)``, ``("durable", id, progress)``, ``("done", id, ok, progress)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -28,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,16 @@ class ExportProcess:
                     self._backlog_bytes -= len(self._backlog.popleft()[2])
                     self.dropped += 1  # only a restart would have needed it
             self._send(b"W" + _WINDOW.pack(seq, max_step) + payload)
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        """Hyperparameters reported after `init()`: every backend of the child gets them (see `Session.add_config`)."""
+        self._options = dataclasses.replace(self._options, hparams=dict(config))
+        self._config["options"] = self._options  # a restarted child starts with them
+        with self._lock:
+            if self.fallback is not None:
+                _set_hparams(self.fallback.exporters(), config)
+            else:
+                self._send(b"H" + pickle.dumps(dict(config)))
 
     def _send(self, frame: bytes) -> bool:
         try:
@@ -417,6 +428,11 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
                 reply("spooled", seq)
                 last_ack = now
             continue
+        if kind == b"H":
+            config["options"] = dataclasses.replace(config["options"], hparams=pickle.loads(frame[1:]))
+            _set_hparams(delivery.exporters(), config["options"].hparams)
+            _write_meta(spool.path, config)
+            continue
         (rid,) = _ID.unpack_from(frame, 1)
         if kind == b"F":
             delivery.sync()
@@ -444,6 +460,13 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:
+    for exporter in exporters:
+        options = getattr(exporter, "options", None)
+        if isinstance(options, ExporterOptions):
+            exporter.options = dataclasses.replace(options, hparams=dict(config))
 
 
 def _write_meta(path: Path, config: dict[str, Any]) -> None:

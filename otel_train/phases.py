@@ -28,13 +28,14 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from otel_train import semconv
 from otel_train.step import STEP_ATTRIBUTE
 
 __all__ = ["DURATION_KEY", "PhaseTimer", "Span", "phase_values", "span_of"]
 
 _logger = logging.getLogger(__name__)
 
-DURATION_KEY = "train.step.duration_s"
+DURATION_KEY = semconv.TRAIN_STEP_DURATION
 """The point `ot.step` records at the end of every step; its arrival closes the step's phases."""
 OTHER = "phase/other_s"
 MAX_NAMES = 64

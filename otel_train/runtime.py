@@ -6,6 +6,7 @@ Nothing imports this module but the public face (`otel_train/__init__.py`) and t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import logging
 import os
@@ -229,6 +230,22 @@ class Session:
         self._append(info.step, values)
         self.reader.on_step_end(info)
 
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        """Merge hyperparameters that a framework reports after `init()` into the run's config.
+
+        Backends read the config when they open their run, at the first metrics they write, so
+        config added before the first export reaches every backend (frameworks report it before
+        training starts); a backend that has already opened its run keeps the config it had.
+        """
+        merged = {**(self.settings.config or {}), **config}
+        self.settings = dataclasses.replace(self.settings, config=merged)
+        for exporter in self.exporters:
+            options = getattr(exporter, "options", None)
+            if isinstance(options, ExporterOptions):
+                exporter.options = dataclasses.replace(options, hparams=merged)
+        if self.export_process is not None:
+            self.export_process.add_config(merged)
+
     # -- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         if self._closed:
@@ -318,6 +335,9 @@ class DisabledSession:
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
         return NO_SPAN
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        return None
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return True

@@ -94,12 +94,22 @@ CONVENTIONS: tuple[Convention, ...] = (
     # Names of the phase and system-metrics feature (defined there; listed here so the table is whole).
     Convention("phase/<name>_s", "metric", "float", "s", "phase timing (per step)"),
     Convention("phase/other_s", "metric", "float", "s", "phase timing: step time outside every phase"),
-    Convention("system/cpu_percent/{mean,max}", "metric", "float", "%", "system metrics sampler",
+    Convention("system/cpu_percent/{mean,max}", "metric", "float", "%", "system metrics sampler (100 = one core)",
                "process.cpu.utilization"),
-    Convention("system/rss_bytes/{mean,max}", "metric", "int", "By", "system metrics sampler", "process.memory.usage"),
-    Convention("gpu<N>/util/{mean,max}", "metric", "float", "%", "system metrics sampler", "hw.gpu.utilization"),
-    Convention("gpu<N>/memory_used_bytes/{mean,max}", "metric", "int", "By", "system metrics sampler",
+    Convention("system/rss_mb/{mean,max}", "metric", "float", "MiBy", "system metrics sampler", "process.memory.usage"),
+    Convention("system/host_memory_percent/{mean,max}", "metric", "float", "%", "system metrics sampler",
+               "system.memory.utilization"),
+    Convention("system/host_memory_used_mb/{mean,max}", "metric", "float", "MiBy", "system metrics sampler",
+               "system.memory.usage"),
+    Convention("gpu<N>/util_percent/{mean,max}", "metric", "float", "%", "system metrics sampler (NVML)",
+               "hw.gpu.utilization"),
+    Convention("gpu<N>/memory_used_mb/{mean,max}", "metric", "float", "MiBy", "system metrics sampler (NVML)",
                "hw.gpu.memory.usage"),
+    Convention("gpu<N>/power_w/{mean,max}", "metric", "float", "W", "system metrics sampler (NVML)", "hw.power"),
+    Convention("gpu<N>/temperature_c/{mean,max}", "metric", "float", "Cel", "system metrics sampler (NVML)",
+               "hw.temperature"),
+    Convention("cuda<N>/max_allocated_mb/{mean,max}", "metric", "float", "MiBy",
+               "system metrics sampler (torch, when imported)"),
 )
 
 #: Wire name -> the name dashboards show (only names that differ).

@@ -6,7 +6,7 @@ training thread). When the step changes, the finished step's samples become two 
 ``<series>/mean`` and ``<series>/max``, appended to the `ot.log` buffer, so they reach every backend
 like any logged gauge. A step shorter than the interval gets points only when a sample fell in it.
 
-Series (OTel semantic-convention names, for the README's table, in `SEMCONV`):
+Series (their OTel semantic conventions are in `otel_train.semconv`):
 
 * ``system/cpu_percent``: this process's CPU, 100 = one core (psutil);
 * ``system/rss_mb``: this process's resident memory;
@@ -30,23 +30,10 @@ from typing import Any
 
 from otel_train.step import current_step
 
-__all__ = ["SEMCONV", "SystemSampler"]
+__all__ = ["SystemSampler"]
 
 _logger = logging.getLogger(__name__)
 _MB = 1024.0 * 1024.0
-
-#: Our series -> the OTel semantic-convention metric it corresponds to (units differ: see README).
-SEMCONV: dict[str, str] = {
-    "system/cpu_percent": "process.cpu.utilization",
-    "system/rss_mb": "process.memory.usage",
-    "system/host_memory_percent": "system.memory.utilization",
-    "system/host_memory_used_mb": "system.memory.usage{system.memory.state=used}",
-    "gpu<i>/util_percent": "hw.gpu.utilization",
-    "gpu<i>/memory_used_mb": "hw.gpu.memory.usage",
-    "gpu<i>/power_w": "hw.power{hw.type=gpu}",
-    "gpu<i>/temperature_c": "hw.temperature{hw.type=gpu}",
-}
-
 
 class _Nvml:
     """Every GPU NVML sees; a readout a device does not support is dropped for that device."""

@@ -323,3 +323,19 @@ def test_replay_of_a_folder_without_a_spool_says_so(tmp_path: Path, capsys: pyte
 
     assert main(["replay", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"nothing to replay: no spool under {tmp_path}\n"
+
+
+def test_config_reported_after_init_reaches_a_backend_in_the_exporter_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb_helpers = _helpers("test_wandb")
+    wandb_helpers.isolated_wandb_env(monkeypatch, tmp_path)  # the exporter process inherits this environment
+    directory = tmp_path / "runs"
+    session = ot.init(exporters=["wandb"], dir=directory, run_id="cfg", run_name="cfg", config={"lr": 0.1})
+    session.add_config({"batch_size": 32})  # as a framework integration does before training starts
+    for step in range(3):
+        with ot.step(step):
+            ot.log({"train/loss": float(step)})
+    ot.shutdown()
+    run = wandb_helpers.read_run(wandb_helpers.wandb_files(directory, "cfg", "cfg")[0])
+    assert run["config"]["lr"] == 0.1 and run["config"]["batch_size"] == 32
+    assert sorted(run["history"]) == [0, 1, 2]

@@ -9,6 +9,7 @@ import pytest
 
 import otel_train as ot
 from otel_train.phases import DURATION_KEY, PhaseTimer, Span, phase_values
+from otel_train.semconv import display_name
 
 
 def test_nested_spans_count_once_and_other_is_the_uncovered_rest() -> None:
@@ -88,7 +89,7 @@ def test_phases_add_up_to_the_step_duration_in_tensorboard(tmp_path: Path) -> No
     series = _scalars(tmp_path / "phases")
     phases = sorted(t for t in series if t.startswith("phase/"))
     assert phases == ["phase/backward_s", "phase/data_s", "phase/forward_s", "phase/optimizer_s", "phase/other_s"]
-    durations = series[DURATION_KEY]
+    durations = series[display_name(DURATION_KEY)]
     assert sorted(durations) == list(range(12))
     for step, duration in durations.items():
         total = sum(series[t][step] for t in phases)
@@ -103,5 +104,5 @@ def test_phases_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _demo_like(3)
     ot.shutdown()
     series = _scalars(tmp_path / "nophases")
-    assert DURATION_KEY in series
+    assert display_name(DURATION_KEY) in series
     assert not [t for t in series if t.startswith("phase/")]
