@@ -8,6 +8,7 @@ it is never an error. Segments whose every record every backend acknowledged are
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -47,7 +48,7 @@ class Spool:
         self.backends: list[str] = []
         self.last_seq = 0
         self.last_step = -1
-        self._file = None
+        self._file: io.FileIO | None = None
         self._file_bytes = 0
         for seq, step, _ in self.read(0):  # the tail of an earlier writer (restart, replay)
             self.last_seq = seq
