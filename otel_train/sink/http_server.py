@@ -117,7 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(401, {"code": 16, "message": "missing or wrong `authorization: Bearer` token"})
             return
         if url.path == "/runs":
-            self._json(200, sink.router.summary())
+            self._json(200, sink.runs())
         elif url.path.startswith("/metrics/"):
             code, doc = sink.compat.handle("GET", url.path, parse_qs(url.query), None)
             self._json(code, doc)

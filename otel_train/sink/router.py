@@ -16,9 +16,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from otel_train.records import HistogramRow, MetricRow, MetricsConverter, RunInfo, SpanRow
+from otel_train.records import HistogramRow, MetricRow, SpanRow
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
+from otel_train.sink.temporality import SeriesLedger
 
 if TYPE_CHECKING:
     from otel_train.exporters.base import RowExporter
@@ -41,7 +42,7 @@ class Overloaded(RuntimeError):
 class _Run:
     """One training run: its backends, its worker and what it has seen."""
 
-    def __init__(self, run_id: str, exporters: list[RowExporter], converter: MetricsConverter,
+    def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
                  aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None]) -> None:
         self.run_id = run_id
         self.run_name = run_id
@@ -193,7 +194,7 @@ class Router:
         self._queue_windows = queue_windows
         self._ingest_timeout_s = ingest_timeout_s
         self._runs: dict[str, _Run] = {}
-        self._converters: OrderedDict[str, MetricsConverter] = OrderedDict()
+        self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -208,20 +209,13 @@ class Router:
     def _error(self) -> None:
         self.errors += 1
 
-    def default_step(self, run: RunInfo) -> int:
-        """The step for a point without `train.step`: the latest step seen from its rank, else 0."""
-        state = self._runs.get(run.run_id)
-        if state is None:
-            return 0
-        return state.last_step.get(run.rank, 0)
-
     def _run(self, run_id: str) -> _Run:
         with self._lock:
             if self._closed:
                 raise Overloaded("the sink is shutting down")
             state = self._runs.get(run_id)
             if state is None:
-                converter = self._converters.pop(run_id, None) or MetricsConverter()
+                converter = self._converters.pop(run_id, None) or SeriesLedger()
                 self._converters[run_id] = converter
                 while len(self._converters) > _KEEP_CLOSED:
                     self._converters.popitem(last=False)

@@ -78,6 +78,8 @@ class Sink:
         self.http_port = 0
         self.rejected: dict[str, int] = {}
         self.unattributed = 0
+        self.unattributed_runs: set[str] = set()
+        self.unsupported: dict[str, int] = {}
         self._log = LogOnce(_logger, interval_s=60.0)
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
@@ -104,19 +106,28 @@ class Sink:
         limit = self.settings.max_body_bytes
         if signal == "metrics":
             request = parse_metrics(body, content_type, encoding, limit)
-            decoded = decode_metrics(request, self._runs, self.router.default_step)
+            decoded = decode_metrics(request, self._runs)
         elif signal == "traces":
             request = parse_traces(body, content_type, encoding, limit)
             decoded = decode_traces(request, self._runs)
         else:
             raise DecodeError(f"unknown signal {signal!r}")
         n = decoded.points + len(decoded.spans)
-        if decoded.unattributed:
-            self.unattributed += decoded.unattributed
-            self._log.warning("unattributed", "received %s data without the `train.run.id` resource attribute "
-                              "(%d resource(s) so far), written under the run `unknown-run`; check the sender "
-                              "(and a collector's batching) keeps the Resource (logged at most once a minute)",
-                              signal, self.unattributed)
+        for run_id, count in decoded.unattributed.items():
+            self.unattributed += count
+            self.unattributed_runs.add(run_id)
+            self._log.warning(f"unattributed:{run_id}",
+                              "received %s data without the `train.run.id` resource attribute, written under the "
+                              "run %r (fallback: service.instance.id, then service.name@host.name, then "
+                              "service.name); set `train.run.id` (OTEL_RESOURCE_ATTRIBUTES) to choose the run "
+                              "(logged at most once a minute per run)", signal, run_id)
+        for kind, count in decoded.unsupported.items():
+            with self._lock:
+                first = kind not in self.unsupported
+                self.unsupported[kind] = self.unsupported.get(kind, 0) + count
+            if first:
+                _logger.warning("received %s metric(s) of OTLP type `%s`, which the sink cannot write; they are "
+                                "counted in /health `unsupported` (warned once per type)", count, kind)
         if n:
             self.router.ingest(decoded)
         return n
@@ -131,7 +142,15 @@ class Sink:
             "errors": self.router.errors,
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
+            "unsupported": dict(self.unsupported),
         }
+
+    def runs(self) -> dict[str, Any]:
+        """The `/runs` document; runs named by a fallback (no `train.run.id`) say ``"unattributed": true``."""
+        doc = self.router.summary()
+        for run in doc["runs"]:
+            run["unattributed"] = run["run_id"] in self.unattributed_runs
+        return doc
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Sink:
