@@ -199,20 +199,23 @@ class DecodeCache:
 
 
 def fallback_run_id(attrs: Mapping[str, Any]) -> str:
-    """The run of a Resource without `train.run.id`, in this order: `service.instance.id`, then
-    `service.name` @ `host.name`, then `service.name`, then ``unknown-run``.
+    """The run of a Resource without `train.run.id`, in this order: ``<service.name>-<service.instance.id>``
+    (the Python SDK sets a UUID per process), ``<service.name>@<host.name>``, ``<service.name>``, then
+    ``unknown-run``. Two apps with different service names never share a run.
 
     Example:
         >>> fallback_run_id({"service.name": "billing", "host.name": "node-3"})
         'billing@node-3'
+        >>> fallback_run_id({"service.name": "billing", "service.instance.id": "7f3a"})
+        'billing-7f3a'
     """
+    service = str(attrs.get("service.name") or "")
     instance = attrs.get("service.instance.id")
     if instance:
-        return str(instance)
-    service = attrs.get("service.name")
+        return f"{service}-{instance}" if service else str(instance)
     if service:
         host = attrs.get("host.name")
-        return f"{service}@{host}" if host else str(service)
+        return f"{service}@{host}" if host else service
     return "unknown-run"
 
 

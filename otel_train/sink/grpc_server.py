@@ -12,15 +12,14 @@ answered INVALID_ARGUMENT with the reason instead of grpcio's generic INTERNAL.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from otel_train.sink.service import Sink
+    from otel_train.sink.core import SinkCore as Sink
 
-__all__ = ["GrpcReceiver", "start_grpc", "token_matches"]
+__all__ = ["GrpcReceiver", "start_grpc"]
 
 _logger = logging.getLogger(__name__)
 
@@ -31,8 +30,7 @@ _TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 def _handler(sink: Sink, signal: str) -> Any:
     import grpc
 
-    from otel_train.sink.decode import DecodeError
-    from otel_train.sink.router import Overloaded
+    from otel_train.sink.core import DecodeError, Overloaded
 
     async def export(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if sink.token is not None:
@@ -46,9 +44,10 @@ def _handler(sink: Sink, signal: str) -> Any:
         try:
             sink.ingest(signal, body, "application/x-protobuf", None)
         except DecodeError as err:
-            sink.count_rejected("invalid")
+            sink.count_rejected("invalid", str(err))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Overloaded as err:
+            sink.count_rejected("overloaded", str(err))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except Exception as err:  # never take the receiver down for one request
             sink.count_rejected("internal")
@@ -130,9 +129,3 @@ def start_grpc(sink: Sink, address: str, max_message_bytes: int, tls_cert: bytes
     """
     receiver = GrpcReceiver(sink, address, max_message_bytes, tls_cert, tls_key)
     return receiver, receiver.port
-
-
-def token_matches(expected: str, header: str) -> bool:
-    """Constant-time check of an ``authorization: Bearer <token>`` value."""
-    scheme, _, given = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())

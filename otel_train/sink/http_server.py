@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 if TYPE_CHECKING:
-    from otel_train.sink.service import Sink
+    from otel_train.sink.core import SinkCore as Sink
 
 __all__ = ["start_http"]
 
@@ -94,12 +94,13 @@ class _Handler(BaseHTTPRequestHandler):
         sink = self.server.sink
         length_raw = self.headers.get("Content-Length")
         if length_raw is None or not length_raw.strip().isdigit():
+            sink.count_rejected("length_required", f"{self.command} {self.path} without Content-Length")
             self.close_connection = True
             self._json(411, {"code": 3, "message": "a Content-Length header is required"})
             return None
         length = int(length_raw)
         if length > sink.settings.max_body_bytes:
-            sink.count_rejected("too_large")
+            sink.count_rejected("too_large", f"{length} bytes")
             self.close_connection = True
             self._json(413, {"code": 8, "message": f"body of {length} bytes exceeds the limit of "
                                                    f"{sink.settings.max_body_bytes} bytes"})
@@ -125,8 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(404, {"code": 5, "message": f"no route {url.path}"})
 
     def do_POST(self) -> None:
-        from otel_train.sink.decode import DecodeError
-        from otel_train.sink.router import Overloaded
+        from otel_train.sink.core import DecodeError, Overloaded
 
         url = urlsplit(self.path)
         sink = self.server.sink
@@ -134,6 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
         protobuf = "json" not in ctype.lower()
         signal = _OTLP_PATHS.get(url.path)
         if signal is None and not url.path.startswith("/metrics/"):
+            sink.count_rejected("not_found", f"POST {url.path}")
             self.close_connection = True
             self._json(404, {"code": 5, "message": f"no route {url.path}"})
             return
@@ -151,14 +152,15 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             sink.ingest(signal, body, ctype, self.headers.get("Content-Encoding"))
         except DecodeError as err:
-            sink.count_rejected("invalid")
+            sink.count_rejected("invalid", str(err))
             self._otlp_error(400, str(err), protobuf)
             return
         except OverflowError as err:
-            sink.count_rejected("too_large")
+            sink.count_rejected("too_large", str(err))
             self._otlp_error(413, str(err), protobuf)
             return
         except Overloaded as err:
+            sink.count_rejected("overloaded", str(err))
             self._otlp_error(503, str(err), protobuf)
             return
         except Exception as err:  # one bad request must never take the server down

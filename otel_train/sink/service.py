@@ -9,20 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train._internal.ratelimit import LogOnce
 from otel_train.config import SinkSettings
 from otel_train.records import ExporterOptions
-from otel_train.sink.compat import CompatAPI
-from otel_train.sink.decode import (
-    DecodeCache,
-    DecodeError,
-    decode_metrics,
-    decode_traces,
-    parse_metrics,
-    parse_traces,
-)
-from otel_train.sink.grpc_server import token_matches
-from otel_train.sink.router import ExporterFactory, Router
+from otel_train.sink.core import SinkCore
+from otel_train.sink.router import ExporterFactory
 
 __all__ = ["Sink", "exporter_factory"]
 
@@ -57,7 +47,7 @@ def exporter_factory(names: Sequence[str], options: ExporterOptions) -> Exporter
     return make
 
 
-class Sink:
+class Sink(SinkCore):
     """A running sink. `start()` binds both receivers; `stop()` flushes every run and closes.
 
     Args:
@@ -66,91 +56,14 @@ class Sink:
     """
 
     def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory) -> None:
-        self.settings = settings
-        self.token = settings.token
-        self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s)
-        self.compat = CompatAPI(self.router)
-        self._runs = DecodeCache()
+        super().__init__(settings, make_exporters)
         self._grpc: Any = None
         self._http: Any = None
         self._http_thread: threading.Thread | None = None
         self.grpc_port = 0
         self.http_port = 0
-        self.rejected: dict[str, int] = {}
-        self.unattributed = 0
-        self.unattributed_runs: set[str] = set()
-        self.unsupported: dict[str, int] = {}
-        self._log = LogOnce(_logger, interval_s=60.0)
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
-        self._stopped = False
-        self._started_at = time.monotonic()
-        self._lock = threading.Lock()
-
-    # -- request entry points (called by both receivers) ---------------------------------------
-    def token_ok(self, header: str) -> bool:
-        return self.token is None or token_matches(self.token, header)
-
-    def count_rejected(self, reason: str) -> None:
-        with self._lock:
-            self.rejected[reason] = self.rejected.get(reason, 0) + 1
-
-    def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
-        """Decode a whole request into rows, then hand them to the router. Returns rows taken.
-
-        Raises:
-            DecodeError: malformed payload (nothing of it is written).
-            OverflowError: the decompressed body exceeds `max_body_bytes`.
-            Overloaded: a run's backends are behind; the client should retry.
-        """
-        limit = self.settings.max_body_bytes
-        if signal == "metrics":
-            request = parse_metrics(body, content_type, encoding, limit)
-            decoded = decode_metrics(request, self._runs)
-        elif signal == "traces":
-            request = parse_traces(body, content_type, encoding, limit)
-            decoded = decode_traces(request, self._runs)
-        else:
-            raise DecodeError(f"unknown signal {signal!r}")
-        n = decoded.points + len(decoded.spans)
-        for run_id, count in decoded.unattributed.items():
-            self.unattributed += count
-            self.unattributed_runs.add(run_id)
-            self._log.warning(f"unattributed:{run_id}",
-                              "received %s data without the `train.run.id` resource attribute, written under the "
-                              "run %r (fallback: service.instance.id, then service.name@host.name, then "
-                              "service.name); set `train.run.id` (OTEL_RESOURCE_ATTRIBUTES) to choose the run "
-                              "(logged at most once a minute per run)", signal, run_id)
-        for kind, count in decoded.unsupported.items():
-            with self._lock:
-                first = kind not in self.unsupported
-                self.unsupported[kind] = self.unsupported.get(kind, 0) + count
-            if first:
-                _logger.warning("received %s metric(s) of OTLP type `%s`, which the sink cannot write; they are "
-                                "counted in /health `unsupported` (warned once per type)", count, kind)
-        if n:
-            self.router.ingest(decoded)
-        return n
-
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "ok" if not self._stopped else "stopping",
-            "uptime_s": round(time.monotonic() - self._started_at, 1),
-            "runs_open": self.router.runs_open,
-            "points": self.router.points_in,
-            "spans": self.router.spans_in,
-            "errors": self.router.errors,
-            "rejected": dict(self.rejected),
-            "unattributed_resources": self.unattributed,
-            "unsupported": dict(self.unsupported),
-        }
-
-    def runs(self) -> dict[str, Any]:
-        """The `/runs` document; runs named by a fallback (no `train.run.id`) say ``"unattributed": true``."""
-        doc = self.router.summary()
-        for run in doc["runs"]:
-            run["unattributed"] = run["run_id"] in self.unattributed_runs
-        return doc
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Sink:

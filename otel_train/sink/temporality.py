@@ -106,8 +106,7 @@ class SeriesLedger(MetricsConverter):
 
     # -- steps -----------------------------------------------------------------------------------
     def saw_step(self, step: int) -> None:
-        if step > self.current_step:
-            self.current_step = step
+        self.current_step = max(self.current_step, step)
 
     def resolve_step(self, rank: int, tag: str) -> int:
         """The step of a step-less point of a series: the run's current step, else its sequence number."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_train.sink.temporality import SeriesLedger
-from otel_train.testing import OtlpPoint, metrics_request
 from otel_train.sink.decode import (
     DecodeCache,
     DecodeError,
@@ -15,6 +13,8 @@ from otel_train.sink.decode import (
     parse_metrics,
     parse_traces,
 )
+from otel_train.sink.temporality import SeriesLedger
+from otel_train.testing import OtlpPoint, metrics_request
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 _points = st.lists(st.tuples(st.integers(0, 10**9), st.floats(allow_nan=False, width=64),
