@@ -81,7 +81,7 @@ class _EventFile:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         self.path = directory / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                                 f"{os.getpid()}.{next(_file_ids)}")
+                                 f"{os.getpid()}.{next(_file_ids):06d}")  # padded: files sort in creation order
         self._records = bytearray()
         self._framer = RecordWriter(self)  # frames each record and calls our `write`
         self.add(first_event)

@@ -57,9 +57,9 @@ class Sink(SinkCore):
 
     def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory) -> None:
         super().__init__(settings, make_exporters)
+        self._loop: Any = None
         self._grpc: Any = None
         self._http: Any = None
-        self._http_thread: threading.Thread | None = None
         self.grpc_port = 0
         self.http_port = 0
         self._stop = threading.Event()
@@ -68,18 +68,23 @@ class Sink(SinkCore):
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Sink:
         """Bind the gRPC and HTTP receivers (port 0 picks a free port) and start housekeeping."""
+        from otel_train.sink.event_loop import LoopThread
         from otel_train.sink.grpc_server import start_grpc
         from otel_train.sink.http_server import start_http
 
         s = self.settings
         cert = Path(s.tls_cert).read_bytes() if s.tls_cert else None
         key = Path(s.tls_key).read_bytes() if s.tls_key else None
-        self._grpc, self.grpc_port = start_grpc(self, s.grpc, s.max_body_bytes, cert, key)
+        self._loop = LoopThread()  # both receivers on one event loop
         try:
-            self._http, self._http_thread, self.http_port = start_http(
-                self, s.http, str(s.tls_cert) if s.tls_cert else None, str(s.tls_key) if s.tls_key else None)
-        except OSError:
-            self._grpc.stop(0)
+            self._grpc, self.grpc_port = start_grpc(self, self._loop, s.grpc, s.max_body_bytes, cert, key)
+            self._http, self.http_port = start_http(
+                self, self._loop, s.http, str(s.tls_cert) if s.tls_cert else None,
+                str(s.tls_key) if s.tls_key else None)
+        except BaseException:
+            if self._grpc is not None:
+                self._grpc.stop(0)
+            self._loop.close()
             raise
         self._housekeeper = threading.Thread(target=self._housekeep, name="otel-train-sink-housekeeping",
                                              daemon=True)
@@ -128,8 +133,9 @@ class Sink(SinkCore):
         if self._grpc is not None:
             self._grpc.stop(min(5.0, timeout_s))
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
+        if self._loop is not None:
+            self._loop.close()
         if self._housekeeper is not None:
             self._housekeeper.join(5.0)
         self.compat.close()

@@ -119,3 +119,37 @@ def test_refused_requests_are_counted_by_reason(sink: Any) -> None:
     assert conn.getresponse().status == 404
     conn.close()
     assert _get(sink, "/health")["rejected"] == {"not_found": 1}
+
+
+def test_http_chunked_bodies_keep_alive_gzip_and_the_limit(tmp_path: Path) -> None:
+    """What the OTel JavaScript exporters send: HTTP/1.1 chunked bodies on one kept-alive connection."""
+    import gzip
+    import http.client
+
+    from sinkkit import make_sink
+
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    sink = make_sink(tmp_path, max_body_bytes=4096)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", sink.http_port, timeout=5)
+        headers = {"Content-Type": "application/x-protobuf"}
+        for step in range(3):
+            body = metrics_request({"train.run.id": "chunky"}, [OtlpPoint("loss", step * 0.5, step=step)])
+            if step == 2:
+                body, headers = gzip.compress(body), {**headers, "Content-Encoding": "gzip"}
+            conn.request("POST", "/v1/metrics", body=iter([body[:7], body[7:]]), headers=headers,
+                         encode_chunked=True)
+            resp = conn.getresponse()
+            assert (resp.status, resp.read()) == (200, b"")
+            sock = conn.sock if step == 0 else sock
+            assert conn.sock is sock  # the same connection every time
+        conn.request("POST", "/v1/metrics", body=iter([b"\x00" * 3000] * 2), headers=headers, encode_chunked=True)
+        resp = conn.getresponse()
+        assert resp.status == 413 and b"exceeds the limit" in resp.read()
+        conn.close()
+        assert sink.flush(10)
+        assert sink.health()["rejected"] == {"too_large": 1}
+    finally:
+        sink.stop()
+    assert scalars(tmp_path / "runs" / "chunky")["loss"] == [(0, 0.0), (1, 0.5), (2, 1.0)]
