@@ -134,6 +134,7 @@ def test_http_chunked_bodies_keep_alive_gzip_and_the_limit(tmp_path: Path) -> No
     try:
         conn = http.client.HTTPConnection("127.0.0.1", sink.http_port, timeout=5)
         headers = {"Content-Type": "application/x-protobuf"}
+        socks = []
         for step in range(3):
             body = metrics_request({"train.run.id": "chunky"}, [OtlpPoint("loss", step * 0.5, step=step)])
             if step == 2:
@@ -142,8 +143,8 @@ def test_http_chunked_bodies_keep_alive_gzip_and_the_limit(tmp_path: Path) -> No
                          encode_chunked=True)
             resp = conn.getresponse()
             assert (resp.status, resp.read()) == (200, b"")
-            sock = conn.sock if step == 0 else sock
-            assert conn.sock is sock  # the same connection every time
+            socks.append(conn.sock)
+        assert socks[0] is socks[1] is socks[2]  # the same kept-alive connection every time
         conn.request("POST", "/v1/metrics", body=iter([b"\x00" * 3000] * 2), headers=headers, encode_chunked=True)
         resp = conn.getresponse()
         assert resp.status == 413 and b"exceeds the limit" in resp.read()
