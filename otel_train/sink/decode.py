@@ -61,14 +61,16 @@ class Decoded:
         unsupported: Metrics that were not written, by OTLP data type.
     """
 
-    __slots__ = ("_hists", "_numbers", "histograms", "metrics", "runs", "spans", "tags", "unattributed",
+    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "metrics", "runs", "spans", "tags", "unattributed",
                  "unsupported")
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
         self.histograms: list[HistogramRow] = []
         self.spans: list[SpanRow] = []
-        # (row, temporality mode, start time) of number points until `finish`.
+        # Gauge rows with a step (the hot path), and (row, temporality mode, start time) of the other
+        # number points, until `finish`.
+        self._gauges: list[MetricRow] = []
         self._numbers: list[tuple[MetricRow, int, int]] = []
         # (row, cumulative, start time, has buckets) of histogram and summary points until `finish`.
         self._hists: list[tuple[HistogramRow, bool, int, bool]] = []
@@ -92,7 +94,7 @@ class Decoded:
 
     @property
     def points(self) -> int:
-        return len(self.metrics) + len(self._numbers) + len(self.histograms) + len(self._hists)
+        return len(self.metrics) + len(self._gauges) + len(self._numbers) + len(self.histograms) + len(self._hists)
 
     def saw(self, run: RunInfo, step: int) -> None:
         if step > self.runs.get(run, -1):
@@ -112,8 +114,10 @@ class Decoded:
         """
         for step in self.runs.values():  # steps reported in this request count as the run's current step
             ledger.saw_step(step)
-        number = ledger.number
         append = self.metrics.append
+        ledger.gauges(self._gauges, append)
+        self._gauges.clear()
+        number = ledger.number
         for row, mode, start in self._numbers:  # rows not yet shared with anyone: set in place
             if number(row, mode, start):
                 append(row)
@@ -146,6 +150,8 @@ class Decoded:
             d.tags[run.run_id] = self.tags.get(run.run_id, set())
         for m in self.metrics:
             part(m.run.run_id).metrics.append(m)
+        for g in self._gauges:
+            part(g.run.run_id)._gauges.append(g)
         for n in self._numbers:
             part(n[0].run.run_id)._numbers.append(n)
         for h in self.histograms:
@@ -255,7 +261,10 @@ def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: D
         row = _one_point(p, name, kind, run)
         tags.add(row.tag)
         hi = max(hi, row.step)
-        rows.append((row, mode, p.start_time_unix_nano))
+        if mode == GAUGE and row.step != STEPLESS:
+            seen._gauges.append(row)
+        else:
+            rows.append((row, mode, p.start_time_unix_nano))
     if mode != GAUGE:
         rows.sort(key=_by_step)  # running totals follow the step order
     seen._numbers.extend(rows)
@@ -284,12 +293,13 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
     entries = cache.entries
     unpack = TIME_DOUBLE.unpack_from
     tags = out.tags_of(run)
+    gauge_rows = out._gauges.append
     hi = -1
     entry: Any
     for name, kind, metric in _named_metrics(scope_metrics):
         if kind == "gauge":
             points, row_kind, mode = metric.gauge.data_points, "gauge", GAUGE
-            rows = out._numbers
+            rows = out._numbers  # step-less gauges; those with a step go to `gauge_rows`
         elif kind == "sum":
             s = metric.sum
             points, row_kind, mode = s.data_points, ("counter" if s.is_monotonic else "sum"), _sum_mode(s)
@@ -322,7 +332,10 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                 row = _one_point(p, name, row_kind, run)
                 tags.add(row.tag)
                 hi = max(hi, row.step)
-                append((row, mode, p.start_time_unix_nano))
+                if mode == GAUGE and row.step != STEPLESS:
+                    gauge_rows(row)
+                else:
+                    append((row, mode, p.start_time_unix_nano))
                 continue
             step, extra = entry
             if step is None:
@@ -335,7 +348,10 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                 tags.add(tag)
             if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
                 hi = step
-            append((MetricRow(run, step, name, tag, value, row_kind, t, extra), mode, start))
+            if mode == GAUGE and step != STEPLESS:
+                gauge_rows(MetricRow(run, step, name, tag, value, row_kind, t, extra))
+            else:
+                append((MetricRow(run, step, name, tag, value, row_kind, t, extra), mode, start))
         if plain:
             tags.add(name)
         if mode != GAUGE:

@@ -28,7 +28,7 @@ again at worst; totals are kept apart and bounded by the number of series).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from otel_train.records import HistogramRow, MetricRow, MetricsConverter
@@ -49,7 +49,9 @@ STEPLESS = -(1 << 62)
 # How a pending number point is turned into a row (see the module docstring).
 GAUGE, DELTA_SUM, CUMULATIVE_COUNTER, CUMULATIVE_UPDOWN = range(4)
 
-_MAX_ENTRIES = 1_000_000
+# Entries per table and run (~200 bytes each): covers the full re-send of 100 metrics at the OTel SDK's
+# default cardinality limit (2,000 attribute sets, i.e. steps, per metric).
+_MAX_ENTRIES = 200_000
 
 
 def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
@@ -98,9 +100,10 @@ class SeriesLedger(MetricsConverter):
         super().__init__()
         self._max = max_entries
         self._cumulative: dict[tuple[int, str, int], tuple[int, float]] = {}
-        self._written: dict[tuple[int, str, int], float] = {}
+        self._written: dict[tuple[int, str, int], float] = {}  # last value of step-less series
         self._hists: dict[tuple[int, str, int], tuple[int, int, float, tuple[float, ...], tuple[int, ...]]] = {}
         self._sequence: dict[tuple[int, str], int] = {}
+        self._gauges: dict[int, dict[tuple[str, int], float]] = {}  # by rank: (tag, step) -> value written
         #: The highest step any rank of the run has reported (-1: none yet).
         self.current_step = -1
 
@@ -120,6 +123,25 @@ class SeriesLedger(MetricsConverter):
         return n
 
     # -- number points -----------------------------------------------------------------------------
+    def gauges(self, rows: list[MetricRow], append: Callable[[MetricRow], None]) -> None:
+        """Gauge rows with a step, the sink's hot path: `append` those not written before with their value."""
+        tables = self._gauges
+        limit = self._max
+        rank = -1
+        written: dict[tuple[str, int], float] = {}
+        for row in rows:
+            if row.run.rank != rank:
+                rank = row.run.rank
+                written = tables.get(rank) or tables.setdefault(rank, {})
+            key = (row.tag, row.step)
+            value = row.value
+            if written.get(key) == value:
+                continue  # re-sent unchanged
+            if len(written) >= limit:
+                written.clear()
+            written[key] = value
+            append(row)
+
     def number(self, row: MetricRow, mode: int, start_unix_nano: int) -> bool:
         """Apply the rule of `mode` to `row` (its value, and its step if step-less); False: not written."""
         rank = row.run.rank
@@ -151,10 +173,11 @@ class SeriesLedger(MetricsConverter):
                 return False  # an unchanged step-less value re-sent with no step to tell it apart
             self._remember(self._written, (rank, row.tag, STEPLESS), row.value)
             row.step = self.resolve_step(rank, row.tag)
-        key = (rank, row.tag, row.step)
-        if self._written.get(key) == row.value:
+        written = self._gauges.get(rank) or self._gauges.setdefault(rank, {})
+        key2 = (row.tag, row.step)
+        if written.get(key2) == row.value:
             return False
-        self._remember(self._written, key, row.value)
+        self._remember(written, key2, row.value)
         return True
 
     # -- histograms and summaries --------------------------------------------------------------------
