@@ -34,9 +34,22 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def close(self) -> None:
-        """Stop the loop and its thread; idempotent."""
+        """Cancel what still runs on the loop (e.g. idle keep-alive connections), stop it and its thread;
+        idempotent."""
         if self.loop.is_running():
+            try:
+                self.run(_cancel_others(), 10.0)
+            except Exception:  # noqa: S110 - closing anyway
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(10.0)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+async def _cancel_others() -> None:
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

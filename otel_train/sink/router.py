@@ -137,7 +137,7 @@ class _Run:
                 if not ok:
                     self.write_errors += 1
                     self._on_error()
-            self.written += len(window.metrics)
+            self.written += len(window.metrics) + len(window.histograms)  # every row written
             self._done(len(items) + (1 if stop else 0))
             if stop:
                 return

@@ -186,3 +186,17 @@ def test_exponential_buckets_negative_and_fine_scales() -> None:
     assert counts == (1, 2, 0, 1, 0)
     assert bounds[0] == -(2 ** 0.5) and bounds[1] == -1.0 and bounds[2] == 0.0 and bounds[3] == 2 ** 0.5
     assert exponential_buckets(0, 0, (0, []), (0, [])) == ((), (0,))
+
+
+def test_tensorboard_overflow_bucket_ends_at_the_max_or_is_left_out(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def hist(name: str, counts: list[int]) -> OtlpPoint:
+        return OtlpPoint(name, kind="histogram", step=1, histogram=(sum(counts), 12.0, _BOUNDS, counts))
+
+    _tensorboard(tmp_path, [metrics_request(_resource(world=1), [hist("full", [1, 1, 1]), hist("empty", [1, 2, 0])])])
+    acc = EventAccumulator(str(tmp_path / "r"), size_guidance={"histograms": 0})
+    acc.Reload()
+    full, empty = acc.Histograms("full")[0].histogram_value, acc.Histograms("empty")[0].histogram_value
+    assert list(full.bucket_limit) == [1.0, 5.0, 9.0] and list(full.bucket) == [1.0, 1.0, 1.0]  # no max sent
+    assert list(empty.bucket_limit) == [1.0, 5.0] and list(empty.bucket) == [1.0, 2.0]
