@@ -13,6 +13,9 @@ MODULES = [
     "otel_train.records",
     "otel_train.reader",
     "otel_train.testing",
+    "otel_train.sink.temporality",
+    "otel_train.sink.decode",
+    "otel_train.sink.event_loop",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",
 ]
