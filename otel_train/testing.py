@@ -115,8 +115,8 @@ def metrics_request(resource: Mapping[str, Any], points: Iterable[OtlpPoint]) ->
 
     req = ExportMetricsServiceRequest()
     rm = req.resource_metrics.add()
-    for key, value in resource.items():
-        set_any_value(rm.resource.attributes.add(key=key).value, value)
+    for name, value in resource.items():
+        set_any_value(rm.resource.attributes.add(key=name).value, value)
     sm = rm.scope_metrics.add()
     metrics: dict[tuple[str, str, bool, bool], Any] = {}
     for p in points:
@@ -142,6 +142,6 @@ def metrics_request(resource: Mapping[str, Any], points: Iterable[OtlpPoint]) ->
         dp.start_time_unix_nano = p.start_time_unix_nano
         if p.step is not None:
             dp.attributes.add(key="train.step").value.int_value = p.step
-        for key_, value in p.attributes.items():
-            set_any_value(dp.attributes.add(key=key_).value, value)
-    return req.SerializeToString()
+        for name, value in p.attributes.items():
+            set_any_value(dp.attributes.add(key=name).value, value)
+    return bytes(req.SerializeToString())

@@ -291,6 +291,7 @@ class Router:
             if state.aggregator is not None:
                 self._emit_aggregates(state, state.aggregator.drain())
         state.stop(timeout_s)
+        state.converter.compact()  # kept for a resumed run: only what its totals need
         summary = state.summary()
         summary["open"] = False
         self._closed_summaries[state.run_id] = summary

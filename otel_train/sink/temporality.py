@@ -205,6 +205,12 @@ class SeriesLedger(MetricsConverter):
             row.step = self.resolve_step(rank, row.tag)
         return row
 
+    def compact(self) -> None:
+        """Forget which gauge values were written (the bulk of the state) when the run closes; totals and
+        previous cumulative points stay, so a resumed run continues its counters."""
+        self._gauges.clear()
+        self._written.clear()
+
     def _remember(self, table: dict[Any, Any], key: Any, value: Any) -> None:
         if len(table) >= self._max and key not in table:
             table.clear()
