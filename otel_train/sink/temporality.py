@@ -104,6 +104,7 @@ class SeriesLedger(MetricsConverter):
         self._hists: dict[tuple[int, str, int], tuple[int, int, float, tuple[float, ...], tuple[int, ...]]] = {}
         self._sequence: dict[tuple[int, str], int] = {}
         self._gauges: dict[int, dict[tuple[str, int], float]] = {}  # by rank: (tag, step) -> value written
+        self._gauge_entries = 0
         #: The highest step any rank of the run has reported (-1: none yet).
         self.current_step = -1
 
@@ -126,7 +127,7 @@ class SeriesLedger(MetricsConverter):
     def gauges(self, rows: list[MetricRow], append: Callable[[MetricRow], None]) -> None:
         """Gauge rows with a step, the sink's hot path: `append` those not written before with their value."""
         tables = self._gauges
-        limit = self._max
+        room = self._max - self._gauge_entries  # one bound for all ranks of the run
         rank = -1
         written: dict[tuple[str, int], float] = {}
         for row in rows:
@@ -137,10 +138,14 @@ class SeriesLedger(MetricsConverter):
             value = row.value
             if written.get(key) == value:
                 continue  # re-sent unchanged
-            if len(written) >= limit:
-                written.clear()
+            if room <= 0:
+                for table in tables.values():
+                    table.clear()
+                room = self._max
+            room -= 1
             written[key] = value
             append(row)
+        self._gauge_entries = self._max - room
 
     def number(self, row: MetricRow, mode: int, start_unix_nano: int) -> bool:
         """Apply the rule of `mode` to `row` (its value, and its step if step-less); False: not written."""
@@ -173,12 +178,9 @@ class SeriesLedger(MetricsConverter):
                 return False  # an unchanged step-less value re-sent with no step to tell it apart
             self._remember(self._written, (rank, row.tag, STEPLESS), row.value)
             row.step = self.resolve_step(rank, row.tag)
-        written = self._gauges.get(rank) or self._gauges.setdefault(rank, {})
-        key2 = (row.tag, row.step)
-        if written.get(key2) == row.value:
-            return False
-        self._remember(written, key2, row.value)
-        return True
+        out: list[MetricRow] = []
+        self.gauges([row], out.append)
+        return bool(out)
 
     # -- histograms and summaries --------------------------------------------------------------------
     def histogram(self, row: HistogramRow, cumulative: bool, start_unix_nano: int) -> HistogramRow | None:
@@ -209,6 +211,7 @@ class SeriesLedger(MetricsConverter):
         """Forget which gauge values were written (the bulk of the state) when the run closes; totals and
         previous cumulative points stay, so a resumed run continues its counters."""
         self._gauges.clear()
+        self._gauge_entries = 0
         self._written.clear()
 
     def _remember(self, table: dict[Any, Any], key: Any, value: Any) -> None:

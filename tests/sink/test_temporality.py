@@ -200,3 +200,18 @@ def test_tensorboard_overflow_bucket_ends_at_the_max_or_is_left_out(tmp_path: Pa
     full, empty = acc.Histograms("full")[0].histogram_value, acc.Histograms("empty")[0].histogram_value
     assert list(full.bucket_limit) == [1.0, 5.0, 9.0] and list(full.bucket) == [1.0, 1.0, 1.0]  # no max sent
     assert list(empty.bucket_limit) == [1.0, 5.0] and list(empty.bucket) == [1.0, 2.0]
+
+
+def test_gauge_tables_are_bounded_per_run_across_ranks() -> None:
+    from otel_train.records import MetricRow, RunInfo
+
+    ledger = SeriesLedger(max_entries=4)
+    rows = [MetricRow(RunInfo("r", "r", rank=rank), step, "g", "g", 1.0, "gauge", 0)
+            for step in range(3) for rank in (0, 1)]
+    written: list[MetricRow] = []
+    ledger.gauges(rows, written.append)
+    assert len(written) == 6  # all new
+    assert sum(len(t) for t in ledger._gauges.values()) <= 4
+    written.clear()
+    ledger.gauges(rows[-2:], written.append)  # the newest are still known: repeats
+    assert written == []
