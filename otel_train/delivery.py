@@ -1,6 +1,8 @@
 """Feeding backends: encoded windows in, a spool, one thread and one durable cursor per backend.
 
-Used by the exporter process, by its in-process fallback and by `otel-train replay`. Each backend
+Used by the exporter process, by `otel-train replay` and, one per run, by `otel-train sink` (there
+without a spool: `submit_window` waits for room instead, so a full queue pushes back on the sender
+and the sender's own retry takes the place of the spool). Each backend
 runs on its own thread (a slow or hanging one stalls only itself); while it is busy, new windows
 merge into one bigger write. A backend's cursor moves only after its `force_flush()` succeeded, so
 whatever it has not made durable is fed again from the spool after a crash or by `otel-train replay`.
@@ -14,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
@@ -53,7 +55,8 @@ class Progress:
 class _Backend:
     """One backend's thread, queue and cursor."""
 
-    def __init__(self, name: str, exporter: RowExporter, spool: Spool | None, queue_windows: int) -> None:
+    def __init__(self, name: str, exporter: RowExporter, spool: Spool | None, queue_windows: int,
+                 on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver") -> None:
         self.name = name
         self.exporter = exporter
         self.spool = spool
@@ -71,7 +74,12 @@ class _Backend:
         self._cv = threading.Condition()
         self._log = LogOnce(_logger, interval_s=60.0)
         self.dropped = 0
-        self.thread = threading.Thread(target=self._run, name=f"otel-train-deliver-{name}", daemon=True)
+        self.rows_written = 0  # metric and histogram rows handed to the backend
+        self.errors = 0  # windows the backend reported as not written
+        self._on_error = on_error
+        self._flushes_asked = 0
+        self._flushes_done = 0
+        self.thread = threading.Thread(target=self._run, name=f"{thread_name}-{name}", daemon=True)
         self.thread.start()
 
     def submit(self, seq: int, step: int, window: Window) -> None:
@@ -90,10 +98,29 @@ class _Backend:
                 self._queue.append((seq, step, window))
             self._cv.notify_all()
 
-    def request_flush(self) -> None:
+    def wait_room(self, deadline: float) -> bool:
+        """Wait until the in-memory queue can take one more window (no spool: backpressure)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: len(self._queue) < self._queue_windows or self._stop,
+                                     timeout=max(0.0, deadline - time.monotonic())) and not self._stop
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def request_flush(self) -> int:
+        """Ask for a flush; returns a ticket for `wait_flushed`."""
         with self._cv:
             self._flush_wanted = True
+            self._flushes_asked += 1
             self._cv.notify_all()
+            return self._flushes_asked
+
+    def wait_flushed(self, seq: int, ticket: int, deadline: float) -> bool:
+        """Wait until `seq` is durable, or the flush asked for with `ticket` was tried and failed."""
+        with self._cv:
+            self._cv.wait_for(lambda: self.acked >= seq or self._flushes_done >= ticket,
+                              timeout=max(0.0, deadline - time.monotonic()))
+            return self.acked >= seq
 
     def stop(self) -> None:
         with self._cv:
@@ -114,13 +141,22 @@ class _Backend:
                 self._queue.clear()
                 reload, self._reload = self._reload, False
                 flush, self._flush_wanted = self._flush_wanted, False
+                asked = self._flushes_asked
                 stop = self._stop
+                if items:
+                    self._cv.notify_all()  # room in the queue for a producer waiting in `wait_room`
             if reload and self.spool is not None:
                 items = self._from_spool() + items
             self._export(items)
-            due = self.handed > self.acked and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S
+            # Without a spool there is no cursor to keep fresh: flush only when asked.
+            due = (self.spool is not None and self.handed > self.acked
+                   and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S)
             if flush or due:
                 self._flush()
+            if flush:
+                with self._cv:
+                    self._flushes_done = max(self._flushes_done, asked)
+                    self._cv.notify_all()
             if stop:
                 with self._cv:
                     if self._queue or self._reload:
@@ -154,9 +190,15 @@ class _Backend:
             batch = items[start:end]
             window = batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch])
             try:
-                self.exporter.export_window(window)  # isolates and retries on its own
+                ok = self.exporter.export_window(window)  # isolates and retries on its own
             except Exception as err:
                 self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
+                ok = False
+            if ok is False:
+                self.errors += 1
+                if self._on_error is not None:
+                    self._on_error(self.name)
+            self.rows_written += len(window.metrics) + len(window.histograms)
             self.handed = batch[-1][0]
             self.handed_step = max(self.handed_step, max(s for _, s, _ in batch))
             start = end
@@ -203,16 +245,20 @@ class Delivery:
         backends: Backend name -> exporter.
         spool: Where windows are written ahead (None: memory only, oldest dropped when a backend stalls).
         queue_windows: Windows held in memory per backend before it reads from the spool instead.
+        on_error: Called (on the backend's thread) with its name when a backend did not write a window.
+        thread_name: Prefix of the backends' thread names.
     """
 
-    def __init__(self, backends: Mapping[str, RowExporter], spool: Spool | None, queue_windows: int = 16) -> None:
+    def __init__(self, backends: Mapping[str, RowExporter], spool: Spool | None, queue_windows: int = 16,
+                 on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver") -> None:
         self.spool = spool
         self._lock = threading.Lock()
         self._last_seq = spool.last_seq if spool is not None else 0
         self._last_step = spool.last_step if spool is not None else -1
         if spool is not None:
             spool.backends = list(backends)
-        self._backends = [_Backend(name, ex, spool, queue_windows) for name, ex in backends.items()]
+        self._backends = [_Backend(name, ex, spool, queue_windows, on_error, thread_name)
+                          for name, ex in backends.items()]
 
     @property
     def names(self) -> list[str]:
@@ -235,6 +281,35 @@ class Delivery:
         for b in self._backends:
             b.submit(seq, max_step, window)
 
+    def submit_window(self, window: Window, max_step: int, wait_s: float) -> bool:
+        """Queue a decoded window for every backend (memory only, no spool), waiting up to `wait_s`
+        for room in every backend's queue. Returns False, queueing nothing, if some queue stayed full.
+        Callers serialize their calls (the sink does, per run)."""
+        deadline = time.monotonic() + wait_s
+        if not all(b.wait_room(deadline) for b in self._backends):
+            return False
+        with self._lock:
+            self._last_seq += 1
+            seq = self._last_seq
+            self._last_step = max(self._last_step, max_step)
+        for b in self._backends:
+            b.submit(seq, max_step, window)
+        return True
+
+    def backlogged(self) -> bool:
+        """Whether some backend's queue is (nearly) full, so that `submit_window` may have to wait."""
+        return any(b.queued() >= b._queue_windows - 1 for b in self._backends)
+
+    @property
+    def pending(self) -> int:
+        """Windows submitted that some backend has not been handed yet."""
+        return self._last_seq - min((b.handed for b in self._backends), default=self._last_seq)
+
+    @property
+    def rows_written(self) -> int:
+        """Metric and histogram rows every backend was handed."""
+        return min((b.rows_written for b in self._backends), default=0)
+
     def sync(self) -> None:
         """Make every submitted window durable in the spool."""
         with self._lock:
@@ -245,9 +320,8 @@ class Delivery:
         """Spool durable, then wait until every backend has made everything durable (or `deadline`)."""
         self.sync()
         target = self._last_seq
-        for b in self._backends:
-            b.request_flush()
-        return all([b.wait_acked(target, deadline) for b in self._backends])
+        tickets = [b.request_flush() for b in self._backends]
+        return all([b.wait_flushed(target, t, deadline) for b, t in zip(self._backends, tickets)])
 
     def close(self, deadline: float) -> bool:
         """Deliver what is left, shut the backends down, drop acknowledged segments; bounded by `deadline`."""

@@ -1,22 +1,22 @@
 """Routes decoded rows to one set of backends per training run.
 
 Rows are grouped by `train.run.id`; each run gets its own exporter instances (one backend run per
-training run, all ranks inside it: rows carry their rank) and one worker thread that feeds them,
-so a backend never sees two windows at once. Requests are merged into larger windows when they
-queue up. A run idle for `idle_s` is closed; data arriving later reopens it (counter totals survive).
+training run, all ranks inside it: rows carry their rank), fed by `otel_train.delivery.Delivery` —
+the code that feeds the exporter process's backends: one thread per backend, so a backend never
+sees two windows at once and a slow one stalls only itself. Requests are merged into larger
+windows when they queue up. A run idle for `idle_s` is closed; data arriving later reopens it (counter totals survive).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from otel_train.records import HistogramRow, MetricRow, SpanRow
+from otel_train.records import MetricRow
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.temporality import SeriesLedger
@@ -31,7 +31,6 @@ _logger = logging.getLogger(__name__)
 #: Builds a fresh list of backends for one run.
 ExporterFactory = Callable[[], "list[RowExporter]"]
 
-_MERGE_ROWS = 50_000  # rows merged into one window at most
 _KEEP_CLOSED = 10_000  # closed runs whose counter totals are kept, should they resume
 
 
@@ -40,10 +39,12 @@ class Overloaded(RuntimeError):
 
 
 class _Run:
-    """One training run: its backends, its worker and what it has seen."""
+    """One training run: its backends (fed by `Delivery`, one thread each) and what it has seen."""
 
     def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
                  aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None]) -> None:
+        from otel_train.delivery import Delivery  # lazy: it pulls in the framing of the exporter process
+
         self.run_id = run_id
         self.run_name = run_id
         self.world_size = 1
@@ -51,108 +52,48 @@ class _Run:
         self.converter = converter
         self.aggregator = aggregator
         self.lock = threading.Lock()
-        self.queue: queue.Queue[Decoded | None] = queue.Queue(maxsize=queue_windows)
         self.last_seen = time.monotonic()
         self.last_step: dict[int, int] = {}
         self.series: set[str] = set()
         self.points = 0
         self.spans = 0
-        self.written = 0
         self.write_errors = 0
-        self._pending = 0
-        self._idle = threading.Condition()
         self._on_error = on_error
-        self.worker = threading.Thread(target=self._work, name=f"otel-train-sink[{run_id}]", daemon=True)
-        self.worker.start()
+        # No spool: a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
+        self.delivery = Delivery(_named(exporters), None, queue_windows, self._error,
+                                 thread_name=f"otel-train-sink[{run_id}]")
 
-    # -- producer side (under self.lock) -------------------------------------------------------
+    def _error(self, _backend: str) -> None:
+        self.write_errors += 1
+        self._on_error()
+
     def put(self, item: Decoded, timeout_s: float) -> None:
-        with self._idle:
-            self._pending += 1
-        try:
-            self.queue.put(item, timeout=timeout_s)
-        except queue.Full:
-            self._done(1)
-            raise Overloaded(f"run {self.run_id!r}: backends are behind; retry later") from None
+        """Queue one request's rows for every backend (under self.lock); `Overloaded` if a queue stays full."""
+        from otel_train.exporters.base import Window
 
-    def _done(self, n: int) -> None:
-        with self._idle:
-            self._pending -= n
-            if self._pending <= 0:
-                self._idle.notify_all()
+        steps = [r.step for r in item.metrics] + [h.step for h in item.histograms]
+        window = Window(item.metrics, item.histograms, item.spans)
+        if not self.delivery.submit_window(window, max(steps, default=-1), timeout_s):
+            raise Overloaded(f"run {self.run_id!r}: backends are behind; retry later")
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        with self._idle:
-            while self._pending > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
+    def backlogged(self) -> bool:
+        return self.delivery.backlogged()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued request is written and every backend flushed."""
+        return self.delivery.flush(time.monotonic() + timeout_s)
 
     @property
     def pending(self) -> int:
-        return self._pending
+        return self.delivery.pending
 
-    # -- worker ------------------------------------------------------------------------------
-    def _work(self) -> None:
-        from otel_train.exporters.base import Window
-
-        while True:
-            item = self.queue.get()
-            if item is None:
-                self._done(1)
-                return
-            items = [item]
-            rows = item.points + len(item.spans)
-            stop = False
-            while rows < _MERGE_ROWS:
-                try:
-                    nxt = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                items.append(nxt)
-                rows += nxt.points + len(nxt.spans)
-            if len(items) == 1:
-                window = Window(item.metrics, item.histograms, item.spans)
-            else:
-                metrics: list[MetricRow] = []
-                hists: list[HistogramRow] = []
-                spans: list[SpanRow] = []
-                for it in items:
-                    metrics.extend(it.metrics)
-                    hists.extend(it.histograms)
-                    spans.extend(it.spans)
-                window = Window(metrics, hists, spans)
-            for exporter in self.exporters:
-                try:
-                    ok = exporter.export_window(window)
-                except Exception:  # export_window isolates failures; this is a last resort
-                    _logger.exception("exporter `%s` raised", getattr(exporter, "name", exporter))
-                    ok = False
-                if not ok:
-                    self.write_errors += 1
-                    self._on_error()
-            self.written += len(window.metrics) + len(window.histograms)  # every row written
-            self._done(len(items) + (1 if stop else 0))
-            if stop:
-                return
+    @property
+    def written(self) -> int:
+        return self.delivery.rows_written
 
     def stop(self, timeout_s: float) -> None:
-        """Finish the queue, then flush and close the backends."""
-        with self._idle:
-            self._pending += 1
-        self.queue.put(None)
-        self.worker.join(timeout_s)
-        for exporter in self.exporters:
-            try:
-                exporter.shutdown(timeout_millis=timeout_s * 1000)
-            except Exception:
-                _logger.exception("closing exporter `%s` failed", getattr(exporter, "name", exporter))
+        """Finish the queues, then flush and close the backends."""
+        self.delivery.close(time.monotonic() + timeout_s)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -165,11 +106,24 @@ class _Run:
             "points": self.points,
             "spans": self.spans,
             "written": self.written,
-            "queued": self._pending,
+            "queued": self.pending,
             "write_errors": self.write_errors,
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
         }
+
+
+def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:
+    """Backend name -> exporter; a name given twice gets a numeric suffix."""
+    out: dict[str, RowExporter] = {}
+    for exporter in exporters:
+        name = base = str(getattr(exporter, "name", type(exporter).__name__))
+        n = 1
+        while name in out:
+            n += 1
+            name = f"{base}#{n}"
+        out[name] = exporter
+    return out
 
 
 class Router:
@@ -232,7 +186,7 @@ class Router:
         """Whether some run's queue is (nearly) full, so that `ingest` may have to wait."""
         with self._lock:
             states = list(self._runs.values())
-        return any(s.queue.qsize() >= s.queue.maxsize - 1 for s in states)
+        return any(s.backlogged() for s in states)
 
     def ingest(self, decoded: Decoded) -> None:
         """Queue one decoded request for its run(s). Raises `Overloaded` if a run's queue stays full."""
@@ -310,12 +264,7 @@ class Router:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             states = list(self._runs.values())
-        ok = True
-        for state in states:
-            ok = state.wait_idle(max(0.0, deadline - time.monotonic())) and ok
-            for exporter in state.exporters:
-                ok = bool(exporter.force_flush()) and ok
-        return ok
+        return all([state.flush(max(0.0, deadline - time.monotonic())) for state in states])
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write pending aggregates, drain every queue, close every backend. Idempotent."""
