@@ -2,8 +2,14 @@
 
     python bench/overhead.py                 # 20,000 steps per row, then a 200,000-step RSS run
     python bench/overhead.py --steps 5000 --rss-steps 50000
+    python bench/overhead.py --boundary-only  # only the step-boundary table (about 20 s)
 
 Each row runs in its own process (same loop as `run.py`: 20 scalars + 4 timing regions per step).
+The step-boundary table times, on the training thread with `perf_counter_ns` around each step and
+side by side in one process (rounds interleaved, median of 3): the floor (the 20 values built as a
+dict literal, as user code does, and 20 `list.append`), an empty `ot.step`, `ot.step` + `ot.log` of
+the 20 values, and TensorBoard's own event writer for the same 20 values (each row builds the dict
+inside its timed block).
 """
 
 from __future__ import annotations
@@ -26,7 +32,12 @@ def main() -> int:
     p.add_argument("--gap-us", type=float, default=200.0, help="simulated device time per step (sleep)")
     p.add_argument("--rss-steps", type=int, default=200_000)
     p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--boundary-steps", type=int, default=20_000)
+    p.add_argument("--boundary-only", action="store_true")
+    p.add_argument("--boundary-child", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.boundary_child:
+        return _boundary_child(args, Path(args.boundary_child))
     tmp = Path(tempfile.mkdtemp(prefix="otel-train-overhead-"))
     try:
         return _run(args, tmp)
@@ -35,6 +46,8 @@ def main() -> int:
 
 
 def _run(args: argparse.Namespace, tmp: Path) -> int:
+    if _boundary(args, tmp) or args.boundary_only:
+        return 1 if not args.boundary_only else 0
     rows = {tool: run_row(tool, args.steps, args, tmp) for tool in ("floor", "ot", "raw-otel")}
     for tool, r in rows.items():
         if "error" in r:
@@ -70,6 +83,113 @@ def _run(args: argparse.Namespace, tmp: Path) -> int:
           f"{result['rss_first_interval_mb']:.1f} -> {result['rss_end_mb']:.1f} MB, growth {growth:+.1f} MB "
           f"(target < 20 MB: {'met' if growth < 20 else 'MISSED'}); dropped {result['dropped_records']} records, "
           f"{result['dropped_spans']} spans")
+    return 0
+
+
+def _boundary(args: argparse.Namespace, tmp: Path) -> int:
+    """Run the step-boundary rounds in a fresh process and print their table; non-zero on failure."""
+    cmd = [sys.executable, __file__, "--boundary-child", str(tmp / "boundary"), "--boundary-steps",
+           str(args.boundary_steps), "--gap-us", str(args.gap_us)]
+    proc = subprocess.run(cmd, env=isolated_env(tmp), capture_output=True, text=True, timeout=args.timeout_s,
+                          check=False)
+    result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if result is None:
+        print(f"- step-boundary run failed: {(proc.stderr or proc.stdout).strip().splitlines()[-3:]}")
+        return 1
+    floor, empty, logged, tb = (result[k] for k in ("floor", "ot.step empty", "ot.step + ot.log", "tb writer"))
+    print(f"Step boundary, training thread, {args.boundary_steps:,} steps x 3 interleaved rounds (median), "
+          f"gap {args.gap_us:g} µs, exporters: {result['exporters']}\n")
+    print("| row | µs/step median | p99 |")
+    print("|---|---|---|")
+    for name, r in result.items():
+        if isinstance(r, dict):
+            print(f"| {name} | {r['median_us']:.2f} | {r['p99_us']:.2f} |")
+    lf, lt = logged["median_us"] / floor["median_us"], logged["median_us"] / tb["median_us"]
+    print()
+    print(f"- empty ot.step {empty['median_us']:.2f} µs (target ≤ 2 µs: "
+          f"{'met' if empty['median_us'] <= 2 else 'MISSED'})")
+    print(f"- ot.step + ot.log(20) vs the floor of 20 list.append: {lf:.2f}× (target ≤ 3×: "
+          f"{'met' if lf <= 3 else 'MISSED'})")
+    print(f"- ot.step + ot.log(20) vs TensorBoard's event writer: {lt:.2f}× (target ≤ 0.33×: "
+          f"{'met' if lt <= 1 / 3 else 'MISSED'})")
+    print(f"- every step landed in the log buffer's export: {result['landed']} of {result['expected']}\n")
+    return 0
+
+
+def _boundary_child(args: argparse.Namespace, root: Path) -> int:
+    import statistics
+    import time
+
+    import otel_train as ot
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    session = ot.init(exporters=["jsonl"], dir=str(root / "runs"), run_name="boundary")
+    writer = EventFileWriter(str(root / "tb"))
+    from _loop import make_values  # the 20 values as a dict literal, built inside every timed block
+    clock, gap = time.perf_counter_ns, args.gap_us / 1e6
+    n = args.boundary_steps
+    step_no = [0]
+
+    def floor(i: int) -> int:
+        out: list[float] = []
+        t0 = clock()
+        for v in make_values(i).values():
+            out.append(v)
+        return clock() - t0
+
+    def empty(i: int) -> int:
+        t0 = clock()
+        with ot.step(step_no[0]):
+            pass
+        t = clock() - t0
+        step_no[0] += 1
+        return t
+
+    def logged(i: int) -> int:
+        t0 = clock()
+        with ot.step(step_no[0]):
+            ot.log(make_values(i))
+        t = clock() - t0
+        step_no[0] += 1
+        return t
+
+    def tb(i: int) -> int:
+        V = summary_pb2.Summary.Value
+        t0 = clock()
+        values = make_values(i)
+        summary = summary_pb2.Summary(value=[V(tag=k, simple_value=v) for k, v in values.items()])
+        writer.add_event(event_pb2.Event(wall_time=time.time(), step=step_no[0], summary=summary))
+        return clock() - t0
+
+    rows = {"floor": floor, "ot.step empty": empty, "ot.step + ot.log": logged, "tb writer": tb}
+    samples: dict[str, list[list[int]]] = {name: [] for name in rows}
+    logged_steps = []
+    for _ in range(3):
+        for name, fn in rows.items():
+            times = []
+            for i in range(n):
+                if name == "ot.step + ot.log":
+                    logged_steps.append(step_no[0])
+                times.append(fn(i))
+                if gap:
+                    time.sleep(gap)
+            samples[name].append(sorted(times))
+    session.shutdown()
+    writer.close()
+    landed = set()
+    for path in (root / "runs").rglob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("name") == "train/m00":
+                landed.add(rec.get("step"))
+    out: dict[str, object] = {}
+    for name, rounds in samples.items():
+        out[name] = {"median_us": statistics.median(r[len(r) // 2] for r in rounds) / 1000,
+                     "p99_us": statistics.median(r[int(len(r) * 0.99)] for r in rounds) / 1000}
+    out.update(exporters="jsonl (exporter process)", landed=len(landed & set(logged_steps)),
+               expected=len(logged_steps))
+    print("RESULT " + json.dumps(out))
     return 0
 
 
