@@ -78,6 +78,10 @@ class _Bounded:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def maxlen(self) -> int:
+        return self._items.maxlen or 0
+
 
 class LogBuffer(_Bounded):
     """Records of `ot.log`: ``(seq, step, mapping, time_ns)``.

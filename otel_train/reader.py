@@ -49,6 +49,7 @@ __all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
 
 _logger = logging.getLogger(__name__)
 _SCOPE = InstrumentationScope("otel_train")
+_WAKE_EVERY_S = 0.1  # step ends with only `ot.log` / spans to collect wake the collector at most this often
 _SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
 
 
@@ -320,6 +321,11 @@ class StepAlignedMetricReader(MetricReader):
         self._log = LogOnce(_logger)
         self._collect_lock = threading.Lock()
         self._steps_since = 0
+        self._sdk_recorded = True  # stays True unless the SDK's measurements are watched
+        self._sdk_watched = False
+        self._collector_ident = 0
+        self._next_wake_s = 0.0
+        self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)  # cheap len() check
         self._last_step: int | None = None
         self._reported_drops = (0, 0, 0)
         self._shutdown = False
@@ -347,6 +353,7 @@ class StepAlignedMetricReader(MetricReader):
             w.restart_after_fork()
 
     def _collector_loop(self) -> None:
+        self._collector_ident = threading.get_ident()
         while not self._stop:
             self._wake.wait(timeout=self.export_interval_s)
             self._wake.clear()
@@ -359,11 +366,18 @@ class StepAlignedMetricReader(MetricReader):
 
     # -- training-thread side -----------------------------------------------------------------
     def on_step_end(self, info: StepEnd) -> None:
-        """Step-end listener (training thread): wake the collector every `export_every` steps."""
+        """Step-end listener (training thread): wake the collector every `export_every` steps, but only
+        when a step must be collected now: an SDK instrument recorded since the last collection (its
+        points get the step they were recorded in), or `_WAKE_EVERY_S` passed, or a buffer is a
+        quarter full. `ot.log` records and spans carry their step, so batching them loses nothing,
+        and most step ends wake nobody (a woken collector competes with this thread for the GIL)."""
         self._last_step = info.step
         self._steps_since += 1
-        if self._steps_since >= self.export_every:
+        if self._steps_since >= self.export_every and (
+                self._sdk_recorded or info.time_total_s >= self._next_wake_s
+                or len(self.log_buffer) >= self._wake_records or len(self.span_buffer) >= self._wake_records):
             self._steps_since = 0
+            self._next_wake_s = info.time_total_s + _WAKE_EVERY_S
             self._wake.set()
 
     # -- collection (collector thread) ----------------------------------------------------------
@@ -373,9 +387,31 @@ class StepAlignedMetricReader(MetricReader):
         resource = getattr(config, "resource", None)
         if isinstance(resource, Resource):
             self._resource = resource
+        self._watch_sdk_measurements(meter_provider)
+
+    def _watch_sdk_measurements(self, meter_provider: Any) -> None:
+        """Flag SDK measurements recorded off the collector thread, so that the step they were recorded
+        in ends with a collection. Reaches into the SDK's measurement storage; where that is not
+        found, every `export_every`-th step end collects, as if something were always recorded."""
+        storages = getattr(getattr(meter_provider, "_measurement_consumer", None), "_reader_storages", None)
+        storage = storages.get(self) if isinstance(storages, dict) else None
+        consume = getattr(storage, "consume_measurement", None)
+        if consume is None:
+            return
+
+        def consume_measurement(*args: Any, **kwargs: Any) -> None:
+            if threading.get_ident() != self._collector_ident:  # observable callbacks run in collection
+                self._sdk_recorded = True
+            consume(*args, **kwargs)
+
+        storage.consume_measurement = consume_measurement
+        self._sdk_watched = True
+        self._sdk_recorded = False
 
     def _collect_window(self) -> None:
         with self._collect_lock:
+            if self._sdk_watched:  # before collecting: what is recorded from here on wakes the next step end
+                self._sdk_recorded = False
             try:
                 # The SDK's collect callback directly: `collect()` skips `_receive_metrics` when the
                 # SDK has no instruments, but the `ot.log` / span buffers still need draining.

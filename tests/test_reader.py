@@ -61,7 +61,7 @@ def test_export_every_n_steps_windows(run_dir: Path) -> None:
 
     for i in ot.steps(range(3)):
         ot.log({"loss": float(i)})
-    time.sleep(0.05)
+    time.sleep(0.15)  # past the reader's 0.1 s between collections of `ot.log`-only steps
     assert session.reader.windows == 0  # three steps: no window due yet
     with ot.step(3):
         ot.log({"loss": 3.0})
@@ -70,10 +70,47 @@ def test_export_every_n_steps_windows(run_dir: Path) -> None:
     assert mem.values("loss") == {i: float(i) for i in range(4)}
     for i in ot.steps(range(4, 8), start=4):
         ot.log({"loss": float(i)})
+        time.sleep(0.03)
     wait_for_windows(2)
     assert session.reader.windows == 2
     ot.flush()
     assert mem.values("loss") == {i: float(i) for i in range(8)}
+
+
+def test_log_only_step_ends_wake_the_collector_at_most_every_0_1_s() -> None:
+    """Steps whose records carry their step (`ot.log`, spans) need no collection of their own: of 20
+    step ends 1/32 s apart, one in four wakes the collector; every value still lands at its step."""
+    mem = InMemoryRowExporter()
+    reader = StepAlignedMetricReader([mem], export_interval_s=3600)
+    provider = MeterProvider(metric_readers=[reader])
+    wakes = []
+    real_set = reader._wake.set
+    reader._wake.set = lambda: (wakes.append(1), real_set())[1]  # type: ignore[method-assign]
+    for i in range(20):
+        reader.log_buffer.append(i, {"loss": float(i)})
+        reader.on_step_end(StepEnd(i, 1 / 32, i / 32, i + 1, None))
+    assert len(wakes) == 5  # steps 0, 4, 8, 12, 16
+    reader.force_flush()
+    assert mem.values("loss") == {i: float(i) for i in range(20)}
+    provider.shutdown()
+
+
+def test_step_with_a_raw_instrument_without_step_is_collected_at_its_end(run_dir: Path) -> None:
+    """A raw OTel gauge set without `train.step` makes its step's end wake the collector, so each
+    value gets the step it was recorded in (here: the collector is given time between steps)."""
+    mem = InMemoryRowExporter()
+    session = ot.init(exporters=[mem], dir=run_dir, export_interval_s=3600)
+    gauge = ot.get_meter().create_gauge("gpu/util")
+    for i in ot.steps(range(12)):
+        deadline = time.monotonic() + 10
+        while session.reader.windows < i and time.monotonic() < deadline:
+            time.sleep(0.002)  # the previous step's window is out
+        gauge.set(float(i))
+        if i % 2:
+            ot.log({"loss": float(i)})
+    ot.flush()
+    assert mem.values("gpu/util") == {i: float(i) for i in range(12)}
+    assert mem.values("loss") == {i: float(i) for i in range(1, 12, 2)}
 
 
 def test_points_from_several_threads(run_dir: Path) -> None:
