@@ -325,7 +325,8 @@ class StepAlignedMetricReader(MetricReader):
         self._sdk_watched = False
         self._collector_ident = 0
         self._next_wake_s = 0.0
-        self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)  # cheap len() check
+        self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)
+        self._log_items, self._span_items = self.log_buffer._items, self.span_buffer._items  # len() in C
         self._last_step: int | None = None
         self._reported_drops = (0, 0, 0)
         self._shutdown = False
@@ -375,7 +376,7 @@ class StepAlignedMetricReader(MetricReader):
         self._steps_since += 1
         if self._steps_since >= self.export_every and (
                 self._sdk_recorded or info.time_total_s >= self._next_wake_s
-                or len(self.log_buffer) >= self._wake_records or len(self.span_buffer) >= self._wake_records):
+                or len(self._log_items) >= self._wake_records or len(self._span_items) >= self._wake_records):
             self._steps_since = 0
             self._next_wake_s = info.time_total_s + _WAKE_EVERY_S
             self._wake.set()

@@ -223,7 +223,7 @@ class Session:
         values: dict[str, float] = {
             semconv.TRAIN_STEP_DURATION: info.duration_s,
             semconv.TRAIN_TIME_TOTAL: info.time_total_s,
-            semconv.TRAIN_ITERATIONS: info.iterations,
+            semconv.TRAIN_ITERATIONS: float(info.iterations),  # all floats: the log buffer's fast path
         }
         if info.samples is not None and info.duration_s > 0:
             values[semconv.TRAIN_THROUGHPUT] = info.samples / info.duration_s

@@ -35,6 +35,7 @@ _logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 _current: contextvars.ContextVar[int | None] = contextvars.ContextVar("otel_train_step", default=None)
+_clock = time.perf_counter_ns  # bound once: a step boundary is on the training thread's hot path
 
 
 class _ProcessState:
@@ -44,7 +45,7 @@ class _ProcessState:
 
     def __init__(self) -> None:
         self.latest: int | None = None
-        self.started_ns = time.perf_counter_ns()
+        self.started_ns = _clock()
         self.iterations = 0
         self.warned_backwards = False
 
@@ -122,34 +123,33 @@ class step:
         return self._step
 
     def __enter__(self) -> int:
-        latest = _state.latest
-        if latest is not None and self._step < latest and not _state.warned_backwards:
-            _state.warned_backwards = True
+        state = _state
+        latest = state.latest
+        if latest is not None and self._step < latest and not state.warned_backwards:
+            state.warned_backwards = True
             _logger.warning(
                 "step %d follows step %d: steps are exported as given; backends that need increasing "
                 "steps handle it themselves (warned once)",
                 self._step,
                 latest,
             )
-        _state.latest = self._step
+        state.latest = self._step
         self._token = _current.set(self._step)
-        self._start_ns = time.perf_counter_ns()
+        self._start_ns = _clock()
         return self._step
 
     def __exit__(self, *exc: object) -> None:
-        end_ns = time.perf_counter_ns()
+        # Kept to a few attribute stores and one call per listener: the runtime's listener appends the
+        # step's own gauges to a buffer and wakes no thread unless a collection is due.
+        end_ns = _clock()
         if self._token is not None:
             _current.reset(self._token)
             self._token = None
-        _state.iterations += 1
+        state = _state
+        state.iterations += 1
         if _listeners:
-            info = StepEnd(
-                self._step,
-                (end_ns - self._start_ns) / 1e9,
-                (end_ns - _state.started_ns) / 1e9,
-                _state.iterations,
-                self._samples,
-            )
+            info = StepEnd(self._step, (end_ns - self._start_ns) / 1e9, (end_ns - state.started_ns) / 1e9,
+                           state.iterations, self._samples)
             for listener in _listeners:
                 try:
                     listener(info)
