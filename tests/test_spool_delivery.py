@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,7 +72,7 @@ def test_a_stalled_backend_reads_back_from_the_spool_and_a_failing_one_retries(t
     gate = threading.Event()
 
     class Stalled(InMemoryRowExporter):
-        def write_metrics(self, rows, histograms):  # type: ignore[no-untyped-def]
+        def write_metrics(self, rows: Any, histograms: Any) -> None:
             gate.wait(30)
             super().write_metrics(rows, histograms)
 
@@ -117,3 +118,43 @@ def test_segments_go_while_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.M
     assert delivery.flush(time.monotonic() + 30)
     assert [int(s.stem) for s in Spool(tmp_path).segments()] == [20]  # only the open segment is left
     delivery.close(time.monotonic() + 30)
+
+
+def test_without_a_spool_a_full_queue_pushes_back_and_nothing_accepted_is_lost() -> None:
+    """The sink's mode: `submit_window` waits for room, and says False (queueing nothing) if a
+    backend's queue stays full; once the backend moves, every accepted window is written once."""
+    release = threading.Event()
+
+    class Stuck(InMemoryRowExporter):
+        def write_metrics(self, rows: Any, histograms: Any) -> None:
+            release.wait(30)
+            super().write_metrics(rows, histograms)
+
+    stuck, quick = Stuck(), InMemoryRowExporter()
+    d = Delivery({"stuck": stuck, "quick": quick}, None, queue_windows=2)
+    accepted = []
+    for step in range(6):
+        if d.submit_window(decode_window(window(step)), step, 0.2):
+            accepted.append(step)
+        if step == 0:
+            while d.backlogged():  # until the first window is in the backends' hands, not their queues
+                time.sleep(0.005)
+    assert accepted == [0, 1, 2]  # one in the backend, two queued
+    assert d.backlogged()
+    release.set()
+    assert d.flush(time.monotonic() + 30)
+    assert _steps(stuck) == _steps(quick) == [0, 1, 2]
+    assert d.rows_written == 3 and d.pending == 0
+    assert d.close(time.monotonic() + 30)
+
+
+def test_without_a_spool_a_failed_write_is_reported_and_a_failed_flush_answers_false() -> None:
+    errors: list[str] = []
+    bad = InMemoryRowExporter()
+    d = Delivery({"bad": bad}, None, on_error=errors.append)
+    bad.fail_times = 10**6  # every write fails, and so does every flush (the failed rows are pending)
+    assert d.submit_window(decode_window(window(0)), 0, 1.0)
+    assert not d.flush(time.monotonic() + 600)  # answers once the flush was tried, not at the deadline
+    assert errors and set(errors) == {"bad"}
+    bad.fail_times = 0
+    d.close(time.monotonic() + 30)
