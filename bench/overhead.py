@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from run import HERE, isolated_env, run_row
 
@@ -46,8 +47,9 @@ def main() -> int:
 
 
 def _run(args: argparse.Namespace, tmp: Path) -> int:
-    if _boundary(args, tmp) or args.boundary_only:
-        return 1 if not args.boundary_only else 0
+    rc = _boundary(args, tmp)
+    if rc or args.boundary_only:
+        return rc
     rows = {tool: run_row(tool, args.steps, args, tmp) for tool in ("floor", "ot", "raw-otel")}
     for tool, r in rows.items():
         if "error" in r:
@@ -72,11 +74,8 @@ def _run(args: argparse.Namespace, tmp: Path) -> int:
           f"whole step vs floor: {ours['mean_us'] / floor['mean_us']:.2f}×")
     cmd = [sys.executable, str(HERE / "soak.py"), "--steps", str(args.rss_steps), "--every",
            str(max(1, args.rss_steps // 10)), "--gap-us", str(args.gap_us), "--dir", str(tmp / "soak")]
-    proc = subprocess.run(cmd, env=isolated_env(tmp), capture_output=True, text=True, timeout=args.timeout_s,
-                          check=False)
-    result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    result = _child_result(cmd, "RSS run", args, tmp)
     if result is None:
-        print(f"- RSS run failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
         return 1
     growth = result["growth_mb"]
     print(f"- RSS over {args.rss_steps:,} steps (ot.log + 4 ot.span per step, counting backend): "
@@ -86,15 +85,22 @@ def _run(args: argparse.Namespace, tmp: Path) -> int:
     return 0
 
 
-def _boundary(args: argparse.Namespace, tmp: Path) -> int:
-    """Run the step-boundary rounds in a fresh process and print their table; non-zero on failure."""
-    cmd = [sys.executable, __file__, "--boundary-child", str(tmp / "boundary"), "--boundary-steps",
-           str(args.boundary_steps), "--gap-us", str(args.gap_us)]
+def _child_result(cmd: list[str], what: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
+    """Run a bench child and return its `RESULT {json}` line (None, after saying why, if it has none)."""
     proc = subprocess.run(cmd, env=isolated_env(tmp), capture_output=True, text=True, timeout=args.timeout_s,
                           check=False)
     result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
     if result is None:
-        print(f"- step-boundary run failed: {(proc.stderr or proc.stdout).strip().splitlines()[-3:]}")
+        print(f"- {what} failed: {(proc.stderr or proc.stdout).strip().splitlines()[-3:]}")
+    return result
+
+
+def _boundary(args: argparse.Namespace, tmp: Path) -> int:
+    """Run the step-boundary rounds in a fresh process and print their table; non-zero on failure."""
+    cmd = [sys.executable, __file__, "--boundary-child", str(tmp / "boundary"), "--boundary-steps",
+           str(args.boundary_steps), "--gap-us", str(args.gap_us)]
+    result = _child_result(cmd, "step-boundary run", args, tmp)
+    if result is None:
         return 1
     floor, empty, logged, tb = (result[k] for k in ("floor", "ot.step empty", "ot.step + ot.log", "tb writer"))
     print(f"Step boundary, training thread, {args.boundary_steps:,} steps x 3 interleaved rounds (median), "
