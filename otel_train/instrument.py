@@ -109,6 +109,10 @@ class LogBuffer(_Bounded):
                 break
         self._items.append((next(self._seq), step, mapping, _time_ns() if time_ns is None else time_ns))
 
+    def append_floats(self, step: int, mapping: Any) -> None:
+        """Append a record known to hold only floats (anything with `items()`), unchecked."""
+        self._items.append((next(self._seq), step, mapping, _time_ns()))
+
     def _check_sync(self, mapping: Mapping[str, Any]) -> None:
         for key, value in mapping.items():
             if type(value) in _PLAIN or key in self._warned:

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import config as cfg
-from otel_train import semconv
 from otel_train.errors import ConfigError
 from otel_train.instrument import NO_SPAN, LogBuffer, ProfiledSpanScope, SpanBuffer, SpanScope
 from otel_train.records import ExporterOptions, RunInfo, config_hash
@@ -155,6 +154,7 @@ class Session:
         self._closed = False
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
+        self._append_step_end = self.log_buffer.append_floats
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_listener = self._on_step_end
         add_step_end_listener(self._step_listener)
@@ -220,14 +220,8 @@ class Session:
         return self._scope_class(self.span_buffer, name, attributes, record_context)
 
     def _on_step_end(self, info: StepEnd) -> None:
-        values: dict[str, float] = {
-            semconv.TRAIN_STEP_DURATION: info.duration_s,
-            semconv.TRAIN_TIME_TOTAL: info.time_total_s,
-            semconv.TRAIN_ITERATIONS: float(info.iterations),  # all floats: the log buffer's fast path
-        }
-        if info.samples is not None and info.duration_s > 0:
-            values[semconv.TRAIN_THROUGHPUT] = info.samples / info.duration_s
-        self._append(info.step, values)
+        # The StepEnd itself is buffered: the collector builds the step's gauges from it (`StepEnd.items`).
+        self._append_step_end(info.step, info)
         self.reader.on_step_end(info)
 
     def add_config(self, config: Mapping[str, Any]) -> None:

@@ -54,7 +54,8 @@ _state = _ProcessState()
 
 
 class StepEnd:
-    """What a step-end listener receives."""
+    """What a step-end listener receives; also the step's own gauges (`items`), so that the runtime can
+    buffer it as is and the collector thread, not the training thread, builds them."""
 
     __slots__ = ("duration_s", "iterations", "samples", "step", "time_total_s")
 
@@ -64,6 +65,19 @@ class StepEnd:
         self.time_total_s = time_total_s
         self.iterations = iterations
         self.samples = samples
+
+    def items(self) -> list[tuple[str, float]]:
+        """The step's gauges: duration, time since start, iterations and, with `samples`, throughput.
+
+        Example:
+            >>> StepEnd(3, 0.5, 10.0, 4, 64).items()[-1]
+            ('train.throughput', 128.0)
+        """
+        out = [(semconv.TRAIN_STEP_DURATION, self.duration_s), (semconv.TRAIN_TIME_TOTAL, self.time_total_s),
+               (semconv.TRAIN_ITERATIONS, float(self.iterations))]
+        if self.samples is not None and self.duration_s > 0:
+            out.append((semconv.TRAIN_THROUGHPUT, self.samples / self.duration_s))
+        return out
 
 
 StepEndListener = Callable[[StepEnd], None]
