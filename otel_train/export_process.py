@@ -113,6 +113,7 @@ class ExportProcess:
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply_cv = threading.Condition()
         self._closing = False
+        self._close_requested = False
         self._pid = os.getpid()
         self.restarts = 0
         self.dropped = 0
@@ -244,7 +245,7 @@ class ExportProcess:
                     entry = self._replies.setdefault(msg[1], {})
                     entry[kind] = msg[2] if kind == "done" else True
                     self._reply_cv.notify_all()
-        if conn is self._conn and not self._closing:
+        if conn is self._conn and not self._closing and not self._close_requested:
             proc.wait()
             self._on_child_death(proc.returncode)
 
@@ -310,6 +311,8 @@ class ExportProcess:
         keeps draining on its own for up to its drain timeout."""
         if os.getpid() != self._pid:
             return True
+        # The child exits once it has answered: that exit is the hand-off, not a death to restart from.
+        self._close_requested = True
         rid, ok = self._ask(b"C", deadline)
         if not ok and rid:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
