@@ -54,10 +54,10 @@ def _runner(tmp_path: Path, **extra: Any) -> Runner:
               "batch_size": 4, "collate_fn": {"type": "default_collate"}}
     return Runner(
         model=TinyModel(), work_dir=str(tmp_path / "work"), experiment_name="mm",
-        train_dataloader=loader, val_dataloader=loader, val_evaluator=MSEMetric(),
+        train_dataloader=loader, val_dataloader=loader, val_evaluator=[MSEMetric()],
         train_cfg={"by_epoch": False, "max_iters": 6, "val_interval": 3}, val_cfg={},
         optim_wrapper={"optimizer": {"type": "SGD", "lr": 0.01}},
-        default_hooks={"logger": {"type": "LoggerHook", "interval": 2}, "checkpoint": None},
+        default_hooks={"logger": {"type": "LoggerHook", "interval": 2, "log_metric_by_epoch": False}, "checkpoint": None},
         **extra,
     )
 
@@ -79,12 +79,13 @@ def test_hook_writes_message_hub_values_at_mmengine_steps(tmp_path: Path, monkey
     history, _ = runner.message_hub.get_scalar("train/loss").data  # MMEngine's own loss per iteration
     losses = {i + 1: float(v) for i, v in enumerate(history)}
 
-    acc = _scalars(tmp_path / "runs" / "mm")
+    name = runner.experiment_name  # MMEngine's run name ("mm_<timestamp>") names the run
+    acc = _scalars(tmp_path / "runs" / name)
     assert {e.step: e.value for e in acc.Scalars("train/loss")} == pytest.approx(losses)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in acc.Scalars("train/lr")] == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in acc.Scalars("val/mse")] == [3, 6]
-    events = load_trace(trace_path(tmp_path / "runs", "mm", 0))
+    events = load_trace(trace_path(tmp_path / "runs", name, 0))
     iters = [e for e in events if e.get("ph") == "X" and e["name"] == "mmengine/train_iter"]
     assert sorted(e["args"]["train.step"] for e in iters) == [1, 2, 3, 4, 5, 6]
     assert len([e for e in events if e.get("ph") == "X" and e["name"] == "mmengine/val"]) == 2
