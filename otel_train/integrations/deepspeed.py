@@ -15,6 +15,7 @@ calls ``write_events`` itself.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,13 +29,9 @@ _logger = logging.getLogger(__name__)
 
 def _placement() -> dict[str, int]:
     """DeepSpeed's own rank when its process group is up; else the launcher's variables decide."""
-    try:
-        import deepspeed.comm as dist
-
-        if dist.is_initialized():
-            return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-    except Exception:  # DeepSpeed missing or not initialised
-        pass
+    dist = sys.modules.get("deepspeed.comm")  # only when the user's DeepSpeed is loaded: never import it
+    if dist is not None and dist.is_initialized():
+        return {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
     return {}
 
 

@@ -12,14 +12,14 @@ import pytest
 pytest.importorskip("mmengine", reason="MMEngine is not installed: pip install 'otel-train[mmengine]'")
 torch = pytest.importorskip("torch", reason="MMEngine needs torch: pip install torch==2.13.0")
 
-from mmengine.evaluator import BaseMetric  # noqa: E402
-from mmengine.model import BaseModel  # noqa: E402
-from mmengine.runner import Runner  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from mmengine.evaluator import BaseMetric
+from mmengine.model import BaseModel
+from mmengine.runner import Runner
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import otel_train.integrations.mmengine  # noqa: E402,F401  (registers the hook and the vis backend)
-from otel_train.exporters.chrome_trace import trace_path  # noqa: E402
-from otel_train.trace_merge import load_trace  # noqa: E402
+import otel_train.integrations.mmengine  # noqa: F401  (registers the hook and the vis backend)
+from otel_train.exporters.chrome_trace import trace_path
+from otel_train.trace_merge import load_trace
 
 
 class TinyModel(BaseModel):  # type: ignore[misc]

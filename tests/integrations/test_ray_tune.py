@@ -10,13 +10,13 @@ import pytest
 
 tune = pytest.importorskip("ray.tune", reason="Ray Tune is not installed: pip install 'otel-train[ray]'")
 
-import ray  # noqa: E402
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+import ray
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import otel_train as ot  # noqa: E402
-from otel_train.exporters.chrome_trace import trace_path  # noqa: E402
-from otel_train.integrations.ray_tune import OtelTrainCallback  # noqa: E402
-from otel_train.trace_merge import load_trace  # noqa: E402
+import otel_train as ot
+from otel_train.exporters.chrome_trace import trace_path
+from otel_train.integrations.ray_tune import OtelTrainCallback
+from otel_train.trace_merge import load_trace
 
 
 def _tags(path: Path) -> EventAccumulator:
