@@ -48,6 +48,19 @@ def _numbers(result: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str,
             yield name, float(value)
 
 
+def _error_message(trial: Any) -> str:
+    """The last line of the trial's error (Ray wraps it in a traceback), else where Tune saved it."""
+    try:
+        # Tune writes the error text next to the trial on the driver before it calls `on_trial_error`.
+        with open(trial.error_file, encoding="utf-8", errors="replace") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+        if lines:
+            return lines[-1].strip()
+    except (OSError, TypeError):
+        pass  # no error file (None) or unreadable: the span still says the trial failed
+    return f"trial failed (see {getattr(trial, 'error_file', None)})"
+
+
 class OtelTrainCallback(Callback):  # type: ignore[misc]
     """A `ray.tune.Callback` writing trial results and trial lifetimes to otel-train.
 
@@ -104,8 +117,7 @@ class OtelTrainCallback(Callback):  # type: ignore[misc]
         self._close_span(trial, None)
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        error = getattr(trial, "error_file", None) or "trial failed"
-        self._close_span(trial, f"{type(trial).__name__} {trial.trial_id}: {error}")
+        self._close_span(trial, _error_message(trial))
 
     def on_experiment_end(self, trials: list[Any], **info: Any) -> None:
         for trial_id in list(self._spans):

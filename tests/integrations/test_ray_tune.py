@@ -27,6 +27,8 @@ def _tags(path: Path) -> EventAccumulator:
 
 def _trainable(config: dict[str, Any]) -> None:
     for i in range(3):
+        if config["lr"] < 0 and i == 1:
+            raise ValueError("negative learning rate")
         tune.report({"loss": config["lr"] * (10 - i), "nested": {"acc": i / 10}, "name": "not a number"})
 
 
@@ -44,14 +46,15 @@ def test_two_trials_write_their_series_and_spans(ray_local: None, tmp_path: Path
     callback = OtelTrainCallback()
     tuner = tune.Tuner(
         _trainable,
-        param_space={"lr": tune.grid_search([1.0, 2.0])},
+        param_space={"lr": tune.grid_search([1.0, 2.0, -1.0])},
         run_config=tune.RunConfig(storage_path=str(tmp_path / "ray"), callbacks=[callback], verbose=0),
     )
     results = tuner.fit()
-    assert not results.errors
+    assert len(results.errors) == 1
     assert ot._session is None or ot._session.closed  # the callback shut down what it started
 
-    trials = {r.config["lr"]: r.metrics["trial_id"] for r in results}
+    trials = {r.config["lr"]: r.metrics["trial_id"] for r in results if r.error is None}
+    (failed,) = [r.metrics["trial_id"] for r in results if r.error is not None]
     acc = _tags(tmp_path / "runs" / "tune-run")
     scalars = set(acc.Tags()["scalars"])
     for lr, trial_id in trials.items():
@@ -66,10 +69,14 @@ def test_two_trials_write_their_series_and_spans(ray_local: None, tmp_path: Path
     assert not any("name" in t or "pid" in t or "timestamp" in t for t in scalars)
 
     events = load_trace(trace_path(tmp_path / "runs", "tune-run", 0))
-    spans = [e for e in events if e.get("ph") == "X" and e["name"] == "tune/trial"]
-    assert sorted(s["args"]["trial_id"] for s in spans) == sorted(trials.values())
-    assert sorted(s["args"]["config/lr"] for s in spans) == [1.0, 2.0]
-    assert all(s["args"]["tune/last_iteration"] == 3 for s in spans)
+    spans = {e["args"]["trial_id"]: e for e in events if e.get("ph") == "X" and e["name"] == "tune/trial"}
+    assert sorted(spans) == sorted([*trials.values(), failed])
+    assert sorted(s["args"]["config/lr"] for s in spans.values()) == [-1.0, 1.0, 2.0]
+    assert all(spans[t]["args"]["tune/last_iteration"] == 3 and "error" not in spans[t]["args"]
+               for t in trials.values())
+    assert spans[failed]["args"]["error"] == "ValueError: negative learning rate"
+    assert spans[failed]["args"]["tune/last_iteration"] == 1
+    assert {e.step for e in acc.Scalars(f"tune/loss{{trial_id={failed}}}")} == {1}
 
 
 def test_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
