@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import doctest
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,3 +104,26 @@ def test_real_deepspeed_engine_on_cpu(single_process_group: None, run_dir: Path,
     assert lr == pytest.approx({8: 0.05, 16: 0.05, 24: 0.05})  # DeepSpeed's own step: global_samples
     assert sorted(_scalars(run_dir / "ds-real", "Train/Samples/elapsed_time_ms_step")) == [8, 16, 24]
     assert (run_dir / "csv" / "theirs").exists()  # its configured monitors still write
+
+
+def test_deepspeed_rank_feeds_the_resource_and_ranks_gate_export(run_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's own rank (its process group, here a stand-in) wins over the launcher's variables."""
+    fake_comm = type(sys)("deepspeed.comm")
+    fake_comm.is_initialized = lambda: True
+    fake_comm.get_rank = lambda: 1
+    fake_comm.get_world_size = lambda: 2
+    monkeypatch.setitem(sys.modules, "deepspeed.comm", fake_comm)
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(run_dir))
+    monitor = OtelTrainMonitor()
+    monitor.write_events([("Train/Samples/lr", 0.1, 8)])
+    assert (ot._session.run.rank, ot._session.run.world_size) == (1, 2)
+    assert not ot._session.export_metrics  # OTEL_TRAIN_RANKS=0 (default): rank 1 records spans only
+    monitor.close()
+
+
+def test_docstring_example() -> None:
+    import otel_train.integrations.deepspeed as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0

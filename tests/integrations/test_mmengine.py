@@ -108,3 +108,21 @@ def test_import_registers_without_importing_at_otel_train_import() -> None:
             "import otel_train.integrations.mmengine; from mmengine.registry import HOOKS, VISBACKENDS;"
             "assert HOOKS.get('OtelTrainHook') and VISBACKENDS.get('OtelTrainVisBackend')")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hook_feeds_mmengines_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rank MMEngine reports (a stand-in for a distributed job) is the run's rank; rank 1 does not export."""
+    import mmengine.dist
+
+    import otel_train as ot
+    from otel_train.integrations.mmengine import OtelTrainHook
+
+    monkeypatch.setattr(mmengine.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(mmengine.dist, "get_world_size", lambda: 2)
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
+    hook = OtelTrainHook()
+    hook.before_run(type("Runner", (), {"cfg": None, "experiment_name": "ranked"})())
+    assert (ot._session.run.rank, ot._session.run.world_size, ot._session.run.run_name) == (1, 2, "ranked")
+    assert not ot._session.export_metrics
+    hook.after_run(None)
+    assert ot._session.closed
