@@ -92,3 +92,31 @@ def test_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert ot._session.run.run_id == state["run_id"]
     assert resumed.get_state()["run_name"] == state["run_name"]
     resumed.on_experiment_end([])
+
+
+def _fails_once(config: dict[str, Any]) -> None:
+    marker = Path(config["marker"])
+    for i in range(3):
+        if i == 1 and not marker.exists():
+            marker.touch()
+            raise RuntimeError("first attempt fails")
+        tune.report({"loss": 10.0 - i})
+
+
+def test_restored_experiment_continues_the_same_run(ray_local: None, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Tuner.restore` brings the callback back through Tune's checkpointed state: same run, same folder."""
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))  # no run name or id: a fresh id per init
+    config = {"marker": str(tmp_path / "marker")}
+    tuner = tune.Tuner(_fails_once, param_space=config, run_config=tune.RunConfig(
+        name="exp", storage_path=str(tmp_path / "ray"), callbacks=[OtelTrainCallback()], verbose=0))
+    assert len(tuner.fit().errors) == 1
+    (first_run,) = (tmp_path / "runs").iterdir()
+    restored = tune.Tuner.restore(str(tmp_path / "ray" / "exp"), _fails_once, resume_errored=True)
+    results = restored.fit()
+    assert not results.errors
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [first_run.name]  # the same run continued
+    (trial_id,) = [r.metrics["trial_id"] for r in results]
+    acc = _tags(first_run)
+    assert {e.step: e.value for e in acc.Scalars(f"tune/loss{{trial_id={trial_id}}}")} == {
+        1: 10.0, 2: 9.0, 3: 8.0}
