@@ -27,7 +27,7 @@ __all__ = ["OtelTrainMonitor"]
 _logger = logging.getLogger(__name__)
 
 
-def _placement() -> dict[str, int]:
+def _placement() -> dict[str, Any]:
     """DeepSpeed's own rank when its process group is up; else the launcher's variables decide."""
     dist = sys.modules.get("deepspeed.comm")  # only when the user's DeepSpeed is loaded: never import it
     if dist is not None and dist.is_initialized():

@@ -21,7 +21,7 @@ from typing import Any
 
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS, VISBACKENDS
-from mmengine.visualization.vis_backend import BaseVisBackend, force_init_env
+from mmengine.visualization.vis_backend import BaseVisBackend
 
 import otel_train as ot
 from otel_train.integrations._session import OwnedSession
@@ -31,7 +31,7 @@ __all__ = ["OtelTrainHook", "OtelTrainVisBackend"]
 _logger = logging.getLogger(__name__)
 
 
-def _placement() -> dict[str, int]:
+def _placement() -> dict[str, Any]:
     """MMEngine's own rank (its `init_dist` may differ from the launcher's variables)."""
     from mmengine.dist import get_local_rank, get_rank, get_world_size
 
@@ -135,28 +135,35 @@ class OtelTrainVisBackend(BaseVisBackend):  # type: ignore[misc]
         self._session = OwnedSession()
         self._config: dict[str, Any] | None = None
 
+    _env_initialized: bool  # set by BaseVisBackend
+
     def _init_env(self) -> None:
         self._session.ensure(config=self._config, **_placement())
 
-    @property  # type: ignore[misc]
-    @force_init_env
+    def _ready(self) -> None:
+        # What MMEngine's `force_init_env` decorator does: start on first use, not at construction.
+        if not self._env_initialized:
+            self._init_env()
+            self._env_initialized = True
+
+    @property
     def experiment(self) -> Any:
+        """The otel-train session this backend writes to."""
+        self._ready()
         return ot._session
 
     def add_config(self, config: Any, **kwargs: Any) -> None:
         """Keep the config as the run's config (used when this backend starts the session)."""
         self._config = _plain_config(config)
-        if not self._env_initialized:
-            self._init_env()
-            self._env_initialized = True
+        self._ready()
 
-    @force_init_env
     def add_scalar(self, name: str, value: Any, step: int = 0, **kwargs: Any) -> None:
+        self._ready()
         ot.log({name: value}, step=step)
 
-    @force_init_env
     def add_scalars(self, scalar_dict: Mapping[str, Any], step: int = 0, file_path: str | None = None,
                     **kwargs: Any) -> None:
+        self._ready()
         ot.log(dict(scalar_dict), step=step)
 
     def close(self) -> None:

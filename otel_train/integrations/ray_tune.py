@@ -61,7 +61,7 @@ def _error_message(trial: Any) -> str:
     return f"trial failed (see {getattr(trial, 'error_file', None)})"
 
 
-class OtelTrainCallback(Callback):  # type: ignore[misc]
+class OtelTrainCallback(Callback):
     """A `ray.tune.Callback` writing trial results and trial lifetimes to otel-train.
 
     Args:
@@ -140,7 +140,7 @@ class OtelTrainCallback(Callback):  # type: ignore[misc]
             step = self._last_step.get(trial.trial_id, 0) + 1
         step = int(step)
         self._last_step[trial.trial_id] = step
-        attributes = {ot.STEP_ATTRIBUTE: step, "trial_id": str(trial.trial_id)}
+        attributes: dict[str, Any] = {ot.STEP_ATTRIBUTE: step, "trial_id": str(trial.trial_id)}
         meter = ot.get_meter("otel_train.ray_tune")
         for key, value in _numbers(result):
             name = self.prefix + key
