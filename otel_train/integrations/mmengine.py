@@ -95,17 +95,24 @@ class OtelTrainHook(Hook):  # type: ignore[misc]
     def _exit_iter(self) -> None:
         span, step = self._span, self._step
         self._span = self._step = None
+        for scope in (span, step):
+            if scope is not None:
+                self._exit(scope)
+
+    @staticmethod
+    def _exit(scope: Any) -> None:
         try:
-            if span is not None:
-                span.__exit__(None, None, None)
-            if step is not None:
-                step.__exit__(None, None, None)
+            scope.__exit__(None, None, None)
         except Exception:
-            _logger.warning("otel-train: after_train_iter failed", exc_info=True)
+            _logger.warning("otel-train: could not close a span or step", exc_info=True)
 
     def before_val_epoch(self, runner: Any) -> None:
-        self._val_span = ot.span("mmengine/val", {"epoch": runner.epoch, ot.STEP_ATTRIBUTE: runner.iter})
-        self._val_span.__enter__()
+        try:
+            span = ot.span("mmengine/val", {"epoch": runner.epoch, ot.STEP_ATTRIBUTE: runner.iter})
+            span.__enter__()
+            self._val_span = span
+        except Exception:
+            _logger.warning("otel-train: before_val_epoch failed", exc_info=True)
 
     def after_val_epoch(self, runner: Any, metrics: Mapping[str, Any] | None = None) -> None:
         try:
@@ -115,7 +122,7 @@ class OtelTrainHook(Hook):  # type: ignore[misc]
             _logger.warning("otel-train: could not write MMEngine's validation metrics", exc_info=True)
         span, self._val_span = self._val_span, None
         if span is not None:
-            span.__exit__(None, None, None)
+            self._exit(span)
 
     def after_run(self, runner: Any) -> None:
         self._exit_iter()
