@@ -141,7 +141,7 @@ class OtelTrainCallback(Callback):
         step = int(step)
         self._last_step[trial.trial_id] = step
         attributes: dict[str, Any] = {ot.STEP_ATTRIBUTE: step, "trial_id": str(trial.trial_id)}
-        meter = ot.get_meter("otel_train.ray_tune")
+        meter = ot.get_meter(__name__)
         for key, value in _numbers(result):
             name = self.prefix + key
             gauge = self._gauges.get(name)
@@ -159,7 +159,7 @@ class OtelTrainCallback(Callback):
             if self.config_attributes:
                 for key, value in _numbers(getattr(trial, "config", None) or {}):
                     attributes[f"config/{key}"] = value
-            span = ot.get_tracer("otel_train.ray_tune").start_span("tune/trial", attributes=attributes)
+            span = ot.get_tracer(__name__).start_span("tune/trial", attributes=attributes)
             self._spans[trial.trial_id] = span
         except Exception:
             _logger.warning("otel-train: could not open the span of a Ray Tune trial", exc_info=True)
