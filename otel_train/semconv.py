@@ -103,7 +103,7 @@ CONVENTIONS: tuple[Convention, ...] = (
                display="otel_train/points"),
     Convention(SELF_WINDOWS, "metric", "int", "1", "exporter process: windows received so far",
                display="otel_train/windows"),
-    Convention(SELF_BACKLOG, "metric", "int", "1", "exporter process, `{exporter=X}`: windows not yet written to X",
+    Convention(SELF_BACKLOG, "metric", "int", "1", "exporter process, `{exporter=X}`: windows waiting for X, the arriving one included",
                display="otel_train/backlog_windows"),
     Convention(SELF_EXPORT_LATENCY, "metric", "float", "s",
                "exporter process, `{exporter=X}`: mean time of X's writes since the last window",
