@@ -75,6 +75,7 @@ class _Backend:
         self.dropped = 0
         self.exports = 0  # export_window calls, and the seconds they took (self-telemetry)
         self.export_s = 0.0
+        self.rows = 0  # rows (points and spans) handed to the backend
         self._side: deque[Window] = deque(maxlen=queue_windows * 4)  # child-process windows, not spooled
         self.thread = threading.Thread(target=self._run, name=f"otel-train-deliver-{name}", daemon=True)
         self.thread.start()
@@ -180,6 +181,7 @@ class _Backend:
             self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
         self.export_s += time.perf_counter() - started
         self.exports += 1
+        self.rows += _rows(window)
 
     def _flush(self) -> None:
         self._last_flush = time.monotonic()
@@ -275,8 +277,8 @@ class Delivery:
                 b.submit_side(window)
 
     def backend_stats(self) -> dict[str, dict[str, float]]:
-        """Per backend: windows not yet handed to it, export calls and their seconds, failures, drops."""
-        return {b.name: {"backlog": max(0, self._last_seq - b.handed), "exports": b.exports, "export_s": b.export_s,
+        """Per backend: windows not yet handed to it, export calls and their seconds, rows handed, failures, drops."""
+        return {b.name: {"backlog": max(0, self._last_seq - b.handed), "exports": b.exports, "export_s": b.export_s, "rows": b.rows,
                          "failures": getattr(b.exporter, "failures", 0),
                          "dropped": b.dropped + getattr(b.exporter, "dropped_windows", 0)}
                 for b in self._backends}

@@ -48,6 +48,7 @@ DROPPED_BATCHES = "otel_train.dropped_batches"
 SELF_POINTS = "otel_train.points"
 SELF_WINDOWS = "otel_train.windows"
 SELF_BACKLOG = "otel_train.backlog_windows"
+SELF_ROWS_WRITTEN = "otel_train.rows_written"
 SELF_EXPORT_LATENCY = "otel_train.export_latency_s"
 SELF_BACKEND_ERRORS = "otel_train.backend_errors"
 SELF_DROPPED_WINDOWS = "otel_train.dropped_windows"
@@ -105,6 +106,9 @@ CONVENTIONS: tuple[Convention, ...] = (
                display="otel_train/windows"),
     Convention(SELF_BACKLOG, "metric", "int", "1", "exporter process, `{exporter=X}`: windows waiting for X, the arriving one included",
                display="otel_train/backlog_windows"),
+    Convention(SELF_ROWS_WRITTEN, "metric", "int", "1",
+               "exporter process, `{exporter=X}`: rows (points and spans) handed to X so far",
+               display="otel_train/rows_written"),
     Convention(SELF_EXPORT_LATENCY, "metric", "float", "s",
                "exporter process, `{exporter=X}`: mean time of X's writes since the last window",
                display="otel_train/export_latency_s"),

@@ -49,6 +49,8 @@ def test_a_backend_failing_twice_shows_in_tensorboard(tmp_path: Path, monkeypatc
     latency = scalars["otel_train/export_latency_s{exporter=tensorboard}"]
     assert [s for s, _ in latency] == [1, 2, 3, 4] and all(v >= 0 for _, v in latency)  # from the 2nd window on
     assert {v for _, v in scalars["otel_train/backlog_windows{exporter=tensorboard}"]} == {1}  # just the new one
+    written = [v for _, v in scalars["otel_train/rows_written{exporter=tensorboard}"]]
+    assert written[0] == 0 and written == sorted(set(written))  # loss + health rows, growing
     assert delivery.progress().failures == {"tensorboard": 0, "flaky": 2}
     assert [r.value for r in flaky.metrics if r.tag == "train/loss"] == [1.0, 0.5, 1 / 3, 0.25, 0.2]
 
