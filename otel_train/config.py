@@ -81,7 +81,8 @@ OTEL_TRAIN_SELF_METRICS = "OTEL_TRAIN_SELF_METRICS"
 OTEL_TRAIN_WORKER_ADDRESS = "OTEL_TRAIN_WORKER_ADDRESS"
 """Set by otel-train, not by users: the Unix socket where the run's exporter process takes the data of
 child processes (DataLoader workers, `multiprocessing` children); ``none`` when there is none (their
-data is dropped with one warning). Spawned children find the run through it."""
+data is dropped with one warning), ``disabled`` for a disabled run (their calls are no-ops). Spawned
+children find the run through it."""
 
 OTEL_TRAIN_BACKEND_INCLUDE = "OTEL_TRAIN_<BACKEND>_INCLUDE"
 """Comma list of globs on metric names; that backend gets only matching metrics (its wire name or its

@@ -413,6 +413,7 @@ def start(settings: cfg.Settings, env: Mapping[str, str] | None = None,
         ConfigError: anything misconfigured.
     """
     if settings.disabled:
+        os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS] = "disabled"  # its spawned children: no-ops too, silently
         return DisabledSession(settings)
     session = Session(settings, os.environ if env is None else env, instances)
     _active[:] = [s for s in _active if not s.closed]

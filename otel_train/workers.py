@@ -328,7 +328,7 @@ def _worker_id() -> int:
     return int(info.id) if info is not None else os.getpid()
 
 
-_from_env: tuple[int, WorkerClient | None] | None = None
+_from_env: tuple[int, str, WorkerClient | None] | None = None
 
 
 def client_from_env() -> WorkerClient | None:
@@ -336,8 +336,10 @@ def client_from_env() -> WorkerClient | None:
     global _from_env
     from otel_train.config import OTEL_TRAIN_WORKER_ADDRESS
 
-    if _from_env is None or _from_env[0] != os.getpid():
-        raw = os.environ.get(OTEL_TRAIN_WORKER_ADDRESS, "").strip()
-        client = None if not raw else WorkerClient(None if raw == "none" else raw)
-        _from_env = (os.getpid(), client)
-    return _from_env[1]
+    raw = os.environ.get(OTEL_TRAIN_WORKER_ADDRESS, "").strip()
+    if _from_env is None or _from_env[:2] != (os.getpid(), raw):
+        client = None if not raw else WorkerClient(None if raw in ("none", "disabled") else raw)
+        if client is not None and raw == "disabled":  # a disabled run: its children's calls are silent no-ops
+            client._state, client._warned = "dead", True
+        _from_env = (os.getpid(), raw, client)
+    return _from_env[2]

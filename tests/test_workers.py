@@ -128,3 +128,13 @@ def test_spawned_environment_names_the_run(run_dir: Path) -> None:
     assert os.environ["OTEL_TRAIN_WORKER_ADDRESS"] == session.export_process.worker_address
     ot.shutdown()
     assert "OTEL_TRAIN_WORKER_ADDRESS" not in os.environ
+
+
+def test_spawned_child_of_a_disabled_run_is_a_silent_no_op(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_WORKER_ADDRESS", "disabled")  # what init() of a disabled run sets
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        ot.log({"data/x": 1.0})  # no session in this (spawned) process: neither raises nor warns
+        with ot.span("load"):
+            pass
+    assert not caplog.records
