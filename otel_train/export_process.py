@@ -120,6 +120,7 @@ class ExportProcess:
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply_cv = threading.Condition()
         self._closing = False
+        self._handoff = False  # close() asked: the child's exit after its answer is not a death
         self._pid = os.getpid()
         self.restarts = 0
         self.dropped = 0
@@ -251,7 +252,7 @@ class ExportProcess:
                     entry = self._replies.setdefault(msg[1], {})
                     entry[kind] = msg[2] if kind == "done" else True
                     self._reply_cv.notify_all()
-        if conn is self._conn and not self._closing:
+        if conn is self._conn and not self._closing and not self._handoff:
             proc.wait()
             self._on_child_death(proc.returncode)
 
@@ -319,6 +320,7 @@ class ExportProcess:
         keeps draining on its own for up to its drain timeout."""
         if os.getpid() != self._pid:
             return True
+        self._handoff = True
         rid, ok = self._ask(b"C", deadline)
         if not ok and rid:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
