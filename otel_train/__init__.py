@@ -213,8 +213,15 @@ def traced(name: str | Callable[..., Any] | None = None) -> Any:
 
 
 def flush(timeout_s: float | None = None) -> bool:
-    """Collect now and wait until every exporter has written it (bounded by the shutdown timeout)."""
+    """Collect now and wait until every exporter has written it (bounded by the shutdown timeout).
+
+    In a child process (DataLoader worker) it sends what the child buffered to the run's exporter process.
+    """
     s = _session
+    child = _child_client() if s is None else getattr(s, "worker", None) if s.closed else None
+    if child is not None:
+        child.send_now()
+        return True
     return True if s is None else bool(s.flush(timeout_s))
 
 

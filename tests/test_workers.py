@@ -34,6 +34,8 @@ SCRIPT = textwrap.dedent("""
         def __getitem__(self, i):
             with ot.span("load_item", {"item": i}):
                 ot.log({"data/pid": float(os.getpid()), "data/item": float(i)}, step=i)
+            if i % 4 == 3:
+                ot.flush()  # in a worker: sends what it holds now
             return torch.tensor([float(i)])
 
     if __name__ == "__main__":
