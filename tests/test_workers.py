@@ -140,3 +140,22 @@ def test_spawned_child_of_a_disabled_run_is_a_silent_no_op(monkeypatch: pytest.M
         with ot.span("load"):
             pass
     assert not caplog.records
+
+
+def test_a_long_run_path_listens_in_a_short_temporary_folder(tmp_path: Path) -> None:
+    """Unix socket paths are limited to about 100 bytes: a deep run folder falls back to a temporary one."""
+    from otel_train.records import RunInfo
+    from otel_train.workers import WorkerListener, listen_address
+
+    deep = tmp_path / ("d" * 120) / "spool" / "rank0"
+    address = listen_address(deep)
+    assert len(address.encode()) <= 100 and not address.startswith(str(tmp_path))
+    got = []
+    listener = WorkerListener(address, RunInfo("r", "r"), got.append, lambda: 7)
+    client = WorkerClient(address)
+    client.log({"data/x": 2.0})
+    client.close()
+    listener.close()
+    (window,) = got
+    assert [(r.tag, r.step, r.value) for r in window.metrics] == [(f"data/x{{worker={os.getpid()}}}", 7, 2.0)]
+    assert not Path(address).parent.exists()  # the temporary folder goes with the listener
