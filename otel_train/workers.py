@@ -88,7 +88,9 @@ class WorkerListener:
         os.chmod(address, 0o600)  # only this user's processes may add to the run
         self._sock.listen(64)
         self._serving: list[threading.Thread] = []
-        threading.Thread(target=self._accept, name="otel-train-workers", daemon=True).start()
+        self._serving_lock = threading.Lock()
+        self._acceptor = threading.Thread(target=self._accept, name="otel-train-workers", daemon=True)
+        self._acceptor.start()
 
     def _accept(self) -> None:
         while True:
@@ -96,8 +98,13 @@ class WorkerListener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            thread = threading.Thread(target=self._serve, args=(conn,), name="otel-train-worker-conn", daemon=True)
-            thread.start()
+            self._start_serving(conn)
+
+    def _start_serving(self, conn: socket.socket) -> None:
+        conn.setblocking(True)
+        thread = threading.Thread(target=self._serve, args=(conn,), name="otel-train-worker-conn", daemon=True)
+        thread.start()
+        with self._serving_lock:
             self._serving = [t for t in self._serving if t.is_alive()] + [thread]
 
     def _serve(self, conn: socket.socket) -> None:
@@ -126,10 +133,20 @@ class WorkerListener:
 
     def close(self, timeout_s: float = 1.0) -> None:
         """Stop accepting; give connected children up to `timeout_s` to deliver what they sent."""
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(OSError):  # children that connected but were not accepted yet: serve them too
+            self._sock.setblocking(False)
+            while True:
+                conn, _ = self._sock.accept()
+                self._start_serving(conn)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not on Linux)
         with contextlib.suppress(OSError):
             self._sock.close()
-        deadline = time.monotonic() + timeout_s
-        for thread in list(self._serving):  # children that exited: their last frames are still being read
+        self._acceptor.join(max(0.0, deadline - time.monotonic()))
+        with self._serving_lock:
+            serving = list(self._serving)
+        for thread in serving:  # children that exited: their last frames are still being read
             thread.join(max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(OSError):
             os.unlink(self.address)
