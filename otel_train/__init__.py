@@ -134,14 +134,33 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
     """
     s = _session
     if s is None:
+        child = _child_client()
+        if child is not None:  # a spawned child of a run (DataLoader worker): to the run's exporter process
+            child.log(mapping, step)
+            return
         raise OtelTrainError(
             "otel_train.log() was called before otel_train.init(); call init() first "
             "(or set OTEL_TRAIN_DISABLED=1 and still call init() to turn logging off)"
         )
     if s.closed:
+        worker = getattr(s, "worker", None)
+        if worker is not None:  # a forked child: its own connection to the run's exporter process
+            worker.log(mapping, step)
+            return
         _warn_closed(getattr(s, "forked", False))
         return
     s.log(mapping, step)
+
+
+def _child_client() -> Any:
+    """The run's connection in a spawned child process (`otel_train.workers`), else None."""
+    import os
+
+    if not os.environ.get("OTEL_TRAIN_WORKER_ADDRESS"):  # config.OTEL_TRAIN_WORKER_ADDRESS; keeps import light
+        return None
+    from otel_train.workers import client_from_env
+
+    return client_from_env()
 
 
 def _warn_closed(forked: bool) -> None:
@@ -149,9 +168,8 @@ def _warn_closed(forked: bool) -> None:
     if not _warned_closed:
         _warned_closed = True
         if forked:
-            _logger.warning("otel_train.log() in a forked child process: dropped, because the child shares the "
-                            "parent's files (call otel_train.shutdown() and init() in the child to export from it; "
-                            "warned once)")
+            _logger.warning("otel_train.log() in a forked child process: dropped, because the run's session was "
+                            "already shut down when it forked (warned once)")
         else:
             _logger.warning("otel_train.log()/span() after shutdown(): dropped (warned once)")
 
@@ -168,7 +186,8 @@ def span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
 def _scope(name: str, attributes: Mapping[str, Any] | None, record_context: bool) -> Any:
     s = _session
     if s is None or s.closed:
-        return NO_SPAN
+        child = _child_client() if s is None else getattr(s, "worker", None)
+        return NO_SPAN if child is None else child.span(name, attributes)
     return s.span(name, attributes, record_context)
 
 
@@ -194,8 +213,15 @@ def traced(name: str | Callable[..., Any] | None = None) -> Any:
 
 
 def flush(timeout_s: float | None = None) -> bool:
-    """Collect now and wait until every exporter has written it (bounded by the shutdown timeout)."""
+    """Collect now and wait until every exporter has written it (bounded by the shutdown timeout).
+
+    In a child process (DataLoader worker) it sends what the child buffered to the run's exporter process.
+    """
     s = _session
+    child = _child_client() if s is None else getattr(s, "worker", None) if s.closed else None
+    if child is not None:
+        child.send_now()
+        return True
     return True if s is None else bool(s.flush(timeout_s))
 
 

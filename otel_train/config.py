@@ -74,6 +74,15 @@ OTEL_TRAIN_PROFILER_BRIDGE = "OTEL_TRAIN_PROFILER_BRIDGE"
 `torch.profiler.record_function` of the same name (torch is never imported by otel-train). Default false."""
 OTEL_TRAIN_QUIET = "OTEL_TRAIN_QUIET"
 """Boolean; no summary line on stderr at shutdown (rank 0). Default false."""
+OTEL_TRAIN_SELF_METRICS = "OTEL_TRAIN_SELF_METRICS"
+"""Boolean; the exporter process adds otel-train's own health to every window (``otel_train/points``,
+``otel_train/backlog_windows{exporter=X}``, ``otel_train/export_latency_s{exporter=X}``,
+``otel_train/backend_errors{exporter=X}`` ...). Default true."""
+OTEL_TRAIN_WORKER_ADDRESS = "OTEL_TRAIN_WORKER_ADDRESS"
+"""Set by otel-train, not by users: the Unix socket where the run's exporter process takes the data of
+child processes (DataLoader workers, `multiprocessing` children); ``none`` when there is none (their
+data is dropped with one warning), ``disabled`` for a disabled run (their calls are no-ops). Spawned
+children find the run through it."""
 
 OTEL_TRAIN_BACKEND_INCLUDE = "OTEL_TRAIN_<BACKEND>_INCLUDE"
 """Comma list of globs on metric names; that backend gets only matching metrics (its wire name or its
@@ -262,6 +271,7 @@ class Settings:
     system_interval_s: float = 1.0
     profiler_bridge: bool = False
     quiet: bool = False
+    self_metrics: bool = True
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -384,6 +394,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "system_interval_s": (OTEL_TRAIN_SYSTEM_INTERVAL_S, _parse_positive_float),
     "profiler_bridge": (OTEL_TRAIN_PROFILER_BRIDGE, parse_bool),
     "quiet": (OTEL_TRAIN_QUIET, parse_bool),
+    "self_metrics": (OTEL_TRAIN_SELF_METRICS, parse_bool),
 }
 
 

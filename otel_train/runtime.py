@@ -116,7 +116,8 @@ class Session:
             from otel_train.export_process import ExportProcess
 
             self.export_process = ExportProcess(remote, options, self.run, drain_timeout_s=settings.drain_timeout_s,
-                                                cpus=settings.export_cpus, nice=settings.export_nice)
+                                                cpus=settings.export_cpus, nice=settings.export_nice,
+                                                self_metrics=settings.self_metrics)
         try:
             self.exporters = self._build_exporters(local, options) + list(instances)
         except BaseException:
@@ -159,12 +160,23 @@ class Session:
         self._step_listener = self._on_step_end
         add_step_end_listener(self._step_listener)
         self.forked = False
+        self.worker: Any = None
+        self._worker_address = self.export_process.worker_address if self.export_process is not None else None
+        # Spawned children (DataLoader workers, multiprocessing) find the run here: the one variable
+        # otel-train sets, because a spawned child has nothing else of ours. Removed at shutdown.
+        os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS] = self._worker_address or "none"
+        from otel_train.workers import WorkerClient
+
+        self._worker_class = WorkerClient
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork_in_child)
 
     def _after_fork_in_child(self) -> None:
-        # A forked child (e.g. a DataLoader worker) shares the parent's open files and backend runs:
-        # exporting from both would interleave them. The child drops its data unless it calls init().
+        # A forked child (e.g. a DataLoader worker) shares the parent's open files, backend runs and
+        # exporter-process socket: it must use none of them. Its `ot.log`/`ot.span` go through a
+        # connection of its own to the exporter process (`otel_train.workers`), opened on first use.
+        if not self._closed:
+            self.worker = self._worker_class(self._worker_address)
         self._closed = True
         self.forked = True
 
@@ -263,6 +275,8 @@ class Session:
                 return
             self._closed = True
         remove_step_end_listener(self._step_listener)
+        if os.environ.get(cfg.OTEL_TRAIN_WORKER_ADDRESS) == (self._worker_address or "none"):
+            del os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS]
         try:
             if self.sampler is not None:
                 self.sampler.stop()  # its last step goes out with the final flush
@@ -281,10 +295,14 @@ class Session:
         try:
             stats = self.reader.stats()
             names = [str(getattr(ex, "name", type(ex).__name__)) for ex in self.exporters]
-            if self.export_process is not None:
+            failures, dropped = dict(stats["failures"]), stats["dropped"]
+            if self.export_process is not None:  # the exporter process's backends: its last progress report
                 names += list(self.export_process.names)
-            write_summary(summary_line(stats["points"], stats["windows"], names, stats["dropped"],
-                                       stats["failures"], str(run_folder(self.settings.dir, self.run.run_name))))
+                progress = self.export_process.last_progress
+                failures.update(progress.failures)
+                dropped += self.export_process.dropped + sum(progress.dropped.values())
+            write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
+                                       failures, str(run_folder(self.settings.dir, self.run.run_name))))
         except Exception:
             _logger.debug("no shutdown summary", exc_info=True)
 
@@ -395,6 +413,7 @@ def start(settings: cfg.Settings, env: Mapping[str, str] | None = None,
         ConfigError: anything misconfigured.
     """
     if settings.disabled:
+        os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS] = "disabled"  # its spawned children: no-ops too, silently
         return DisabledSession(settings)
     session = Session(settings, os.environ if env is None else env, instances)
     _active[:] = [s for s in _active if not s.closed]

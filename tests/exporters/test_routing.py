@@ -42,7 +42,8 @@ def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch:
     _wandb_written()
 
     tb = tb_scalars(tmp_path / "runs" / "route-1")
-    assert set(tb) == {"train/loss", "eval/acc", "system/cpu_percent", *BUILTINS}  # everything, built-ins in `train/`
+    tags = {t for t in tb if not t.startswith("otel_train/")}  # minus otel-train's own health (test_self_telemetry)
+    assert tags == {"train/loss", "eval/acc", "system/cpu_percent", *BUILTINS}  # everything, built-ins in `train/`
     assert tb["train/loss"] == {s: pytest.approx(1.0 / (s + 1)) for s in STEPS}
     assert set(tb["train/iterations"]) == set(STEPS)
 
@@ -114,7 +115,8 @@ def test_a_backends_ranks_override_in_process(run_dir: Path, monkeypatch: pytest
     ot.init(exporters=["tensorboard", "jsonl"], dir=run_dir, run_id="r", rank=1, world_size=2)
     _train(range(2))
     ot.shutdown()
-    names = {r["name"] for r in read_jsonl(jsonl_path(run_dir, "r", 1)) if r["type"] == "metric"}
+    names = {r["name"] for r in read_jsonl(jsonl_path(run_dir, "r", 1))
+             if r["type"] == "metric" and not r["name"].startswith("otel_train.")}  # minus otel-train's own health
     assert names == {"train/loss", "eval/acc", "system/cpu_percent", "train.step.duration_s", "train.time_total_s",
                      "train.iterations"}  # JSONL keeps the wire names
     assert not list(run_dir.glob("**/events.out.tfevents.*"))
