@@ -53,11 +53,19 @@ OTEL_TRAIN_CONFIG_JSON = "OTEL_TRAIN_CONFIG_JSON"
 """JSON object of hyperparameters sent once to every backend that has the notion. Default none."""
 OTEL_TRAIN_TRACE_COUNTERS = "OTEL_TRAIN_TRACE_COUNTERS"
 """Boolean; write logged metrics as counter events under the Chrome trace timeline. Default true."""
+OTEL_TRAIN_STEP_ORDER = "OTEL_TRAIN_STEP_ORDER"
+"""What happens to a row whose step is lower than the last one of its series: ``warn`` (written as
+given, counted, warned), ``drop`` (kept from every backend, counted) or ``raise`` (`ot.step`/`ot.log`
+below the latest step raise `StepOrderError` on the training thread). Default ``warn``."""
+OTEL_TRAIN_RESUME_STEP = "OTEL_TRAIN_RESUME_STEP"
+"""The step a resumed run restarts at (int >= 0): every backend is told, so curves do not zig-zag.
+Default none (a fresh run)."""
 
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 
 RANKS_ALLOWED = ("0", "all")
+STEP_ORDER_ALLOWED = ("warn", "drop", "raise")
 DEFAULT_EXPORTERS = ("tensorboard", "chrome_trace")
 
 #: Launcher variables holding an id shared by every rank of one job, most specific first.
@@ -97,6 +105,8 @@ class Settings:
     config: Mapping[str, Any] | None = None
     trace_counters: bool = True
     service_name: str = "otel-train"
+    step_order: str = "warn"
+    resume_step: int | None = None
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -145,6 +155,13 @@ def _parse_ranks(name: str, raw: str) -> str:
     return value
 
 
+def _parse_step_order(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in STEP_ORDER_ALLOWED:
+        raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(STEP_ORDER_ALLOWED)}")
+    return value
+
+
 def _parse_config_json(name: str, raw: str) -> Mapping[str, Any]:
     try:
         value = json.loads(raw)
@@ -179,6 +196,8 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "config": (OTEL_TRAIN_CONFIG_JSON, _parse_config_json),
     "trace_counters": (OTEL_TRAIN_TRACE_COUNTERS, parse_bool),
     "service_name": (OTEL_SERVICE_NAME, _parse_text),
+    "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
+    "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: _parse_int(n, r, 0)),
 }
 
 
@@ -201,6 +220,10 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return _parse_int(field, str(value), 1)
+    if field == "resume_step":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"resume_step: {value!r} is not allowed; expected an integer step >= 0")
+        return _parse_int(field, str(value), 0)
     if field in ("export_interval_s", "shutdown_timeout_s"):
         return _parse_positive_float(field, str(value))
     return value

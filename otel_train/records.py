@@ -123,6 +123,10 @@ class ExporterOptions:
     hparams: Mapping[str, Any] | None = None
     ranks: str = "0"
     trace_counters: bool = True
+    #: `OTEL_TRAIN_STEP_ORDER`: what a backend does with a step that goes backwards (see `step_order`).
+    step_order: str = "warn"
+    #: `OTEL_TRAIN_RESUME_STEP`: the run restarts at this step (each backend is told in its own way).
+    resume_step: int | None = None
 
     @classmethod
     def from_env(cls) -> ExporterOptions:
@@ -130,7 +134,7 @@ class ExporterOptions:
         from otel_train.config import load_settings
 
         s = load_settings()
-        return cls(s.dir, s.project, s.config, s.ranks, s.trace_counters)
+        return cls(s.dir, s.project, s.config, s.ranks, s.trace_counters, s.step_order, s.resume_step)
 
 
 @dataclasses.dataclass(slots=True, eq=False)

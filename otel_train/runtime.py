@@ -23,9 +23,20 @@ from otel_train.errors import ConfigError
 from otel_train.instrument import NO_SPAN, LogBuffer, SpanBuffer, SpanScope
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
-from otel_train.step import StepEnd, _current, add_step_end_listener, current_step, remove_step_end_listener
+from otel_train.step import (
+    StepEnd,
+    _current,
+    add_step_end_listener,
+    check_log_step,
+    current_step,
+    remove_step_end_listener,
+    set_step_order,
+)
 
-__all__ = ["Session", "resolve_run_id", "start"]
+__all__ = ["TRUNCATED_ATTRIBUTE", "Session", "resolve_run_id", "start"]
+
+#: Span attribute set on spans that were still open when a signal ended the process.
+TRUNCATED_ATTRIBUTE = "otel_train.truncated"
 
 _logger = logging.getLogger("otel_train")
 
@@ -105,7 +116,7 @@ class Session:
         self.export_metrics = settings.ranks == "all" or rank == 0
         directory = _check_dir(settings.dir)
         options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
-                                  settings.trace_counters)
+                                  settings.trace_counters, settings.step_order, settings.resume_step)
         self.exporters = self._build_exporters(settings.exporters, options) + list(instances)
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
@@ -131,6 +142,8 @@ class Session:
         self._closed = False
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
+        set_step_order(settings.step_order, resume=settings.resume_step is not None)
+        self._check_step = settings.step_order == "raise"
         self._step_listener = self._on_step_end
         add_step_end_listener(self._step_listener)
         self.forked = False
@@ -178,6 +191,8 @@ class Session:
             step = _current.get()
             if step is None:
                 step = current_step() or 0
+        elif self._check_step:
+            check_log_step(step)  # OTEL_TRAIN_STEP_ORDER=raise: API misuse, raised where it happens
         try:
             self._append(step, dict(mapping))
         except (TypeError, ValueError):
@@ -209,14 +224,19 @@ class Session:
             _logger.warning("flush failed", exc_info=True)
             return False
 
-    def shutdown(self) -> None:
+    def shutdown(self, deadline: float | None = None) -> None:
+        """Flush and close everything by `deadline` (`time.monotonic()`; default: the shutdown timeout)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         remove_step_end_listener(self._step_listener)
+        set_step_order("warn")
+        timeout_s = self.settings.shutdown_timeout_s
+        if deadline is not None:
+            timeout_s = max(0.05, min(timeout_s, deadline - time.monotonic()))
         try:
-            self.reader.shutdown(self.settings.shutdown_timeout_s * 1000)
+            self.reader.shutdown(timeout_s * 1000)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
@@ -250,25 +270,71 @@ class DisabledSession:
 
 
 # -- process hooks --------------------------------------------------------------------------------
+#: Signals handed off like interpreter exit. SIGUSR1 is SLURM's `--signal` warning before preemption.
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 _hooks_installed = False
 _previous_handlers: dict[int, Any] = {}
 _active: list[Session] = []
 
 
 def _shutdown_active() -> None:
+    """Shut every session down under ONE deadline, the longest `OTEL_TRAIN_SHUTDOWN_TIMEOUT_S`."""
+    sessions = [s for s in _active if not s.closed]
+    if not sessions:
+        return
+    deadline = time.monotonic() + max(s.settings.shutdown_timeout_s for s in sessions)
+    for session in sessions:
+        session.shutdown(deadline)
+
+
+def _close_open_spans() -> int:
+    """Record the spans open in the interrupted code (main thread) as ended now, `otel_train.truncated`."""
+    from opentelemetry import context as otel_context
+
+    from otel_train.instrument import _SPAN_KEY, SpanRecord, SpanScope
+
+    now = time.time_ns()
+    ctx: Any = otel_context.get_current()
+    closed = 0
     for session in _active:
-        session.shutdown()
+        if session.closed:
+            continue
+        scope = ctx.get(_SPAN_KEY) if ctx is not None else None
+        while type(scope) is SpanScope:
+            attrs = {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}
+            session.span_buffer.append(SpanRecord(
+                scope.name, scope.trace_id, scope.span_id, scope.parent_id, scope.start_ns, now, scope.thread_id,
+                scope.thread_name, scope.step, attrs, None))
+            closed += 1
+            token = scope._token  # the context the scope was entered from holds its parent
+            outer = getattr(token, "old_value", None)
+            scope = outer.get(_SPAN_KEY) if hasattr(outer, "get") else None
+        break  # the spans belong to the session that recorded them: the latest
+    return closed
 
 
 def _on_signal(signum: int, frame: Any) -> None:
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
-    if previous in (signal.SIG_DFL, None) and signum == signal.SIGTERM:
-        _shutdown_active()  # the process is about to end: flush everything, close files
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-        return
-    for session in _active:
-        session.flush()
+    # Called by a handler installed after ours that chains to it (Lightning composes handlers this way):
+    # that handler decides whether the process ends, so we only flush.
+    chained = signal.getsignal(signum) is not _on_signal
+    try:
+        if previous in (signal.SIG_DFL, None) and not chained:
+            # The default action ends the process: close open spans, flush and close everything, then
+            # let the default action happen (same exit status as without us). A second signal during
+            # the hand-off finds the sessions closed and ends the process at once.
+            _close_open_spans()
+            _shutdown_active()
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        # A handler of the user's or a framework's (Lightning's SLURM requeue, torchrun's) comes next and
+        # decides whether the process ends: make what was logged durable first, under the same deadline.
+        deadline = time.monotonic() + max((s.settings.shutdown_timeout_s for s in _active), default=0.0)
+        for session in _active:
+            session.flush(max(0.0, deadline - time.monotonic()))
+    except Exception:  # never let our hand-off stop the previous handler from running
+        _logger.warning("otel-train: hand-off on signal %d failed", signum, exc_info=True)
     if callable(previous):
         previous(signum, frame)
 
@@ -282,7 +348,10 @@ def _install_hooks() -> None:
     if threading.current_thread() is not threading.main_thread():
         _logger.debug("init() outside the main thread: no signal handlers installed")
         return
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for name in _SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is None:  # SIGUSR1 does not exist on Windows
+            continue
         try:
             _previous_handlers[sig] = signal.getsignal(sig)
             signal.signal(sig, _on_signal)
