@@ -275,6 +275,7 @@ _SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 _hooks_installed = False
 _previous_handlers: dict[int, Any] = {}
 _active: list[Session] = []
+_handoff: threading.Thread | None = None
 
 
 def _shutdown_active() -> None:
@@ -287,55 +288,81 @@ def _shutdown_active() -> None:
         session.shutdown(deadline)
 
 
-def _close_open_spans() -> int:
-    """Record the spans open in the interrupted code (main thread) as ended now, `otel_train.truncated`."""
+def _at_exit() -> None:
+    handoff = _handoff
+    if handoff is not None:  # a signal's hand-off is under way: let it finish (it has the deadline)
+        handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0) + 1.0)
+    _shutdown_active()
+
+
+def _open_spans() -> list[Any]:
+    """The `ot.span` scopes open in the interrupted code (main thread), innermost first. Lock-free."""
     from opentelemetry import context as otel_context
 
-    from otel_train.instrument import _SPAN_KEY, SpanRecord, SpanScope
+    from otel_train.instrument import _SPAN_KEY, SpanScope
 
+    scopes = []
+    scope = otel_context.get_current().get(_SPAN_KEY)
+    while type(scope) is SpanScope:
+        scopes.append(scope)
+        outer = getattr(scope._token, "old_value", None)  # the context it was entered from holds its parent
+        scope = outer.get(_SPAN_KEY) if hasattr(outer, "get") else None
+    return scopes
+
+
+def _record_truncated(scopes: list[Any]) -> None:
+    """Record the scopes still open as spans ended now, flagged `otel_train.truncated`."""
+    from otel_train.instrument import SpanRecord
+
+    session = next((s for s in reversed(_active) if not s.closed), None)
+    if session is None:
+        return
     now = time.time_ns()
-    ctx: Any = otel_context.get_current()
-    closed = 0
-    for session in _active:
-        if session.closed:
+    for scope in scopes:
+        if hasattr(scope, "end_ns"):  # ended meanwhile: recorded by its own exit
             continue
-        scope = ctx.get(_SPAN_KEY) if ctx is not None else None
-        while type(scope) is SpanScope:
-            attrs = {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}
-            session.span_buffer.append(SpanRecord(
-                scope.name, scope.trace_id, scope.span_id, scope.parent_id, scope.start_ns, now, scope.thread_id,
-                scope.thread_name, scope.step, attrs, None))
-            closed += 1
-            token = scope._token  # the context the scope was entered from holds its parent
-            outer = getattr(token, "old_value", None)
-            scope = outer.get(_SPAN_KEY) if hasattr(outer, "get") else None
-        break  # the spans belong to the session that recorded them: the latest
-    return closed
+        session.span_buffer.append(SpanRecord(
+            scope.name, scope.trace_id, scope.span_id, scope.parent_id, scope.start_ns, now, scope.thread_id,
+            scope.thread_name, scope.step, {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}, None))
+
+
+def _end_process(signum: int, scopes: list[Any]) -> None:
+    try:
+        _record_truncated(scopes)
+        _shutdown_active()
+    except Exception:
+        _logger.warning("otel-train: hand-off on signal %d failed", signum, exc_info=True)
+    os.kill(os.getpid(), signum)  # the default action, now restored: same exit status as without us
+
+
+def _flush_active() -> None:
+    deadline = time.monotonic() + max((s.settings.shutdown_timeout_s for s in _active), default=0.0)
+    for session in list(_active):
+        session.flush(max(0.0, deadline - time.monotonic()))
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    """Hand off on a signal. The work runs on a thread of its own: a signal handler runs inside
+    whatever the training thread was doing, possibly holding a lock that flushing needs."""
+    global _handoff
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
     # Called by a handler installed after ours that chains to it (Lightning composes handlers this way):
     # that handler decides whether the process ends, so we only flush.
     chained = signal.getsignal(signum) is not _on_signal
-    try:
-        if previous in (signal.SIG_DFL, None) and not chained:
-            # The default action ends the process: close open spans, flush and close everything, then
-            # let the default action happen (same exit status as without us). A second signal during
-            # the hand-off finds the sessions closed and ends the process at once.
-            _close_open_spans()
-            _shutdown_active()
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        # A handler of the user's or a framework's (Lightning's SLURM requeue, torchrun's) comes next and
-        # decides whether the process ends: make what was logged durable first, under the same deadline.
-        deadline = time.monotonic() + max((s.settings.shutdown_timeout_s for s in _active), default=0.0)
-        for session in _active:
-            session.flush(max(0.0, deadline - time.monotonic()))
-    except Exception:  # never let our hand-off stop the previous handler from running
-        _logger.warning("otel-train: hand-off on signal %d failed", signum, exc_info=True)
-    if callable(previous):
+    if previous in (signal.SIG_DFL, None) and not chained:
+        # The default action ends the process: flush and close everything (open spans recorded as
+        # truncated), then end it by the same signal. A second signal meanwhile ends it at once.
+        signal.signal(signum, signal.SIG_DFL)
+        _handoff = threading.Thread(target=_end_process, args=(signum, _open_spans()), name="otel-train-signal",
+                                    daemon=True)
+        _handoff.start()
+        return
+    # A handler of the user's or a framework's (Lightning's SLURM requeue, torchrun's) runs next and
+    # decides whether the process ends; what was logged is flushed meanwhile, under the deadline.
+    if _handoff is None or not _handoff.is_alive():
+        _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
+        _handoff.start()
+    if callable(previous) and previous is not _on_signal:
         previous(signum, frame)
 
 
@@ -344,7 +371,7 @@ def _install_hooks() -> None:
     if _hooks_installed:
         return
     _hooks_installed = True
-    atexit.register(_shutdown_active)
+    atexit.register(_at_exit)
     if threading.current_thread() is not threading.main_thread():
         _logger.debug("init() outside the main thread: no signal handlers installed")
         return
