@@ -7,7 +7,7 @@ seen for its series "goes backwards" (equal steps are fine: several `log` calls 
 - ``warn`` (default): written as given, counted, warned (at most once a minute per backend). Backends that can store
   an older step (TensorBoard, JSONL, MLflow, ClearML, Trackio) store it. W&B cannot: it keeps such
   rows out, counts them in its own `steps_dropped` and says so in one warning (nothing silent).
-  TensorBoard's readers treat a backwards step as a restart and hide the later steps of that tag.
+  TensorBoard then shows two points at one step.
 - ``drop``: dropped before any backend sees it, counted, warned (at most once a minute per backend). Every backend then
   shows the same points.
 - ``raise``: on the training thread, `ot.step(i)` below the latest step entered, and `ot.log(...,
@@ -109,8 +109,7 @@ class StepOrder:
         if self._drop:
             what = "dropped from every backend"
         else:
-            what = ("written as given; W&B cannot store an older step and drops it (counted), "
-                    "TensorBoard readers hide the later steps")
+            what = "written as given (W&B cannot store an older step: it drops it there, counted)"
         self._log.warning(
             "backwards",
             "%s: series %r (run %s, rank %d) went back to step %d after step %d: %s "
