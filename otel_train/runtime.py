@@ -337,7 +337,7 @@ def _end_process(signum: int, scopes: list[Any]) -> None:
 
 def _flush_active() -> None:
     deadline = time.monotonic() + max((s.settings.shutdown_timeout_s for s in _active), default=0.0)
-    for session in list(_active):
+    for session in _active:
         session.flush(max(0.0, deadline - time.monotonic()))
 
 

@@ -26,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import faultkit  # noqa: E402
+import faultkit
 
-import otel_train as ot  # noqa: E402
-from otel_train.exporters import jsonl as _jsonl  # noqa: E402, F401  (imported before fork)
-from otel_train.exporters import tensorboard as _tb  # noqa: E402, F401
+import otel_train as ot
+from otel_train.exporters import jsonl as _jsonl  # noqa: F401  (imported before fork)
+from otel_train.exporters import tensorboard as _tb  # noqa: F401
 
 _MAX_STEPS = 5000
 

@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("ranks", ["0", "all"])
 def test_eight_ranks_of_one_run(tmp_path: Path, ranks: str) -> None:
     script = SCRIPT.format(kit=str(Path(__file__).parent), world=WORLD, out=str(tmp_path), ranks=ranks)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(WORLD):
         want = {(tag, s, value(tag, s) + rank) for s in range(12) for tag in SERIES}

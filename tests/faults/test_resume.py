@@ -88,6 +88,5 @@ def test_resume_lets_steps_restart_below_the_latest_under_raise(tmp_path: Path) 
     ot.init(exporters=[], dir=tmp_path, step_order="raise", resume_step=5)
     with ot.step(5):  # a restart from a checkpoint is not a step going backwards
         pass
-    with pytest.raises(ot.StepOrderError):
-        with ot.step(4):
-            pass
+    with pytest.raises(ot.StepOrderError), ot.step(4):
+        pass

@@ -6,7 +6,7 @@ import logging
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from faultkit import jsonl_points, tb_points
@@ -60,9 +60,8 @@ def test_raise_refuses_backwards_step_and_log_on_the_training_thread(tmp_path: P
     ot.init(exporters=["jsonl"], dir=tmp_path, run_id="so", run_name="so", step_order="raise")
     with ot.step(5):
         ot.log({"loss": 5.0})
-    with pytest.raises(ot.StepOrderError, match=r"otel_train.step\(3\) after step 5"):
-        with ot.step(3):
-            ot.log({"loss": 3.0})
+    with pytest.raises(ot.StepOrderError, match=r"otel_train.step\(3\) after step 5"), ot.step(3):
+        ot.log({"loss": 3.0})
     with pytest.raises(ot.StepOrderError, match=r"otel_train.log\(step=4\) after step 5"):
         ot.log({"loss": 4.0}, step=4)
     ot.log({"loss": 6.0}, step=6)
@@ -108,7 +107,7 @@ def test_wandb_under_warn_drops_what_it_cannot_store_loudly(tmp_path: Path, monk
     run = _FakeRun(tmp_path)
 
     class Settings:
-        model_fields = {"resume_from": None}
+        model_fields: ClassVar[dict[str, None]] = {"resume_from": None}
 
         def __init__(self, **kwargs: Any) -> None:
             pass
