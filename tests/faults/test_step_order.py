@@ -125,3 +125,23 @@ def test_wandb_under_warn_drops_what_it_cannot_store_loudly(tmp_path: Path, monk
     assert exporter.step_order.counts() == {"backwards": 1, "dropped": 0} and exporter.steps_dropped == 1
     assert any("OTEL_TRAIN_STEP_ORDER=warn writes them to the other backends" in r.getMessage()
                for r in caplog.records)
+
+
+def test_the_sink_applies_the_same_policy_per_run() -> None:
+    from otel_train.sink.decode import Decoded
+    from otel_train.sink.router import Router
+    from otel_train.testing import InMemoryRowExporter
+
+    built: list[InMemoryRowExporter] = []
+
+    def make() -> list[Any]:
+        built.append(InMemoryRowExporter(ExporterOptions(step_order="drop")))
+        return list(built[-1:])
+
+    router = Router(make)
+    router.ingest(Decoded.of_rows(rows(0, 1, 2)))
+    router.ingest(Decoded.of_rows(rows(1) + rows(3)))
+    router.close(timeout_s=30.0)
+    (exporter,) = built
+    assert [(r.step, r.value) for r in exporter.metrics] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]
+    assert exporter.step_order.counts() == {"backwards": 1, "dropped": 1}
