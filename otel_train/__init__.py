@@ -131,6 +131,10 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
 
     Outside any step the latest step entered is used (0 before the first). Numbers, NumPy
     scalars/0-d arrays and tensors are accepted; tensors are converted on the export thread.
+
+    Raises:
+        StepOrderError: only under ``OTEL_TRAIN_STEP_ORDER=raise``, for an explicit `step` below the
+            latest step (API misuse; nothing else raises here after `init`).
     """
     s = _session
     if s is None:

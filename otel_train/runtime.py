@@ -246,6 +246,10 @@ class Session:
     def closed(self) -> bool:
         return self._closed
 
+    def step_order_counts(self) -> dict[str, dict[str, int]]:
+        """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
+        return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
+
 
 class DisabledSession:
     """What `init()` returns under `OTEL_TRAIN_DISABLED` / `OTEL_SDK_DISABLED`: every call is a no-op."""

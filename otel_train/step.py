@@ -131,6 +131,10 @@ class step:
         i: The step number; ``None`` means the previous step + 1 (0 for the first).
         samples: Samples processed in this step; when given, `train.throughput` is recorded.
 
+    Raises:
+        StepOrderError: on entering, under ``OTEL_TRAIN_STEP_ORDER=raise``, when `i` is below the latest
+            step entered (a resumed run declares its restart with `init(resume_step=)`).
+
     Example:
         >>> import otel_train as ot
         >>> with ot.step(5):
