@@ -361,11 +361,12 @@ def _on_signal(signum: int, frame: Any) -> None:
                                     daemon=True)
         _handoff.start()
         return
-    # A handler of the user's or a framework's (Lightning's SLURM requeue, torchrun's) runs next and
-    # decides whether the process ends; what was logged is flushed meanwhile, under the deadline.
-    if _handoff is None or not _handoff.is_alive():
-        _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
-        _handoff.start()
+    # A handler of the user's or a framework's (Lightning's SLURM requeue, a checkpoint hook) runs next and
+    # decides whether the process ends: flush first, waiting at most the deadline (should the interrupted
+    # code hold a lock the flush needs, the wait ends at the deadline, never later).
+    _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
+    _handoff.start()
+    _handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0))
     if callable(previous) and previous is not _on_signal:
         previous(signum, frame)
 
