@@ -64,7 +64,8 @@ class StepOrder:
         self.policy = policy
         self._backend = backend
         self._drop = policy != "warn"
-        self._last: dict[tuple[str, int, str], int] = {}
+        self._last: dict[tuple[str, int], dict[str, int]] = {}  # (run id, rank) -> tag -> last step
+        self._series = 0
         self._log = LogOnce(_logger, interval_s=60.0)
         #: Rows whose step went backwards in their series (under every policy).
         self.backwards = 0
@@ -80,17 +81,23 @@ class StepOrder:
 
         Returns `rows` itself when nothing is dropped (no copy on the common path).
         """
-        last = self._last
-        if len(last) > _MAX_SERIES:
-            last.clear()
+        if self._series > _MAX_SERIES:
+            self._last.clear()
+            self._series = 0
         kept: list[_RowT] | None = None
+        run: Any = None
+        last: dict[str, int] = {}
         for i, row in enumerate(rows):
             r: Any = row
-            key = (r.run.run_id, r.run.rank, r.tag)
-            step = r.step
-            prev = last.get(key)
+            if r.run is not run:  # rows come in long stretches of one rank: one lookup per stretch
+                run = r.run
+                last = self._last.setdefault((run.run_id, run.rank), {})
+            tag, step = r.tag, r.step
+            prev = last.get(tag)
             if prev is None or step >= prev:
-                last[key] = step
+                if prev is None:
+                    self._series += 1
+                last[tag] = step
                 if kept is not None:
                     kept.append(row)
                 continue
@@ -101,7 +108,7 @@ class StepOrder:
                     kept = list(rows[:i])
             elif kept is not None:
                 kept.append(row)
-            self._warn(key, step, prev)
+            self._warn((run.run_id, run.rank, tag), step, prev)
         return rows if kept is None else kept
 
     def _warn(self, key: tuple[str, int, str], step: int, prev: int) -> None:
