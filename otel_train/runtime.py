@@ -345,6 +345,17 @@ def _flush_active() -> None:
         session.flush(max(0.0, deadline - time.monotonic()))
 
 
+_LOCKING_CODE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(threading.__file__) + os.sep + "threading",
+                 os.sep + "opentelemetry" + os.sep)
+
+
+def _interrupted_locking_code(frame: Any) -> bool:
+    """Whether the signal interrupted our own code, OTel's or `threading` (which may hold a lock the
+    flush needs, e.g. inside the reader's wake-up `Event.set`), rather than the user's."""
+    code_file = getattr(getattr(frame, "f_code", None), "co_filename", "")
+    return code_file.startswith(_LOCKING_CODE[:2]) or _LOCKING_CODE[2] in code_file
+
+
 def _on_signal(signum: int, frame: Any) -> None:
     """Hand off on a signal. The work runs on a thread of its own: a signal handler runs inside
     whatever the training thread was doing, possibly holding a lock that flushing needs."""
@@ -366,7 +377,8 @@ def _on_signal(signum: int, frame: Any) -> None:
     # code hold a lock the flush needs, the wait ends at the deadline, never later).
     _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
     _handoff.start()
-    _handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0))
+    if not _interrupted_locking_code(frame):  # else the flush waits for the locks the loop holds: go on
+        _handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0))
     if callable(previous) and previous is not _on_signal:
         previous(signum, frame)
 
