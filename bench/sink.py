@@ -37,23 +37,12 @@ def _free_port() -> int:
 
 
 def _encode(rank: int, world: int, steps: range, metrics: int) -> bytes:
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from otel_train.testing import OtlpPoint, metrics_request
 
-    req = ExportMetricsServiceRequest()
-    rm = req.resource_metrics.add()
-    for key, value in (("train.run.id", "bench"), ("train.rank", rank), ("train.world_size", world)):
-        kv = rm.resource.attributes.add(key=key)
-        if isinstance(value, int):
-            kv.value.int_value = value
-        else:
-            kv.value.string_value = value
-    sm = rm.scope_metrics.add()
-    for m in range(metrics):
-        metric = sm.metrics.add(name=f"train/metric_{m}")
-        for step in steps:
-            p = metric.gauge.data_points.add(as_double=rank + step * 0.001 + m, time_unix_nano=time.time_ns())
-            p.attributes.add(key="train.step").value.int_value = step
-    return req.SerializeToString()
+    t = time.time_ns()
+    return metrics_request({"train.run.id": "bench", "train.rank": rank, "train.world_size": world}, [
+        OtlpPoint(f"train/metric_{m}", rank + step * 0.001 + m, step=step, time_unix_nano=t)
+        for m in range(metrics) for step in steps])
 
 
 def _requests(rank: int, world: int, steps: int, metrics: int, per_request: int) -> list[bytes]:

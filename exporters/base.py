@@ -32,6 +32,7 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otel_train import routing
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, MetricsConverter, SpanRow, span_rows
 from otel_train.step_order import StepOrder
@@ -99,12 +100,16 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     name: str = "row"
     #: The backend's client package (an optional extra), imported by `preload`.
     client_module: str | None = None
+    #: Dashboards that group by ``/`` show built-in series under their display names (`otel_train.semconv`).
+    display_names: bool = False
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         # DELTA, as in our reader: on a plain SDK pipeline a counter with a per-step attribute then
         # still becomes a running total here (and the SDK frees per-step attribute sets).
         MetricExporter.__init__(self, preferred_temporality=dict(DELTA_TEMPORALITY))
-        self.options = options if options is not None else ExporterOptions.from_env()
+        # Routing (`OTEL_TRAIN_<BACKEND>_*`): the backend's own options (its `_RANKS`) and row filter.
+        self.options, self._route = routing.bind(
+            self.name, options if options is not None else ExporterOptions.from_env(), self.display_names)
         self._converter = MetricsConverter()
         self._lock = threading.RLock()
         self._pending: deque[Window] = deque()
@@ -154,6 +159,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         with self._lock:
             if self._closed:
                 return False
+            if window and self._route is not None:
+                window = Window(*self._route.apply(window.metrics, window.histograms, window.spans))
             if window:
                 if self.handles_metrics and (window.metrics or window.histograms):
                     window = self._in_step_order(window)
@@ -221,7 +228,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         ok = self.export_window(Window(spans=span_rows(spans, self._converter)))
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:  # type: ignore[override]
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
         with self._lock:
             if self._closed:
                 return True
@@ -234,7 +241,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                 return False
             return ok
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:  # type: ignore[override]
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         """Flush what is pending and close the backend; safe to call twice."""
         with self._lock:
             if self._closed:
@@ -245,6 +252,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                     "exporter `%s` closed with %d window(s) it could not write", self.name, len(self._pending)
                 )
             self._closed = True
+            if self._route is not None:
+                self._route.report()  # "pattern ... matched no metric", once
             try:
                 self.flush()
             except Exception as err:

@@ -22,6 +22,12 @@ With ``trace_counters`` (`OTEL_TRAIN_TRACE_COUNTERS`, default on), logged scalar
 events (``"ph": "C"``, name = the tag, ``args = {"value": v}``), so the loss curve sits under the
 timeline. Histogram statistic rows and non-finite values are left out of the counters.
 
+Long runs: ``trace_steps`` (`OTEL_TRAIN_TRACE_STEPS`, e.g. ``100-120`` or ``every:1000:5``) keeps only
+the spans and counters of those steps; ``trace_gzip`` (`OTEL_TRAIN_TRACE_GZIP`) writes
+``rank<N>.trace.json.gz``. The gzip stream is sync-flushed after every window, so a file cut off
+by a crash still decompresses up to its last window (`otel-train trace merge` reads it and writes a
+complete file).
+
 Example:
     >>> import tempfile
     >>> from otel_train.exporters.base import Window
@@ -35,12 +41,13 @@ Example:
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,9 +66,10 @@ ERROR_CNAME = "terrible"
 
 
 
-def trace_path(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
+def trace_path(directory: str | os.PathLike[str], run_name: str, rank: int, gzipped: bool = False) -> Path:
     """Where the trace of `rank` of run `run_name` is written."""
-    return run_folder(directory, run_name) / "trace" / f"rank{rank}.trace.json"
+    suffix = ".trace.json.gz" if gzipped else ".trace.json"
+    return run_folder(directory, run_name) / "trace" / f"rank{rank}{suffix}"
 
 
 def json_safe(value: Any) -> Any:
@@ -93,14 +101,17 @@ def _fallback_tid(thread_name: str) -> int:
 class _RankTrace:
     """The open streaming file of one rank, and which thread names it already holds."""
 
-    def __init__(self, path: Path, run: RunInfo) -> None:
+    def __init__(self, path: Path, run: RunInfo, gzipped: bool = False) -> None:
         self.path = path
         self.pid = run.rank
         self.run = run
         self._threads: set[int] = set()
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - held open, closed in close()
-        self._file.write("[\n")
+        self._raw: IO[bytes] = open(path, "wb")  # noqa: SIM115 - held open, closed in close()
+        # Sync-flushed per window (`push`): what reached the OS decompresses even without the trailer.
+        self._gzip = gzip.GzipFile(fileobj=self._raw, mode="wb", compresslevel=6) if gzipped else None
+        self._file: gzip.GzipFile | IO[bytes] = self._gzip if self._gzip is not None else self._raw
+        self._file.write(b"[\n")
         label = f"rank {run.rank}"
         if run.host or run.pid:
             label += f" ({run.host or '?'} pid {run.pid})"
@@ -108,8 +119,8 @@ class _RankTrace:
         self.emit({"name": "process_sort_index", "ph": "M", "pid": self.pid, "args": {"sort_index": run.rank}})
 
     def emit(self, event: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(event, allow_nan=False, separators=(",", ":")))
-        self._file.write(",\n")
+        self._file.write(json.dumps(event, allow_nan=False, separators=(",", ":")).encode())
+        self._file.write(b",\n")
 
     def thread(self, tid: int, name: str) -> None:
         if tid not in self._threads:
@@ -119,20 +130,23 @@ class _RankTrace:
 
     def push(self) -> None:
         """Hand the window to the OS: a killed process keeps it (a machine crash needs `sync`)."""
-        self._file.flush()
+        self._file.flush()  # GzipFile.flush is a zlib sync flush, then the file's flush
+        self._raw.flush()
 
     def sync(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        self.push()
+        os.fsync(self._raw.fileno())
 
     def close(self) -> None:
         # The last event carries no trailing comma, so the array closes as valid JSON.
         end = {"name": "process_labels", "ph": "M", "pid": self.pid,
                "args": {"labels": f"run {self.run.run_name} ({self.run.run_id})"}}
-        self._file.write(json.dumps(end, separators=(",", ":")) + "\n]\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._file.write((json.dumps(end, separators=(",", ":")) + "\n]\n").encode())
+        if self._gzip is not None:
+            self._gzip.close()  # writes the gzip trailer; leaves the raw file open
+        self._raw.flush()
+        os.fsync(self._raw.fileno())
+        self._raw.close()
 
 
 class ChromeTraceExporter(RowExporter):
@@ -140,7 +154,8 @@ class ChromeTraceExporter(RowExporter):
 
     Args:
         options: `directory` is the root of the run folders; `trace_counters` turns the counter
-            events on. Default: from the `OTEL_TRAIN_*` variables.
+            events on; `trace_steps` keeps only those steps; `trace_gzip` compresses. Default: from
+            the `OTEL_TRAIN_*` variables.
     """
 
     name = "chrome_trace"
@@ -151,17 +166,20 @@ class ChromeTraceExporter(RowExporter):
         self.handles_metrics = bool(self.options.trace_counters)
         self._ranks: dict[tuple[str, int], _RankTrace] = {}
         self._paths: list[Path] = []
+        self._steps: Container[int] | None = self.options.trace_steps
+        self._gzip = bool(self.options.trace_gzip)
 
     def _trace(self, run: RunInfo) -> _RankTrace:
         key = (run.run_id, run.rank)
         trace = self._ranks.get(key)
         if trace is None:
-            path = trace_path(self.options.directory, run.run_name, run.rank)
+            path = trace_path(self.options.directory, run.run_name, run.rank, self._gzip)
+            suffix = path.name[len(f"rank{run.rank}"):]
             n = 0
             while path.exists():  # a resumed run (or a restarted sink) keeps the earlier trace
                 n += 1
-                path = path.with_name(f"rank{run.rank}.{n}.trace.json")
-            trace = self._ranks[key] = _RankTrace(path, run)
+                path = path.with_name(f"rank{run.rank}.{n}{suffix}")
+            trace = self._ranks[key] = _RankTrace(path, run, self._gzip)
             self._paths.append(path)
             _logger.debug("chrome trace of rank %d at %s", run.rank, path)
         return trace
@@ -173,7 +191,10 @@ class ChromeTraceExporter(RowExporter):
 
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
         touched: dict[int, _RankTrace] = {}
+        steps = self._steps
         for row in rows:
+            if steps is not None and (row.step is None or row.step not in steps):
+                continue
             trace = self._trace(row.run)
             touched[id(trace)] = trace
             tid = row.thread_id or _fallback_tid(row.thread_name)
@@ -202,6 +223,8 @@ class ChromeTraceExporter(RowExporter):
         touched: dict[int, _RankTrace] = {}
         for row in rows:
             if row.kind == "histogram" or not row.time_unix_nano or not math.isfinite(row.value):
+                continue
+            if self._steps is not None and row.step not in self._steps:
                 continue
             trace = self._trace(row.run)
             touched[id(trace)] = trace

@@ -82,6 +82,7 @@ class ClearMLExporter(RowExporter):
     """
 
     name = "clearml"
+    display_names = True
     handles_metrics = True
     handles_spans = False
     client_module = "clearml"

@@ -97,6 +97,7 @@ class MLflowExporter(RowExporter):
     """
 
     name = "mlflow"
+    display_names = True
     handles_metrics = True
     handles_spans = False
     client_module = "mlflow"

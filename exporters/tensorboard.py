@@ -53,7 +53,7 @@ def _use_fast_crc() -> None:
         return
 
     def masked_crc32c(data: bytes) -> int:
-        x = google_crc32c.value(bytes(data))
+        x = int(google_crc32c.value(bytes(data)))
         return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
     masked_crc32c._otel_train_fast = True  # type: ignore[attr-defined]
@@ -83,7 +83,7 @@ class _EventFile:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
         self.path = directory / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                                 f"{os.getpid()}.{next(_file_ids)}")
+                                 f"{os.getpid()}.{next(_file_ids):06d}")  # padded: files sort in creation order
         self._records = bytearray()
         self._framer = RecordWriter(self)  # frames each record and calls our `write`
         self.add(first_event)
@@ -131,6 +131,7 @@ class TensorBoardExporter(RowExporter):
     """
 
     name = "tensorboard"
+    display_names = True
     handles_metrics = True
     handles_spans = False
 
@@ -236,10 +237,18 @@ class TensorBoardExporter(RowExporter):
     def _histogram(self, h: HistogramRow) -> Any:
         bounds = list(h.explicit_bounds)
         counts = list(h.bucket_counts)
-        # OTel bounds are upper edges with an implicit +inf bucket; TB wants an edge per bucket.
-        limits = bounds + [max(h.max, bounds[-1] if bounds else h.max)]
+        # OTel bounds are upper edges with an implicit +inf bucket; TB wants an edge per bucket. An empty
+        # overflow bucket is left out; a full one ends at the max (if unknown: one bucket width further).
+        if counts and len(counts) == len(bounds) + 1 and counts[-1] == 0:
+            counts.pop()
+        last = bounds[-1] if bounds else 0.0
+        width = last - bounds[-2] if len(bounds) >= 2 else max(1.0, abs(last))
+        top = h.max if math.isfinite(h.max) and (not bounds or h.max > last) else last + width
+        limits = bounds + [top]
+        lo = h.min if math.isfinite(h.min) else (bounds[0] if bounds else 0.0)
+        hi = h.max if math.isfinite(h.max) else limits[len(counts) - 1] if counts else lo
         return self._summary_pb2.HistogramProto(
-            min=h.min, max=h.max, num=h.count, sum=h.sum, sum_squares=0.0,
+            min=lo, max=hi, num=h.count, sum=h.sum, sum_squares=0.0,
             bucket_limit=limits[: len(counts)], bucket=counts,
         )
 

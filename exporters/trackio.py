@@ -54,6 +54,7 @@ class TrackioExporter(RowExporter):
     """
 
     name = "trackio"
+    display_names = True
     handles_metrics = True
     handles_spans = False
     client_module = "trackio"

@@ -78,13 +78,18 @@ class WandbExporter(RowExporter):
     """
 
     name = "wandb"
+    display_names = True
     handles_metrics = True
     handles_spans = False
     client_module = "wandb"
 
-    def __init__(self, options: ExporterOptions | None = None) -> None:
+    def __init__(self, options: ExporterOptions | None = None, *, entity: str | None = None,
+                 group: str | None = None) -> None:
         self.preload()
         super().__init__(options)
+        # `WANDB_ENTITY` / `WANDB_RUN_GROUP` win over these (the migration layer's `args.wandb_team/_group`).
+        self.entity = entity
+        self.group = group
         self._runs: dict[tuple[str, int], Run] = {}
         self._markers: dict[tuple[str, int], Path] = {}
         self._committed: dict[tuple[str, int], int] = {}
@@ -147,8 +152,11 @@ class WandbExporter(RowExporter):
             folder = run_folder(self.options, info)
             folder.mkdir(parents=True, exist_ok=True)
             kwargs["dir"] = str(folder)
-        if self.options.ranks == "all":
-            kwargs["group"] = env.get("WANDB_RUN_GROUP") or info.run_id
+        group = env.get("WANDB_RUN_GROUP") or self.group
+        if self.options.ranks == "all" or group:
+            kwargs["group"] = group or info.run_id
+        if self.entity and not env.get("WANDB_ENTITY"):
+            kwargs["entity"] = self.entity
         settings: dict[str, Any] = {}
         if not env.get("WANDB_CONSOLE"):
             settings["console"] = "off"

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from otel_train.config import Route
 from otel_train.errors import ConfigError, OtelTrainError, StepOrderError
 from otel_train.instrument import NO_SPAN
 from otel_train.step import STEP_ATTRIBUTE, current_step, step, steps
@@ -30,6 +31,7 @@ __all__ = [
     "STEP_ATTRIBUTE",
     "ConfigError",
     "OtelTrainError",
+    "Route",
     "StepOrderError",
     "current_step",
     "flush",
@@ -74,6 +76,7 @@ def init(
     rank: int | None = None,
     local_rank: int | None = None,
     world_size: int | None = None,
+    routes: Mapping[str, Route | Mapping[str, Any]] | None = None,
     step_order: str | None = None,
     resume_step: int | None = None,
 ) -> Any:
@@ -87,6 +90,9 @@ def init(
             `OTEL_TRAIN_EXPORTERS`. Every other keyword overrides its `OTEL_TRAIN_*` variable.
         rank, local_rank, world_size: The process's place in the job, for frameworks that know it
             better than the launcher's `RANK`/`LOCAL_RANK`/`WORLD_SIZE` variables (which they override).
+        routes: Per-backend routing, exporter name -> `Route` (or a dict with the same keys), e.g.
+            ``{"wandb": Route(include=["train/*"], every=10)}``; each given field overrides its
+            `OTEL_TRAIN_<BACKEND>_*` variable.
         step_order: What a step going backwards does: ``warn``, ``drop`` or ``raise`` (`OTEL_TRAIN_STEP_ORDER`).
         resume_step: The run restarts at this step, from a checkpoint (`OTEL_TRAIN_RESUME_STEP`): every
             backend is told, so no series shows two values for one step.
@@ -113,7 +119,7 @@ def init(
             export_every=export_every, export_interval_s=export_interval_s, ranks=ranks, disabled=disabled,
             shutdown_timeout_s=shutdown_timeout_s, queue_size=queue_size, buffer_size=buffer_size,
             strict_sync=strict_sync, config=config, trace_counters=trace_counters, service_name=service_name,
-            step_order=step_order, resume_step=resume_step,
+            routes=routes, step_order=step_order, resume_step=resume_step,
         )
         env = None
         placement = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size}

@@ -1,4 +1,4 @@
-"""The `otel-train` command: `demo`, `trace merge`, `sink`."""
+"""The `otel-train` command: `demo`, `trace merge`, `replay`, `sink`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def _demo(args: argparse.Namespace) -> int:
     if "tensorboard" in names:
         lines.append(f"  curves:   tensorboard --logdir {session.settings.dir}")
     if "chrome_trace" in names:
-        lines.append(f"  timeline: open {run_dir / 'trace' / f'rank{session.run.rank}.trace.json'} in https://ui.perfetto.dev")
+        trace = f"rank{session.run.rank}.trace.json" + (".gz" if session.settings.trace_gzip else "")
+        lines.append(f"  timeline: open {run_dir / 'trace' / trace} in https://ui.perfetto.dev")
     if "jsonl" in names:
         lines.append(f"  records:  {run_dir / f'rank{session.run.rank}.jsonl'}")
     others = [n for n in names if n not in ("tensorboard", "chrome_trace", "jsonl")]
@@ -39,9 +40,27 @@ def _demo(args: argparse.Namespace) -> int:
 def _trace_merge(args: argparse.Namespace) -> int:
     from otel_train.trace_merge import merge_traces
 
-    count = merge_traces(args.out, args.files)
-    sys.stdout.write(f"merged {count} events from {len(args.files)} file(s) into {args.out}\n")
+    if not args.files and not args.profiler:
+        sys.stderr.write("otel-train: error: trace merge: give trace files and/or --profiler FILE\n")
+        return 2
+    count = merge_traces(args.out, args.files, args.profiler)
+    n = len(args.files) + len(args.profiler)
+    sys.stdout.write(f"merged {count} events from {n} file(s) into {args.out}\n")
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from otel_train.export_process import replay
+
+    results = replay(args.run_dir, timeout_s=args.timeout)
+    if not results:
+        sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
+        return 0
+    behind = False
+    for name, progress in results.items():
+        sys.stdout.write(f"{name}: {progress.summary()}\n")
+        behind = behind or bool(progress.behind())
+    return 1 if behind else 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,10 +75,21 @@ def _parser() -> argparse.ArgumentParser:
 
     trace = sub.add_parser("trace", help="Chrome trace tools")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
-    merge = trace_sub.add_parser("merge", help="merge per-rank trace files into one")
-    merge.add_argument("out", type=Path, help="the merged trace file to write")
-    merge.add_argument("files", type=Path, nargs="+", help="per-rank trace files (rank<N>.trace.json)")
+    merge = trace_sub.add_parser("merge", help="merge per-rank trace files (and torch profiler traces) into one")
+    merge.add_argument("out", type=Path, help="the merged trace file to write (.json, or .json.gz compressed)")
+    merge.add_argument("files", type=Path, nargs="*", help="per-rank trace files (rank<N>.trace.json[.gz])")
+    merge.add_argument("--profiler", type=Path, action="append", default=[], metavar="FILE",
+                       help="a torch profiler Chrome trace to align with ours (repeatable; rank from its "
+                            "distributedInfo, else 0)")
     merge.set_defaults(func=_trace_merge)
+
+    replay = sub.add_parser("replay", help="deliver what a run's exporter process had spooled but not delivered",
+                            description="Feed every backend the spooled windows it has not acknowledged, for every "
+                                        "rank of the run folder. Safe to run twice: each backend resumes after its "
+                                        "cursor.")
+    replay.add_argument("run_dir", type=Path, help="the run folder (OTEL_TRAIN_DIR/<run name>)")
+    replay.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the backends (default 600)")
+    replay.set_defaults(func=_replay)
 
     try:
         from otel_train.sink import cli as sink_cli

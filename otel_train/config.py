@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from otel_train.errors import ConfigError
 
-__all__ = ["Settings", "SinkSettings", "load_settings", "load_sink_settings", "parse_bool"]
+__all__ = ["Route", "Settings", "SinkSettings", "StepSelection", "load_settings", "load_sink_settings", "parse_bool"]
 
 OTEL_TRAIN_EXPORTERS = "OTEL_TRAIN_EXPORTERS"
 """Comma list of exporter names. Default ``tensorboard,chrome_trace``."""
@@ -53,6 +53,51 @@ OTEL_TRAIN_CONFIG_JSON = "OTEL_TRAIN_CONFIG_JSON"
 """JSON object of hyperparameters sent once to every backend that has the notion. Default none."""
 OTEL_TRAIN_TRACE_COUNTERS = "OTEL_TRAIN_TRACE_COUNTERS"
 """Boolean; write logged metrics as counter events under the Chrome trace timeline. Default true."""
+OTEL_TRAIN_TRACE_STEPS = "OTEL_TRAIN_TRACE_STEPS"
+"""Which steps' spans and counters the Chrome trace keeps: a comma list of ``A-B`` (steps A to B,
+inclusive), ``A`` (one step) and ``every:N`` / ``every:N:K`` (K steps from every multiple of N; K
+defaults to 1), e.g. ``100-120`` or ``0-9,every:1000:5``. Spans outside any step are left out too.
+Default: every step."""
+OTEL_TRAIN_TRACE_GZIP = "OTEL_TRAIN_TRACE_GZIP"
+"""Boolean; write the Chrome trace gzip-compressed (``rank<N>.trace.json.gz``, which Perfetto opens).
+Default false."""
+OTEL_TRAIN_PHASES = "OTEL_TRAIN_PHASES"
+"""Boolean; record per-step ``phase/<span name>_s`` and ``phase/other_s`` from the top-level spans of
+each step (computed on the export thread). Default true."""
+OTEL_TRAIN_SYSTEM_METRICS = "OTEL_TRAIN_SYSTEM_METRICS"
+"""Boolean; sample process CPU and memory, host memory and (with NVML) every GPU on a background
+thread and record each step's mean and max (``system/cpu_percent/mean`` ...). Default false."""
+OTEL_TRAIN_SYSTEM_INTERVAL_S = "OTEL_TRAIN_SYSTEM_INTERVAL_S"
+"""Seconds between two system samples (float > 0). Default 1."""
+OTEL_TRAIN_PROFILER_BRIDGE = "OTEL_TRAIN_PROFILER_BRIDGE"
+"""Boolean; while a torch profiler records, every `ot.span` also opens a
+`torch.profiler.record_function` of the same name (torch is never imported by otel-train). Default false."""
+OTEL_TRAIN_QUIET = "OTEL_TRAIN_QUIET"
+"""Boolean; no summary line on stderr at shutdown (rank 0). Default false."""
+
+OTEL_TRAIN_BACKEND_INCLUDE = "OTEL_TRAIN_<BACKEND>_INCLUDE"
+"""Comma list of globs on metric names; that backend gets only matching metrics (its wire name or its
+dashboard name, e.g. ``train/*``). ``<BACKEND>`` is the exporter name in capitals (``WANDB``,
+``CHROME_TRACE``). Default: every metric."""
+OTEL_TRAIN_BACKEND_EXCLUDE = "OTEL_TRAIN_<BACKEND>_EXCLUDE"
+"""Comma list of globs on metric names that backend does not get (applied after ``_INCLUDE``). Default none."""
+OTEL_TRAIN_BACKEND_EVERY = "OTEL_TRAIN_<BACKEND>_EVERY"
+"""That backend gets only steps that are a multiple of N (int >= 1; spans too). Default 1."""
+OTEL_TRAIN_BACKEND_RANKS = "OTEL_TRAIN_<BACKEND>_RANKS"
+"""``0`` or ``all``: overrides `OTEL_TRAIN_RANKS` for that backend. Default: `OTEL_TRAIN_RANKS`."""
+
+OTEL_TRAIN_EXPORT_PROCESS = "OTEL_TRAIN_EXPORT_PROCESS"
+"""Where named backends run: ``auto`` (default: in an exporter process started at `init()` when a named
+exporter is configured), ``on`` (same) or ``off`` (threads in the training process). Exporter objects
+passed to `init(exporters=[...])` always stay in the training process."""
+OTEL_TRAIN_DRAIN_TIMEOUT_S = "OTEL_TRAIN_DRAIN_TIMEOUT_S"
+"""Seconds the exporter process keeps delivering after the training process has handed off or died,
+before it exits (float > 0). Default 120. What it could not deliver waits in the spool for `otel-train replay`."""
+OTEL_TRAIN_EXPORT_CPUS = "OTEL_TRAIN_EXPORT_CPUS"
+"""CPU list the exporter process pins itself to, e.g. ``1`` or ``8-9,12``. Default: the training
+process's affinity."""
+OTEL_TRAIN_EXPORT_NICE = "OTEL_TRAIN_EXPORT_NICE"
+"""Niceness added to the exporter process (int 0-19). Default 0."""
 OTEL_TRAIN_STEP_ORDER = "OTEL_TRAIN_STEP_ORDER"
 """What happens to a row whose step is lower than the last one of its series: ``warn`` (written as
 given, counted, warned), ``drop`` (kept from every backend, counted) or ``raise`` (`ot.step`/`ot.log`
@@ -65,6 +110,7 @@ OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 
 RANKS_ALLOWED = ("0", "all")
+EXPORT_PROCESS_ALLOWED = ("auto", "on", "off")
 STEP_ORDER_ALLOWED = ("warn", "drop", "raise")
 DEFAULT_EXPORTERS = ("tensorboard", "chrome_trace")
 
@@ -83,6 +129,113 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 T = TypeVar("T")
+
+ROUTE_FIELDS = ("include", "exclude", "every", "ranks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Which rows one backend gets: the `init(routes=...)` value for one exporter name.
+
+    ``None`` means "not given": the ``OTEL_TRAIN_<BACKEND>_*`` variable applies, else everything.
+    Patterns are globs (`fnmatch`, ``*`` also crosses ``/``) on metric names; a metric passes when
+    its wire name or its dashboard name matches (``train/*`` also takes ``train.step.duration_s``,
+    shown as ``train/step_duration_s``). Spans are routed by `every` only.
+
+    Args:
+        include: Only metrics matching one of these globs (a comma string or a sequence).
+        exclude: Minus metrics matching one of these (applied after `include`).
+        every: Only steps that are a multiple of this (>= 1).
+        ranks: ``"0"`` or ``"all"``: overrides `OTEL_TRAIN_RANKS` for this backend.
+
+    Example:
+        >>> Route(include="train/*, eval/*", every=10).include
+        ('train/*', 'eval/*')
+    """
+
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] | None = None
+    every: int | None = None
+    ranks: str | None = None
+    #: The setting each pattern list came from, named in messages (``OTEL_TRAIN_WANDB_INCLUDE``).
+    include_setting: str = "include"
+    exclude_setting: str = "exclude"
+
+    def __post_init__(self) -> None:
+        for field in ("include", "exclude"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, _patterns(getattr(self, f"{field}_setting"), value))
+        if self.every is not None:
+            object.__setattr__(self, "every", _parse_int("every", str(self.every), 1))
+        if self.ranks is not None:
+            object.__setattr__(self, "ranks", _parse_ranks("ranks", str(self.ranks)))
+
+    def merged_over(self, base: Route) -> Route:
+        """This route's given fields over `base`'s (keyword over env var)."""
+        out = base
+        for field in ROUTE_FIELDS:
+            value = getattr(self, field)
+            if value is not None:
+                extra = {f"{field}_setting": getattr(self, f"{field}_setting")} if field in ("include", "exclude") else {}
+                out = dataclasses.replace(out, **{field: value}, **extra)
+        return out
+
+
+def _patterns(name: str, value: Any) -> tuple[str, ...]:
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    out = tuple(str(p).strip() for p in parts if str(p).strip())
+    if not out:
+        raise ConfigError(f"{name}: {value!r} holds no pattern; give globs such as `train/*` or unset it")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSelection:
+    """A set of steps (`OTEL_TRAIN_TRACE_STEPS`): inclusive ranges plus periodic runs.
+
+    Example:
+        >>> sel = parse_step_selection("OTEL_TRAIN_TRACE_STEPS", "100-102,every:1000:2")
+        >>> [s for s in (0, 1, 2, 100, 102, 103, 1001, 1002) if s in sel]
+        [0, 1, 100, 102, 1001]
+    """
+
+    ranges: tuple[tuple[int, int], ...] = ()
+    periodic: tuple[tuple[int, int], ...] = ()  # (every N, first K steps of each)
+
+    def __contains__(self, step: object) -> bool:
+        if not isinstance(step, int):
+            return False
+        return any(a <= step <= b for a, b in self.ranges) or any(step % n < k for n, k in self.periodic)
+
+
+def parse_step_selection(name: str, raw: str) -> StepSelection:
+    """Parse `OTEL_TRAIN_TRACE_STEPS` (see its docstring); raise `ConfigError` naming the bad item."""
+    allowed = "use `A-B`, `A`, `every:N` or `every:N:K` separated by commas, e.g. `100-120` or `every:1000:5`"
+    ranges: list[tuple[int, int]] = []
+    periodic: list[tuple[int, int]] = []
+    for item in (part.strip() for part in raw.split(",")):
+        try:
+            if item.startswith("every:"):
+                n, _, k = item[6:].partition(":")
+                every, count = int(n), int(k) if k else 1
+                if every < 1 or not 1 <= count <= every:
+                    raise ValueError
+                periodic.append((every, count))
+            elif "-" in item[1:]:
+                a, b = item.split("-", 1)
+                lo, hi = int(a), int(b)
+                if lo < 0 or hi < lo:
+                    raise ValueError
+                ranges.append((lo, hi))
+            else:
+                one = int(item)
+                if one < 0:
+                    raise ValueError
+                ranges.append((one, one))
+        except ValueError:
+            raise ConfigError(f"{name}: {item!r} in {raw!r} is not a step selection; {allowed}") from None
+    return StepSelection(tuple(ranges), tuple(periodic))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +258,18 @@ class Settings:
     config: Mapping[str, Any] | None = None
     trace_counters: bool = True
     service_name: str = "otel-train"
+    export_process: str = "auto"
+    drain_timeout_s: float = 120.0
+    export_cpus: tuple[int, ...] = ()
+    export_nice: int = 0
+    routes: Mapping[str, Route] = dataclasses.field(default_factory=dict)
+    trace_steps: StepSelection | None = None
+    trace_gzip: bool = False
+    phases: bool = True
+    system_metrics: bool = False
+    system_interval_s: float = 1.0
+    profiler_bridge: bool = False
+    quiet: bool = False
     step_order: str = "warn"
     resume_step: int | None = None
 
@@ -172,6 +337,35 @@ def _parse_config_json(name: str, raw: str) -> Mapping[str, Any]:
     return value
 
 
+def _parse_export_process(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in EXPORT_PROCESS_ALLOWED:
+        raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(EXPORT_PROCESS_ALLOWED)}")
+    return value
+
+
+def _parse_cpus(name: str, raw: str) -> tuple[int, ...]:
+    """A CPU list as `taskset -c` takes it: ``1``, ``0,2``, ``8-9,12``."""
+    cpus: set[int] = set()
+    try:
+        for part in raw.replace(" ", "").split(","):
+            first, _, last = part.partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 0 or hi < lo:
+                raise ValueError(part)
+            cpus.update(range(lo, hi + 1))
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a CPU list; expected e.g. `1`, `0,2` or `8-9,12`") from None
+    return tuple(sorted(cpus))
+
+
+def _parse_nice(name: str, raw: str) -> int:
+    value = _parse_int(name, raw, 0)
+    if value > 19:
+        raise ConfigError(f"{name}: {value} is too large; expected an integer from 0 to 19")
+    return value
+
+
 def _parse_text(name: str, raw: str) -> str:
     value = raw.strip()
     if not value:
@@ -196,14 +390,93 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "config": (OTEL_TRAIN_CONFIG_JSON, _parse_config_json),
     "trace_counters": (OTEL_TRAIN_TRACE_COUNTERS, parse_bool),
     "service_name": (OTEL_SERVICE_NAME, _parse_text),
+    "export_process": (OTEL_TRAIN_EXPORT_PROCESS, _parse_export_process),
+    "drain_timeout_s": (OTEL_TRAIN_DRAIN_TIMEOUT_S, _parse_positive_float),
+    "export_cpus": (OTEL_TRAIN_EXPORT_CPUS, _parse_cpus),
+    "export_nice": (OTEL_TRAIN_EXPORT_NICE, _parse_nice),
+    "trace_steps": (OTEL_TRAIN_TRACE_STEPS, parse_step_selection),
+    "trace_gzip": (OTEL_TRAIN_TRACE_GZIP, parse_bool),
+    "phases": (OTEL_TRAIN_PHASES, parse_bool),
+    "system_metrics": (OTEL_TRAIN_SYSTEM_METRICS, parse_bool),
+    "system_interval_s": (OTEL_TRAIN_SYSTEM_INTERVAL_S, _parse_positive_float),
+    "profiler_bridge": (OTEL_TRAIN_PROFILER_BRIDGE, parse_bool),
+    "quiet": (OTEL_TRAIN_QUIET, parse_bool),
     "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
     "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: _parse_int(n, r, 0)),
 }
 
 
+def _known_backends() -> list[str]:
+    from otel_train.registry import known_exporters  # lazy: the registry sits above config
+
+    return sorted(known_exporters())
+
+
+def _route_variables() -> frozenset[str]:
+    """Every fixed `OTEL_TRAIN_*` variable of this module, so that `OTEL_TRAIN_EXPORT_EVERY` is no route."""
+    return frozenset(v for k, v in globals().items() if k.startswith("OTEL_TRAIN_") and isinstance(v, str))
+
+
+def _parse_route_env(env: Mapping[str, str]) -> dict[str, Route]:
+    """`OTEL_TRAIN_<BACKEND>_{INCLUDE,EXCLUDE,EVERY,RANKS}` -> a `Route` per backend name."""
+    fixed = _route_variables()
+    found: dict[str, dict[str, Any]] = {}
+    for var, raw in env.items():
+        if not var.startswith("OTEL_TRAIN_") or var in fixed or not raw.strip():
+            continue
+        backend_part, _, suffix = var[len("OTEL_TRAIN_"):].rpartition("_")
+        if suffix.lower() not in ROUTE_FIELDS or not backend_part:
+            continue
+        known = _known_backends()
+        backend = backend_part.lower()
+        if backend not in known:
+            upper = ", ".join(f"OTEL_TRAIN_{k.upper()}_{suffix}" for k in known)
+            raise ConfigError(f"{var}: unknown backend {backend_part!r} in the variable name; allowed: {upper}")
+        field = suffix.lower()
+        values = found.setdefault(backend, {})
+        if field == "every":
+            values[field] = _parse_int(var, raw, 1)
+        elif field == "ranks":
+            values[field] = _parse_ranks(var, raw)
+        else:
+            values[field] = _patterns(var, raw)
+            values[f"{field}_setting"] = var
+    return {backend: Route(**values) for backend, values in found.items()}
+
+
+def _validate_routes(value: Any) -> dict[str, Route]:
+    """`init(routes=...)`: exporter name -> `Route` or a mapping with the same keys."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"routes: {type(value).__name__} is not allowed; expected a mapping of exporter name -> "
+                          "Route (or a dict with include, exclude, every, ranks)")
+    known = _known_backends()
+    out: dict[str, Route] = {}
+    for backend, spec in value.items():
+        name = str(backend).strip().lower()
+        where = f"routes[{backend!r}]"
+        if name not in known:
+            raise ConfigError(f"{where}: unknown exporter {backend!r}; known: {', '.join(known)}")
+        if isinstance(spec, Mapping):
+            unknown = sorted(set(spec) - set(ROUTE_FIELDS))
+            if unknown:
+                raise ConfigError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(ROUTE_FIELDS)}")
+            kwargs = {k: spec[k] for k in ROUTE_FIELDS if spec.get(k) is not None}
+            for field in ("include", "exclude"):
+                kwargs[f"{field}_setting"] = f"{where}.{field}"
+            spec = Route(**kwargs)
+        elif isinstance(spec, Route):
+            spec = dataclasses.replace(spec, include_setting=f"{where}.include", exclude_setting=f"{where}.exclude")
+        else:
+            raise ConfigError(f"{where}: {type(spec).__name__} is not allowed; expected a Route or a dict")
+        out[name] = spec
+    return out
+
+
 def _validate_kwarg(field: str, value: Any) -> Any:
     """Validate an explicit `init()` keyword with the same rules as its variable."""
     var = _ENV[field][0] if field in _ENV else field
+    if field == "routes":
+        return _validate_routes(value)
     if field == "exporters":
         if isinstance(value, str):
             return _parse_exporters(var, value)
@@ -224,8 +497,12 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"resume_step: {value!r} is not allowed; expected an integer step >= 0")
         return _parse_int(field, str(value), 0)
-    if field in ("export_interval_s", "shutdown_timeout_s"):
+    if field in ("export_interval_s", "shutdown_timeout_s", "system_interval_s", "drain_timeout_s"):
         return _parse_positive_float(field, str(value))
+    if field == "export_nice":
+        return _parse_nice(field, str(value))
+    if field == "export_cpus":
+        return _parse_cpus(field, ",".join(str(c) for c in value))
     return value
 
 
@@ -252,12 +529,16 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         if raw is not None:
             disabled = disabled or parse_bool(var, raw)
     values["disabled"] = disabled
+    routes = _parse_route_env(env)
     for key, value in overrides.items():
         if key not in fields:
             allowed = ", ".join(sorted(fields))
             raise ConfigError(f"init(): unknown keyword `{key}`; allowed: {allowed}")
         if value is not None:
             values[key] = _validate_kwarg(key, value)
+    for backend, route in values.pop("routes", {}).items():  # keyword fields over the variables'
+        routes[backend] = route.merged_over(routes.get(backend, Route()))
+    values["routes"] = routes
     return Settings(**values)
 
 

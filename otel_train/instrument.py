@@ -7,10 +7,12 @@ path paying for it. Conversion to numbers and to OTel data happens later, on the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import random
+import sys
 import threading
 import time
 import warnings
@@ -32,7 +34,7 @@ from otel_train.step import _current, current_step
 if TYPE_CHECKING:
     from contextvars import Token
 
-__all__ = ["NO_SPAN", "LogBuffer", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
+__all__ = ["NO_SPAN", "LogBuffer", "ProfiledSpanScope", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
@@ -154,6 +156,7 @@ class SpanRecord:
         "attributes",
         "end_ns",
         "error",
+        "in_step",
         "name",
         "parent_id",
         "span_id",
@@ -167,7 +170,7 @@ class SpanRecord:
     def __init__(
         self, name: str, trace_id: int, span_id: int, parent_id: int | None, start_ns: int, end_ns: int,
         thread_id: int, thread_name: str, step: int | None, attributes: Mapping[str, Any] | None,
-        error: str | None,
+        error: str | None, in_step: bool = True,
     ) -> None:
         self.name = name
         self.trace_id = trace_id
@@ -180,6 +183,7 @@ class SpanRecord:
         self.step = step
         self.attributes = attributes
         self.error = error
+        self.in_step = in_step  # opened inside `ot.step` (its context), not stamped with the latest step
 
 
 class SpanBuffer(_Bounded):
@@ -253,6 +257,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
         self.thread_id = thread.native_id or 0  # cached by `threading`: no gettid syscall per span
         self.thread_name = thread.name
         step = _current.get()
+        self.in_step = step is not None
         self.step = current_step() if step is None else step
         self.start_ns = _time_ns()
         return self
@@ -285,6 +290,38 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
 
     def __repr__(self) -> str:
         return f"SpanScope({self.name!r}, span_id={getattr(self, 'span_id', 0):016x})"
+
+
+class ProfiledSpanScope(SpanScope):
+    """`SpanScope` that also opens a `torch.profiler.record_function` of its name while a torch
+    profiler records (`OTEL_TRAIN_PROFILER_BRIDGE`), so the profiler's trace shows our phases.
+
+    torch is only looked up in `sys.modules`: a process that never imported it pays one dict lookup.
+    The record function opens after our start time and closes before our end, so it nests inside.
+    """
+
+    __slots__ = ("_record",)
+
+    def __enter__(self) -> SpanScope:
+        scope = super().__enter__()
+        self._record: Any = None
+        profiler = sys.modules.get("torch.autograd.profiler")
+        if profiler is not None and getattr(profiler, "_is_profiler_enabled", False):
+            try:
+                record = profiler.record_function(self.name)
+                record.__enter__()
+                self._record = record
+            except Exception:  # the profiler must never break the training loop
+                self._record = None
+        return scope
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        record = self._record
+        if record is not None:
+            self._record = None
+            with contextlib.suppress(Exception):  # the profiler must never break the training loop
+                record.__exit__(None, None, None)
+        super().__exit__(exc_type, exc, tb)
 
 
 def traced_with(make_scope: Callable[[str, bool], Any], name: str | None, fn: _F) -> _F:

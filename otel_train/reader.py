@@ -6,7 +6,8 @@ per-step attribute sets are freed after each collection), drains the `ot.log` / 
 converts everything once (rows for our backends, OTel `MetricsData` / spans for plain OTel
 exporters) and hands the window to one worker thread per exporter through a bounded queue
 (oldest window dropped and counted when full). A slow or hanging backend only stalls its own
-worker.
+worker. Named backends run in the exporter process instead: the reader hands it each window through
+`channel` (`otel_train.export_process`), encoded once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
 from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
 from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.phases import PhaseTimer
 from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
 
@@ -261,6 +263,9 @@ class StepAlignedMetricReader(MetricReader):
         span_buffer: Where finished spans wait for collection.
         metrics_ranks: Whether this process exports metrics (spans always go out).
         resource: The Resource for `ot.log` data; taken from the MeterProvider when registered.
+        channel: Where encoded windows go besides `exporters` (the exporter process's
+            `send_window` / `flush` / `close`); None for none.
+        phases: Add per-step ``phase/<name>_s`` points computed from the spans of each step.
 
     Example:
         >>> from opentelemetry.sdk.metrics import MeterProvider
@@ -287,6 +292,8 @@ class StepAlignedMetricReader(MetricReader):
         span_buffer: SpanBuffer | None = None,
         export_metrics: bool = True,
         resource: Resource | None = None,
+        channel: Any = None,
+        phases: bool = True,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(
@@ -308,6 +315,8 @@ class StepAlignedMetricReader(MetricReader):
         self._need_rows = any(isinstance(w.exporter, RowExporter) for w in self._workers)
         self._need_md = any(w.send_metrics and not isinstance(w.exporter, RowExporter) for w in self._workers)
         self._need_spans = any(w.send_spans and not isinstance(w.exporter, RowExporter) for w in self._workers)
+        self._channel = channel
+        self._channel_metrics = export_metrics
         self._log = LogOnce(_logger)
         self._collect_lock = threading.Lock()
         self._steps_since = 0
@@ -315,6 +324,8 @@ class StepAlignedMetricReader(MetricReader):
         self._reported_drops = (0, 0, 0)
         self._shutdown = False
         self.windows = 0
+        self.points = 0
+        self._phases = PhaseTimer() if phases and export_metrics else None
         self._start_collector()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -380,18 +391,23 @@ class StepAlignedMetricReader(MetricReader):
         records = self.log_buffer.drain()
         spans = self.span_buffer.drain()
         self._report_drops(step, records)
-        if not self._workers or (not records and not spans and not _has_points(metrics_data)):
+        if (not self._workers and self._channel is None) or (
+                not records and not spans and not _has_points(metrics_data)):
             return  # no exporter wants anything: draining bounded the memory, converting would waste CPU
         run = self._converter.run_for(self._resource.attributes)
+        need_rows = self._need_rows or self._channel is not None
         rows: list[MetricRow] = []
+        sdk_rows: list[MetricRow] = []
         hists: list[Any] = []
         md: MetricsData | None = None
         points = self._log_points(records)
+        if self._phases is not None:  # phase timings are plain gauges from here on
+            points.extend(self._phases.points([s for _, s in spans], points))
+        if need_rows and metrics_data is not None and _has_points(metrics_data):
+            sdk_rows, hists = self._converter.rows(metrics_data, step)
         if self._need_rows:
             rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
-            if metrics_data is not None and _has_points(metrics_data):
-                sdk_rows, hists = self._converter.rows(metrics_data, step)
-                rows.extend(sdk_rows)
+            rows.extend(sdk_rows)
         if self._need_md:
             md = self._metrics_data(metrics_data, points, step)
         row_spans: list[SpanRow] = []
@@ -399,12 +415,23 @@ class StepAlignedMetricReader(MetricReader):
         if spans:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
-            if self._need_rows:
+            if need_rows:
                 row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self._converter)
             if self._need_spans:
                 otel_spans = [_readable_span(r, self._resource) for r in recs] + sdk_spans
-        batch = _Batch(Window(rows, hists, row_spans), md, otel_spans)
         self.windows += 1
+        self.points += len(points) + len(sdk_rows) + len(hists)
+        if self._channel is not None:
+            try:
+                if self._channel_metrics:
+                    self._channel.send_window(run, points, sdk_rows, hists, row_spans)
+                else:
+                    self._channel.send_window(run, (), (), (), row_spans)
+            except Exception:
+                self._log.warning("channel", "handing a window to the exporter process failed", exc_info=True)
+        if not self._workers:
+            return
+        batch = _Batch(Window(rows, hists, row_spans), md, otel_spans)
         for w in self._workers:
             w.submit(batch)
 
@@ -473,7 +500,9 @@ class StepAlignedMetricReader(MetricReader):
     # -- flush / shutdown ---------------------------------------------------------------------
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         """Collect now (on the collector thread) and wait until every exporter has written it."""
-        deadline = time.monotonic() + timeout_millis / 1000
+        return self._flush(time.monotonic() + timeout_millis / 1000, wait_channel=True)
+
+    def _flush(self, deadline: float, wait_channel: bool) -> bool:
         if self._shutdown:
             return True
         caller_step = current_step()  # a flush inside a step stamps that step, not the previous one
@@ -488,6 +517,8 @@ class StepAlignedMetricReader(MetricReader):
         else:
             self._collect_window()
         ok = all([w.wait_idle(deadline) for w in self._workers])  # wait for each, not the first failure
+        if wait_channel and self._channel is not None:
+            ok = self._channel.flush(deadline) and ok
         for w in self._workers:
             w.flush(deadline)
         return ok
@@ -497,7 +528,9 @@ class StepAlignedMetricReader(MetricReader):
         if self._shutdown:
             return
         deadline = time.monotonic() + timeout_millis / 1000
-        self.force_flush(timeout_millis * 0.8)
+        self._flush(time.monotonic() + timeout_millis * 0.8 / 1000, wait_channel=False)
+        if self._channel is not None:
+            self._channel.close(deadline)  # waits for the exporter process's backends up to `deadline`
         self._shutdown = True
         self._stop = True
         self._wake.set()
@@ -516,6 +549,14 @@ class StepAlignedMetricReader(MetricReader):
     @property
     def exporters(self) -> list[Any]:
         return [w.exporter for w in self._workers] + self._unused
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the shutdown summary: points, windows, drops, failures per exporter."""
+        dropped = self.log_buffer.dropped + self.span_buffer.dropped + sum(
+            w.dropped_batches + getattr(w.exporter, "dropped_windows", 0) for w in self._workers)
+        failures = {getattr(w.exporter, "name", type(w.exporter).__name__):
+                    w.failures + getattr(w.exporter, "failures", 0) for w in self._workers}
+        return {"points": self.points, "windows": self.windows, "dropped": dropped, "failures": failures}
 
     @property
     def failures(self) -> int:
@@ -542,7 +583,7 @@ def _has_points(md: MetricsData | None) -> bool:
 
 def _stamp(metric: Metric, step: int) -> Metric:
     """Give every point without `train.step` the step that ended the window."""
-    data = metric.data
+    data: Any = metric.data  # a union of point containers, each with `data_points`
     points = getattr(data, "data_points", None)
     if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):
         return metric

@@ -15,15 +15,18 @@ import hashlib
 import json
 import os
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from otel_train import semconv
 from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData
     from opentelemetry.sdk.trace import ReadableSpan
+
+    from otel_train.config import Route, Settings
 
 __all__ = [
     "ExporterOptions",
@@ -38,13 +41,13 @@ __all__ = [
     "span_rows",
 ]
 
-RUN_ID = "train.run.id"
-RUN_NAME = "train.run.name"
-LOCAL_RANK = "train.local_rank"
-WORLD_SIZE = "train.world_size"
-CONFIG_HASH = "train.config.hash"
-THREAD_ID = "thread.id"
-THREAD_NAME = "thread.name"
+RUN_ID = semconv.TRAIN_RUN_ID
+RUN_NAME = semconv.TRAIN_RUN_NAME
+LOCAL_RANK = semconv.TRAIN_LOCAL_RANK
+WORLD_SIZE = semconv.TRAIN_WORLD_SIZE
+CONFIG_HASH = semconv.TRAIN_CONFIG_HASH
+THREAD_ID = semconv.THREAD_ID
+THREAD_NAME = semconv.THREAD_NAME
 
 #: Attributes that identify a point's step and rank; every other attribute makes a distinct series.
 _SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
@@ -76,14 +79,14 @@ class RunInfo:
     def resource_attributes(self) -> dict[str, Any]:
         """The Resource attributes of DESIGN.md for this run and rank."""
         attrs: dict[str, Any] = {
-            "service.name": self.service_name,
+            semconv.SERVICE_NAME: self.service_name,
             RUN_ID: self.run_id,
             RUN_NAME: self.run_name,
             RANK_ATTRIBUTE: self.rank,
             LOCAL_RANK: self.local_rank,
             WORLD_SIZE: self.world_size,
-            "host.name": self.host or socket.gethostname(),
-            "process.pid": self.pid or os.getpid(),
+            semconv.HOST_NAME: self.host or socket.gethostname(),
+            semconv.PROCESS_PID: self.pid or os.getpid(),
         }
         if self.config_hash:
             attrs[CONFIG_HASH] = self.config_hash
@@ -123,6 +126,10 @@ class ExporterOptions:
     hparams: Mapping[str, Any] | None = None
     ranks: str = "0"
     trace_counters: bool = True
+    #: Per-backend routing by exporter name (`OTEL_TRAIN_<BACKEND>_*`, `init(routes=)`); see `otel_train.routing`.
+    routes: Mapping[str, Route] | None = None
+    trace_steps: Container[int] | None = None  # steps the Chrome trace keeps (None: all)
+    trace_gzip: bool = False
     #: `OTEL_TRAIN_STEP_ORDER`: what a backend does with a step that goes backwards (see `step_order`).
     step_order: str = "warn"
     #: `OTEL_TRAIN_RESUME_STEP`: the run restarts at this step (each backend is told in its own way).
@@ -133,8 +140,16 @@ class ExporterOptions:
         """Options from the `OTEL_TRAIN_*` variables (for exporters built with no arguments)."""
         from otel_train.config import load_settings
 
-        s = load_settings()
-        return cls(s.dir, s.project, s.config, s.ranks, s.trace_counters, s.step_order, s.resume_step)
+        return cls.from_settings(load_settings())
+
+    @classmethod
+    def from_settings(cls, s: Settings, *, directory: Path | None = None, ranks: str | None = None,
+                      with_hparams: bool = True) -> ExporterOptions:
+        """Options from loaded settings. The sink passes ``ranks="all"`` and no hyperparameters
+        (each run brings its own); the runtime passes the directory it checked."""
+        return cls(directory or s.dir, s.project, s.config if with_hparams else None, ranks or s.ranks,
+                   s.trace_counters, routes=s.routes, trace_steps=s.trace_steps, trace_gzip=s.trace_gzip,
+                   step_order=s.step_order, resume_step=s.resume_step if with_hparams else None)  # the sink: per run
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -6,12 +6,14 @@ Nothing imports this module but the public face (`otel_train/__init__.py`) and t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import logging
 import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -19,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import config as cfg
+from otel_train import semconv
 from otel_train.errors import ConfigError
-from otel_train.instrument import NO_SPAN, LogBuffer, SpanBuffer, SpanScope
+from otel_train.instrument import NO_SPAN, LogBuffer, ProfiledSpanScope, SpanBuffer, SpanScope
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import (
@@ -113,11 +116,24 @@ class Session:
             pid=os.getpid(),
             config_hash=config_hash(settings.config),
         )
-        self.export_metrics = settings.ranks == "all" or rank == 0
+        # A backend's `OTEL_TRAIN_<BACKEND>_RANKS=all` makes this rank export metrics; routing drops them elsewhere.
+        self.export_metrics = rank == 0 or settings.ranks == "all" or any(
+            r.ranks == "all" for r in settings.routes.values())
         directory = _check_dir(settings.dir)
-        options = ExporterOptions(directory, settings.project, settings.config, settings.ranks,
-                                  settings.trace_counters, settings.step_order, settings.resume_step)
-        self.exporters = self._build_exporters(settings.exporters, options) + list(instances)
+        options = ExporterOptions.from_settings(settings, directory=directory)
+        local, remote = _placement(settings)
+        self.export_process = None
+        if remote:
+            from otel_train.export_process import ExportProcess
+
+            self.export_process = ExportProcess(remote, options, self.run, drain_timeout_s=settings.drain_timeout_s,
+                                                cpus=settings.export_cpus, nice=settings.export_nice)
+        try:
+            self.exporters = self._build_exporters(local, options) + list(instances)
+        except BaseException:
+            if self.export_process is not None:
+                self.export_process.close(time.monotonic() + 1.0)
+            raise
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
         self.log_buffer = LogBuffer(settings.buffer_size, strict=settings.strict_sync)
@@ -131,6 +147,8 @@ class Session:
             span_buffer=self.span_buffer,
             export_metrics=self.export_metrics,
             resource=self.resource,
+            channel=self.export_process,
+            phases=settings.phases,
         )
         self.meter_provider = MeterProvider(
             metric_readers=[self.reader], resource=self.resource,
@@ -138,12 +156,19 @@ class Session:
         )
         self.tracer_provider = TracerProvider(resource=self.resource, shutdown_on_exit=False)
         self.tracer_provider.add_span_processor(ThreadSpanProcessor(self.span_buffer))
+        self.sampler = None
+        if settings.system_metrics and self.export_metrics:
+            from otel_train.system_metrics import SystemSampler
+
+            self.sampler = SystemSampler(self.log_buffer.append, settings.system_interval_s)
+            self.sampler.start()
         self._install_globals()
         self._closed = False
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
         set_step_order(settings.step_order, resume=settings.resume_step is not None)
         self._check_step = settings.step_order == "raise"
+        self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_listener = self._on_step_end
         add_step_end_listener(self._step_listener)
         self.forked = False
@@ -155,6 +180,13 @@ class Session:
         # exporting from both would interleave them. The child drops its data unless it calls init().
         self._closed = True
         self.forked = True
+
+    def export_progress(self, timeout_s: float = 5.0) -> Any:
+        """The exporter process's progress (`otel_train.delivery.Progress`: windows spooled, per backend
+        the last durable window and step, `behind()`), or None when every backend runs in this process."""
+        if self.export_process is None:
+            return None
+        return self.export_process.progress(timeout_s)
 
     @staticmethod
     def _build_exporters(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:
@@ -200,18 +232,34 @@ class Session:
                             type(mapping).__name__)
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
-        return SpanScope(self.span_buffer, name, attributes, record_context)
+        return self._scope_class(self.span_buffer, name, attributes, record_context)
 
     def _on_step_end(self, info: StepEnd) -> None:
         values: dict[str, float] = {
-            "train.step.duration_s": info.duration_s,
-            "train.time_total_s": info.time_total_s,
-            "train.iterations": info.iterations,
+            semconv.TRAIN_STEP_DURATION: info.duration_s,
+            semconv.TRAIN_TIME_TOTAL: info.time_total_s,
+            semconv.TRAIN_ITERATIONS: info.iterations,
         }
         if info.samples is not None and info.duration_s > 0:
-            values["train.throughput"] = info.samples / info.duration_s
+            values[semconv.TRAIN_THROUGHPUT] = info.samples / info.duration_s
         self._append(info.step, values)
         self.reader.on_step_end(info)
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        """Merge hyperparameters that a framework reports after `init()` into the run's config.
+
+        Backends read the config when they open their run, at the first metrics they write, so
+        config added before the first export reaches every backend (frameworks report it before
+        training starts); a backend that has already opened its run keeps the config it had.
+        """
+        merged = {**(self.settings.config or {}), **config}
+        self.settings = dataclasses.replace(self.settings, config=merged)
+        for exporter in self.exporters:
+            options = getattr(exporter, "options", None)
+            if isinstance(options, ExporterOptions):
+                exporter.options = dataclasses.replace(options, hparams=merged)
+        if self.export_process is not None:
+            self.export_process.add_config(merged)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -236,11 +284,29 @@ class Session:
         if deadline is not None:
             timeout_s = max(0.05, min(timeout_s, deadline - time.monotonic()))
         try:
+            if self.sampler is not None:
+                self.sampler.stop()  # its last step goes out with the final flush
             self.reader.shutdown(timeout_s * 1000)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
             _logger.warning("shutdown did not complete cleanly", exc_info=True)
+        if self.run.rank == 0 and not self.settings.quiet:
+            self._write_summary()
+
+    def _write_summary(self) -> None:
+        from otel_train.records import run_folder
+        from otel_train.summary import summary_line, write_summary
+
+        try:
+            stats = self.reader.stats()
+            names = [str(getattr(ex, "name", type(ex).__name__)) for ex in self.exporters]
+            if self.export_process is not None:
+                names += list(self.export_process.names)
+            write_summary(summary_line(stats["points"], stats["windows"], names, stats["dropped"],
+                                       stats["failures"], str(run_folder(self.settings.dir, self.run.run_name))))
+        except Exception:
+            _logger.debug("no shutdown summary", exc_info=True)
 
     @property
     def closed(self) -> bool:
@@ -249,6 +315,34 @@ class Session:
     def step_order_counts(self) -> dict[str, dict[str, int]]:
         """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
         return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
+
+
+_IN_PROCESS = frozenset({"otlp"})
+
+
+def _is_builtin(target: str) -> bool:
+    """Whether a registry target (``module:Class``) is one of our own backends."""
+    return target.partition(":")[0].split(".")[:2] == ["otel_train", "exporters"]
+
+
+def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Split the named exporters into (built here, built in the exporter process).
+
+    Built-in row backends go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`. Staying
+    here: `otlp` (it sends the SDK's own data, unconverted, which only exists here) and third-party
+    names (entry points; their classes may not expect to run elsewhere). Unknown names and missing
+    packages fail here, before anything starts.
+    """
+    from otel_train.registry import check_available, get_spec
+
+    names = settings.exporters
+    for spec in [get_spec(n) for n in names]:
+        check_available(spec)
+    if settings.export_process == "off" or (settings.export_process == "auto" and (
+            os.name != "posix" or not sys.executable)):
+        return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start
+    remote = tuple(n for n in names if n not in _IN_PROCESS and _is_builtin(get_spec(n).target))
+    return tuple(n for n in names if n not in remote), remote
 
 
 class DisabledSession:
@@ -265,6 +359,9 @@ class DisabledSession:
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
         return NO_SPAN
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        return None
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return True

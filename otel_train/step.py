@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
+from otel_train import semconv
 from otel_train.errors import StepOrderError
 
 __all__ = [
@@ -29,9 +30,9 @@ __all__ = [
     "steps",
 ]
 
-STEP_ATTRIBUTE = "train.step"
+STEP_ATTRIBUTE = semconv.TRAIN_STEP
 """The data-point / span attribute that carries the step (int)."""
-RANK_ATTRIBUTE = "train.rank"
+RANK_ATTRIBUTE = semconv.TRAIN_RANK
 
 _logger = logging.getLogger(__name__)
 _T = TypeVar("_T")

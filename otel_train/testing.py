@@ -1,14 +1,17 @@
-"""In-memory exporters for tests: what a backend would have received, row by row."""
+"""Test helpers: in-memory exporters (what a backend would have received, row by row) and OTLP
+request builders (what a sender would have sent)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from otel_train.exporters.base import RowExporter
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, SpanRow
 
-__all__ = ["InMemoryRowExporter"]
+__all__ = ["InMemoryRowExporter", "OtlpPoint", "metrics_request", "set_any_value"]
 
 
 class InMemoryRowExporter(RowExporter):
@@ -63,3 +66,82 @@ class InMemoryRowExporter(RowExporter):
         """Step -> value of one series (the last value when a step repeats)."""
         with self._rows_lock:
             return {r.step: r.value for r in self.metrics if r.tag == tag and (rank is None or r.rank == rank)}
+
+
+@dataclasses.dataclass(frozen=True)
+class OtlpPoint:
+    """One data point of an OTLP metrics request (`metrics_request` groups points into metrics).
+
+    Attributes:
+        kind: ``gauge``, ``sum`` or ``histogram`` (then `histogram` holds count, sum, bounds, counts).
+        step: The `train.step` attribute; None for a step-less point.
+        cumulative: The temporality of a sum or histogram (the OTel SDK default); else DELTA.
+    """
+
+    name: str
+    value: float | int = 0.0
+    step: int | None = None
+    attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    kind: str = "gauge"
+    cumulative: bool = False
+    monotonic: bool = True
+    time_unix_nano: int = 1
+    start_time_unix_nano: int = 0
+    histogram: tuple[int, float, Sequence[float], Sequence[int]] | None = None
+
+
+def set_any_value(target: Any, value: Any) -> None:
+    """Set an OTLP `AnyValue` from a Python value (bool, int, float or str)."""
+    if isinstance(value, bool):
+        target.bool_value = value
+    elif isinstance(value, int):
+        target.int_value = value
+    elif isinstance(value, float):
+        target.double_value = value
+    else:
+        target.string_value = str(value)
+
+
+def metrics_request(resource: Mapping[str, Any], points: Iterable[OtlpPoint]) -> bytes:
+    """An encoded `ExportMetricsServiceRequest`: one Resource, one metric per (name, kind, temporality).
+
+    Example:
+        >>> body = metrics_request({"train.run.id": "r"}, [OtlpPoint("train/loss", 0.5, step=1)])
+        >>> from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
+        >>> decode_metrics(parse_metrics(body), DecodeCache()).points
+        1
+    """
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    req = ExportMetricsServiceRequest()
+    rm = req.resource_metrics.add()
+    for name, value in resource.items():
+        set_any_value(rm.resource.attributes.add(key=name).value, value)
+    sm = rm.scope_metrics.add()
+    metrics: dict[tuple[str, str, bool, bool], Any] = {}
+    for p in points:
+        key = (p.name, p.kind, p.cumulative, p.monotonic)
+        metric = metrics.get(key)
+        if metric is None:
+            metric = metrics[key] = sm.metrics.add(name=p.name)
+            if p.kind == "sum":
+                metric.sum.aggregation_temporality = 2 if p.cumulative else 1
+                metric.sum.is_monotonic = p.monotonic
+            elif p.kind == "histogram":
+                metric.histogram.aggregation_temporality = 2 if p.cumulative else 1
+        if p.kind == "histogram":
+            count, total, bounds, counts = p.histogram or (0, 0.0, (), ())
+            dp = metric.histogram.data_points.add(count=count, sum=total, explicit_bounds=bounds, bucket_counts=counts)
+        else:
+            dp = (metric.gauge if p.kind == "gauge" else metric.sum).data_points.add()
+            if isinstance(p.value, int):
+                dp.as_int = p.value
+            else:
+                dp.as_double = p.value
+        dp.time_unix_nano = p.time_unix_nano
+        dp.start_time_unix_nano = p.start_time_unix_nano
+        if p.step is not None:
+            dp.attributes.add(key="train.step").value.int_value = p.step
+        for name, value in p.attributes.items():
+            set_any_value(dp.attributes.add(key=name).value, value)
+    return bytes(req.SerializeToString())

@@ -24,7 +24,7 @@ def test_demo_writes_curves_and_trace_and_says_where(tmp_path: Path) -> None:
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == list(range(30))
     assert loss[-1].value < loss[0].value  # it learns
-    assert {"train/lr", "train/grad_norm", "train.throughput"} <= set(acc.Tags()["scalars"])
+    assert {"train/lr", "train/grad_norm", "train/throughput"} <= set(acc.Tags()["scalars"])
     events = json.loads((tmp_path / "runs" / "first" / "trace" / "rank0.trace.json").read_text())
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["name"] for e in spans} == {"data", "forward", "backward", "optimizer"}

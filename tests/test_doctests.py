@@ -13,8 +13,15 @@ MODULES = [
     "otel_train.records",
     "otel_train.reader",
     "otel_train.testing",
+    "otel_train.sink.temporality",
+    "otel_train.sink.decode",
+    "otel_train.sink.event_loop",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",
+    "otel_train.phases",
+    "otel_train.summary",
+    "otel_train.system_metrics",
+    "otel_train.trace_merge",
 ]
 
 

@@ -6,12 +6,14 @@ import json
 import subprocess
 import sys
 
-HEAVY = ["torch", "wandb", "clearml", "mlflow", "trackio", "tensorboard", "tensorflow", "grpc", "numpy"]
+HEAVY = ["torch", "wandb", "clearml", "mlflow", "trackio", "tensorboard", "tensorflow", "grpc", "numpy",
+         "lightning", "pytorch_lightning", "transformers", "accelerate"]
 
 
 def test_import_does_not_load_heavy_modules() -> None:
     code = (
-        "import sys, json, otel_train, otel_train.exporters, otel_train.registry, otel_train.records;"
+        "import sys, json, otel_train, otel_train.exporters, otel_train.registry, otel_train.records,"
+        " otel_train.integrations, otel_train.integrations._session;"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -82,3 +82,75 @@ def test_load_trace_formats(tmp_path: Path) -> None:
     junk.write_text("hello")
     with pytest.raises(ValueError, match="not a Chrome trace"):
         load_trace(junk)
+
+
+def test_torch_profiler_trace_merges_onto_our_timeline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real torch profiler on CPU with the bridge: its `record_function`s sit inside our spans, same thread."""
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import otel_train as ot
+    from otel_train.cli import main
+
+    monkeypatch.setenv("OTEL_TRAIN_PROFILER_BRIDGE", "1")
+    ot.init(exporters=["chrome_trace"], dir=tmp_path, run_name="prof")
+    w = torch.randn(64, 64, requires_grad=True)
+    with ot.step(0), ot.span("outside_profiler"):
+        pass
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in ot.steps(range(3), start=1):
+            with ot.span("forward"):
+                loss = (torch.randn(32, 64) @ w).pow(2).mean()
+            with ot.span("backward"):
+                loss.backward()
+    ot.shutdown()
+    prof_path = tmp_path / "torch_trace.json"
+    prof.export_chrome_trace(str(prof_path))
+    torch_names = [e.get("name") for e in json.loads(prof_path.read_text())["traceEvents"]
+                   if e.get("cat") == "user_annotation"]
+    assert torch_names.count("forward") == 3 and torch_names.count("backward") == 3
+    assert "outside_profiler" not in torch_names  # no profiler then: nothing opened
+
+    ours = trace_path(tmp_path, "prof", 0)
+    out = tmp_path / "merged.json.gz"
+    assert main(["trace", "merge", str(out), str(ours), "--profiler", str(prof_path)]) == 0
+    events = load_trace(out)
+    tid = threading.get_native_id()
+    our_spans = [e for e in events if e.get("cat") == "span" and e["name"] in ("forward", "backward")]
+    torch_spans = [e for e in events if e.get("cat") == "user_annotation"]
+    assert len(our_spans) == len(torch_spans) == 6
+    for mine, theirs in zip(sorted(our_spans, key=lambda e: e["ts"]), sorted(torch_spans, key=lambda e: e["ts"])):
+        assert (theirs["name"], theirs["pid"], theirs["tid"]) == (mine["name"], 0, tid)  # rank 0, same thread
+        # Same clock: the record function opens after our span starts and closes before it ends
+        # (1 ms of slack for the two clocks' reading order).
+        assert mine["ts"] - 1000 <= theirs["ts"] and theirs["ts"] + theirs["dur"] <= mine["ts"] + mine["dur"] + 1000
+    assert any(e.get("cat") == "cpu_op" and e["pid"] == 0 for e in events)  # torch's ops on the rank's track
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name" and e["pid"] == 0}
+    assert len(names) == 1 and names.pop().startswith("rank 0")  # ours wins over torch's "python"
+
+
+def test_profiler_trace_of_rank_one_gets_its_pid_clock_and_device_tracks(tmp_path: Path) -> None:
+    """A Kineto-shaped file (times relative to `baseTimeNanoseconds`, host pid, one GPU) of rank 1."""
+    from otel_train.trace_merge import load_profiler_trace
+
+    base_ns = 1_700_000_000_000_000_000
+    kineto = {
+        "baseTimeNanoseconds": base_ns, "distributedInfo": {"rank": 1, "world_size": 2},
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 4242, "tid": 0, "args": {"name": "python"}},
+            {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "GPU 0"}},
+            {"ph": "X", "cat": "user_annotation", "name": "forward", "pid": 4242, "tid": 77, "ts": 10.0, "dur": 5.0},
+            {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 12.5, "dur": 1.0},
+        ],
+    }
+    path = tmp_path / "rank1_torch.json"
+    path.write_text(json.dumps(kineto))
+    events = {(e["ph"], e["name"], e.get("args", {}).get("name")): e for e in load_profiler_trace(path)}
+    forward = events[("X", "forward", None)]
+    gemm = events[("X", "gemm", None)]
+    assert (forward["pid"], forward["tid"], forward["ts"]) == (1, 77, base_ns / 1000 + 10.0)
+    assert (gemm["pid"], gemm["ts"]) == (2000, base_ns / 1000 + 12.5)  # 1000 * (rank + 1) + device 0
+    assert ("M", "process_name", "rank 1 GPU 0") in events and ("M", "process_name", "rank 1") in events
+    assert "tid" not in events[("M", "process_name", "rank 1")]  # keyed like ours, so ours win in a merge

@@ -13,6 +13,11 @@ The run identity (``run_id``, ``rank``, ``world_size``) is sent as tags: from th
 from ``OTEL_TRAIN_RUN_ID`` / ``RANK`` / ``WORLD_SIZE``, else the sink's default run ``compat``.
 The client never raises into training code: a failed request is counted in `errors`, logged once
 per kind, and the call returns ``False`` (or a ``{"status": "error"}`` dict).
+
+Code written against a `tracking_utils`-style module moves with one import too:
+`otel_train.compat.tracking_utils` (``init_tracking(args)``, ``log(args, metrics, step_key)``,
+``flush_metrics(args, step)``) and `MetricsServiceAdapter` (``log``, ``flush``, ``direct_log``) log into the
+otel-train session instead of a service.
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ from collections import defaultdict
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
+from otel_train.compat._adapter import MetricsServiceAdapter
 from otel_train.config import OTEL_TRAIN_RUN_ID, OTEL_TRAIN_SINK_TOKEN
 
-__all__ = ["MetricsClient"]
+__all__ = ["MetricsClient", "MetricsServiceAdapter"]
 
 _logger = logging.getLogger(__name__)
 

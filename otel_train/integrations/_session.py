@@ -51,3 +51,9 @@ class OwnedSession:
             ot.shutdown()
         elif session_running():
             ot.flush()
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        """Add hyperparameters the framework reports after the session started (no-op without one)."""
+        s = ot._session
+        if s is not None and not s.closed:
+            s.add_config(config)

@@ -103,9 +103,8 @@ def main(args: argparse.Namespace) -> int:
         if not run_settings.exporters:
             raise ConfigError("OTEL_TRAIN_EXPORTERS: empty; give at least one backend, e.g. tensorboard")
         # Every rank arrives at the sink, so every rank's metrics are written.
-        # OTEL_TRAIN_STEP_ORDER applies here as in-process (each run's backends filter in `export_window`).
-        options = ExporterOptions(run_settings.dir, run_settings.project, None, "all", run_settings.trace_counters,
-                                  step_order=run_settings.step_order)
+        # OTEL_TRAIN_<BACKEND>_* route the sink's backends too; hyperparameters come with each run.
+        options = ExporterOptions.from_settings(run_settings, ranks="all", with_hparams=False)
         from otel_train.sink.service import Sink, exporter_factory
 
         factory = exporter_factory(run_settings.exporters, options)

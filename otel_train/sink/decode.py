@@ -1,8 +1,9 @@
 """OTLP requests (protobuf or JSON) -> rows of `otel_train.records`.
 
 Decoding is pure: a request is turned into a `Decoded` batch without touching any state, so a
-malformed request fails as a whole and nothing of it is written. Counter totals (DELTA sums ->
-running totals) are applied afterwards, by the router, with `Decoded.finish`.
+malformed request fails as a whole and nothing of it is written. The run's rules (temporality,
+steps of step-less points; `otel_train.sink.temporality`) are applied afterwards, by the router,
+with `Decoded.finish`.
 
 Gauge and sum points of protobuf requests are read from their encoding (`otel_train.sink.points`);
 OTLP/JSON, other metric kinds and traces through protobuf's objects.
@@ -12,18 +13,10 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from otel_train.records import (
-    RUN_ID,
-    HistogramRow,
-    MetricRow,
-    MetricsConverter,
-    RunInfo,
-    SpanRow,
-    series_tag,
-)
+from otel_train.records import RUN_ID, HistogramRow, MetricRow, RunInfo, SpanRow, series_tag
 from otel_train.sink.otlp import (
     NO_EXTRA,
     DecodeError,
@@ -35,10 +28,19 @@ from otel_train.sink.otlp import (
     point_attributes,
 )
 from otel_train.sink.points import DOUBLE, TIME, TIME_DOUBLE, WHOLE, AttributeCache, split_point
+from otel_train.sink.temporality import (
+    CUMULATIVE_COUNTER,
+    CUMULATIVE_UPDOWN,
+    DELTA_SUM,
+    GAUGE,
+    STEPLESS,
+    SeriesLedger,
+    exponential_buckets,
+)
 from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 __all__ = [
-    "DecodeCache", "DecodeError", "Decoded", "decode_metrics", "decode_traces", "parse_metrics",
+    "DecodeCache", "DecodeError", "Decoded", "decode_metrics", "decode_traces", "fallback_run_id", "parse_metrics",
     "parse_traces",
 ]
 
@@ -46,32 +48,36 @@ _DELTA = 1  # AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA in the proto 
 _STATUS_ERROR = 2  # Status.STATUS_CODE_ERROR
 _SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
 
-#: Returns the step for a point without `train.step` (the sink uses the rank's latest step).
-DefaultStep = Callable[[RunInfo], int]
-
 
 class Decoded:
     """The rows of one request, with what the router needs to know of them (computed while decoding,
-    so the router does not walk the rows again). Sum points stay pending until `finish` applies
-    running totals.
+    so the router does not walk the rows again). Number and histogram points stay pending until
+    `finish` applies the run's temporality and step rules (`otel_train.sink.temporality`).
 
     Attributes:
         runs: Every run (one rank of one training run) that sent data, with its highest step.
         tags: The series tags of each training run (`train.run.id`).
+        unattributed: Resources without `train.run.id`, by the run name they were given.
+        unsupported: Metrics that were not written, by OTLP data type.
     """
 
-    __slots__ = ("_sums", "histograms", "metrics", "runs", "spans", "tags", "unattributed")
+    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "metrics", "runs", "spans", "tags", "unattributed",
+                 "unsupported")
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
         self.histograms: list[HistogramRow] = []
         self.spans: list[SpanRow] = []
-        # Sum rows holding their point's value, and whether it is a delta, until `finish`.
-        self._sums: list[tuple[MetricRow, bool]] = []
+        # Gauge rows with a step (the hot path), and (row, temporality mode, start time) of the other
+        # number points, until `finish`.
+        self._gauges: list[MetricRow] = []
+        self._numbers: list[tuple[MetricRow, int, int]] = []
+        # (row, cumulative, start time, has buckets) of histogram and summary points until `finish`.
+        self._hists: list[tuple[HistogramRow, bool, int, bool]] = []
         self.runs: dict[RunInfo, int] = {}  # highest step of metric points; -1 for none (spans only)
         self.tags: dict[str, set[str]] = {}
-        #: Resources without `train.run.id` (their rows go to the run `unknown-run`).
-        self.unattributed = 0
+        self.unattributed: dict[str, int] = {}
+        self.unsupported: dict[str, int] = {}
 
     @classmethod
     def of_rows(cls, metrics: Sequence[MetricRow] = (), spans: Sequence[SpanRow] = ()) -> Decoded:
@@ -88,7 +94,7 @@ class Decoded:
 
     @property
     def points(self) -> int:
-        return len(self.metrics) + len(self._sums) + len(self.histograms)
+        return len(self.metrics) + len(self._gauges) + len(self._numbers) + len(self.histograms) + len(self._hists)
 
     def saw(self, run: RunInfo, step: int) -> None:
         if step > self.runs.get(run, -1):
@@ -100,12 +106,30 @@ class Decoded:
             tags = self.tags[run.run_id] = set()
         return tags
 
-    def finish(self, converter: MetricsConverter) -> None:
-        """Turn pending sum points into rows with running totals (arrival order, step order inside)."""
-        for row, delta in self._sums:  # rows not yet shared with anyone: set in place
-            row.value = converter.accumulate(row.run, row.tag, row.value, delta)
-            self.metrics.append(row)
-        self._sums.clear()
+    def finish(self, ledger: SeriesLedger) -> None:
+        """Turn pending points into rows by the run's rules (arrival order, step order inside a metric).
+
+        Args:
+            ledger: The run's series state (one per `train.run.id`; the router keeps it).
+        """
+        for step in self.runs.values():  # steps reported in this request count as the run's current step
+            ledger.saw_step(step)
+        append = self.metrics.append
+        ledger.gauges(self._gauges, append)
+        self._gauges.clear()
+        number = ledger.number
+        for row, mode, start in self._numbers:  # rows not yet shared with anyone: set in place
+            if number(row, mode, start):
+                append(row)
+        self._numbers.clear()
+        for hist, cumulative, start, buckets in self._hists:
+            out = ledger.histogram(hist, cumulative, start)
+            if out is None:
+                continue
+            if buckets:
+                self.histograms.append(out)
+            self.metrics.extend(_histogram_stats(out))
+        self._hists.clear()
 
     def split_by_run(self) -> dict[str, Decoded]:
         """One `Decoded` per `train.run.id` (a collector batches several runs into one request)."""
@@ -126,13 +150,29 @@ class Decoded:
             d.tags[run.run_id] = self.tags.get(run.run_id, set())
         for m in self.metrics:
             part(m.run.run_id).metrics.append(m)
-        for s in self._sums:
-            part(s[0].run.run_id)._sums.append(s)
+        for g in self._gauges:
+            part(g.run.run_id)._gauges.append(g)
+        for n in self._numbers:
+            part(n[0].run.run_id)._numbers.append(n)
         for h in self.histograms:
             part(h.run.run_id).histograms.append(h)
+        for hp in self._hists:
+            part(hp[0].run.run_id)._hists.append(hp)
         for sp in self.spans:
             part(sp.run.run_id).spans.append(sp)
         return out
+
+
+def _histogram_stats(h: HistogramRow) -> list[MetricRow]:
+    """The ``/count``, ``/sum``, ``/min``, ``/max`` rows of a histogram (absent min/max: no row)."""
+    out = []
+    for stat, value in (("count", float(h.count)), ("sum", h.sum), ("min", h.min), ("max", h.max)):
+        if math.isnan(value):
+            continue
+        stat_name = f"{h.name}/{stat}"
+        tag = series_tag(stat_name, h.attributes) if h.attributes else stat_name
+        out.append(MetricRow(h.run, h.step, stat_name, tag, value, "histogram", h.time_unix_nano, h.attributes))
+    return out
 
 
 def _as_int(value: Any) -> int:
@@ -157,58 +197,83 @@ class DecodeCache:
         if run is None:
             if len(self._runs) >= self._max:
                 self._runs.clear()
-            run = self._runs[key] = RunInfo.from_resource(resource_attributes)
+            attrs = resource_attributes
+            if not attrs.get(RUN_ID):
+                attrs = {**attrs, RUN_ID: fallback_run_id(attrs)}
+            run = self._runs[key] = RunInfo.from_resource(attrs)
         return run
 
 
-def _zero(_: RunInfo) -> int:
-    return 0
+def fallback_run_id(attrs: Mapping[str, Any]) -> str:
+    """The run of a Resource without `train.run.id`, in this order: ``<service.name>-<service.instance.id>``
+    (the Python SDK sets a UUID per process), ``<service.name>@<host.name>``, ``<service.name>``, then
+    ``unknown-run``. Two apps with different service names never share a run.
+
+    Example:
+        >>> fallback_run_id({"service.name": "billing", "host.name": "node-3"})
+        'billing@node-3'
+        >>> fallback_run_id({"service.name": "billing", "service.instance.id": "7f3a"})
+        'billing-7f3a'
+    """
+    service = str(attrs.get("service.name") or "")
+    instance = attrs.get("service.instance.id")
+    if instance:
+        return f"{service}-{instance}" if service else str(instance)
+    if service:
+        host = attrs.get("host.name")
+        return f"{service}@{host}" if host else service
+    return "unknown-run"
 
 
-def _step(attrs: Mapping[str, Any], run: RunInfo, default_step: DefaultStep) -> int:
+def _step(attrs: Mapping[str, Any]) -> int:
     raw = attrs.get(STEP_ATTRIBUTE)
     if raw is None:
-        return default_step(run)
+        return STEPLESS
     try:
         return int(raw)
     except (TypeError, ValueError):
-        return default_step(run)
+        return STEPLESS
 
 
-def _extra(attrs: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in attrs.items() if k not in _SERIES_EXCLUDED} if attrs else {}
+def _extra(attrs: Mapping[str, Any]) -> Mapping[str, Any]:
+    return {k: v for k, v in attrs.items() if k not in _SERIES_EXCLUDED} if attrs else NO_EXTRA
 
 
-def _one_point(p: Any, name: str, kind: str, run: RunInfo, default_step: DefaultStep) -> MetricRow:
+def _sum_mode(s: Any) -> int:
+    if s.aggregation_temporality == _DELTA:
+        return DELTA_SUM
+    return CUMULATIVE_COUNTER if s.is_monotonic else CUMULATIVE_UPDOWN
+
+
+def _one_point(p: Any, name: str, kind: str, run: RunInfo) -> MetricRow:
     step, extra = point_attributes(p.attributes)
-    if step is None:
-        step = default_step(run)
     tag = series_tag(name, extra) if extra else name
-    return MetricRow(run, step, name, tag, p.as_double or float(p.as_int), kind, p.time_unix_nano, extra)
+    return MetricRow(run, STEPLESS if step is None else step, name, tag, p.as_double or float(p.as_int), kind,
+                     p.time_unix_nano, extra)
 
 
-def _numbers(points: Any, name: str, kind: str, run: RunInfo, default_step: DefaultStep,
-             seen: Decoded) -> list[MetricRow]:
-    """Rows of gauge or sum points given as protobuf objects (OTLP/JSON requests)."""
-    out: list[MetricRow] = []
-    append = out.append
+def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: Decoded) -> None:
+    """Pending rows of gauge or sum points given as protobuf objects (OTLP/JSON requests)."""
+    rows: list[tuple[MetricRow, int, int]] = []
     tags = seen.tags_of(run)
     hi = -1
     for p in points:
-        kvs = p.attributes
-        if len(kvs) == 1 and (kv := kvs[0]).key == STEP_ATTRIBUTE and (
-                (step := kv.value.int_value) or kv.value.WhichOneof("value") == "int_value"):
-            row = MetricRow(run, step, name, name, p.as_double or float(p.as_int), kind, p.time_unix_nano, NO_EXTRA)
-        else:
-            row = _one_point(p, name, kind, run, default_step)
-            step = row.step
+        row = _one_point(p, name, kind, run)
         tags.add(row.tag)
-        if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
-            hi = step
-        append(row)
-    if out:
+        hi = max(hi, row.step)
+        if mode == GAUGE and row.step != STEPLESS:
+            seen._gauges.append(row)
+        else:
+            rows.append((row, mode, p.start_time_unix_nano))
+    if mode != GAUGE:
+        rows.sort(key=_by_step)  # running totals follow the step order
+    seen._numbers.extend(rows)
+    if hi >= 0:
         seen.saw(run, hi)
-    return out
+
+
+def _by_step(item: tuple[MetricRow, int, int]) -> int:
+    return item[0].step
 
 
 def _named_metrics(scope_metrics: Any) -> Iterator[tuple[str, str | None, Any]]:
@@ -221,36 +286,35 @@ def _named_metrics(scope_metrics: Any) -> Iterator[tuple[str, str | None, Any]]:
             yield name, metric.WhichOneof("data"), metric
 
 
-def _lean_resource(scope_metrics: Any, run: RunInfo, default_step: DefaultStep, out: Decoded,
-                   cache: AttributeCache) -> None:
-    """Rows of one Resource's metrics from a lean request: gauge and sum points are read from their
-    encoding (see `otel_train.sink.points`). The sink's hot loop, kept flat: one call per Resource,
-    not per metric (a request often holds one point per metric)."""
+def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: AttributeCache) -> None:
+    """Pending rows of one Resource's metrics from a lean request: gauge and sum points are read from
+    their encoding (see `otel_train.sink.points`). The sink's hot loop, kept flat: one call per
+    Resource, not per metric (a request often holds one point per metric)."""
     entries = cache.entries
     unpack = TIME_DOUBLE.unpack_from
     tags = out.tags_of(run)
+    gauge_rows = out._gauges.append
     hi = -1
-    sums: list[MetricRow] | None
     entry: Any
     for name, kind, metric in _named_metrics(scope_metrics):
         if kind == "gauge":
-            points, row_kind, sums = metric.gauge.data_points, "gauge", None
-            append = out.metrics.append
+            points, row_kind, mode = metric.gauge.data_points, "gauge", GAUGE
+            rows = out._numbers  # step-less gauges; those with a step go to `gauge_rows`
         elif kind == "sum":
             s = metric.sum
-            points, row_kind, sums = s.data_points, ("counter" if s.is_monotonic else "sum"), []
-            append = sums.append
+            points, row_kind, mode = s.data_points, ("counter" if s.is_monotonic else "sum"), _sum_mode(s)
+            rows = []
         else:
-            if kind in ("histogram", "summary"):
-                _histogram_or_summary(metric, kind, name, run, default_step, out)
-            # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
+            _other_metric(metric, kind, name, run, out)
             continue
+        append = rows.append
         plain = False
         for raw in points:
             try:
                 time_key, t, value_key, value = unpack(raw)
             except struct.error:  # shorter than the common front
                 time_key = value_key = 0
+            start = 0
             if time_key == TIME and value_key == DOUBLE:
                 rem = raw[18:]
                 entry = entries.get(rem)
@@ -261,17 +325,21 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, default_step: DefaultStep, 
                 if parts is None:
                     entry = WHOLE
                 else:
-                    t, value, rem = parts
+                    start, t, value, rem = parts
                     entry = entries.get(rem) or cache.decode(rem)
             if entry is WHOLE:
-                row = _one_point(number_point(raw), name, row_kind, run, default_step)
+                p = number_point(raw)
+                row = _one_point(p, name, row_kind, run)
                 tags.add(row.tag)
                 hi = max(hi, row.step)
-                append(row)
+                if mode == GAUGE and row.step != STEPLESS:
+                    gauge_rows(row)
+                else:
+                    append((row, mode, p.start_time_unix_nano))
                 continue
             step, extra = entry
             if step is None:
-                step = default_step(run)
+                step = STEPLESS
             if extra is NO_EXTRA:
                 plain = True
                 tag = name
@@ -280,91 +348,112 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, default_step: DefaultStep, 
                 tags.add(tag)
             if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
                 hi = step
-            append(MetricRow(run, step, name, tag, value, row_kind, t, extra))
+            if mode == GAUGE and step != STEPLESS:
+                gauge_rows(MetricRow(run, step, name, tag, value, row_kind, t, extra))
+            else:
+                append((MetricRow(run, step, name, tag, value, row_kind, t, extra), mode, start))
         if plain:
             tags.add(name)
-        if sums:
-            _add_sums(out, sums, s.aggregation_temporality == _DELTA)
+        if mode != GAUGE:
+            rows.sort(key=_by_step)  # running totals follow the step order
+            out._numbers.extend(rows)
     if hi >= 0:
         out.saw(run, hi)
 
 
-def _add_sums(out: Decoded, rows: list[MetricRow], delta: bool) -> None:
-    rows.sort(key=lambda r: r.step)  # running totals follow the step order
-    out._sums.extend((row, delta) for row in rows)
-
-
-def _histogram_or_summary(metric: Any, kind: str, name: str, run: RunInfo, default_step: DefaultStep,
-                          out: Decoded) -> None:
+def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: Decoded) -> None:
+    """Histograms, exponential histograms and summaries; anything else is counted as unsupported."""
     if kind == "histogram":
-        for p in metric.histogram.data_points:
-            attrs = attributes(p.attributes)
-            step = _step(attrs, run, default_step)
-            extra = _extra(attrs)
-            total = float(p.sum) if p.HasField("sum") else 0.0
-            lo = float(p.min) if p.HasField("min") else float("nan")
-            hi = float(p.max) if p.HasField("max") else float("nan")
+        h = metric.histogram
+        cumulative = h.aggregation_temporality != _DELTA
+        for p in h.data_points:
             if len(p.bucket_counts) not in (0, len(p.explicit_bounds) + 1):
                 raise DecodeError(f"histogram `{name}`: {len(p.bucket_counts)} bucket counts for "
                                   f"{len(p.explicit_bounds)} bounds")
-            tag = series_tag(name, attrs)
-            out.tags_of(run).add(tag)
-            out.saw(run, step)
-            out.histograms.append(HistogramRow(
-                run, step, name, tag, int(p.count), total, lo, hi,
-                tuple(p.explicit_bounds), tuple(p.bucket_counts), p.time_unix_nano, extra))
-            for stat, value in (("count", float(p.count)), ("sum", total), ("min", lo), ("max", hi)):
-                if stat in ("min", "max") and math.isnan(value):
-                    continue  # absent min/max: no row rather than NaN
-                stat_name = f"{name}/{stat}"
-                tag = series_tag(stat_name, attrs)
-                out.tags_of(run).add(tag)
-                out.metrics.append(MetricRow(run, step, stat_name, tag, value, "histogram",
-                                             p.time_unix_nano, extra))
+            _pending_histogram(out, run, name, p, tuple(p.explicit_bounds), tuple(p.bucket_counts), cumulative, True)
+    elif kind == "exponential_histogram":
+        h = metric.exponential_histogram
+        cumulative = h.aggregation_temporality != _DELTA
+        for p in h.data_points:
+            bounds, counts = exponential_buckets(
+                p.scale, p.zero_count, (p.positive.offset, p.positive.bucket_counts),
+                (p.negative.offset, p.negative.bucket_counts))
+            _pending_histogram(out, run, name, p, bounds, counts, cumulative, True)
     elif kind == "summary":
-        for p in metric.summary.data_points:
-            attrs = attributes(p.attributes)
-            step = _step(attrs, run, default_step)
-            out.saw(run, step)
-            for stat, value in (("count", float(p.count)), ("sum", float(p.sum))):
-                stat_name = f"{name}/{stat}"
-                tag = series_tag(stat_name, attrs)
-                out.tags_of(run).add(tag)
-                out.metrics.append(MetricRow(run, step, stat_name, tag, value, "histogram",
-                                             p.time_unix_nano, _extra(attrs)))
+        for p in metric.summary.data_points:  # count and sum are cumulative by the data model
+            row = _pending_histogram(out, run, name, p, (), (), True, False)
+            tags = out.tags_of(run)
+            for q in p.quantile_values:
+                q_name = f"{name}/p{q.quantile * 100:g}"
+                tag = series_tag(q_name, row.attributes) if row.attributes else q_name
+                tags.add(tag)
+                out._numbers.append((MetricRow(run, row.step, q_name, tag, float(q.value), "gauge",
+                                               p.time_unix_nano, row.attributes), GAUGE, 0))
+    else:
+        kind = kind or "empty"
+        out.unsupported[kind] = out.unsupported.get(kind, 0) + 1
+
+
+def _has(p: Any, field: str) -> bool:
+    """Whether a point carries `field` (optional fields by presence; summaries have no min/max)."""
+    desc = p.DESCRIPTOR.fields_by_name.get(field)
+    if desc is None:
+        return False
+    return bool(p.HasField(field)) if desc.has_presence else True
+
+
+def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tuple[float, ...],
+                       counts: tuple[int, ...], cumulative: bool, buckets: bool) -> HistogramRow:
+    attrs = attributes(p.attributes)
+    step = _step(attrs)
+    extra = _extra(attrs)
+    total = float(p.sum) if _has(p, "sum") else 0.0
+    lo = float(p.min) if _has(p, "min") else math.nan
+    hi = float(p.max) if _has(p, "max") else math.nan
+    tag = series_tag(name, extra) if extra else name
+    tags = out.tags_of(run)
+    tags.add(tag)
+    for stat in ("count", "sum", "min", "max"):
+        tags.add(series_tag(f"{name}/{stat}", extra) if extra else f"{name}/{stat}")
+    out.saw(run, step)
+    row = HistogramRow(run, step, name, tag, int(p.count), total, lo, hi, bounds, counts, p.time_unix_nano, extra)
+    out._hists.append((row, cumulative, p.start_time_unix_nano, buckets))
+    return row
 
 
 # -- requests -> rows ----------------------------------------------------------------------------
 def _resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: Decoded) -> RunInfo:
-    """The run of one Resource of a request; counts Resources without `train.run.id`."""
-    out.unattributed += RUN_ID not in attrs
+    """The run of one Resource of a request; counts Resources without `train.run.id` by their run."""
     run = runs.run_for(attrs)
+    if RUN_ID not in attrs:
+        out.unattributed[run.run_id] = out.unattributed.get(run.run_id, 0) + 1
     if has_data:
         out.runs.setdefault(run, -1)
     return run
 
 
-def decode_metrics(request: Any, runs: DecodeCache, default_step: DefaultStep = _zero) -> Decoded:
-    """Rows of an `ExportMetricsServiceRequest` (the usual class or `parse_metrics`'s lean one)."""
+def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
+    """Rows of an `ExportMetricsServiceRequest` (the usual class or `parse_metrics`'s lean one).
+
+    Points stay pending until `Decoded.finish` (steps of step-less points, temporality).
+    """
     lean = lean_metrics_request()
     out = Decoded()
     if lean is not None and isinstance(request, lean):
         for rm in request.resource_metrics:
             run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
-            _lean_resource(rm.scope_metrics, run, default_step, out, runs.points)
+            _lean_resource(rm.scope_metrics, run, out, runs.points)
         return out
     for rm in request.resource_metrics:
         run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
         for name, kind, metric in _named_metrics(rm.scope_metrics):
             if kind == "gauge":
-                out.metrics.extend(_numbers(metric.gauge.data_points, name, "gauge", run, default_step, out))
+                _numbers(metric.gauge.data_points, name, "gauge", GAUGE, run, out)
             elif kind == "sum":
                 s = metric.sum
-                _add_sums(out, _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", run,
-                                        default_step, out), s.aggregation_temporality == _DELTA)
-            elif kind in ("histogram", "summary"):
-                _histogram_or_summary(metric, kind, name, run, default_step, out)
-            # Exponential histograms have no faithful scalar form in every backend; skipped as in-process.
+                _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", _sum_mode(s), run, out)
+            else:
+                _other_metric(metric, kind, name, run, out)
     return out
 
 

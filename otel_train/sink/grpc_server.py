@@ -1,9 +1,10 @@
 """The OTLP/gRPC receiver (metrics and traces services) of the sink.
 
-It is grpcio's asyncio server, on an event loop of its own thread: requests are decoded on that
-thread, one at a time, with no hand-off to a thread pool (the sink is bound to one core by the GIL;
+It is grpcio's asyncio server, on the receivers' event loop (shared with OTLP/HTTP, in a thread of
+its own): requests are decoded on that thread, one at a time, with no hand-off to a thread pool (the sink is bound to one core by the GIL;
 the pool's hand-offs cost ~15% of the sink's throughput, bench/sink.py). A run whose backends are
-behind makes `ingest` wait (backpressure) and, with it, this receiver; the OTLP/HTTP one is separate.
+behind makes its requests wait (backpressure) on a worker thread (`SinkCore.ingest_async`), so `/health`
+and other runs' requests are still served.
 
 Handlers take the raw request bytes (no deserializer registered), so a malformed payload is
 answered INVALID_ARGUMENT with the reason instead of grpcio's generic INTERNAL.
@@ -11,16 +12,14 @@ answered INVALID_ARGUMENT with the reason instead of grpcio's generic INTERNAL.
 
 from __future__ import annotations
 
-import asyncio
-import hmac
 import logging
-import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from otel_train.sink.service import Sink
+    from otel_train.sink.core import SinkCore as Sink
+    from otel_train.sink.event_loop import LoopThread
 
-__all__ = ["GrpcReceiver", "start_grpc", "token_matches"]
+__all__ = ["GrpcReceiver", "start_grpc"]
 
 _logger = logging.getLogger(__name__)
 
@@ -31,8 +30,7 @@ _TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 def _handler(sink: Sink, signal: str) -> Any:
     import grpc
 
-    from otel_train.sink.decode import DecodeError
-    from otel_train.sink.router import Overloaded
+    from otel_train.sink.core import DecodeError, Overloaded
 
     async def export(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if sink.token is not None:
@@ -44,11 +42,12 @@ def _handler(sink: Sink, signal: str) -> Any:
                 sink.count_rejected("unauthenticated")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong `authorization: Bearer` token")
         try:
-            sink.ingest(signal, body, "application/x-protobuf", None)
+            await sink.ingest_async(signal, body, "application/x-protobuf", None)
         except DecodeError as err:
-            sink.count_rejected("invalid")
+            sink.count_rejected("invalid", str(err))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except Overloaded as err:
+            sink.count_rejected("overloaded", str(err))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
         except Exception as err:  # never take the receiver down for one request
             sink.count_rejected("internal")
@@ -60,23 +59,16 @@ def _handler(sink: Sink, signal: str) -> Any:
 
 
 class GrpcReceiver:
-    """A started grpcio asyncio server and the thread running its event loop.
+    """A started grpcio asyncio server on the receivers' event loop (`LoopThread`).
 
     Keep a reference: a gRPC server that nobody references stops serving.
     """
 
-    def __init__(self, sink: Sink, address: str, max_message_bytes: int, tls_cert: bytes | None = None,
-                 tls_key: bytes | None = None) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="otel-train-sink-grpc", daemon=True)
-        self._thread.start()
+    def __init__(self, sink: Sink, loop: LoopThread, address: str, max_message_bytes: int,
+                 tls_cert: bytes | None = None, tls_key: bytes | None = None) -> None:
+        self._loop = loop
         self._server: Any = None
-        try:
-            self.port = asyncio.run_coroutine_threadsafe(
-                self._start(sink, address, max_message_bytes, tls_cert, tls_key), self._loop).result(60)
-        except BaseException:
-            self._close_loop()
-            raise
+        self.port = loop.run(self._start(sink, address, max_message_bytes, tls_cert, tls_key), 60)
 
     async def _start(self, sink: Sink, address: str, max_message_bytes: int, tls_cert: bytes | None,
                      tls_key: bytes | None) -> int:
@@ -104,35 +96,20 @@ class GrpcReceiver:
         return int(port)
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Stop accepting, let requests in flight finish for up to `grace_s`, then end the loop."""
-        if self._server is not None and self._loop.is_running():
+        """Stop accepting and let requests in flight finish for up to `grace_s`."""
+        if self._server is not None and self._loop.loop.is_running():
             try:
-                asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(
-                    (grace_s or 0.0) + 10.0)
+                self._loop.run(self._server.stop(grace_s), (grace_s or 0.0) + 10.0)
             except Exception:
                 _logger.exception("stopping the OTLP/gRPC receiver failed")
-        self._close_loop()
-
-    def _close_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10.0)
-        if not self._loop.is_running():
-            self._loop.close()
 
 
-def start_grpc(sink: Sink, address: str, max_message_bytes: int, tls_cert: bytes | None = None,
+def start_grpc(sink: Sink, loop: LoopThread, address: str, max_message_bytes: int, tls_cert: bytes | None = None,
                tls_key: bytes | None = None) -> tuple[GrpcReceiver, int]:
     """Bind and start the gRPC receiver; return it (keep a reference) and its port.
 
     Raises:
         OSError: the address cannot be bound.
     """
-    receiver = GrpcReceiver(sink, address, max_message_bytes, tls_cert, tls_key)
+    receiver = GrpcReceiver(sink, loop, address, max_message_bytes, tls_cert, tls_key)
     return receiver, receiver.port
-
-
-def token_matches(expected: str, header: str) -> bool:
-    """Constant-time check of an ``authorization: Bearer <token>`` value."""
-    scheme, _, given = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())

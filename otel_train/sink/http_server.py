@@ -1,190 +1,187 @@
-"""The sink's HTTP server: OTLP/HTTP (protobuf and JSON), `/health`, `/runs` and the compat API."""
+"""The sink's HTTP server: OTLP/HTTP (protobuf and JSON), `/health`, `/runs` and the compat API.
+
+It is aiohttp's server on the receivers' event loop (shared with OTLP/gRPC): HTTP/1.1 keep-alive,
+chunked bodies (the OTel JavaScript exporters send them), slow clients and TLS handshakes are
+aiohttp's and asyncio's work, not a thread per connection. Bodies are limited before they are
+buffered (a declared `Content-Length` over the limit is answered 413 unread; a chunked body stops
+at the limit), and gzip is inflated by the decoder with the same limit (aiohttp's own inflation is
+off, so a small gzip bomb cannot grow in memory).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
 if TYPE_CHECKING:
-    from otel_train.sink.service import Sink
+    from aiohttp import web
 
-__all__ = ["start_http"]
+    from otel_train.sink.core import SinkCore as Sink
+    from otel_train.sink.event_loop import LoopThread
+
+__all__ = ["HttpReceiver", "start_http"]
 
 _logger = logging.getLogger(__name__)
 
 _OTLP_PATHS = {"/v1/metrics": "metrics", "/v1/traces": "traces"}
-_GRPC_CODES = {400: 3, 401: 16, 413: 8, 503: 14, 500: 13}  # google.rpc.Code of each HTTP error
+_GRPC_CODES = {400: 3, 401: 16, 404: 5, 405: 12, 413: 8, 503: 14, 500: 13}  # google.rpc.Code of each error
+_UNAUTHORIZED = "missing or wrong `authorization: Bearer` token"
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    sink: Sink
-    tls: Any = None  # ssl.SSLContext when serving HTTPS
+def _json(code: int, doc: Any, close: bool = False) -> web.Response:
+    from aiohttp import web
 
-    def get_request(self) -> tuple[Any, Any]:
-        sock, addr = self.socket.accept()
-        if self.tls is not None:
-            # The handshake runs in the request's thread (`_Handler.setup`), so a client that
-            # connects and stalls cannot block the accept loop.
-            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return sock, addr
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        _logger.debug("HTTP connection from %s failed: %r", client_address, sys.exc_info()[1])
+    resp = web.Response(status=code, body=json.dumps(doc, default=str).encode(), content_type="application/json")
+    if close:
+        resp.force_close()
+    return resp
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
-    server_version = "otel-train-sink"
-    timeout = 60  # seconds a connection may stay silent (slow or stuck clients free their thread)
+def _otlp_error(code: int, message: str, protobuf: bool, close: bool = False) -> web.Response:
+    """An OTLP error: a `google.rpc.Status` in the request's encoding."""
+    from aiohttp import web
 
-    def setup(self) -> None:
-        if self.server.tls is not None:
-            self.request.settimeout(self.timeout)
-            self.request.do_handshake()
-        super().setup()
+    if protobuf:
+        try:
+            from google.rpc import status_pb2
 
-    def log_message(self, format: str, *args: Any) -> None:
-        _logger.debug("%s " + format, self.address_string(), *args)
+            body = status_pb2.Status(code=_GRPC_CODES.get(code, 2), message=message).SerializeToString()
+            resp = web.Response(status=code, body=body, content_type="application/x-protobuf")
+            if close:
+                resp.force_close()
+            return resp
+        except ImportError:
+            pass
+    return _json(code, {"code": _GRPC_CODES.get(code, 2), "message": message}, close)
 
-    # -- responses -----------------------------------------------------------------------------
-    def _send(self, code: int, body: bytes, content_type: str) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
 
-    def _json(self, code: int, doc: Any) -> None:
-        self._send(code, json.dumps(doc, default=str).encode(), "application/json")
+class HttpReceiver:
+    """A started aiohttp server on the receivers' event loop; `stop()` closes it."""
 
-    def _otlp_error(self, code: int, message: str, protobuf: bool) -> None:
-        """An OTLP error: a `google.rpc.Status` in the request's encoding."""
-        if protobuf:
+    def __init__(self, sink: Sink, loop: LoopThread, address: str, tls_cert: str | None = None,
+                 tls_key: str | None = None) -> None:
+        self._sink = sink
+        self._loop = loop
+        self._runner: Any = None
+        self.port = loop.run(self._start(address, tls_cert, tls_key), 60)
+
+    async def _start(self, address: str, tls_cert: str | None, tls_key: str | None) -> int:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=self._sink.settings.max_body_bytes)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, auto_decompress=False,
+                                     keepalive_timeout=75.0)
+        await self._runner.setup()
+        ssl_context = None
+        if tls_cert and tls_key:
+            import ssl
+
+            ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ssl_context.load_cert_chain(tls_cert, tls_key)
+        host, _, port = address.rpartition(":")
+        site = web.TCPSite(self._runner, host.strip("[]"), int(port), ssl_context=ssl_context)
+        try:
+            await site.start()
+        except OSError:
+            await self._runner.cleanup()
+            raise
+        return int(self._runner.addresses[0][1])
+
+    def stop(self) -> None:
+        if self._runner is not None and self._loop.loop.is_running():
             try:
-                from google.rpc import status_pb2
+                self._loop.run(self._runner.cleanup(), 15.0)
+            except Exception:
+                _logger.exception("stopping the OTLP/HTTP receiver failed")
 
-                body = status_pb2.Status(code=_GRPC_CODES.get(code, 2), message=message).SerializeToString()
-                self._send(code, body, "application/x-protobuf")
-                return
-            except ImportError:
-                pass
-        self._json(code, {"code": _GRPC_CODES.get(code, 2), "message": message})
-
-    # -- plumbing ------------------------------------------------------------------------------
-    def _authorized(self) -> bool:
-        sink = self.server.sink
-        if sink.token is None or sink.token_ok(self.headers.get("Authorization", "")):
+    # -- requests --------------------------------------------------------------------------------
+    def _authorized(self, request: web.Request) -> bool:
+        sink = self._sink
+        if sink.token is None or sink.token_ok(request.headers.get("Authorization", "")):
             return True
-        sink.count_rejected("unauthenticated")
+        sink.count_rejected("unauthenticated", f"{request.method} {request.path} from {request.remote}")
         return False
 
-    def _read_body(self) -> bytes | None:
-        """The body, or None after answering 411/413 (the connection is then closed unread)."""
-        sink = self.server.sink
-        length_raw = self.headers.get("Content-Length")
-        if length_raw is None or not length_raw.strip().isdigit():
-            self.close_connection = True
-            self._json(411, {"code": 3, "message": "a Content-Length header is required"})
-            return None
-        length = int(length_raw)
-        if length > sink.settings.max_body_bytes:
-            sink.count_rejected("too_large")
-            self.close_connection = True
-            self._json(413, {"code": 8, "message": f"body of {length} bytes exceeds the limit of "
-                                                   f"{sink.settings.max_body_bytes} bytes"})
-            return None
-        return self.rfile.read(length)
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.method in ("GET", "HEAD"):
+            return self._get(request)
+        if request.method == "POST":
+            return await self._post(request)
+        self._sink.count_rejected("method_not_allowed", f"{request.method} {request.path}")
+        return _json(405, {"code": 12, "message": f"method {request.method} not allowed; use GET or POST"})
 
-    # -- verbs ---------------------------------------------------------------------------------
-    def do_GET(self) -> None:
-        url = urlsplit(self.path)
-        sink = self.server.sink
-        if url.path == "/health":
-            self._json(200, sink.health())
-            return
-        if not self._authorized():
-            self._json(401, {"code": 16, "message": "missing or wrong `authorization: Bearer` token"})
-            return
-        if url.path == "/runs":
-            self._json(200, sink.router.summary())
-        elif url.path.startswith("/metrics/"):
-            code, doc = sink.compat.handle("GET", url.path, parse_qs(url.query), None)
-            self._json(code, doc)
-        else:
-            self._json(404, {"code": 5, "message": f"no route {url.path}"})
+    def _get(self, request: web.Request) -> web.StreamResponse:
+        sink = self._sink
+        path = request.path
+        if path == "/health":
+            return _json(200, sink.health())
+        if not self._authorized(request):
+            return _json(401, {"code": 16, "message": _UNAUTHORIZED})
+        if path == "/runs":
+            return _json(200, sink.runs())
+        if path.startswith("/metrics/"):
+            code, doc = sink.compat.handle("GET", path, parse_qs(request.query_string), None)
+            return _json(code, doc)
+        return _json(404, {"code": 5, "message": f"no route {path}"})
 
-    def do_POST(self) -> None:
-        from otel_train.sink.decode import DecodeError
-        from otel_train.sink.router import Overloaded
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        from aiohttp import web
 
-        url = urlsplit(self.path)
-        sink = self.server.sink
-        ctype = self.headers.get("Content-Type", "application/x-protobuf")
+        from otel_train.sink.core import DecodeError, Overloaded
+
+        sink = self._sink
+        path = request.path
+        ctype = request.headers.get("Content-Type", "application/x-protobuf")
         protobuf = "json" not in ctype.lower()
-        signal = _OTLP_PATHS.get(url.path)
-        if signal is None and not url.path.startswith("/metrics/"):
-            self.close_connection = True
-            self._json(404, {"code": 5, "message": f"no route {url.path}"})
-            return
-        if not self._authorized():
-            self.close_connection = True
-            self._otlp_error(401, "missing or wrong `authorization: Bearer` token", protobuf)
-            return
-        body = self._read_body()
-        if body is None:
-            return
-        if signal is None:
-            code, doc = sink.compat.handle("POST", url.path, parse_qs(url.query), body)
-            self._json(code, doc)
-            return
+        signal = _OTLP_PATHS.get(path)
+        if signal is None and not path.startswith("/metrics/"):
+            sink.count_rejected("not_found", f"POST {path}")
+            return _json(404, {"code": 5, "message": f"no route {path}"}, close=True)
+        if not self._authorized(request):
+            return _otlp_error(401, _UNAUTHORIZED, protobuf, close=True)
+        limit = sink.settings.max_body_bytes
+        too_large = f"exceeds the limit of {limit} bytes"
+        length = request.content_length
+        if length is not None and length > limit:  # refused before reading a byte of it
+            sink.count_rejected("too_large", f"{length} bytes")
+            return _json(413, {"code": 8, "message": f"body of {length} bytes {too_large}"}, close=True)
         try:
-            sink.ingest(signal, body, ctype, self.headers.get("Content-Encoding"))
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+            sink.count_rejected("too_large", "chunked body")
+            return _json(413, {"code": 8, "message": f"body {too_large}"}, close=True)
+        if signal is None:
+            code, doc = sink.compat.handle("POST", path, parse_qs(request.query_string), body)
+            return _json(code, doc)
+        try:
+            await sink.ingest_async(signal, body, ctype, request.headers.get("Content-Encoding"))
         except DecodeError as err:
-            sink.count_rejected("invalid")
-            self._otlp_error(400, str(err), protobuf)
-            return
+            sink.count_rejected("invalid", str(err))
+            return _otlp_error(400, str(err), protobuf)
         except OverflowError as err:
-            sink.count_rejected("too_large")
-            self._otlp_error(413, str(err), protobuf)
-            return
+            sink.count_rejected("too_large", str(err))
+            return _otlp_error(413, str(err), protobuf)
         except Overloaded as err:
-            self._otlp_error(503, str(err), protobuf)
-            return
+            sink.count_rejected("overloaded", str(err))
+            return _otlp_error(503, str(err), protobuf)
         except Exception as err:  # one bad request must never take the server down
-            sink.count_rejected("internal")
+            sink.count_rejected("internal", repr(err))
             _logger.exception("HTTP %s export failed", signal)
-            self._otlp_error(500, f"{type(err).__name__}: {err}", protobuf)
-            return
+            return _otlp_error(500, f"{type(err).__name__}: {err}", protobuf)
         if protobuf:
-            self._send(200, b"", "application/x-protobuf")  # empty Export*ServiceResponse
-        else:
-            self._send(200, b"{}", "application/json")
+            return web.Response(status=200, body=b"", content_type="application/x-protobuf")
+        return web.Response(status=200, body=b"{}", content_type="application/json")
 
 
-def start_http(sink: Sink, address: str, tls_cert: str | None = None,
-               tls_key: str | None = None) -> tuple[ThreadingHTTPServer, threading.Thread, int]:
-    """Bind and start the HTTP server on a thread; return (server, thread, port)."""
-    host, _, port = address.rpartition(":")
-    server = _Server((host.strip("[]"), int(port)), _Handler)
-    server.sink = sink
-    if tls_cert and tls_key:
-        import ssl
+def start_http(sink: Sink, loop: LoopThread, address: str, tls_cert: str | None = None,
+               tls_key: str | None = None) -> tuple[HttpReceiver, int]:
+    """Bind and start the HTTP server on the receivers' loop; return it and its port.
 
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(tls_cert, tls_key)
-        server.tls = ctx
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                              name="otel-train-sink-http", daemon=True)
-    thread.start()
-    return server, thread, server.server_address[1]
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    receiver = HttpReceiver(sink, loop, address, tls_cert, tls_key)
+    return receiver, receiver.port

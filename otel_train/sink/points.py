@@ -32,19 +32,24 @@ _I64 = struct.Struct("<q")
 WHOLE = object()
 
 
-def split_point(raw: bytes) -> tuple[int, float, bytes] | None:
-    """(time_unix_nano, value, remainder) of an encoded number point, or None to parse it whole."""
+def split_point(raw: bytes) -> tuple[int, int, float, bytes] | None:
+    """(start_time_unix_nano, time_unix_nano, value, remainder) of an encoded number point, or None
+    to parse it whole."""
     try:
-        i = 9 if raw[0] == _START else 0  # the start time is not used
+        start = 0
+        i = 0
+        if raw[0] == _START:
+            start = _U64.unpack_from(raw, 1)[0]
+            i = 9
         t = 0
         if raw[i] == TIME:
             t = _U64.unpack_from(raw, i + 1)[0]
             i += 9
         key = raw[i]
         if key == DOUBLE:
-            return t, _F64.unpack_from(raw, i + 1)[0], raw[i + 9:]
+            return start, t, _F64.unpack_from(raw, i + 1)[0], raw[i + 9:]
         if key == _INT:
-            return t, float(_I64.unpack_from(raw, i + 1)[0]), raw[i + 9:]
+            return start, t, float(_I64.unpack_from(raw, i + 1)[0]), raw[i + 9:]
     except (IndexError, struct.error):
         pass
     return None

@@ -16,9 +16,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from otel_train.records import HistogramRow, MetricRow, MetricsConverter, RunInfo, SpanRow
+from otel_train.records import HistogramRow, MetricRow, SpanRow
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
+from otel_train.sink.temporality import SeriesLedger
 
 if TYPE_CHECKING:
     from otel_train.exporters.base import RowExporter
@@ -41,7 +42,7 @@ class Overloaded(RuntimeError):
 class _Run:
     """One training run: its backends, its worker and what it has seen."""
 
-    def __init__(self, run_id: str, exporters: list[RowExporter], converter: MetricsConverter,
+    def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
                  aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None]) -> None:
         self.run_id = run_id
         self.run_name = run_id
@@ -136,7 +137,7 @@ class _Run:
                 if not ok:
                     self.write_errors += 1
                     self._on_error()
-            self.written += len(window.metrics)
+            self.written += len(window.metrics) + len(window.histograms)  # every row written
             self._done(len(items) + (1 if stop else 0))
             if stop:
                 return
@@ -193,7 +194,7 @@ class Router:
         self._queue_windows = queue_windows
         self._ingest_timeout_s = ingest_timeout_s
         self._runs: dict[str, _Run] = {}
-        self._converters: OrderedDict[str, MetricsConverter] = OrderedDict()
+        self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -208,20 +209,13 @@ class Router:
     def _error(self) -> None:
         self.errors += 1
 
-    def default_step(self, run: RunInfo) -> int:
-        """The step for a point without `train.step`: the latest step seen from its rank, else 0."""
-        state = self._runs.get(run.run_id)
-        if state is None:
-            return 0
-        return state.last_step.get(run.rank, 0)
-
     def _run(self, run_id: str) -> _Run:
         with self._lock:
             if self._closed:
                 raise Overloaded("the sink is shutting down")
             state = self._runs.get(run_id)
             if state is None:
-                converter = self._converters.pop(run_id, None) or MetricsConverter()
+                converter = self._converters.pop(run_id, None) or SeriesLedger()
                 self._converters[run_id] = converter
                 while len(self._converters) > _KEEP_CLOSED:
                     self._converters.popitem(last=False)
@@ -233,6 +227,12 @@ class Router:
                 self.runs_opened += 1
                 _logger.info("run %r opened (%d backend(s))", run_id, len(exporters))
             return state
+
+    def backlogged(self) -> bool:
+        """Whether some run's queue is (nearly) full, so that `ingest` may have to wait."""
+        with self._lock:
+            states = list(self._runs.values())
+        return any(s.queue.qsize() >= s.queue.maxsize - 1 for s in states)
 
     def ingest(self, decoded: Decoded) -> None:
         """Queue one decoded request for its run(s). Raises `Overloaded` if a run's queue stays full."""
@@ -297,6 +297,7 @@ class Router:
             if state.aggregator is not None:
                 self._emit_aggregates(state, state.aggregator.drain())
         state.stop(timeout_s)
+        state.converter.compact()  # kept for a resumed run: only what its totals need
         summary = state.summary()
         summary["open"] = False
         self._closed_summaries[state.run_id] = summary

@@ -9,20 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train._internal.ratelimit import LogOnce
 from otel_train.config import SinkSettings
 from otel_train.records import ExporterOptions
-from otel_train.sink.compat import CompatAPI
-from otel_train.sink.decode import (
-    DecodeCache,
-    DecodeError,
-    decode_metrics,
-    decode_traces,
-    parse_metrics,
-    parse_traces,
-)
-from otel_train.sink.grpc_server import token_matches
-from otel_train.sink.router import ExporterFactory, Router
+from otel_train.sink.core import SinkCore
+from otel_train.sink.router import ExporterFactory
 
 __all__ = ["Sink", "exporter_factory"]
 
@@ -57,7 +47,7 @@ def exporter_factory(names: Sequence[str], options: ExporterOptions) -> Exporter
     return make
 
 
-class Sink:
+class Sink(SinkCore):
     """A running sink. `start()` binds both receivers; `stop()` flushes every run and closes.
 
     Args:
@@ -66,88 +56,35 @@ class Sink:
     """
 
     def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory) -> None:
-        self.settings = settings
-        self.token = settings.token
-        self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s)
-        self.compat = CompatAPI(self.router)
-        self._runs = DecodeCache()
+        super().__init__(settings, make_exporters)
+        self._loop: Any = None
         self._grpc: Any = None
         self._http: Any = None
-        self._http_thread: threading.Thread | None = None
         self.grpc_port = 0
         self.http_port = 0
-        self.rejected: dict[str, int] = {}
-        self.unattributed = 0
-        self._log = LogOnce(_logger, interval_s=60.0)
         self._stop = threading.Event()
         self._housekeeper: threading.Thread | None = None
-        self._stopped = False
-        self._started_at = time.monotonic()
-        self._lock = threading.Lock()
-
-    # -- request entry points (called by both receivers) ---------------------------------------
-    def token_ok(self, header: str) -> bool:
-        return self.token is None or token_matches(self.token, header)
-
-    def count_rejected(self, reason: str) -> None:
-        with self._lock:
-            self.rejected[reason] = self.rejected.get(reason, 0) + 1
-
-    def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
-        """Decode a whole request into rows, then hand them to the router. Returns rows taken.
-
-        Raises:
-            DecodeError: malformed payload (nothing of it is written).
-            OverflowError: the decompressed body exceeds `max_body_bytes`.
-            Overloaded: a run's backends are behind; the client should retry.
-        """
-        limit = self.settings.max_body_bytes
-        if signal == "metrics":
-            request = parse_metrics(body, content_type, encoding, limit)
-            decoded = decode_metrics(request, self._runs, self.router.default_step)
-        elif signal == "traces":
-            request = parse_traces(body, content_type, encoding, limit)
-            decoded = decode_traces(request, self._runs)
-        else:
-            raise DecodeError(f"unknown signal {signal!r}")
-        n = decoded.points + len(decoded.spans)
-        if decoded.unattributed:
-            self.unattributed += decoded.unattributed
-            self._log.warning("unattributed", "received %s data without the `train.run.id` resource attribute "
-                              "(%d resource(s) so far), written under the run `unknown-run`; check the sender "
-                              "(and a collector's batching) keeps the Resource (logged at most once a minute)",
-                              signal, self.unattributed)
-        if n:
-            self.router.ingest(decoded)
-        return n
-
-    def health(self) -> dict[str, Any]:
-        return {
-            "status": "ok" if not self._stopped else "stopping",
-            "uptime_s": round(time.monotonic() - self._started_at, 1),
-            "runs_open": self.router.runs_open,
-            "points": self.router.points_in,
-            "spans": self.router.spans_in,
-            "errors": self.router.errors,
-            "rejected": dict(self.rejected),
-            "unattributed_resources": self.unattributed,
-        }
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Sink:
         """Bind the gRPC and HTTP receivers (port 0 picks a free port) and start housekeeping."""
+        from otel_train.sink.event_loop import LoopThread
         from otel_train.sink.grpc_server import start_grpc
         from otel_train.sink.http_server import start_http
 
         s = self.settings
         cert = Path(s.tls_cert).read_bytes() if s.tls_cert else None
         key = Path(s.tls_key).read_bytes() if s.tls_key else None
-        self._grpc, self.grpc_port = start_grpc(self, s.grpc, s.max_body_bytes, cert, key)
+        self._loop = LoopThread()  # both receivers on one event loop
         try:
-            self._http, self._http_thread, self.http_port = start_http(
-                self, s.http, str(s.tls_cert) if s.tls_cert else None, str(s.tls_key) if s.tls_key else None)
-        except OSError:
-            self._grpc.stop(0)
+            self._grpc, self.grpc_port = start_grpc(self, self._loop, s.grpc, s.max_body_bytes, cert, key)
+            self._http, self.http_port = start_http(
+                self, self._loop, s.http, str(s.tls_cert) if s.tls_cert else None,
+                str(s.tls_key) if s.tls_key else None)
+        except BaseException:
+            if self._grpc is not None:
+                self._grpc.stop(0)
+            self._loop.close()
             raise
         self._housekeeper = threading.Thread(target=self._housekeep, name="otel-train-sink-housekeeping",
                                              daemon=True)
@@ -196,12 +133,14 @@ class Sink:
         if self._grpc is not None:
             self._grpc.stop(min(5.0, timeout_s))
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.stop()
+        if self._loop is not None:
+            self._loop.close()
         if self._housekeeper is not None:
             self._housekeeper.join(5.0)
         self.compat.close()
-        self.router.close(timeout_s)
+        self.router.close(timeout_s)  # first: a request waiting on a full run queue gets `Overloaded`
+        self._backpressure.shutdown(wait=False)
         _logger.info("%s; stopped", self.status_line(0.0))
 
     def __enter__(self) -> Sink:

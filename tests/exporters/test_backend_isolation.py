@@ -50,6 +50,9 @@ def fake_wandb(monkeypatch: pytest.MonkeyPatch, behaviour: str) -> tuple[list[_R
     module.init = init  # type: ignore[attr-defined]
     module.Settings = lambda **kw: kw  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "wandb", module)
+    # The fake lives in this process's modules: these tests cover the in-process path; the exporter
+    # process gets the same checks in tests/test_export_process.py (a fake on disk it can import).
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "off")
     for key in [k for k in os.environ if k.startswith(("WANDB_", "MLFLOW_"))]:
         monkeypatch.delenv(key)
     return runs, gate

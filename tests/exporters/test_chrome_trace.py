@@ -172,7 +172,7 @@ _CRASH = textwrap.dedent("""
     from otel_train.exporters.chrome_trace import ChromeTraceExporter
     from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
     run = RunInfo("rid", "crash", rank=3)
-    exp = ChromeTraceExporter(ExporterOptions(directory=sys.argv[1]))
+    exp = ChromeTraceExporter(ExporterOptions(directory=sys.argv[1], trace_gzip=sys.argv[3:] == ["gzip"]))
     for step in range(4):
         t = 1_000_000_000 * (step + 1)
         exp.export_window(Window(
@@ -186,9 +186,9 @@ _CRASH = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("flush", ["flush", "no-flush"])  # each window reaches the OS even unflushed
-def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path, flush: str) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path), flush], stdout=subprocess.PIPE, text=True)
+def _run_crash_and_kill(tmp_path: Path, *argv: str) -> None:
+    """Run `_CRASH` until it has written its windows, then SIGKILL it."""
+    proc = subprocess.Popen([sys.executable, "-c", _CRASH, str(tmp_path), *argv], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -198,6 +198,11 @@ def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path, flush: str) -> 
         if proc.stdout is not None:
             proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("flush", ["flush", "no-flush"])  # each window reaches the OS even unflushed
+def test_crashed_process_leaves_a_loadable_trace(tmp_path: Path, flush: str) -> None:
+    _run_crash_and_kill(tmp_path, flush)
     text = trace_path(tmp_path, "crash", 3).read_text()
     assert text.startswith("[\n") and text.endswith(",\n")  # no closing bracket: killed
     with pytest.raises(json.JSONDecodeError):
@@ -222,3 +227,71 @@ def test_failing_write_is_isolated_and_retried(tmp_path: Path) -> None:
     exp.shutdown()
     events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
     assert [e["name"] for e in by_ph(events, "X")] == ["s"]
+
+
+# -- long runs: step windows and gzip ----------------------------------------------------------------
+def test_trace_steps_keep_only_the_requested_steps(tmp_path: Path) -> None:
+    from otel_train.config import parse_step_selection
+
+    sel = parse_step_selection("OTEL_TRAIN_TRACE_STEPS", "2-3,every:10:2")
+    exp = ChromeTraceExporter(ExporterOptions(directory=tmp_path, trace_steps=sel))
+    for step in range(13):
+        exp.export_window(Window(metrics=[metric("train/loss", step, float(step), 100 * step + 50)],
+                                 spans=[span("forward", step, 100 * step, 10)]))
+    exp.export_window(Window(spans=[span("setup", None, 5000, 10)]))  # outside any step: left out too
+    exp.shutdown()
+    events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    assert sorted(e["args"]["train.step"] for e in by_ph(events, "X")) == [0, 1, 2, 3, 10, 11]
+    assert sorted(e["ts"] for e in by_ph(events, "C")) == [(T0 + (100 * s + 50) * 1000) / 1000 for s in (0, 1, 2, 3, 10, 11)]
+
+
+@pytest.mark.parametrize("raw", ["5-2", "x", "every:0", "every:5:6", "-3", "1-"])
+def test_bad_trace_steps_name_the_variable(raw: str) -> None:
+    from otel_train.config import load_settings
+    from otel_train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"OTEL_TRAIN_TRACE_STEPS: .* is not a step selection; use `A-B`"):
+        load_settings({"OTEL_TRAIN_TRACE_STEPS": raw})
+
+
+def test_gzip_trace_loads_with_json_and_gzip(tmp_path: Path) -> None:
+    import gzip
+
+    exp = ChromeTraceExporter(ExporterOptions(directory=tmp_path, trace_gzip=True))
+    exp.export_window(Window(spans=[span("forward", s, 100 * s, 10) for s in range(50)]))
+    exp.shutdown()
+    path = trace_path(tmp_path, "demo", 0, gzipped=True)
+    assert path.name == "rank0.trace.json.gz" and exp.paths == [path]
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        events = json.load(f)
+    assert [e["args"]["train.step"] for e in by_ph(events, "X")] == list(range(50))
+    assert load_trace(path) == events
+
+
+def test_gzip_trace_of_a_killed_process_still_loads(tmp_path: Path) -> None:
+    import zlib
+
+    _run_crash_and_kill(tmp_path, "no-flush", "gzip")
+    path = trace_path(tmp_path, "crash", 3, gzipped=True)
+    inflater = zlib.decompressobj(wbits=31)
+    text = inflater.decompress(path.read_bytes()).decode()
+    assert not inflater.eof and text.endswith(",\n")  # no gzip trailer, but every window decompresses
+    events = load_trace(path)
+    assert [e["args"]["train.step"] for e in by_ph(events, "X")] == [0, 1, 2, 3]
+    assert [c["args"]["value"] for c in by_ph(events, "C")] == [1.0, 0.5, 1 / 3, 0.25]
+
+
+def test_demo_with_trace_window_and_gzip_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import otel_train as ot
+    from otel_train.demo import train
+
+    monkeypatch.setenv("OTEL_TRAIN_TRACE_STEPS", "3-4")
+    monkeypatch.setenv("OTEL_TRAIN_TRACE_GZIP", "1")
+    ot.init(exporters=["chrome_trace"], dir=tmp_path, run_name="win")
+    train(steps=10, progress=None)
+    ot.shutdown()
+    events = load_trace(trace_path(tmp_path, "win", 0, gzipped=True))
+    spans = by_ph(events, "X")
+    assert {e["args"]["train.step"] for e in spans} == {3, 4}
+    assert sorted(e["name"] for e in spans if e["args"]["train.step"] == 3) == ["backward", "data", "forward",
+                                                                               "optimizer"]

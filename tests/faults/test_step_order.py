@@ -24,6 +24,7 @@ def rows(*steps: int, tag: str = "loss") -> list[MetricRow]:
 
 
 def log_backwards(directory: Path, policy: str) -> Any:
+    """Through the exporter process, unless the test keeps backends in-process (to read their counters)."""
     session = ot.init(exporters=["jsonl", "tensorboard"], dir=directory, run_id="so", run_name="so",
                       step_order=policy)
     for s in (0, 1, 2, 3):
@@ -35,7 +36,9 @@ def log_backwards(directory: Path, policy: str) -> Any:
     return session
 
 
-def test_warn_writes_backwards_rows_as_given_and_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_warn_writes_backwards_rows_as_given_and_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "off")  # counters are read from the exporters here
     with caplog.at_level(logging.WARNING, logger="otel_train.step_order"):
         session = log_backwards(tmp_path, "warn")
     assert jsonl_points(tmp_path, "so") == [("loss", s, float(s)) for s in range(4)] + [
@@ -47,12 +50,16 @@ def test_warn_writes_backwards_rows_as_given_and_counts(tmp_path: Path, caplog: 
     assert tb_points(tmp_path / "so") == jsonl_points(tmp_path, "so")
 
 
-def test_drop_keeps_backwards_rows_out_of_every_backend(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["on", "off"])
+def test_drop_keeps_backwards_rows_out_of_every_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        where: str) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", where)  # the same rule in the exporter process and in-process
     session = log_backwards(tmp_path, "drop")
     want = [("loss", s, float(s)) for s in range(5)]
     assert jsonl_points(tmp_path, "so") == want
     assert sorted(tb_points(tmp_path / "so")) == want
-    assert session.step_order_counts() == {name: {"backwards": 1, "dropped": 1} for name in ("jsonl", "tensorboard")}
+    if where == "off":
+        assert session.step_order_counts() == {name: {"backwards": 1, "dropped": 1} for name in ("jsonl", "tensorboard")}
 
 
 def test_raise_refuses_backwards_step_and_log_on_the_training_thread(tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_train.records import MetricsConverter
 from otel_train.sink.decode import (
     DecodeCache,
     DecodeError,
@@ -14,6 +13,8 @@ from otel_train.sink.decode import (
     parse_metrics,
     parse_traces,
 )
+from otel_train.sink.temporality import SeriesLedger
+from otel_train.testing import OtlpPoint, metrics_request
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 _points = st.lists(st.tuples(st.integers(0, 10**9), st.floats(allow_nan=False, width=64),
@@ -21,25 +22,9 @@ _points = st.lists(st.tuples(st.integers(0, 10**9), st.floats(allow_nan=False, w
 
 
 def _request(run: str, rank: int, metrics: dict[str, list[tuple[int, float, str | None]]]) -> bytes:
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-
-    req = ExportMetricsServiceRequest()
-    rm = req.resource_metrics.add()
-    for key, value in (("train.run.id", run), ("train.rank", rank)):
-        kv = rm.resource.attributes.add(key=key)
-        if isinstance(value, int):
-            kv.value.int_value = value
-        else:
-            kv.value.string_value = value
-    sm = rm.scope_metrics.add()
-    for name, points in metrics.items():
-        m = sm.metrics.add(name=name)
-        for step, value, split in points:
-            p = m.gauge.data_points.add(as_double=value, time_unix_nano=1)
-            p.attributes.add(key="train.step").value.int_value = step
-            if split is not None:
-                p.attributes.add(key="split").value.string_value = split
-    return req.SerializeToString()
+    return metrics_request({"train.run.id": run, "train.rank": rank}, [
+        OtlpPoint(name, value, step=step, attributes={} if split is None else {"split": split})
+        for name, points in metrics.items() for step, value, split in points])
 
 
 @settings(max_examples=60, deadline=None)
@@ -47,7 +32,7 @@ def _request(run: str, rank: int, metrics: dict[str, list[tuple[int, float, str 
 def test_valid_requests_decode_to_exact_rows(run: str, rank: int,
                                              metrics: dict[str, list[tuple[int, float, str | None]]]) -> None:
     decoded = decode_metrics(parse_metrics(_request(run, rank, metrics)), DecodeCache())
-    decoded.finish(MetricsConverter())
+    decoded.finish(SeriesLedger())
     expected = sorted((name, step, value, f"{name}{{split={split}}}" if split is not None else name)
                       for name, pts in metrics.items() for step, value, split in pts)
     got = sorted((r.name, r.step, r.value, r.tag) for r in decoded.metrics)
@@ -66,7 +51,7 @@ def test_arbitrary_or_damaged_bytes_never_escape_as_other_errors(body: bytes, cu
                 decoded = decode(parse(blob), DecodeCache())
             except DecodeError:
                 continue
-            decoded.finish(MetricsConverter())  # anything that parses decodes into well-formed rows
+            decoded.finish(SeriesLedger())  # anything that parses decodes into well-formed rows
             for row in decoded.metrics:
                 assert isinstance(row.value, float) and isinstance(row.step, int)
 
@@ -133,8 +118,8 @@ def test_points_read_from_their_encoding_match_protobufs_objects(
     body = req.SerializeToString()
 
     def rows(request: object) -> list[tuple[object, ...]]:
-        decoded = decode_metrics(request, DecodeCache(), lambda run: 42)
-        decoded.finish(MetricsConverter())
+        decoded = decode_metrics(request, DecodeCache())
+        decoded.finish(SeriesLedger())
         return [(r.step, r.tag, r.value, r.kind, r.time_unix_nano, dict(r.attributes)) for r in decoded.metrics]
 
     lean = parse_metrics(body)
@@ -173,6 +158,8 @@ def test_points_in_unusual_field_order_or_with_repeated_fields_are_read_whole() 
 
     got = decode_metrics(parse_metrics(body), DecodeCache())
     want = decode_metrics(ExportMetricsServiceRequest.FromString(body), DecodeCache())
+    got.finish(SeriesLedger())
+    want.finish(SeriesLedger())
     assert [(r.step, r.value, r.time_unix_nano) for r in got.metrics] == [
         (r.step, r.value, r.time_unix_nano) for r in want.metrics]
     assert [(r.step, r.value) for r in got.metrics][:3] == [(3, 1.5), (4, 2.5), (5, 9.0)]

@@ -1,0 +1,152 @@
+"""A real training loop, not a microbenchmark: what otel-train costs the *process*, per exporter set.
+
+A small torch MLP on the CPU (`torch.set_num_threads(1)`, batch 128), per step 4 `ot.span` and one
+`ot.log` of 20 values (the loss as a tensor), 600 steps. Each configuration runs in its own process,
+interleaved with the same loop under `OTEL_TRAIN_DISABLED=1`; the ratio is the median of the per-repetition
+ratios of wall time per step. `init` (child start included) and `shutdown` are timed apart from the loop.
+
+    python bench/real_loop.py               # 3 repetitions, pinned and unpinned (~10 min on 2 cores)
+    python bench/real_loop.py --reps 1 --modes pinned
+
+Pinned: the loop runs under `taskset -c 0` and `OTEL_TRAIN_EXPORT_CPUS=1` (as on a node where the loop
+has its own cores and logging runs on housekeeping cores). Unpinned: both share every core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+ALL_SIX = "tensorboard,chrome_trace,wandb,mlflow,trackio,clearml"
+CONFIGS = {  # label -> extra environment
+    "default (tensorboard,chrome_trace)": {},
+    "default, EXPORT_PROCESS=off": {"OTEL_TRAIN_EXPORT_PROCESS": "off"},
+    "all six": {"OTEL_TRAIN_EXPORTERS": ALL_SIX},
+    "all six, EXPORT_PROCESS=off": {"OTEL_TRAIN_EXPORTERS": ALL_SIX, "OTEL_TRAIN_EXPORT_PROCESS": "off"},
+}
+
+LOOP = textwrap.dedent("""
+    import json, sys, time
+    t0 = time.perf_counter()
+    import torch
+    import otel_train as ot
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    steps = int(sys.argv[1])
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
+    t_init = time.perf_counter()
+    session = ot.init()
+    t_init = time.perf_counter() - t_init
+    for i in range(20):  # warm-up, not timed
+        opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
+    start, cpu = time.perf_counter(), time.process_time()
+    for step in range(steps):
+        with ot.step(step):
+            with ot.span("data"):
+                xb = x + 0.0
+            with ot.span("forward"):
+                loss = torch.nn.functional.cross_entropy(model(xb), y)
+            with ot.span("backward"):
+                opt.zero_grad()
+                loss.backward()
+            with ot.span("optimizer"):
+                opt.step()
+            values = {f"train/m{k:02d}": step + k / 32 for k in range(19)}
+            values["train/loss"] = loss.detach()
+            ot.log(values)
+    loop, cpu = time.perf_counter() - start, time.process_time() - cpu
+    t_shut = time.perf_counter()
+    ot.shutdown()
+    t_shut = time.perf_counter() - t_shut
+    child = getattr(getattr(session, "export_process", None), "start_s", None)
+    print("RESULT" + json.dumps({"step_ms": loop / steps * 1000, "cpu_ms": cpu / steps * 1000, "init_s": t_init, "shutdown_s": t_shut,
+                                 "child_start_s": child}))
+""")
+
+
+def _run(script: Path, steps: int, env: dict[str, str], pinned: bool) -> dict[str, float]:
+    cmd = [sys.executable, str(script), str(steps)]
+    if pinned:
+        cmd = ["taskset", "-c", "0", *cmd]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"run failed ({done.returncode}): {done.stderr[-2000:]}")
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT"):])
+
+
+def _landed(directory: Path, steps: int) -> str:
+    """Values of the last run read back from TensorBoard (20 per step expected)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = directory.glob("*/events.out.tfevents.*")
+    acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith("train/m") or t == "train/loss"]
+    return f"{sum(len(acc.Scalars(t)) for t in tags)}/{20 * steps}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--modes", default="pinned,unpinned")
+    parser.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
+                        help="indices into the config list (default: all)")
+    args = parser.parse_args()
+    labels = [list(CONFIGS)[int(i)] for i in args.configs.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        script = root / "loop.py"
+        script.write_text(LOOP)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_TRAIN_", "WANDB_", "MLFLOW_"))}
+        base.update(HOME=str(root / "home"), WANDB_MODE="offline", WANDB_SILENT="true", TRACKIO_DIR=str(root / "trk"),
+                    CLEARML_CONFIG_FILE=str(root / "clearml.conf"), CLEARML_CACHE_DIR=str(root / "cml"),
+                    HF_HOME=str(root / "hf"))
+        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps, median of {args.reps}")
+        for mode in args.modes.split(","):
+            pinned = mode == "pinned"
+            extra = {"OTEL_TRAIN_EXPORT_CPUS": "1"} if pinned else {}
+            ratios: dict[str, list[float]] = {label: [] for label in labels}
+            results: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+            disabled: list[float] = []
+            disabled_cpu: list[float] = []
+            for rep in range(args.reps):
+                for label in labels:
+                    off = _run(script, args.steps, {**base, "OTEL_TRAIN_DISABLED": "1"}, pinned)
+                    directory = root / f"runs-{mode}-{rep}-{labels.index(label)}"
+                    env = {**base, **extra, **CONFIGS[label], "OTEL_TRAIN_DIR": str(directory)}
+                    on = _run(script, args.steps, env, pinned)
+                    on["landed"] = _landed(directory, args.steps)  # type: ignore[assignment]
+                    disabled.append(off["step_ms"])
+                    disabled_cpu.append(off["cpu_ms"])
+                    ratios[label].append(on["step_ms"] / off["step_ms"])
+                    results[label].append(on)
+            print(f"\n{mode}: disabled {statistics.median(disabled):.2f} ms/step, "
+                  f"CPU {statistics.median(disabled_cpu):.2f} ms/step")
+            print("| exporters | ms/step | × disabled | training-process CPU ms/step | init s (child start s) | "
+                  "shutdown s | TensorBoard values |")
+            print("|---|---|---|---|---|---|---|")
+            for label in labels:
+                rs = results[label]
+                child = [r["child_start_s"] for r in rs if r["child_start_s"] is not None]
+                child_txt = f" ({statistics.median(child):.2f})" if child else ""
+                print(f"| {label} | {statistics.median(r['step_ms'] for r in rs):.2f} | "
+                      f"{statistics.median(ratios[label]):.2f} | {statistics.median(r['cpu_ms'] for r in rs):.2f} | "
+                      f"{statistics.median(r['init_s'] for r in rs):.2f}"
+                      f"{child_txt} | {statistics.median(r['shutdown_s'] for r in rs):.2f} | {rs[-1]['landed']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Feeding backends: encoded windows in, a spool, one thread and one durable cursor per backend.
+
+Used by the exporter process, by its in-process fallback and by `otel-train replay`. Each backend
+runs on its own thread (a slow or hanging one stalls only itself); while it is busy, new windows
+merge into one bigger write. A backend's cursor moves only after its `force_flush()` succeeded, so
+whatever it has not made durable is fed again from the spool after a crash or by `otel-train replay`.
+The single entry into a backend is `RowExporter.export_window`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from otel_train._internal.ratelimit import LogOnce
+from otel_train.exporters.base import RowExporter, Window
+from otel_train.framing import decode_window
+from otel_train.spool import Spool
+
+__all__ = ["Delivery", "Progress"]
+
+_logger = logging.getLogger(__name__)
+_MERGE_ROWS = 50_000  # rows one merged write may hold
+_FLUSH_EVERY_S = 1.0  # how stale a backend's durable cursor may get while data flows
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where delivery stands: windows spooled, and per backend the last durable window and step."""
+
+    spooled: int = 0
+    spooled_step: int = -1
+    delivered: dict[str, int] = dataclasses.field(default_factory=dict)
+    delivered_step: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def behind(self) -> dict[str, int]:
+        """Backends that lack windows, with how many steps they are behind."""
+        return {name: max(0, self.spooled_step - self.delivered_step.get(name, -1))
+                for name, seq in self.delivered.items() if seq < self.spooled}
+
+    def summary(self) -> str:
+        behind = self.behind()
+        if not behind:
+            return f"{self.spooled} window(s), every backend up to date"
+        return ", ".join(f"`{name}` behind by {steps} step(s)" for name, steps in behind.items())
+
+
+class _Backend:
+    """One backend's thread, queue and cursor."""
+
+    def __init__(self, name: str, exporter: RowExporter, spool: Spool | None, queue_windows: int) -> None:
+        self.name = name
+        self.exporter = exporter
+        self.spool = spool
+        self.acked = spool.cursor(name) if spool is not None else 0
+        self.acked_step = -1
+        self.handed = self.acked
+        self.handed_step = -1
+        self._queue: deque[tuple[int, int, Window]] = deque()
+        self._rows = 0
+        self._queue_windows = queue_windows
+        self._reload = spool is not None and spool.last_seq > self.acked
+        self._flush_wanted = False
+        self._stop = False
+        self._last_flush = time.monotonic()
+        self._cv = threading.Condition()
+        self._log = LogOnce(_logger, interval_s=60.0)
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._run, name=f"otel-train-deliver-{name}", daemon=True)
+        self.thread.start()
+
+    def submit(self, seq: int, step: int, window: Window) -> None:
+        with self._cv:
+            if self._reload:
+                pass  # the spool holds it; the thread reads it from there
+            elif len(self._queue) >= self._queue_windows:
+                if self.spool is not None:
+                    self._queue.clear()  # stalled: keep memory bounded, read back from the spool later
+                    self._reload = True
+                else:
+                    self._queue.popleft()
+                    self.dropped += 1
+                    self._queue.append((seq, step, window))
+            else:
+                self._queue.append((seq, step, window))
+            self._cv.notify_all()
+
+    def request_flush(self) -> None:
+        with self._cv:
+            self._flush_wanted = True
+            self._cv.notify_all()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._flush_wanted = True
+            self._cv.notify_all()
+
+    def wait_acked(self, seq: int, deadline: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self.acked >= seq, timeout=max(0.0, deadline - time.monotonic()))
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._reload or self._flush_wanted or self._stop,
+                                  timeout=_FLUSH_EVERY_S)
+                items = list(self._queue)
+                self._queue.clear()
+                reload, self._reload = self._reload, False
+                flush, self._flush_wanted = self._flush_wanted, False
+                stop = self._stop
+            if reload and self.spool is not None:
+                items = self._from_spool() + items
+            self._export(items)
+            due = self.handed > self.acked and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S
+            if flush or due:
+                self._flush()
+            if stop:
+                with self._cv:
+                    if self._queue or self._reload:
+                        continue
+                self._close()
+                return
+
+    def _from_spool(self) -> list[tuple[int, int, Window]]:
+        assert self.spool is not None
+        out = []
+        for seq, step, payload in self.spool.read(self.handed):
+            try:
+                out.append((seq, step, decode_window(payload)))
+            except Exception as err:  # a window we cannot read must not stop the rest
+                self._log.error("decode", "spool window %d unreadable for `%s` (%s); skipped", seq, self.name, err)
+        return out
+
+    def _export(self, items: list[tuple[int, int, Window]]) -> None:
+        # The spool and the queue may both hold a window around a reload: each seq goes out once.
+        fresh: list[tuple[int, int, Window]] = []
+        for item in sorted(items, key=lambda i: i[0]):
+            if item[0] > (fresh[-1][0] if fresh else self.handed):
+                fresh.append(item)
+        items = fresh
+        start = 0
+        while start < len(items):
+            end, rows = start, 0
+            while end < len(items) and (end == start or rows + _rows(items[end][2]) <= _MERGE_ROWS):
+                rows += _rows(items[end][2])
+                end += 1
+            batch = items[start:end]
+            window = batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch])
+            try:
+                self.exporter.export_window(window)  # isolates and retries on its own
+            except Exception as err:
+                self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
+            self.handed = batch[-1][0]
+            self.handed_step = max(self.handed_step, max(s for _, s, _ in batch))
+            start = end
+
+    def _flush(self) -> None:
+        self._last_flush = time.monotonic()
+        try:
+            ok = self.exporter.force_flush()
+        except Exception as err:
+            self._log.error("flush", "exporter `%s` flush raised %s: %s", self.name, type(err).__name__, err)
+            ok = False
+        if not ok:
+            return
+        if self.spool is not None:
+            try:
+                self.spool.acknowledge(self.name, self.handed)
+            except OSError as err:
+                self._log.error("cursor", "cannot save the cursor of `%s`: %s", self.name, err)
+        with self._cv:
+            self.acked = self.handed
+            self.acked_step = self.handed_step
+            self._cv.notify_all()
+
+    def _close(self) -> None:
+        try:
+            self.exporter.shutdown()
+        except Exception as err:
+            _logger.error("exporter `%s` failed to shut down: %s", self.name, err)
+
+
+def _rows(window: Window) -> int:
+    return len(window.metrics) + len(window.histograms) + len(window.spans)
+
+
+def _merge(windows: list[Window]) -> Window:
+    return Window([r for w in windows for r in w.metrics], [h for w in windows for h in w.histograms],
+                  [s for w in windows for s in w.spans])
+
+
+class Delivery:
+    """Encoded windows in; every backend fed from memory or the spool, each with its own cursor.
+
+    Args:
+        backends: Backend name -> exporter.
+        spool: Where windows are written ahead (None: memory only, oldest dropped when a backend stalls).
+        queue_windows: Windows held in memory per backend before it reads from the spool instead.
+    """
+
+    def __init__(self, backends: Mapping[str, RowExporter], spool: Spool | None, queue_windows: int = 16) -> None:
+        self.spool = spool
+        self._lock = threading.Lock()
+        self._last_seq = spool.last_seq if spool is not None else 0
+        self._last_step = spool.last_step if spool is not None else -1
+        if spool is not None:
+            spool.backends = list(backends)
+        self._backends = [_Backend(name, ex, spool, queue_windows) for name, ex in backends.items()]
+
+    @property
+    def names(self) -> list[str]:
+        return [b.name for b in self._backends]
+
+    def submit(self, seq: int, max_step: int, payload: bytes) -> None:
+        """Spool one encoded window (a seq already spooled is ignored) and queue it for every backend."""
+        with self._lock:
+            if seq <= self._last_seq:
+                return
+            if self.spool is not None:
+                self.spool.append(seq, max_step, payload)
+            self._last_seq = seq
+            self._last_step = max(self._last_step, max_step)
+        try:
+            window = decode_window(payload)
+        except Exception as err:
+            _logger.error("window %d unreadable (%s); skipped", seq, err)
+            return
+        for b in self._backends:
+            b.submit(seq, max_step, window)
+
+    def sync(self) -> None:
+        """Make every submitted window durable in the spool."""
+        with self._lock:
+            if self.spool is not None:
+                self.spool.sync()
+
+    def flush(self, deadline: float) -> bool:
+        """Spool durable, then wait until every backend has made everything durable (or `deadline`)."""
+        self.sync()
+        target = self._last_seq
+        for b in self._backends:
+            b.request_flush()
+        return all([b.wait_acked(target, deadline) for b in self._backends])
+
+    def close(self, deadline: float) -> bool:
+        """Deliver what is left, shut the backends down, drop acknowledged segments; bounded by `deadline`."""
+        self.sync()
+        target = self._last_seq
+        for b in self._backends:
+            b.stop()
+        done = all([b.wait_acked(target, deadline) for b in self._backends])
+        for b in self._backends:
+            b.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.spool is not None:
+            self.spool.close()
+            self.spool.remove_acknowledged(self.names)
+        return done and not any(b.thread.is_alive() for b in self._backends)
+
+    def progress(self) -> Progress:
+        return Progress(self._last_seq, self._last_step, {b.name: b.acked for b in self._backends},
+                        {b.name: b.acked_step for b in self._backends})
+
+    def exporters(self) -> list[Any]:
+        return [b.exporter for b in self._backends]

@@ -1,0 +1,504 @@
+"""The exporter process: named backends run in a child of the training process, not in it.
+
+The training process encodes each window (`otel_train.framing`) and writes it to a Unix socket;
+the child (started with a fresh interpreter, never forked: the trainer may hold CUDA) spools it
+(`otel_train.spool`) and feeds every backend through `otel_train.delivery`. The child sits in its own
+session, so a Ctrl-C to the job's process group does not reach it; once the trainer hands off or
+dies it keeps delivering for at most `OTEL_TRAIN_DRAIN_TIMEOUT_S`, then exits. If it dies, the
+trainer restarts it once (it resumes from the spool); if it dies again, the trainer exports in
+its own process from the same spool.
+
+Messages, trainer -> child: ``W`` + seq, max step + encoded window; ``F`` + id (flush); ``C`` + id
+(close); ``P`` + id (progress); ``H`` + pickled hyperparameters (reported after `init()`). Child -> trainer (pickled tuples): ``("ready", last seq)``,
+``("error", message)``, ``("spooled", seq)``, ``("durable", id, progress)``, ``("done", id, ok, progress)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from otel_train.delivery import Delivery, Progress
+from otel_train.errors import ConfigError
+from otel_train.framing import encode_window
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.spool import Spool, spool_dir
+
+__all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
+
+_logger = logging.getLogger("otel_train")
+_WINDOW = struct.Struct("<qq")
+_ID = struct.Struct("<q")
+_START_TIMEOUT_S = 60.0  # building W&B / ClearML runs can take seconds; a stuck start must not hang init()
+_BACKLOG = 4096  # windows kept until the child confirms they are spooled (a restart resends them)
+_BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
+_ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
+_META = "exporters.pickle"
+_BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
+         "from otel_train.export_process import _boot; _boot(int(sys.argv[1]))")
+
+
+def build_backends(names: Sequence[str], options: ExporterOptions) -> dict[str, Any]:
+    """Build the named exporters (the registry's classes); on failure shut the built ones down.
+
+    Raises:
+        ConfigError: one line naming the exporter that could not start.
+    """
+    from otel_train.registry import check_available, get_spec, load_class
+
+    specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
+    for spec in specs:
+        check_available(spec)
+    built: dict[str, Any] = {}
+    for spec in specs:
+        try:
+            built[spec.name] = load_class(spec)(options)
+        except Exception as err:
+            for ex in built.values():
+                ex.shutdown()
+            if isinstance(err, (ImportError, ConfigError)):
+                raise
+            raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
+                              f"{type(err).__name__}: {err}") from err
+    return built
+
+
+class ExportProcess:
+    """The training process's end: starts the child, sends windows, waits for flushes.
+
+    Args:
+        names: Exporter names the child builds (checked here first).
+        options: What every backend is told besides the rows.
+        run: This process's run and rank (names the spool).
+        drain_timeout_s: How long the child may keep delivering after a hand-off.
+        cpus: CPUs the child pins itself to (empty: inherit).
+        nice: Niceness the child adds.
+
+    Raises:
+        ConfigError: an unknown name, a missing package, or a backend that failed to start in the child.
+    """
+
+    def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
+                 drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0) -> None:
+        from otel_train.registry import check_available, get_spec
+
+        for spec in [get_spec(n) for n in names]:
+            check_available(spec)
+        self.names = tuple(names)
+        self.spool_path = spool_dir(options.directory, run.run_name, run.rank)
+        self._options = options
+        self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
+                        "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice}
+        self._lock = threading.RLock()  # one sender at a time; held across restarts
+        self._backlog: deque[tuple[int, int, bytes]] = deque()
+        self._backlog_bytes = 0
+        self._backlog_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._reply_cv = threading.Condition()
+        self._closing = False
+        self._close_requested = False
+        self._pid = os.getpid()
+        self.restarts = 0
+        self.dropped = 0
+        self.fallback: Delivery | None = None
+        self.last_progress = Progress()
+        started = time.monotonic()
+        self._conn, self._proc, self._seq = self._start()
+        self.start_s = time.monotonic() - started
+        # The first child told each backend about a resume; a restarted child or the fallback must not
+        # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
+        self._options = dataclasses.replace(options, resume_step=None)
+        self._config["options"] = self._options
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    # -- starting -------------------------------------------------------------------------------
+    def _start(self) -> tuple[Connection, subprocess.Popen[bytes], int]:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = subprocess.Popen(  # a fresh interpreter (never a fork), in its own session
+                [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
+                pass_fds=(theirs.fileno(),), start_new_session=True, stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        conn.send(self._config)
+        reply: Any = None
+        if conn.poll(_START_TIMEOUT_S):
+            try:
+                reply = conn.recv()
+            except (EOFError, OSError):
+                reply = None
+        if not (isinstance(reply, tuple) and reply[0] == "ready"):
+            conn.close()
+            if proc.poll() is None:
+                proc.kill()
+            if isinstance(reply, tuple) and reply[0] == "error":
+                raise ConfigError(reply[1])
+            raise ConfigError(f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process did not start within "
+                              f"{_START_TIMEOUT_S:.0f} s (exit code {proc.poll()}); set "
+                              "OTEL_TRAIN_EXPORT_PROCESS=off to export in the training process")
+        threading.Thread(target=self._receive, args=(conn, proc), name="otel-train-export-replies",
+                         daemon=True).start()
+        return conn, proc, int(reply[1])
+
+    def _after_fork(self) -> None:
+        # A forked DataLoader worker must neither write to the socket nor keep it open (the child
+        # would never see the trainer's end).
+        self._closing = True
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    # -- sending (collector thread) --------------------------------------------------------------
+    def send_window(self, run: RunInfo, points: Sequence[tuple[str, int, float, int]],
+                    metrics: Sequence[MetricRow] = (), histograms: Sequence[HistogramRow] = (),
+                    spans: Sequence[SpanRow] = ()) -> None:
+        """Encode one window and hand it to the child (or the fallback)."""
+        if os.getpid() != self._pid or not (points or metrics or histograms or spans):
+            return
+        payload, max_step = encode_window(run, points, metrics, histograms, spans)
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            if self.fallback is not None:
+                self.fallback.submit(seq, max_step, payload)
+                return
+            with self._backlog_lock:
+                self._backlog.append((seq, max_step, payload))
+                self._backlog_bytes += len(payload)
+                while len(self._backlog) > _BACKLOG or self._backlog_bytes > _BACKLOG_BYTES:
+                    self._backlog_bytes -= len(self._backlog.popleft()[2])
+                    self.dropped += 1  # only a restart would have needed it
+            self._send(b"W" + _WINDOW.pack(seq, max_step) + payload)
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        """Hyperparameters reported after `init()`: every backend of the child gets them (see `Session.add_config`)."""
+        self._options = dataclasses.replace(self._options, hparams=dict(config))
+        self._config["options"] = self._options  # a restarted child starts with them
+        with self._lock:
+            if self.fallback is not None:
+                _set_hparams(self.fallback.exporters(), config)
+            else:
+                self._send(b"H" + pickle.dumps(dict(config)))
+
+    def _send(self, frame: bytes) -> bool:
+        try:
+            self._conn.send_bytes(frame)
+            return True
+        except (OSError, ValueError):
+            return False  # the child is gone: the reply thread restarts it and resends the backlog
+
+    def _request(self, kind: bytes) -> int:
+        rid = next(self._ids)
+        with self._lock:
+            if self.fallback is None:
+                self._send(kind + _ID.pack(rid))
+        return rid
+
+    def _wait(self, rid: int, key: str, deadline: float) -> dict[str, Any] | None:
+        with self._reply_cv:
+            self._reply_cv.wait_for(lambda: key in self._replies.get(rid, {}) or self.fallback is not None,
+                                    timeout=max(0.0, deadline - time.monotonic()))
+            return self._replies.get(rid)
+
+    # -- replies (reply thread) -------------------------------------------------------------------
+    def _receive(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception:  # a reply we cannot read must not end the thread
+                _logger.debug("unreadable reply from the exporter process", exc_info=True)
+                continue
+            kind = msg[0]
+            if kind == "log":  # the child's warnings, re-emitted here: the user's logging sees them
+                logging.getLogger(msg[2]).log(msg[1], "%s", msg[3])
+                continue
+            spooled = msg[1] if kind == "spooled" else msg[-1].spooled
+            with self._backlog_lock:  # never the send lock: a sender blocked on a full socket holds it
+                while self._backlog and self._backlog[0][0] <= spooled:
+                    self._backlog_bytes -= len(self._backlog.popleft()[2])
+            if kind in ("durable", "done", "progress"):
+                self.last_progress = msg[-1]
+                with self._reply_cv:
+                    entry = self._replies.setdefault(msg[1], {})
+                    entry[kind] = msg[2] if kind == "done" else True
+                    self._reply_cv.notify_all()
+        if conn is self._conn and not self._closing and not self._close_requested:
+            proc.wait()
+            self._on_child_death(proc.returncode)
+
+    def _on_child_death(self, code: int | None) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            if self.restarts == 0:
+                self.restarts = 1
+                _logger.warning("otel-train: the exporter process exited (code %s); restarting it once; "
+                                "windows it had spooled are delivered from the spool", code)
+                try:
+                    self._conn, self._proc, _ = self._start()
+                    with self._backlog_lock:
+                        backlog = list(self._backlog)
+                    for seq, step, payload in backlog:
+                        self._send(b"W" + _WINDOW.pack(seq, step) + payload)
+                    return
+                except ConfigError as err:
+                    _logger.warning("otel-train: restarting the exporter process failed: %s", err)
+            _logger.warning("otel-train: the exporter process exited again (code %s); exporting in the "
+                            "training process from now on", code)
+            try:
+                backends = build_backends(self.names, self._options)
+                self.fallback = Delivery(backends, Spool(self.spool_path))
+                with self._backlog_lock:
+                    backlog = list(self._backlog)
+                    self._backlog.clear()
+                    self._backlog_bytes = 0
+                for seq, step, payload in backlog:
+                    self.fallback.submit(seq, step, payload)
+            except Exception as err:
+                _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
+                              "more data; `otel-train replay` delivers what was spooled", err)
+                self._closing = True
+        with self._reply_cv:
+            self._reply_cv.notify_all()
+
+    # -- flush / close / progress (any thread) -------------------------------------------------------
+    def _ask(self, kind: bytes, deadline: float) -> tuple[int, bool]:
+        """Flush (``F``) or close (``C``) and wait for the answer: (request id, every backend done).
+        The id is 0 when the in-process fallback answered."""
+        if self.fallback is None:
+            rid = self._request(kind)
+            reply = self._wait(rid, "done", deadline)
+            if self.fallback is None:
+                return rid, bool(reply and reply.get("done"))
+        fallback = self.fallback
+        return 0, fallback.flush(deadline) if kind == b"F" else fallback.close(deadline)
+
+    def flush(self, deadline: float) -> bool:
+        """Wait until every backend has everything sent so far, or `deadline` (then: durable, and warn)."""
+        if self._closing or os.getpid() != self._pid:
+            return True
+        rid, ok = self._ask(b"F", deadline)
+        if not ok and rid:
+            _logger.warning("otel-train: flush timed out: %s; the exporter process keeps delivering",
+                            self.last_progress.summary())
+        return ok
+
+    def close(self, deadline: float) -> bool:
+        """Hand off: wait for every backend up to `deadline`, else for the spool to be durable; the child
+        keeps draining on its own for up to its drain timeout."""
+        if os.getpid() != self._pid:
+            return True
+        # The child exits once it has answered: that exit is the hand-off, not a death to restart from.
+        self._close_requested = True
+        rid, ok = self._ask(b"C", deadline)
+        if not ok and rid:
+            durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
+            state = "durable in the spool" if durable else "NOT confirmed durable"
+            _logger.warning("otel-train: shutdown timed out; data is %s; %s; the exporter process (pid %d) keeps "
+                            "delivering for up to OTEL_TRAIN_DRAIN_TIMEOUT_S, and `otel-train replay %s` "
+                            "finishes the rest", state, self.last_progress.summary(), self._proc.pid,
+                            self.spool_path.parent.parent)
+        self._closing = True
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        return ok
+
+    def progress(self, timeout_s: float = 5.0) -> Progress:
+        """The child's progress: windows spooled, and per backend the last durable window and step."""
+        if self.fallback is not None:
+            return self.fallback.progress()
+        if self._closing:
+            return self.last_progress
+        rid = self._request(b"P")
+        self._wait(rid, "progress", time.monotonic() + timeout_s)
+        return self.last_progress
+
+
+# -- the child ------------------------------------------------------------------------------------------
+def _boot(fd: int) -> None:
+    conn = Connection(fd)
+    try:
+        config = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    child_main(conn, config)
+    os._exit(0)
+
+
+def _place(cpus: Sequence[int], nice: int) -> None:
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, set(cpus))
+        except OSError as err:
+            _logger.warning("OTEL_TRAIN_EXPORT_CPUS: cannot pin the exporter process to %s: %s", list(cpus), err)
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError as err:
+            _logger.warning("OTEL_TRAIN_EXPORT_NICE: cannot renice the exporter process: %s", err)
+
+
+class _Forward(logging.Handler):
+    """Sends the exporter process's log records to the training process (its own stderr once that is gone)."""
+
+    def __init__(self, reply: Any) -> None:
+        super().__init__()
+        self._reply = reply
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            if not self._reply("log", record.levelno, record.name, text):
+                sys.stderr.write(f"otel-train exporter process: {record.levelname} {text}\n")
+        except Exception:
+            self.handleError(record)
+
+
+def child_main(conn: Connection, config: dict[str, Any]) -> None:
+    """The exporter process: build the backends, then spool and deliver until the trainer is done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we drain on its hand-off
+    drain_s = float(config["drain_timeout_s"])
+    send_lock = threading.Lock()
+
+    def reply(*msg: Any) -> bool:
+        with send_lock:
+            try:
+                conn.send(msg)
+                return True
+            except (OSError, ValueError):
+                return False  # the trainer is gone; we drain anyway
+
+    logging.basicConfig(level=logging.WARNING, handlers=[_Forward(reply)], force=True)
+    _place(config["cpus"], config["nice"])
+
+    try:
+        spool = Spool(Path(config["spool"]))
+        backends = build_backends(config["names"], config["options"])
+    except ConfigError as err:
+        reply("error", str(err))
+        return
+    except Exception as err:
+        reply("error", f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process could not start: {type(err).__name__}: {err}")
+        return
+    _write_meta(spool.path, config)
+    delivery = Delivery(backends, spool)
+    reply("ready", spool.last_seq)
+
+    def flush_later(rid: int) -> None:
+        ok = delivery.flush(time.monotonic() + drain_s)
+        reply("done", rid, ok, delivery.progress())
+
+    close_id = None
+    last_ack = 0.0
+    while True:
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        kind = frame[:1]
+        if kind == b"W":
+            seq, step = _WINDOW.unpack_from(frame, 1)
+            delivery.submit(seq, step, frame[1 + _WINDOW.size:])
+            now = time.monotonic()
+            if now - last_ack >= _ACK_EVERY_S and not conn.poll(0):  # a few acks a second wake the trainer
+                reply("spooled", seq)
+                last_ack = now
+            continue
+        if kind == b"H":
+            config["options"] = dataclasses.replace(config["options"], hparams=pickle.loads(frame[1:]))
+            _set_hparams(delivery.exporters(), config["options"].hparams)
+            _write_meta(spool.path, config)
+            continue
+        (rid,) = _ID.unpack_from(frame, 1)
+        if kind == b"F":
+            delivery.sync()
+            reply("durable", rid, delivery.progress())
+            threading.Thread(target=flush_later, args=(rid,), daemon=True).start()
+        elif kind == b"P":
+            reply("progress", rid, delivery.progress())
+        elif kind == b"C":
+            close_id = rid
+            break
+    # The trainer handed off (or died): never outlive the drain deadline, whatever a backend does.
+    deadline = time.monotonic() + drain_s
+    watchdog = threading.Timer(drain_s + 5.0, os._exit, args=(0,))
+    watchdog.daemon = True
+    watchdog.start()
+    delivery.sync()
+    if close_id is not None:
+        reply("durable", close_id, delivery.progress())
+    ok = delivery.close(deadline)
+    if close_id is not None:
+        reply("done", close_id, ok, delivery.progress())
+    if not ok:
+        _logger.warning("drain deadline reached: %s; `otel-train replay` delivers the rest",
+                        delivery.progress().summary())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:
+    for exporter in exporters:
+        options = getattr(exporter, "options", None)
+        if isinstance(options, ExporterOptions):
+            exporter.options = dataclasses.replace(options, hparams=dict(config))
+
+
+def _write_meta(path: Path, config: dict[str, Any]) -> None:
+    """What `otel-train replay` needs to rebuild the backends of this spool (pickled: options hold paths,
+    routes and step selections; read only by the same otel-train)."""
+    tmp = path / (_META + ".tmp")
+    options = dataclasses.replace(config["options"], resume_step=None)  # a replay never resumes the run again
+    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": options}))
+    os.replace(tmp, path / _META)
+
+
+def replay(run_dir: Path, timeout_s: float = 600.0) -> dict[str, Progress]:
+    """Deliver every spooled window a backend has not acknowledged, for each rank under `run_dir`.
+
+    Idempotent: each backend resumes after its durable cursor, so a second replay writes nothing.
+
+    Returns:
+        Spool folder name -> progress after the replay.
+    """
+    results: dict[str, Progress] = {}
+    for meta_file in sorted(Path(run_dir).glob(f"spool/*/{_META}")):
+        meta = pickle.loads(meta_file.read_bytes())  # written by our own exporter process
+        spool = Spool(meta_file.parent)
+        backends = build_backends(meta["names"], meta["options"])
+        delivery = Delivery(backends, spool)
+        delivery.close(time.monotonic() + timeout_s)
+        results[meta_file.parent.name] = delivery.progress()
+    return results

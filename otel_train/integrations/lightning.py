@@ -1,0 +1,243 @@
+"""PyTorch Lightning: a `Logger` for `self.log(...)` values and a `Callback` for spans.
+
+Usage::
+
+    from otel_train.integrations.lightning import OtelTrainCallback, OtelTrainLogger
+
+    trainer = Trainer(logger=OtelTrainLogger(), callbacks=[OtelTrainCallback()])
+
+What appears where:
+
+- `OtelTrainLogger`: every value Lightning hands its loggers (``self.log(..., logger=True)``, every
+  ``log_every_n_steps`` training steps, and at epoch ends) becomes a gauge of the same name at the step
+  Lightning gives (`trainer.global_step` while training); the LightningModule's / DataModule's saved
+  hyperparameters become the run config (TensorBoard HParams, W&B config, ...).
+- `OtelTrainCallback`: spans ``train/epoch``, ``train/batch`` (inside ``otel_train.step(global_step)``, so
+  step durations and step-aligned export come with it), ``val/epoch``, ``val/batch``, ``test/epoch``,
+  ``test/batch`` and ``checkpoint/save``, each with ``train.step`` = `trainer.global_step`.
+
+Both call `otel_train.init()` (env configuration) when the user has not, with Lightning's global rank,
+local rank and world size; `OTEL_TRAIN_RANKS` decides which ranks export metrics (spans come from
+every rank). A session they started is flushed when a stage ends and shut down at interpreter exit, so
+``fit`` then ``test`` write one run. Lightning itself turns logged tensors into numbers before it calls
+any logger; this logger adds no `.item()` of its own.
+
+This module imports ``lightning.pytorch`` (else ``pytorch_lightning``); ``import otel_train`` does not.
+"""
+
+from __future__ import annotations
+
+import functools
+from argparse import Namespace
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import otel_train as ot
+from otel_train.integrations._hooks import HookSpans, HookStep, numeric
+from otel_train.integrations._session import OwnedSession
+
+try:
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.loggers import Logger
+except ImportError:
+    try:
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+        from pytorch_lightning.loggers import Logger  # type: ignore[assignment,no-redef,unused-ignore]
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            "otel_train.integrations.lightning needs PyTorch Lightning: pip install 'otel-train[lightning]'",
+            name="lightning",
+        ) from err
+# Both packages' strategies set this one's `rank` to the global rank (a dependency of both).
+from lightning_utilities.core.rank_zero import rank_zero_only
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule, Trainer
+
+__all__ = ["OtelTrainCallback", "OtelTrainLogger"]
+
+
+def _hyperparameters(params: Mapping[str, Any] | Namespace) -> dict[str, Any]:
+    """Lightning passes a dict, an `AttributeDict` or an argparse `Namespace`."""
+    return dict(vars(params)) if isinstance(params, Namespace) else dict(params)
+
+
+class OtelTrainLogger(Logger):
+    """A Lightning `Logger` that sends logged values and hyperparameters to otel-train.
+
+    Lightning applies `log_every_n_steps` before calling loggers, so every call here is written.
+    Values are logged on every rank that Lightning calls; `OTEL_TRAIN_RANKS` (default ``0``) decides
+    which ranks' values are exported. Alone, the logger lets otel-train collect every
+    `OTEL_TRAIN_EXPORT_INTERVAL_S` and at each stage's end (Lightning's TensorBoardLogger flushes every
+    120 s); with `OtelTrainCallback`, collection follows steps (`OTEL_TRAIN_EXPORT_EVERY`).
+
+    Example:
+        >>> from otel_train.integrations.lightning import OtelTrainLogger  # doctest: +SKIP
+        >>> trainer = Trainer(logger=OtelTrainLogger(), log_every_n_steps=10)  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._owned = OwnedSession()
+
+    def _ensure(self) -> None:
+        # Lightning's strategy sets `rank_zero_only.rank` to the global rank before loggers are used.
+        self._owned.ensure(rank=getattr(rank_zero_only, "rank", None))
+
+    @property
+    def name(self) -> str:
+        """Empty: checkpoints go to ``<OTEL_TRAIN_DIR>/<run name>/checkpoints``, beside the run's events."""
+        return ""
+
+    @property
+    def version(self) -> str:
+        """The otel-train run name (starts the session if needed: Lightning asks for it during setup)."""
+        self._ensure()
+        run = getattr(ot._session, "run", None)
+        return getattr(run, "run_name", None) or "otel-train"
+
+    @property
+    def save_dir(self) -> str | None:
+        """`OTEL_TRAIN_DIR` of the running session."""
+        self._ensure()
+        settings = getattr(ot._session, "settings", None)
+        return None if settings is None else str(settings.dir)
+
+    @property
+    def experiment(self) -> Any:
+        """The otel-train session (what `otel_train.init()` returned)."""
+        self._ensure()
+        return ot._session
+
+    def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
+        """Record `params` as the run config (before training: every backend receives it)."""
+        config = _hyperparameters(params)
+        self._owned.ensure(rank=getattr(rank_zero_only, "rank", None), config=config)
+        self._owned.add_config(config)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Record each number (or tensor) of `metrics` as a gauge at `step`."""
+        self._ensure()
+        values = numeric(metrics)
+        if values:
+            ot.log(values, step=step)
+
+    def finalize(self, status: str) -> None:
+        """End of a stage (``success``/``failed``): make everything logged so far durable."""
+        ot.flush()
+
+
+class OtelTrainCallback(Callback):
+    """A Lightning `Callback` that times epochs, batches and checkpoint saves as spans.
+
+    Train batches run inside ``otel_train.step(trainer.global_step)``, so `ot.log` calls and spans in
+    user code during a batch carry its step, and step-aligned export follows training.
+
+    Example:
+        >>> trainer = Trainer(callbacks=[OtelTrainCallback()])  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        self._owned = OwnedSession()
+        self._spans = HookSpans()
+        self._step = HookStep()
+        self._save_checkpoint: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._owned.ensure(rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size)
+        if self._save_checkpoint is None:
+            self._wrap_checkpoint_saves(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._step.end()
+        self._spans.end_all()
+        if self._save_checkpoint is not None:
+            trainer.save_checkpoint = self._save_checkpoint  # type: ignore[method-assign]
+            self._save_checkpoint = None
+        ot.flush()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._spans.end_all(exception)
+        self._step.end()
+
+    def _wrap_checkpoint_saves(self, trainer: Trainer) -> None:
+        # Callbacks hear `on_save_checkpoint` before the file is written and nothing after it;
+        # timing `trainer.save_checkpoint` (what ModelCheckpoint calls) covers the whole save.
+        original = trainer.save_checkpoint
+        spans = self._spans
+
+        @functools.wraps(original)
+        def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+            spans.begin("checkpoint", "checkpoint/save", trainer.global_step, {"path": str(filepath)})
+            try:
+                result = original(filepath, *args, **kwargs)
+            except BaseException as err:
+                spans.end("checkpoint", err)
+                raise
+            spans.end("checkpoint")
+            return result
+
+        self._save_checkpoint = original
+        trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
+
+    # -- training ----------------------------------------------------------------------------------
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._spans.begin("train_epoch", "train/epoch", trainer.global_step, {"epoch": trainer.current_epoch})
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._spans.end("train_epoch")
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        self._step.begin(step)
+        self._spans.begin("train_batch", "train/batch", step, {"batch_idx": batch_idx, "epoch": trainer.current_epoch})
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._spans.end("train_batch")
+        self._step.end()
+
+    # -- validation and test -----------------------------------------------------------------------
+    def _eval_begin(self, stage: str, trainer: Trainer) -> None:
+        attrs = {"sanity_check": True} if trainer.sanity_checking else {}
+        self._spans.begin(f"{stage}_epoch", f"{stage}/epoch", trainer.global_step, attrs)
+
+    def _eval_batch_begin(self, stage: str, trainer: Trainer, batch_idx: int, dataloader_idx: int) -> None:
+        self._spans.begin(f"{stage}_batch", f"{stage}/batch", trainer.global_step,
+                          {"batch_idx": batch_idx, "dataloader_idx": dataloader_idx})
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_begin("val", trainer)
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._spans.end("val_epoch")
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._eval_batch_begin("val", trainer, batch_idx, dataloader_idx)
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._spans.end("val_batch")
+
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._eval_begin("test", trainer)
+
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._spans.end("test_epoch")
+
+    def on_test_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._eval_batch_begin("test", trainer, batch_idx, dataloader_idx)
+
+    def on_test_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._spans.end("test_batch")

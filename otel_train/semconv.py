@@ -1,0 +1,126 @@
+"""Training semantic conventions: every attribute and metric name otel-train defines, in one place.
+
+Users who query the same data in Prometheus/Grafana behind the collector rely on these names, so
+they are constants here and rows of the README table "Semantic conventions" (a test checks that
+the two agree).
+
+Naming rule: on the wire (OTLP, the sink's input, JSONL, Chrome trace) every name otel-train
+defines is an OTel-style dotted name (``train.step.duration_s``). Dashboards group series by the
+part before the first ``/``, so the backends that do (TensorBoard, W&B, ClearML, MLflow, Trackio)
+show the built-in series under their `display_name` (``train/step_duration_s``), in the same
+``train`` section as the user's ``train/loss``. User names are never rewritten.
+
+This module imports nothing of ours: it sits at the bottom of the dependency order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["CONVENTIONS", "Convention", "display_name"]
+
+# -- attributes (Resource, data points, spans) ---------------------------------------------------
+TRAIN_STEP = "train.step"
+TRAIN_RUN_ID = "train.run.id"
+TRAIN_RUN_NAME = "train.run.name"
+TRAIN_RANK = "train.rank"
+TRAIN_LOCAL_RANK = "train.local_rank"
+TRAIN_WORLD_SIZE = "train.world_size"
+TRAIN_CONFIG_HASH = "train.config.hash"
+SERVICE_NAME = "service.name"
+HOST_NAME = "host.name"
+PROCESS_PID = "process.pid"
+THREAD_ID = "thread.id"
+THREAD_NAME = "thread.name"
+
+# -- metrics recorded at every step end ------------------------------------------------------------
+TRAIN_STEP_DURATION = "train.step.duration_s"
+TRAIN_TIME_TOTAL = "train.time_total_s"
+TRAIN_ITERATIONS = "train.iterations"
+TRAIN_THROUGHPUT = "train.throughput"
+
+# -- self-telemetry: what otel-train itself dropped (recorded only when non-zero) -----------------
+DROPPED_RECORDS = "otel_train.dropped_records"
+DROPPED_SPANS = "otel_train.dropped_spans"
+DROPPED_BATCHES = "otel_train.dropped_batches"
+
+
+@dataclasses.dataclass(frozen=True)
+class Convention:
+    """One name otel-train defines.
+
+    Attributes:
+        name: The name on the wire (a glob such as ``phase/*`` for a family of names).
+        kind: ``resource``, ``point``, ``span`` (where an attribute appears) or ``metric``.
+        type: Value type (``int``, ``str``, ``float``).
+        unit: UCUM-style unit, ``1`` for counts and ratios, empty for identifiers.
+        set_by: Who sets it.
+        otel: The OTel semantic convention it follows, or empty where none exists.
+        display: The name dashboards show, where it differs from `name`.
+    """
+
+    name: str
+    kind: str
+    type: str
+    unit: str
+    set_by: str
+    otel: str = ""
+    display: str = ""
+
+
+CONVENTIONS: tuple[Convention, ...] = (
+    Convention(TRAIN_STEP, "point, span", "int", "1", "`ot.step` / `ot.log(step=)`; stamped at collection"),
+    Convention(TRAIN_RUN_ID, "resource", "str", "", "`OTEL_TRAIN_RUN_ID`, else the launcher's job id"),
+    Convention(TRAIN_RUN_NAME, "resource", "str", "", "`OTEL_TRAIN_RUN_NAME`, else the run id"),
+    Convention(TRAIN_RANK, "resource", "int", "1", "`RANK` / `init(rank=)`"),
+    Convention(TRAIN_LOCAL_RANK, "resource", "int", "1", "`LOCAL_RANK` / `init(local_rank=)`"),
+    Convention(TRAIN_WORLD_SIZE, "resource", "int", "1", "`WORLD_SIZE` / `init(world_size=)`"),
+    Convention(TRAIN_CONFIG_HASH, "resource", "str", "", "hash of `init(config=)` / `OTEL_TRAIN_CONFIG_JSON`"),
+    Convention(SERVICE_NAME, "resource", "str", "", "`OTEL_SERVICE_NAME`, default `otel-train`", "service.name"),
+    Convention(HOST_NAME, "resource", "str", "", "runtime", "host.name"),
+    Convention(PROCESS_PID, "resource", "int", "", "runtime", "process.pid"),
+    Convention(THREAD_ID, "span", "int", "", "the thread that started the span", "thread.id"),
+    Convention(THREAD_NAME, "span", "str", "", "the thread that started the span", "thread.name"),
+    Convention(TRAIN_STEP_DURATION, "metric", "float", "s", "every step end", display="train/step_duration_s"),
+    Convention(TRAIN_TIME_TOTAL, "metric", "float", "s", "every step end", display="train/time_total_s"),
+    Convention(TRAIN_ITERATIONS, "metric", "int", "1", "every step end", display="train/iterations"),
+    Convention(TRAIN_THROUGHPUT, "metric", "float", "1/s", "step end with `samples=`", display="train/throughput"),
+    Convention(DROPPED_RECORDS, "metric", "int", "1", "reader: logged records dropped (buffer full)",
+               display="otel_train/dropped_records"),
+    Convention(DROPPED_SPANS, "metric", "int", "1", "reader: spans dropped (buffer full)",
+               display="otel_train/dropped_spans"),
+    Convention(DROPPED_BATCHES, "metric", "int", "1", "reader: export windows dropped (queue full)",
+               display="otel_train/dropped_batches"),
+    # Names of the phase and system-metrics feature (defined there; listed here so the table is whole).
+    Convention("phase/<name>_s", "metric", "float", "s", "phase timing (per step)"),
+    Convention("phase/other_s", "metric", "float", "s", "phase timing: step time outside every phase"),
+    Convention("system/cpu_percent/{mean,max}", "metric", "float", "%", "system metrics sampler (100 = one core)",
+               "process.cpu.utilization"),
+    Convention("system/rss_mb/{mean,max}", "metric", "float", "MiBy", "system metrics sampler", "process.memory.usage"),
+    Convention("system/host_memory_percent/{mean,max}", "metric", "float", "%", "system metrics sampler",
+               "system.memory.utilization"),
+    Convention("system/host_memory_used_mb/{mean,max}", "metric", "float", "MiBy", "system metrics sampler",
+               "system.memory.usage"),
+    Convention("gpu<N>/util_percent/{mean,max}", "metric", "float", "%", "system metrics sampler (NVML)",
+               "hw.gpu.utilization"),
+    Convention("gpu<N>/memory_used_mb/{mean,max}", "metric", "float", "MiBy", "system metrics sampler (NVML)",
+               "hw.gpu.memory.usage"),
+    Convention("gpu<N>/power_w/{mean,max}", "metric", "float", "W", "system metrics sampler (NVML)", "hw.power"),
+    Convention("gpu<N>/temperature_c/{mean,max}", "metric", "float", "Cel", "system metrics sampler (NVML)",
+               "hw.temperature"),
+    Convention("cuda<N>/max_allocated_mb/{mean,max}", "metric", "float", "MiBy",
+               "system metrics sampler (torch, when imported)"),
+)
+
+#: Wire name -> the name dashboards show (only names that differ).
+DISPLAY_NAMES: dict[str, str] = {c.name: c.display for c in CONVENTIONS if c.display}
+
+
+def display_name(name: str) -> str:
+    """The name a dashboard shows for metric `name`: built-ins in their section, others unchanged.
+
+    Example:
+        >>> display_name("train.step.duration_s"), display_name("train/loss")
+        ('train/step_duration_s', 'train/loss')
+    """
+    return DISPLAY_NAMES.get(name, name)

@@ -1,0 +1,145 @@
+"""The sink's core, shared by both receivers: auth check, ingest entry point, counters, health.
+
+Receivers (`grpc_server`, `http_server`) import this module, never `service`, so data and imports
+flow one way: receivers -> core -> decode/router -> backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from otel_train._internal.ratelimit import LogOnce
+from otel_train.config import SinkSettings
+from otel_train.sink.compat import CompatAPI
+from otel_train.sink.decode import (
+    DecodeCache,
+    DecodeError,
+    decode_metrics,
+    decode_traces,
+    parse_metrics,
+    parse_traces,
+)
+from otel_train.sink.router import ExporterFactory, Overloaded, Router
+
+__all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
+
+_logger = logging.getLogger(__name__)
+
+
+def token_matches(expected: str, header: str) -> bool:
+    """Constant-time check of an ``authorization: Bearer <token>`` value."""
+    scheme, _, given = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
+
+
+class SinkCore:
+    """What both receivers share: the token check, the ingest entry point, counters, `/health`, `/runs`.
+
+    `otel_train.sink.service.Sink` adds the receivers and the lifecycle on top; the receivers only
+    see this class, so imports run one way: service -> receivers -> core -> decode/router.
+
+    Args:
+        settings: Ports, token, limits, aggregates, TLS (see `SinkSettings`).
+        make_exporters: Builds the backends of one run (see `exporter_factory`).
+    """
+
+    def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory) -> None:
+        self.settings = settings
+        self.token = settings.token
+        self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s)
+        self.compat = CompatAPI(self.router)
+        self._runs = DecodeCache()
+        self.rejected: dict[str, int] = {}
+        self.unattributed = 0
+        self.unattributed_runs: set[str] = set()
+        self.unsupported: dict[str, int] = {}
+        self._log = LogOnce(_logger, interval_s=60.0)
+        self._stopped = False
+        self._started_at = time.monotonic()
+        self._lock = threading.Lock()
+        # One thread: requests that may wait on a run's full queue wait here, not on the receivers' loop.
+        self._backpressure = ThreadPoolExecutor(1, thread_name_prefix="otel-train-sink-backpressure")
+
+    # -- request entry points (called by both receivers) ---------------------------------------
+    def token_ok(self, header: str) -> bool:
+        return self.token is None or token_matches(self.token, header)
+
+    def count_rejected(self, reason: str, detail: str = "") -> None:
+        """Count a refused request by reason (shown in `/health`) and log it (once a minute per reason)."""
+        with self._lock:
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+            total = self.rejected[reason]
+        self._log.warning(f"rejected:{reason}", "refused a request (%s, %d so far)%s%s (logged at most once a "
+                          "minute per reason)", reason, total, ": " if detail else "", detail[:300])
+
+    async def ingest_async(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
+        """`ingest` for the receivers' event loop: inline (no hand-off, the fast path) unless some run's
+        backends are behind; then on a worker thread, so that its backpressure wait does not stall
+        `/health` or the other runs' requests."""
+        if not self.router.backlogged():
+            return self.ingest(signal, body, content_type, encoding)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._backpressure, self.ingest, signal, body, content_type, encoding)
+
+    def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
+        """Decode a whole request into rows, then hand them to the router. Returns rows taken.
+
+        Raises:
+            DecodeError: malformed payload (nothing of it is written).
+            OverflowError: the decompressed body exceeds `max_body_bytes`.
+            Overloaded: a run's backends are behind; the client should retry.
+        """
+        limit = self.settings.max_body_bytes
+        if signal == "metrics":
+            request = parse_metrics(body, content_type, encoding, limit)
+            decoded = decode_metrics(request, self._runs)
+        elif signal == "traces":
+            request = parse_traces(body, content_type, encoding, limit)
+            decoded = decode_traces(request, self._runs)
+        else:
+            raise DecodeError(f"unknown signal {signal!r}")
+        n = decoded.points + len(decoded.spans)
+        for run_id, count in decoded.unattributed.items():
+            self.unattributed += count
+            self.unattributed_runs.add(run_id)
+            self._log.warning(f"unattributed:{run_id}",
+                              "received %s data without the `train.run.id` resource attribute, written under the "
+                              "run %r (fallback: service.name-service.instance.id, then service.name@host.name, "
+                              "then service.name); set `train.run.id` (OTEL_RESOURCE_ATTRIBUTES) to choose the run "
+                              "(logged at most once a minute per run)", signal, run_id)
+        for kind, count in decoded.unsupported.items():
+            with self._lock:
+                first = kind not in self.unsupported
+                self.unsupported[kind] = self.unsupported.get(kind, 0) + count
+            if first:
+                _logger.warning("received %s metric(s) of OTLP type `%s`, which the sink cannot write; they are "
+                                "counted in /health `unsupported` (warned once per type)", count, kind)
+        if n:
+            self.router.ingest(decoded)
+        return n
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok" if not self._stopped else "stopping",
+            "uptime_s": round(time.monotonic() - self._started_at, 1),
+            "runs_open": self.router.runs_open,
+            "points": self.router.points_in,
+            "spans": self.router.spans_in,
+            "errors": self.router.errors,
+            "rejected": dict(self.rejected),
+            "unattributed_resources": self.unattributed,
+            "unsupported": dict(self.unsupported),
+        }
+
+    def runs(self) -> dict[str, Any]:
+        """The `/runs` document; runs named by a fallback (no `train.run.id`) say ``"unattributed": true``."""
+        doc = self.router.summary()
+        for run in doc["runs"]:
+            run["unattributed"] = run["run_id"] in self.unattributed_runs
+        return doc

@@ -1,0 +1,220 @@
+"""What an OTLP point means for its run's series: the sink's temporality and step rules, in one place.
+
+Any OTel sender may send to the sink, and most use the SDK default, CUMULATIVE temporality: every
+collection re-sends every series it ever saw (a point per ``train.step`` attribute set, so all past
+steps again), each sum as its total since the series' start time. otel-train itself sends DELTA.
+`SeriesLedger` turns both into the same rows, per (run, rank, series):
+
+* **Counters** (monotonic sums) are shown as running totals. A DELTA point adds its value. A
+  CUMULATIVE point adds its increase since the previous point of the same OTel series (name +
+  attributes, ``train.step`` included); a changed start time or a lower value is a reset (a restarted
+  process), so the whole value is new. A point that adds nothing to an already-written series is a
+  repeat and is not written again.
+* **Up-down counters** (non-monotonic sums): DELTA points add up to a running total; CUMULATIVE
+  points are written as their value.
+* **Gauges** (and up-down values, summary quantiles): written once per (series, step, value); a
+  re-sent unchanged point is not written again.
+* **Histograms** (explicit and exponential) and **summaries**: CUMULATIVE points become the
+  increase since the previous point (count, sum and buckets), the shape DELTA points already have;
+  an unchanged point is a repeat. ``/count`` and ``/sum`` are per collection window either way.
+* **Step-less points** (no ``train.step``) take the run's current step (the highest step any rank of
+  the run has reported) when the run has steps, else a per-series sequence number 0, 1, 2, ...; the
+  point's own time stays its wall time.
+
+State is bounded: each table is cleared when it reaches its size limit (a repeat is then written
+again at worst; totals are kept apart and bounded by the number of series).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from otel_train.records import HistogramRow, MetricRow, MetricsConverter
+
+__all__ = [
+    "CUMULATIVE_COUNTER",
+    "CUMULATIVE_UPDOWN",
+    "DELTA_SUM",
+    "GAUGE",
+    "STEPLESS",
+    "SeriesLedger",
+    "exponential_buckets",
+]
+
+#: Step of a decoded point that had no `train.step`: resolved by `SeriesLedger.resolve_step`.
+STEPLESS = -(1 << 62)
+
+# How a pending number point is turned into a row (see the module docstring).
+GAUGE, DELTA_SUM, CUMULATIVE_COUNTER, CUMULATIVE_UPDOWN = range(4)
+
+# Entries per table and run (~200 bytes each): covers the full re-send of 100 metrics at the OTel SDK's
+# default cardinality limit (2,000 attribute sets, i.e. steps, per metric).
+_MAX_ENTRIES = 200_000
+
+
+def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
+                        negative: tuple[int, Sequence[int]]) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """Explicit (bounds, counts) of an OTLP exponential histogram, for backends that draw histograms.
+
+    Bucket ``i`` (``offset + i``) covers ``(base**i, base**(i+1)]`` with ``base = 2**(2**-scale)``;
+    negative buckets mirror it; the zero bucket sits between. Each explicit bucket ends at the upper
+    edge of its exponential bucket; the first explicit bucket is open below, the last (empty) above.
+
+    Example:
+        >>> exponential_buckets(0, 1, (0, [2, 3]), (0, []))
+        ((0.0, 2.0, 4.0), (1, 2, 3, 0))
+    """
+
+    def edge(index: int) -> float:
+        try:
+            return float(2.0 ** (index * 2.0 ** -scale))
+        except OverflowError:
+            return math.inf
+
+    bounds: list[float] = []
+    counts: list[int] = []
+    neg_offset, neg_counts = negative
+    for i in range(len(neg_counts) - 1, -1, -1):  # most negative first
+        bounds.append(-edge(neg_offset + i))
+        counts.append(int(neg_counts[i]))
+    if zero_count or neg_counts or positive[1]:
+        bounds.append(0.0)
+        counts.append(int(zero_count))
+    pos_offset, pos_counts = positive
+    for i, c in enumerate(pos_counts):
+        bounds.append(edge(pos_offset + i + 1))
+        counts.append(int(c))
+    counts.append(0)
+    return tuple(bounds), tuple(counts)
+
+
+class SeriesLedger(MetricsConverter):
+    """One run's series state: running totals, previous cumulative points, steps and sequence numbers.
+
+    The router keeps one per run and calls it with the run's lock held, in arrival order.
+    """
+
+    def __init__(self, max_entries: int = _MAX_ENTRIES) -> None:
+        super().__init__()
+        self._max = max_entries
+        self._cumulative: dict[tuple[int, str, int], tuple[int, float]] = {}
+        self._written: dict[tuple[int, str, int], float] = {}  # last value of step-less series
+        self._hists: dict[tuple[int, str, int], tuple[int, int, float, tuple[float, ...], tuple[int, ...]]] = {}
+        self._sequence: dict[tuple[int, str], int] = {}
+        self._gauges: dict[int, dict[tuple[str, int], float]] = {}  # by rank: (tag, step) -> value written
+        self._gauge_entries = 0
+        #: The highest step any rank of the run has reported (-1: none yet).
+        self.current_step = -1
+
+    # -- steps -----------------------------------------------------------------------------------
+    def saw_step(self, step: int) -> None:
+        self.current_step = max(self.current_step, step)
+
+    def resolve_step(self, rank: int, tag: str) -> int:
+        """The step of a step-less point of a series: the run's current step, else its sequence number."""
+        if self.current_step >= 0:
+            return self.current_step
+        key = (rank, tag)
+        n = self._sequence.get(key, 0)
+        if len(self._sequence) >= self._max:
+            self._sequence.clear()
+        self._sequence[key] = n + 1
+        return n
+
+    # -- number points -----------------------------------------------------------------------------
+    def gauges(self, rows: list[MetricRow], append: Callable[[MetricRow], None]) -> None:
+        """Gauge rows with a step, the sink's hot path: `append` those not written before with their value."""
+        tables = self._gauges
+        room = self._max - self._gauge_entries  # one bound for all ranks of the run
+        rank = -1
+        written: dict[tuple[str, int], float] = {}
+        for row in rows:
+            if row.run.rank != rank:
+                rank = row.run.rank
+                written = tables.get(rank) or tables.setdefault(rank, {})
+            key = (row.tag, row.step)
+            value = row.value
+            if written.get(key) == value:
+                continue  # re-sent unchanged
+            if room <= 0:
+                for table in tables.values():
+                    table.clear()
+                room = self._max
+            room -= 1
+            written[key] = value
+            append(row)
+        self._gauge_entries = self._max - room
+
+    def number(self, row: MetricRow, mode: int, start_unix_nano: int) -> bool:
+        """Apply the rule of `mode` to `row` (its value, and its step if step-less); False: not written."""
+        rank = row.run.rank
+        stepless = row.step == STEPLESS
+        if mode == DELTA_SUM:
+            if stepless:
+                row.step = self.resolve_step(rank, row.tag)
+            row.value = self.accumulate(row.run, row.tag, row.value, True)
+            return True
+        if mode == CUMULATIVE_COUNTER:
+            key = (rank, row.tag, row.step)
+            prev = self._cumulative.get(key)
+            value = row.value
+            if prev is None or prev[0] != start_unix_nano or value < prev[1]:
+                increase = value  # a new series or a reset (restarted process): all of it is new
+            else:
+                increase = value - prev[1]
+                if increase == 0.0:
+                    return False  # a repeat of an unchanged cumulative point
+            self._remember(self._cumulative, key, (start_unix_nano, value))
+            if stepless:
+                row.step = self.resolve_step(rank, row.tag)
+            row.value = self.accumulate(row.run, row.tag, increase, True)
+            return True
+        # GAUGE / CUMULATIVE_UPDOWN: the value itself, once per (series, step, value)
+        if stepless:
+            last = self._written.get((rank, row.tag, STEPLESS))
+            if last == row.value and self.current_step < 0:
+                return False  # an unchanged step-less value re-sent with no step to tell it apart
+            self._remember(self._written, (rank, row.tag, STEPLESS), row.value)
+            row.step = self.resolve_step(rank, row.tag)
+        out: list[MetricRow] = []
+        self.gauges([row], out.append)
+        return bool(out)
+
+    # -- histograms and summaries --------------------------------------------------------------------
+    def histogram(self, row: HistogramRow, cumulative: bool, start_unix_nano: int) -> HistogramRow | None:
+        """The increase of a histogram point since its series' previous one, or None for a repeat.
+
+        DELTA points are returned as they are (their step resolved if step-less).
+        """
+        rank = row.run.rank
+        if cumulative:
+            key = (rank, row.tag, row.step)
+            prev = self._hists.get(key)
+            self._remember(self._hists, key, (start_unix_nano, row.count, row.sum, tuple(row.explicit_bounds),
+                                              tuple(row.bucket_counts)))
+            if prev is not None and prev[0] == start_unix_nano and row.count >= prev[1]:
+                if row.count == prev[1]:
+                    return None  # a repeat
+                buckets = row.bucket_counts
+                if prev[3] == tuple(row.explicit_bounds) and len(prev[4]) == len(buckets):
+                    buckets = tuple(b - a for a, b in zip(prev[4], buckets, strict=True))
+                row = HistogramRow(row.run, row.step, row.name, row.tag, row.count - prev[1], row.sum - prev[2],
+                                   row.min, row.max, row.explicit_bounds, buckets, row.time_unix_nano,
+                                   row.attributes)
+        if row.step == STEPLESS:
+            row.step = self.resolve_step(rank, row.tag)
+        return row
+
+    def compact(self) -> None:
+        """Forget which gauge values were written (the bulk of the state) when the run closes; totals and
+        previous cumulative points stay, so a resumed run continues its counters."""
+        self._gauges.clear()
+        self._gauge_entries = 0
+        self._written.clear()
+
+    def _remember(self, table: dict[Any, Any], key: Any, value: Any) -> None:
+        if len(table) >= self._max and key not in table:
+            table.clear()
+        table[key] = value

@@ -1,0 +1,179 @@
+"""Per-backend routing with the real backends: TensorBoard gets everything, an offline W&B run
+`train/*` every 5 steps, an offline ClearML session `system/*` only; each read back. Plus the
+unmatched-pattern line, config errors, and the same routing through the sink."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: reuse the backends' read-back helpers
+
+from test_clearml import events, isolated_clearml_env
+from test_wandb import isolated_wandb_env, read_run
+
+import otel_train as ot
+from otel_train.config import load_settings
+from otel_train.errors import ConfigError
+
+STEPS = range(12)
+BUILTINS = {"train/step_duration_s", "train/time_total_s", "train/iterations"}
+
+
+def _wandb_written() -> None:
+    """Stop wandb's service process: its offline writer may still hold records after `finish()` returns."""
+    import wandb
+
+    wandb.teardown()
+
+
+def _tb_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _train(steps: range) -> None:
+    for s in ot.steps(steps):
+        ot.log({"train/loss": 1.0 / (s + 1), "eval/acc": s / 100, "system/cpu_percent": 50.0 + s})
+
+
+def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    isolated_wandb_env(monkeypatch, tmp_path / "wb")
+    isolated_clearml_env(monkeypatch, tmp_path / "cml")
+    monkeypatch.setenv("OTEL_TRAIN_WANDB_INCLUDE", "train/*")
+    monkeypatch.setenv("OTEL_TRAIN_WANDB_EVERY", "5")
+    monkeypatch.setenv("OTEL_TRAIN_CLEARML_INCLUDE", "system/*")
+    ot.init(exporters=["tensorboard", "wandb", "clearml"], dir=tmp_path / "runs", run_id="route-1")
+    _train(STEPS)
+    ot.shutdown()
+    _wandb_written()
+
+    tb = _tb_scalars(tmp_path / "runs" / "route-1")
+    assert set(tb) == {"train/loss", "eval/acc", "system/cpu_percent", *BUILTINS}  # everything, built-ins in `train/`
+    assert tb["train/loss"] == {s: pytest.approx(1.0 / (s + 1)) for s in STEPS}
+    assert set(tb["train/iterations"]) == set(STEPS)
+
+    [wandb_file] = (tmp_path / "runs" / "route-1" / "wandb").glob("offline-run-*/run-route-1.wandb")
+    history = read_run(wandb_file)["history"]
+    assert sorted(history) == [0, 5, 10]
+    for step, values in history.items():
+        assert set(values) == {"train/loss", *BUILTINS}
+        assert values["train/loss"] == pytest.approx(1.0 / (step + 1))
+
+    scalars: dict[tuple[str, str], dict[int, float]] = {}
+    [folder] = [p for p in (tmp_path / "cml" / "cache" / "offline").glob("offline-*") if p.is_dir()]
+    for ev in events(folder):
+        if ev["type"] == "training_stats_scalar":
+            scalars.setdefault((ev["metric"], ev["variant"]), {})[ev["iter"]] = ev["value"]
+    assert scalars == {("system", "cpu_percent"): {s: 50.0 + s for s in STEPS}}
+
+
+def test_a_misspelt_pattern_is_reported_once_at_shutdown(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_INCLUDE", "trian/*,eval/*")
+    ot.init(exporters=["tensorboard"], dir=run_dir, run_id="typo", routes={"tensorboard": {"exclude": ["debug/*"]}})
+    _train(range(3))
+    with caplog.at_level(logging.WARNING, logger="otel_train.routing"):
+        ot.shutdown()
+        ot.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.name == "otel_train.routing"]
+    assert lines == ["OTEL_TRAIN_TENSORBOARD_INCLUDE: pattern 'trian/*' matched no metric",
+                     "routes['tensorboard'].exclude: pattern 'debug/*' matched no metric"]
+    assert set(_tb_scalars(run_dir / "typo")) == {"eval/acc"}
+
+
+def test_keyword_fields_override_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_WANDB_INCLUDE", "train/*")
+    monkeypatch.setenv("OTEL_TRAIN_WANDB_EVERY", "5")
+    monkeypatch.setenv("OTEL_TRAIN_CHROME_TRACE_RANKS", "all")
+    s = load_settings(routes={"wandb": ot.Route(every=10)})
+    assert s.routes["wandb"].include == ("train/*",) and s.routes["wandb"].every == 10
+    assert s.routes["wandb"].include_setting == "OTEL_TRAIN_WANDB_INCLUDE"
+    assert s.routes["chrome_trace"].ranks == "all"
+    assert load_settings(environ={"OTEL_TRAIN_EXPORT_EVERY": "3"}).routes == {}  # a setting, not a route
+
+
+@pytest.mark.parametrize(("env", "kwargs", "message"), [
+    ({"OTEL_TRAIN_WANDV_INCLUDE": "train/*"}, {},
+     "OTEL_TRAIN_WANDV_INCLUDE: unknown backend 'WANDV' in the variable name; allowed: OTEL_TRAIN_"),
+    ({"OTEL_TRAIN_WANDB_EVERY": "ten"}, {}, "OTEL_TRAIN_WANDB_EVERY: 'ten' is not an integer; expected an integer >= 1"),
+    ({"OTEL_TRAIN_WANDB_EVERY": "0"}, {}, "OTEL_TRAIN_WANDB_EVERY: 0 is too small; expected an integer >= 1"),
+    ({"OTEL_TRAIN_CLEARML_RANKS": "1"}, {}, "OTEL_TRAIN_CLEARML_RANKS: '1' is not allowed; use `0`"),
+    ({"OTEL_TRAIN_WANDB_INCLUDE": " , "}, {}, "OTEL_TRAIN_WANDB_INCLUDE: ' , ' holds no pattern"),
+    ({}, {"routes": {"wanb": {"every": 2}}}, "routes['wanb']: unknown exporter 'wanb'; known: "),
+    ({}, {"routes": {"wandb": {"evry": 2}}}, "routes['wandb']: unknown key 'evry'; allowed: include, exclude, every"),
+    ({}, {"routes": {"wandb": {"every": -1}}}, "every: -1 is too small; expected an integer >= 1"),
+])
+def test_bad_routing_fails_init_with_one_line(env: dict[str, str], kwargs: dict[str, Any], message: str,
+                                              monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError) as err:
+        ot.init(exporters=["console"], dir=run_dir, **kwargs)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_backends_ranks_override_in_process(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 with OTEL_TRAIN_RANKS=0 but OTEL_TRAIN_JSONL_RANKS=all: JSONL gets rank 1, TensorBoard does not."""
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    monkeypatch.setenv("OTEL_TRAIN_JSONL_RANKS", "all")
+    ot.init(exporters=["tensorboard", "jsonl"], dir=run_dir, run_id="r", rank=1, world_size=2)
+    _train(range(2))
+    ot.shutdown()
+    names = {r["name"] for r in read_jsonl(jsonl_path(run_dir, "r", 1)) if r["type"] == "metric"}
+    assert names == {"train/loss", "eval/acc", "system/cpu_percent", "train.step.duration_s", "train.time_total_s",
+                     "train.iterations"}  # JSONL keeps the wire names
+    assert not list(run_dir.glob("**/events.out.tfevents.*"))
+
+
+def test_the_sink_routes_its_backends_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Env routing read by the sink (as `otel-train sink` does): TensorBoard `train/*` every 3rd step, rank 0."""
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_train.config import SinkSettings
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+    from otel_train.records import ExporterOptions
+    from otel_train.sink import Sink, exporter_factory
+
+    monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_INCLUDE", "train/*")
+    monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_EVERY", "3")
+    monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_RANKS", "0")
+    run_settings = load_settings(exporters="tensorboard,jsonl", dir=tmp_path / "runs")
+    options = ExporterOptions(run_settings.dir, run_settings.project, None, "all", True, run_settings.routes)
+    sink = Sink(SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0"),
+                exporter_factory(run_settings.exporters, options)).start()
+    try:
+        sender = OTLPMetricExporter(endpoint=f"http://127.0.0.1:{sink.http_port}/v1/metrics", timeout=5)
+        for rank in (0, 1):
+            reader = InMemoryMetricReader()
+            mp = MeterProvider(metric_readers=[reader], resource=Resource.create(
+                {"train.run.id": "s", "train.rank": rank, "train.world_size": 2}))
+            meter = mp.get_meter("t")
+            gauges = {n: meter.create_gauge(n) for n in ("train/loss", "eval/acc", "train.step.duration_s")}
+            for step in range(10):
+                for gauge in gauges.values():
+                    gauge.set(rank * 100 + step, {"train.step": step})
+            sender.export(reader.get_metrics_data())
+            mp.shutdown()
+        assert sink.flush(10)
+    finally:
+        sink.stop()
+    runs = tmp_path / "runs" / "s"
+    tb = _tb_scalars(runs)  # rank 0 only: no rank<N> subfolders
+    assert tb == {tag: {s: float(s) for s in (0, 3, 6, 9)} for tag in ("train/loss", "train/step_duration_s")}
+    assert len(list(runs.glob("**/events.out.tfevents.*"))) == 1
+    for rank in (0, 1):  # JSONL has no route: every series, every step, wire names
+        rows = [r for r in read_jsonl(jsonl_path(tmp_path / "runs", "s", rank)) if r["type"] == "metric"]
+        assert {r["name"] for r in rows} == {"train/loss", "eval/acc", "train.step.duration_s"}
+        assert len(rows) == 30

@@ -1,0 +1,341 @@
+"""The exporter process: real backends fed from a child, its spool, kills, hand-off, replay.
+
+Training runs in subprocesses (a real `kill -9` / SIGTERM needs its own process); the backends are read
+back with their own readers or the read-back helpers of tests/exporters/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import otel_train as ot
+from otel_train.config import load_settings
+from otel_train.errors import ConfigError
+from otel_train.exporters.chrome_trace import trace_path
+from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+from otel_train.trace_merge import load_trace
+
+HERE = Path(__file__).parent
+
+TRAIN = textwrap.dedent("""
+    import json, sys, time
+    import otel_train as ot
+    cfg = json.loads(sys.argv[1])
+    session = ot.init(exporters=cfg["exporters"], dir=cfg["dir"], run_name=cfg["run"], run_id=cfg["run"],
+                      **cfg.get("kw", {}))
+    print("CHILD", session.export_process.pid, flush=True)
+    for step in range(cfg["steps"]):
+        with ot.step(step):
+            with ot.span("fwd"):
+                ot.log({"train/loss": 1.0 / (step + 1), "train/acc": step / 100})
+        if cfg.get("flush_every") and step % cfg["flush_every"] == 0:
+            ot.flush()
+            print("FLUSHED", step, flush=True)
+        time.sleep(cfg.get("sleep", 0))
+    if cfg.get("wait"):
+        print("READY", flush=True)
+        time.sleep(600)
+    ot.shutdown()
+    if cfg.get("trackio_project"):
+        from trackio.sqlite_storage import SQLiteStorage
+        print("TRACKIO" + json.dumps(SQLiteStorage.get_logs(cfg["trackio_project"], cfg["run"]), default=str))
+""")
+
+# A stand-in `wandb` the exporter process imports from disk: it records every `log` or hangs in it.
+FAKE_WANDB = textwrap.dedent("""
+    import json, os, time, types
+    Settings = dict
+
+    class _Run:
+        starting_step = 0
+        def __init__(self):
+            self.settings = types.SimpleNamespace(wandb_dir=os.environ["FAKE_WANDB_DIR"])
+        def log(self, data, step):
+            if os.environ.get("FAKE_WANDB") == "hang":
+                time.sleep(3600)
+            with open(os.path.join(os.environ["FAKE_WANDB_DIR"], "logged.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **data}) + "\\n")
+        def finish(self):
+            pass
+
+    def init(settings=None, **kwargs):
+        return _Run()
+""")
+
+
+def _helpers(name: str) -> Any:
+    """A read-back helper module of tests/exporters/ (loaded by path: `exporters` is also a package name)."""
+    spec = importlib.util.spec_from_file_location(f"_helpers_{name}", HERE / "exporters" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _env(root: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OTEL_TRAIN_", "WANDB_", "MLFLOW_", "CLEARML_", "TRAINS_", "TRACKIO_", "HF_"))}
+    env.update(HOME=str(root / "home"), WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONFIG_DIR=str(root / "wbc"),
+               WANDB_CACHE_DIR=str(root / "wbcache"), WANDB_DATA_DIR=str(root / "wbdata"),
+               CLEARML_CONFIG_FILE=str(root / "clearml.conf"), CLEARML_CACHE_DIR=str(root / "cache"),
+               TRACKIO_DIR=str(root / "trackio"), HF_HOME=str(root / "hf"), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _fake_wandb_env(root: Path, mode: str) -> dict[str, str]:
+    fakes = root / "fakes"
+    (fakes / "wandb").mkdir(parents=True, exist_ok=True)
+    (fakes / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    (root / "wandb-out").mkdir(exist_ok=True)
+    return {"PYTHONPATH": str(fakes), "FAKE_WANDB": mode, "FAKE_WANDB_DIR": str(root / "wandb-out")}
+
+
+def _start(root: Path, cfg: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
+    script = root / "train.py"
+    script.write_text(TRAIN)
+    return subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_gone(pid: int, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _jsonl_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int]:
+    return sorted(r["step"] for r in read_jsonl(jsonl_path(directory, run, 0)) if r["type"] == "metric" and r["tag"] == tag)
+
+
+def _tb_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(directory / run), size_guidance={"scalars": 0})
+    acc.Reload()
+    return sorted(e.step for e in acc.Scalars(tag))
+
+
+def test_every_backend_through_the_exporter_process(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    steps, run, directory = 40, "all-six", tmp_path / "runs"
+    cfg = {"exporters": ["tensorboard", "chrome_trace", "jsonl", "wandb", "mlflow", "trackio", "clearml"],
+           "dir": str(directory), "run": run, "steps": steps, "trackio_project": "otel-train",
+           "kw": {"shutdown_timeout_s": 120}}  # `shutdown()` returns when every backend has everything
+    proc = _start(tmp_path, cfg, _env(tmp_path))
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "timed out" not in err
+    every = list(range(steps))
+    loss = {s: 1.0 / (s + 1) for s in every}
+
+    assert _tb_steps(directory, run) == every
+    assert _jsonl_steps(directory, run) == every
+    spans = [e for e in load_trace(trace_path(directory, run, 0)) if e.get("ph") == "X" and e["name"] == "fwd"]
+    assert len(spans) == steps
+    wandb_run = _helpers("test_wandb").read_run(_helpers("test_wandb").wandb_files(directory, run, run)[0])
+    assert {s: h["train/loss"] for s, h in wandb_run["history"].items()} == pytest.approx(loss)
+    client = MlflowClient(f"sqlite:///{(directory / 'mlruns' / 'mlflow.db').resolve()}")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("otel-train").experiment_id])
+    history = client.get_metric_history(mlflow_run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == every
+    logs = json.loads(next(x for x in out.splitlines() if x.startswith("TRACKIO"))[len("TRACKIO"):])
+    assert sorted(e["step"] for e in logs if "train/loss" in e) == every
+    (folder,) = (tmp_path / "cache" / "offline").glob("*/metrics.jsonl")
+    events = _helpers("test_clearml").events(folder.parent)
+    clearml_steps = [e["iter"] for e in events if e["type"] == "training_stats_scalar"
+                     and (e["metric"], e["variant"]) == ("train", "loss")]
+    assert sorted(clearml_steps) == every
+    assert not list((directory / run / "spool" / "rank0").glob("*.seg"))  # all acknowledged: segments gone
+
+
+def test_init_errors_are_raised_in_the_training_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_EXPORTERS: unknown exporter 'tensorbord'; known: "):
+        ot.init(exporters=["tensorbord"], dir=tmp_path)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_DIR: cannot write to "):
+        ot.init(exporters=["tensorboard"], dir=blocker / "runs")
+    # A backend that fails to start inside the exporter process: its one-line error, raised here.
+    broken = tmp_path / "fakes" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise RuntimeError('injected: no wandb here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "fakes"))  # the exporter process gets this sys.path
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_EXPORTERS: exporter 'wandb' could not start: "
+                                          r"RuntimeError: injected: no wandb here$"):
+        ot.init(exporters=["jsonl", "wandb"], dir=tmp_path / "runs")
+    assert ot._session is None
+
+
+def test_new_settings_are_validated() -> None:
+    s = load_settings({"OTEL_TRAIN_EXPORT_PROCESS": " OFF ", "OTEL_TRAIN_DRAIN_TIMEOUT_S": "5",
+                       "OTEL_TRAIN_EXPORT_CPUS": "8-9,12", "OTEL_TRAIN_EXPORT_NICE": "10"})
+    assert (s.export_process, s.drain_timeout_s, s.export_cpus, s.export_nice) == ("off", 5.0, (8, 9, 12), 10)
+    assert load_settings({}).export_process == "auto" and load_settings({}).drain_timeout_s == 120.0
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_EXPORT_PROCESS: 'maybe' is not allowed; use one of auto, on, off$"):
+        load_settings({"OTEL_TRAIN_EXPORT_PROCESS": "maybe"})
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_EXPORT_CPUS: '3-1' is not a CPU list"):
+        load_settings({"OTEL_TRAIN_EXPORT_CPUS": "3-1"})
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_EXPORT_NICE: 20 is too large"):
+        load_settings({"OTEL_TRAIN_EXPORT_NICE": "20"})
+
+
+def test_progress_pinning_and_forked_workers(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = sorted(os.sched_getaffinity(0))[-1:]
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_CPUS", str(cpus[0]))
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_NICE", "3")
+    session = ot.init(exporters=["jsonl"], dir=run_dir, run_name="prog")
+    child = session.export_process.pid
+    assert os.sched_getaffinity(child) == set(cpus)
+    assert os.getpriority(os.PRIO_PROCESS, child) == os.getpriority(os.PRIO_PROCESS, 0) + 3
+    for step in range(5):
+        with ot.step(step):
+            ot.log({"train/loss": float(step)})
+    pid = os.fork()  # a DataLoader-style worker: whatever it logs must not reach the exporter process
+    if pid == 0:
+        with ot.step(1000):
+            ot.log({"train/loss": -1.0})
+        ot.flush()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert ot.flush(timeout_s=30)
+    progress = session.export_progress()
+    assert progress.delivered == {"jsonl": progress.spooled} and progress.behind() == {}
+    assert progress.delivered_step["jsonl"] == 4
+    ot.shutdown()
+    assert _jsonl_steps(run_dir, "prog") == [0, 1, 2, 3, 4]
+
+
+def test_child_killed_is_restarted_once_then_in_process(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # TensorBoard: its records carry a CRC, so one torn by the kill is skipped by its reader.
+    session = ot.init(exporters=["tensorboard"], dir=run_dir, run_name="kill-child")
+    proc = session.export_process
+    for round_ in range(3):
+        for step in range(round_ * 10, round_ * 10 + 10):
+            with ot.step(step):
+                ot.log({"train/loss": float(step)})
+        if round_ < 2:
+            old = proc.pid
+            os.kill(old, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while (proc.pid == old and proc.fallback is None) and time.monotonic() < deadline:
+                time.sleep(0.02)
+    assert ot.flush(timeout_s=30)
+    ot.shutdown()
+    assert proc.restarts == 1 and proc.fallback is not None
+    warnings = [r.getMessage() for r in caplog.records if "exporter process exited" in r.getMessage()]
+    assert len(warnings) == 2 and "restarting it once" in warnings[0] and "training process" in warnings[1]
+    # Nothing spooled is lost; a window re-fed after a kill may repeat in a backend without a resume gate.
+    assert set(_tb_steps(run_dir, "kill-child")) == set(range(30))
+
+
+def test_sigterm_hands_off_within_the_timeout_with_a_hanging_backend(tmp_path: Path) -> None:
+    directory, run = tmp_path / "runs", "hang"
+    env = _env(tmp_path, **_fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="3")
+    cfg = {"exporters": ["wandb", "jsonl"], "dir": str(directory), "run": run, "steps": 20, "wait": True,
+           "kw": {"shutdown_timeout_s": 2}}
+    proc = _start(tmp_path, cfg, env)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline().split()[1])
+    assert proc.stdout.readline().strip() == "READY"
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    handed_off_s = time.monotonic() - sent
+    assert proc.returncode == -signal.SIGTERM
+    assert "shutdown timed out; data is durable in the spool; `wandb` behind by" in err
+    assert handed_off_s < 2 + 3  # the shutdown timeout, plus the interpreter's own exit
+    assert _wait_gone(child, 3 + 10)  # the child never outlives its drain deadline
+    assert _jsonl_steps(directory, run) == list(range(20))
+    # What W&B never got waits in the spool; `otel-train replay` delivers it once, a second replay nothing.
+    replay_env = _env(tmp_path, **_fake_wandb_env(tmp_path, "record"))
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / run)],
+                              env=replay_env, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "every backend up to date" in done.stdout
+    logged = [json.loads(x) for x in (tmp_path / "wandb-out" / "logged.jsonl").read_text().splitlines()]
+    assert sorted(e["step"] for e in logged if "train/loss" in e) == list(range(20))
+    assert _jsonl_steps(directory, run) == list(range(20))  # jsonl had everything: replay added nothing
+
+
+def test_kill_9_of_the_training_process_loses_nothing_the_child_received(tmp_path: Path) -> None:
+    reps, rng = 10, random.Random(9)
+    runs = []
+    for rep in range(reps):  # all at once: each waits for its own random step
+        root = tmp_path / f"rep{rep}"
+        root.mkdir()
+        cfg = {"exporters": ["jsonl", "tensorboard"], "dir": str(root / "runs"), "run": f"k{rep}", "steps": 10_000,
+               "flush_every": 1, "sleep": 0.002}
+        runs.append((root, cfg, rng.randrange(3, 60), _start(root, cfg, _env(root))))
+    for root, cfg, kill_at, proc in runs:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline().split()[1])
+        flushed = -1
+        while flushed < kill_at:
+            flushed = int(proc.stdout.readline().split()[1])
+        proc.kill()
+        proc.wait(timeout=30)
+        assert _wait_gone(child, 60)  # the child drained what it had and exited on its own
+        got = _jsonl_steps(Path(cfg["dir"]), cfg["run"])
+        # Every flushed step (and whatever else reached the child), in order, each exactly once.
+        assert got == list(range(len(got))) and len(got) > flushed
+        assert _tb_steps(Path(cfg["dir"]), cfg["run"]) == got
+
+
+def test_ctrl_c_to_the_job_does_not_reach_the_exporter_process(tmp_path: Path) -> None:
+    directory, run = tmp_path / "runs", "ctrl-c"
+    cfg = {"exporters": ["jsonl"], "dir": str(directory), "run": run, "steps": 15, "wait": True}
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=_env(tmp_path), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline().split()[1])
+    assert proc.stdout.readline().strip() == "READY"
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err  # the training process got it; the exporter process did not die of it
+    assert _wait_gone(child, 30)
+    assert _jsonl_steps(directory, run) == list(range(15))
+
+
+def test_replay_of_a_folder_without_a_spool_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from otel_train.cli import main
+
+    assert main(["replay", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"nothing to replay: no spool under {tmp_path}\n"
+
+
+def test_config_reported_after_init_reaches_a_backend_in_the_exporter_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wandb_helpers = _helpers("test_wandb")
+    wandb_helpers.isolated_wandb_env(monkeypatch, tmp_path)  # the exporter process inherits this environment
+    directory = tmp_path / "runs"
+    session = ot.init(exporters=["wandb"], dir=directory, run_id="cfg", run_name="cfg", config={"lr": 0.1})
+    session.add_config({"batch_size": 32})  # as a framework integration does before training starts
+    for step in range(3):
+        with ot.step(step):
+            ot.log({"train/loss": float(step)})
+    ot.shutdown()
+    run = wandb_helpers.read_run(wandb_helpers.wandb_files(directory, "cfg", "cfg")[0])
+    assert run["config"]["lr"] == 0.1 and run["config"]["batch_size"] == 32
+    assert sorted(run["history"]) == [0, 1, 2]

@@ -1,0 +1,119 @@
+"""The spool (torn tails, cursors, segment removal) and delivery (per-backend cursors, stalls, failures)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from otel_train import spool as spool_mod
+from otel_train.delivery import Delivery
+from otel_train.framing import decode_window, encode_window
+from otel_train.records import ExporterOptions, RunInfo
+from otel_train.spool import Spool
+from otel_train.testing import InMemoryRowExporter
+
+RUN = RunInfo("run", "run")
+
+
+def window(step: int) -> bytes:
+    return encode_window(RUN, [("train/loss", step, float(step), 1_000 + step)])[0]
+
+
+def test_encoded_window_round_trip() -> None:
+    payload, max_step = encode_window(RUN, [("a", 3, 0.5, 7), ("b", 4, 1.5, 8)])
+    w = decode_window(payload)
+    assert max_step == 4
+    assert [(r.run, r.tag, r.step, r.value, r.kind, r.time_unix_nano) for r in w.metrics] == [
+        (RUN, "a", 3, 0.5, "gauge", 7), (RUN, "b", 4, 1.5, "gauge", 8)]
+
+
+def test_torn_tail_resends_and_cursors_survive(tmp_path: Path) -> None:
+    sp = Spool(tmp_path)
+    for seq in range(1, 4):
+        assert sp.append(seq, seq, window(seq))
+    assert not sp.append(2, 2, window(2))  # a resend after a restart is skipped
+    sp.acknowledge("tb", 2)
+    sp.close()
+    (seg,) = sp.segments()
+    seg.write_bytes(seg.read_bytes()[:-5])  # the writer was killed mid-record
+    again = Spool(tmp_path)
+    assert [seq for seq, _, _ in again.read(0)] == [1, 2]
+    assert again.last_seq == 2 and again.cursor("tb") == 2
+    assert [decode_window(p).metrics[0].step for _, _, p in again.read(1)] == [2]
+
+
+def test_segments_roll_and_go_once_every_backend_acknowledged(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spool_mod, "_SEGMENT_BYTES", 1)  # one record per segment
+    sp = Spool(tmp_path)
+    for seq in range(1, 6):
+        sp.append(seq, seq, window(seq))
+    assert len(sp.segments()) == 5
+    sp.acknowledge("a", 5)
+    sp.acknowledge("b", 3)
+    sp.remove_acknowledged(["a", "b"])
+    assert [int(s.stem) for s in sp.segments()] == [4, 5]
+    sp.acknowledge("b", 5)
+    sp.close()
+    sp.remove_acknowledged(["a", "b"])
+    assert sp.segments() == []
+    assert Spool(tmp_path).last_seq == 5  # seqs continue after what was acknowledged, not from 1
+
+
+def _steps(exporter: InMemoryRowExporter) -> list[int]:
+    return [r.step for r in exporter.metrics]
+
+
+def test_a_stalled_backend_reads_back_from_the_spool_and_a_failing_one_retries(tmp_path: Path) -> None:
+    gate = threading.Event()
+
+    class Stalled(InMemoryRowExporter):
+        def write_metrics(self, rows, histograms):  # type: ignore[no-untyped-def]
+            gate.wait(30)
+            super().write_metrics(rows, histograms)
+
+    options = ExporterOptions(tmp_path)
+    fast, stalled, flaky = InMemoryRowExporter(options), Stalled(options), InMemoryRowExporter(options, fail_times=1)
+    delivery = Delivery({"fast": fast, "stalled": stalled, "flaky": flaky}, Spool(tmp_path / "spool"),
+                        queue_windows=2)
+    for step in range(40):
+        delivery.submit(step + 1, step, window(step))
+    deadline = time.monotonic() + 30
+    assert not delivery.flush(time.monotonic() + 0.5)  # `stalled` holds it up; the others are done
+    assert _steps(fast) == list(range(40))
+    progress = delivery.progress()
+    assert progress.delivered["fast"] == 40 and progress.behind()["stalled"] > 0
+    gate.set()
+    assert delivery.close(deadline)
+    assert _steps(stalled) == list(range(40))  # every window once, in order, though most came from disk
+    assert _steps(flaky) == list(range(40)) and flaky.failures >= 1
+    assert Spool(tmp_path / "spool").cursors == {"fast": 40, "stalled": 40, "flaky": 40}
+
+
+def test_a_new_delivery_resumes_each_backend_after_its_cursor(tmp_path: Path) -> None:
+    sp = Spool(tmp_path)
+    for step in range(10):
+        sp.append(step + 1, step, window(step))
+    sp.acknowledge("tb", 10)
+    sp.acknowledge("wandb", 4)
+    sp.close()
+    tb, wandb = InMemoryRowExporter(), InMemoryRowExporter()
+    assert Delivery({"tb": tb, "wandb": wandb}, Spool(tmp_path)).close(time.monotonic() + 30)
+    assert _steps(tb) == [] and _steps(wandb) == list(range(4, 10))
+    again = InMemoryRowExporter()
+    assert Delivery({"wandb": again}, Spool(tmp_path)).close(time.monotonic() + 30)
+    assert _steps(again) == []  # replay is idempotent
+
+
+def test_segments_go_while_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spool_mod, "_SEGMENT_BYTES", 1)
+    exporter = InMemoryRowExporter()
+    delivery = Delivery({"mem": exporter}, Spool(tmp_path))
+    for step in range(20):
+        delivery.submit(step + 1, step, window(step))
+    assert delivery.flush(time.monotonic() + 30)
+    assert [int(s.stem) for s in Spool(tmp_path).segments()] == [20]  # only the open segment is left
+    delivery.close(time.monotonic() + 30)

@@ -1,0 +1,91 @@
+"""Step-bucketed system metrics: bucketing (fake clock of steps) and a real sampler into TensorBoard."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import otel_train as ot
+from otel_train.system_metrics import SystemSampler
+
+
+def _gpus_visible() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+
+
+def test_samples_are_bucketed_per_step_as_mean_and_max() -> None:
+    got: list[tuple[int, dict[str, float], int]] = []
+    step = [0]
+    sampler = SystemSampler(lambda s, values, t: got.append((s, dict(values), t)), 1.0, lambda: step[0])
+    readings = iter([10.0, 30.0, 50.0])
+    sampler.read = lambda: {"system/cpu_percent": next(readings)}  # type: ignore[method-assign]
+    sampler.sample_now()
+    sampler.sample_now()
+    assert got == []  # step 0 is still running
+    step[0] = 1
+    sampler.sample_now()  # the first sample of step 1 closes step 0
+    assert [(s, v) for s, v, _ in got] == [(0, {"system/cpu_percent/mean": 20.0, "system/cpu_percent/max": 30.0})]
+    sampler.stop()
+    assert [(s, v) for s, v, _ in got][1] == (1, {"system/cpu_percent/mean": 50.0, "system/cpu_percent/max": 50.0})
+
+
+def test_no_sample_before_the_first_step() -> None:
+    got: list[object] = []
+    sampler = SystemSampler(lambda s, v, t: got.append(s), 1.0, lambda: None)
+    sampler.sample_now()
+    sampler.stop()
+    assert got == []
+
+
+def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def test_cpu_and_rss_for_every_step_and_no_gpu_series_without_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_SYSTEM_METRICS", "1")
+    monkeypatch.setenv("OTEL_TRAIN_SYSTEM_INTERVAL_S", "0.002")
+    caplog.set_level(logging.WARNING)
+    session = ot.init(exporters=["tensorboard"], dir=tmp_path, run_name="sys")
+    sampler = session.sampler
+    assert sampler is not None
+    steps = 8
+    for _ in ot.steps(range(steps)):
+        before = sampler.samples
+        deadline = time.monotonic() + 10
+        while sampler.samples <= before and time.monotonic() < deadline:  # each step holds >= 1 sample
+            sum(range(20_000))
+            time.sleep(0.001)
+        ot.log({"train/loss": 0.5})
+    ot.shutdown()
+    series = _scalars(tmp_path / "sys")
+    for tag in ("system/cpu_percent/mean", "system/cpu_percent/max", "system/rss_mb/mean", "system/rss_mb/max",
+                "system/host_memory_percent/mean"):
+        assert sorted(series[tag]) == list(range(steps)), tag
+    assert all(v > 1 for v in series["system/rss_mb/mean"].values())  # a Python process holds > 1 MB
+    for s in range(steps):
+        assert series["system/rss_mb/max"][s] >= series["system/rss_mb/mean"][s]
+    gpu_tags = [t for t in series if t.startswith(("gpu", "cuda"))]
+    if _gpus_visible():  # a GPU host (with nvidia-ml-py): per-GPU series for every step instead
+        assert sorted(series["gpu0/memory_used_mb/mean"]) == list(range(steps))
+    else:
+        assert gpu_tags == []
+    # No error at all; on a host without NVIDIA devices not even the "install nvidia-ml-py" hint.
+    ours = [r for r in caplog.records if r.name.startswith("otel_train")]
+    limit = logging.WARNING if os.path.exists("/dev/nvidiactl") else 0
+    assert [r.getMessage() for r in ours if r.levelno > limit] == []
