@@ -8,25 +8,15 @@ an offline W&B run (steps the run already holds keep their values: these stores 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from typing import Any
 
 import pytest
+from backendkit import isolated_wandb_env, read_run, wandb_files
 from faultkit import SERIES, expected, f32, jsonl_points, tb_points, value
 
 import otel_train as ot
 
 RUN = "job-resume"
-_WB = Path(__file__).parents[1] / "exporters" / "test_wandb.py"
-
-
-def _wandb_helpers() -> Any:
-    spec = importlib.util.spec_from_file_location("_wandb_readers", _WB)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def attempt(directory: Path, steps: range, offset: float, resume_step: int | None) -> None:
@@ -38,8 +28,7 @@ def attempt(directory: Path, steps: range, offset: float, resume_step: int | Non
 
 
 def test_resume_at_n_never_shows_two_values_for_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    wb = _wandb_helpers()
-    wb.isolated_wandb_env(monkeypatch, tmp_path / "wandb")
+    isolated_wandb_env(monkeypatch, tmp_path / "wandb")
     directory = tmp_path / "runs"
     attempt(directory, range(10), 0.0, None)
     attempt(directory, range(5, 8), 100.0, resume_step=5)
@@ -64,9 +53,9 @@ def test_resume_at_n_never_shows_two_values_for_one_step(tmp_path: Path, monkeyp
     assert run.data.tags["otel_train.resume_step"] == "5"
 
     # W&B offline: one file per process; together one value per step (the held steps were dropped).
-    files = wb.wandb_files(directory, RUN, RUN)
+    files = wandb_files(directory, RUN, RUN)
     assert len(files) == 2
-    first, second = (wb.read_run(f) for f in files)
+    first, second = (read_run(f) for f in files)
     assert sorted(first["history"]) == list(range(10))
     assert not set(first["history"]) & set(second["history"])
 
