@@ -39,7 +39,7 @@ from otel_train.step import (
 __all__ = ["TRUNCATED_ATTRIBUTE", "Session", "resolve_run_id", "start"]
 
 #: Span attribute set on spans that were still open when a signal ended the process.
-TRUNCATED_ATTRIBUTE = "otel_train.truncated"
+TRUNCATED_ATTRIBUTE = semconv.SPAN_TRUNCATED
 
 _logger = logging.getLogger("otel_train")
 
