@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from otel_train.config import Route
-from otel_train.errors import ConfigError, OtelTrainError
+from otel_train.errors import ConfigError, OtelTrainError, StepOrderError
 from otel_train.instrument import NO_SPAN
 from otel_train.step import STEP_ATTRIBUTE, current_step, step, steps
 
@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "OtelTrainError",
     "Route",
+    "StepOrderError",
     "current_step",
     "flush",
     "get_meter",
@@ -76,6 +77,8 @@ def init(
     local_rank: int | None = None,
     world_size: int | None = None,
     routes: Mapping[str, Route | Mapping[str, Any]] | None = None,
+    step_order: str | None = None,
+    resume_step: int | None = None,
 ) -> Any:
     """Start otel-train for this process. Settings come from `OTEL_TRAIN_*` variables; keywords override.
 
@@ -90,6 +93,9 @@ def init(
         routes: Per-backend routing, exporter name -> `Route` (or a dict with the same keys), e.g.
             ``{"wandb": Route(include=["train/*"], every=10)}``; each given field overrides its
             `OTEL_TRAIN_<BACKEND>_*` variable.
+        step_order: What a step going backwards does: ``warn``, ``drop`` or ``raise`` (`OTEL_TRAIN_STEP_ORDER`).
+        resume_step: The run restarts at this step, from a checkpoint (`OTEL_TRAIN_RESUME_STEP`): every
+            backend is told, so no series shows two values for one step.
 
     Raises:
         ConfigError: a setting is invalid (one line: the setting, the value, what is allowed), an
@@ -113,7 +119,7 @@ def init(
             export_every=export_every, export_interval_s=export_interval_s, ranks=ranks, disabled=disabled,
             shutdown_timeout_s=shutdown_timeout_s, queue_size=queue_size, buffer_size=buffer_size,
             strict_sync=strict_sync, config=config, trace_counters=trace_counters, service_name=service_name,
-            routes=routes,
+            routes=routes, step_order=step_order, resume_step=resume_step,
         )
         env = None
         placement = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size}
@@ -131,6 +137,10 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
 
     Outside any step the latest step entered is used (0 before the first). Numbers, NumPy
     scalars/0-d arrays and tensors are accepted; tensors are converted on the export thread.
+
+    Raises:
+        StepOrderError: only under ``OTEL_TRAIN_STEP_ORDER=raise``, for an explicit `step` below the
+            latest step (API misuse; nothing else raises here after `init`).
     """
     s = _session
     if s is None:

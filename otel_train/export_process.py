@@ -129,6 +129,10 @@ class ExportProcess:
         started = time.monotonic()
         self._conn, self._proc, self._seq = self._start()
         self.start_s = time.monotonic() - started
+        # The first child told each backend about a resume; a restarted child or the fallback must not
+        # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
+        self._options = dataclasses.replace(options, resume_step=None)
+        self._config["options"] = self._options
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
 
@@ -496,7 +500,8 @@ def _write_meta(path: Path, config: dict[str, Any]) -> None:
     """What `otel-train replay` needs to rebuild the backends of this spool (pickled: options hold paths,
     routes and step selections; read only by the same otel-train)."""
     tmp = path / (_META + ".tmp")
-    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": config["options"]}))
+    options = dataclasses.replace(config["options"], resume_step=None)  # a replay never resumes the run again
+    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": options}))
     os.replace(tmp, path / _META)
 
 

@@ -32,6 +32,8 @@ HOST_NAME = "host.name"
 PROCESS_PID = "process.pid"
 THREAD_ID = "thread.id"
 THREAD_NAME = "thread.name"
+SPAN_TRUNCATED = "otel_train.truncated"
+"""Span attribute: the span was still open when a signal ended the process (closed at the hand-off)."""
 
 # -- metrics recorded at every step end ------------------------------------------------------------
 TRAIN_STEP_DURATION = "train.step.duration_s"
@@ -90,6 +92,7 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention(PROCESS_PID, "resource", "int", "", "runtime", "process.pid"),
     Convention(THREAD_ID, "span", "int", "", "the thread that started the span", "thread.id"),
     Convention(THREAD_NAME, "span", "str", "", "the thread that started the span", "thread.name"),
+    Convention(SPAN_TRUNCATED, "span", "bool", "", "a signal ended the process while the span was open"),
     Convention(TRAIN_STEP_DURATION, "metric", "float", "s", "every step end", display="train/step_duration_s"),
     Convention(TRAIN_TIME_TOTAL, "metric", "float", "s", "every step end", display="train/time_total_s"),
     Convention(TRAIN_ITERATIONS, "metric", "int", "1", "every step end", display="train/iterations"),
