@@ -35,7 +35,11 @@ def _placement() -> dict[str, Any]:
     """MMEngine's own rank (its `init_dist` may differ from the launcher's variables)."""
     from mmengine.dist import get_local_rank, get_rank, get_world_size
 
-    return {"rank": get_rank(), "local_rank": get_local_rank(), "world_size": get_world_size()}
+    try:
+        local_rank: int | None = get_local_rank()
+    except RuntimeError:  # torch.distributed started without MMEngine's local group: the launcher's env
+        local_rank = None
+    return {"rank": get_rank(), "local_rank": local_rank, "world_size": get_world_size()}
 
 
 def _plain_config(cfg: Any) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import socket
 import sys
 from collections.abc import Iterator
@@ -92,6 +93,9 @@ def test_real_deepspeed_engine_on_cpu(single_process_group: None, run_dir: Path,
     config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
               "wall_clock_breakdown": True, "csv_monitor": {"enabled": True, "output_path": str(run_dir / "csv"),
                                                             "job_name": "theirs"}}
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce kernel (a minute of C++ on a fresh
+    # machine) that a 1-process job never calls; the monitor path under test does not touch it.
+    monkeypatch.setattr(importlib.import_module("deepspeed.comm.torch"), "build_shm_op", lambda: None)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     monitor = OtelTrainMonitor.attach(engine)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
