@@ -35,6 +35,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from otel_train import routing
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, MetricsConverter, SpanRow, span_rows
+from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -118,6 +119,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self._log = LogOnce(_logger, interval_s=60.0)
         self.failures = 0
         self.dropped_windows = 0
+        #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters, applied in `export_window`.
+        self.step_order = StepOrder(getattr(self.options, "step_order", "warn"), self.name)
 
     # -- hooks -------------------------------------------------------------------------------
     @classmethod
@@ -159,11 +162,20 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             if window and self._route is not None:
                 window = Window(*self._route.apply(window.metrics, window.histograms, window.spans))
             if window:
+                if self.handles_metrics and (window.metrics or window.histograms):
+                    window = self._in_step_order(window)
                 self._pending.append(window)
                 while len(self._pending) > _MAX_PENDING:
                     self._pending.popleft()
                     self.dropped_windows += 1
             return self._drain(force=False)
+
+    def _in_step_order(self, window: Window) -> Window:
+        metrics = self.step_order.filter(window.metrics)
+        histograms = self.step_order.filter(window.histograms)
+        if metrics is window.metrics and histograms is window.histograms:
+            return window
+        return Window(metrics, histograms, window.spans)
 
     def _drain(self, force: bool) -> bool:
         if not self._pending:

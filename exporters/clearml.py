@@ -16,6 +16,8 @@
   sees every rank in one instance, so one Task holds them all). In-process, each rank's process opens
   its own Task of the same name (offline sessions cannot be shared), its series still suffixed.
 - Hyperparameters: `Task.connect` in section ``General`` (with `train.config.hash`).
+- Resume (`OTEL_TRAIN_RESUME_STEP` = N): the Task is tagged ``otel_train.resume_step:N``; a continued
+  Task's initial-iteration offset is reset to 0, since `train.step` is already absolute.
 - One Task per process: rows of a second run id in the same exporter are dropped with a warning.
 """
 
@@ -169,6 +171,11 @@ class ClearMLExporter(RowExporter):
         tags = [f"train.run.id:{info.run_id}"]
         if params.get(CONFIG_HASH):
             tags.append(f"{CONFIG_HASH}:{params[CONFIG_HASH]}")
+        if self.options.resume_step is not None:
+            tags.append(f"otel_train.resume_step:{self.options.resume_step}")
+            # A continued Task offsets reported iterations by its last one; our steps are absolute.
+            if task.get_initial_iteration():
+                task.set_initial_iteration(0)
         task.add_tags(tags)
         task.connect(params)
         return task

@@ -4,6 +4,9 @@ Rows of rank N are appended to ``<dir>/<run_name>/rank<N>.jsonl``; each line has
 (``metric``, ``histogram`` or ``span``), the run identity (``run_id``, ``run_name``, ``rank``) and
 the row's fields. Lines are handed to the OS after every window and fsynced on flush.
 
+A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
+rows after it supersede the earlier attempt's rows at steps >= N (`resolve_resumes` applies that).
+
 Non-finite floats are written as Python's ``json`` writes them, the literals ``NaN``,
 ``Infinity`` and ``-Infinity`` (not strict JSON, but `json.loads` and `read_jsonl` read them back
 to the same floats). Trace and span ids are lower-case hex, as in OTLP/JSON.
@@ -24,14 +27,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from otel_train.exporters.base import RowExporter
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow, run_folder
 
-__all__ = ["JsonlExporter", "jsonl_path", "read_jsonl"]
+__all__ = ["JsonlExporter", "jsonl_path", "read_jsonl", "resolve_resumes"]
 
 
 
@@ -48,6 +51,26 @@ def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 return  # written when the process died
             if line.strip():
                 yield json.loads(line)
+
+
+def resolve_resumes(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`records` as the run stands: a ``resume`` record at step N drops the metric and histogram
+    records at steps >= N written before it (by an earlier attempt of the same rank).
+
+    Example:
+        >>> recs = [{"type": "metric", "rank": 0, "step": s, "value": s} for s in (0, 1, 2)]
+        >>> recs += [{"type": "resume", "rank": 0, "step": 1}, {"type": "metric", "rank": 0, "step": 1, "value": 9}]
+        >>> [(r["step"], r["value"]) for r in resolve_resumes(recs) if r["type"] == "metric"]
+        [(0, 0), (1, 9)]
+    """
+    out: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("type") == "resume":
+            rank, step = record.get("rank"), record["step"]
+            out = [r for r in out if not (r.get("type") in ("metric", "histogram") and r.get("rank") == rank
+                                          and r.get("step", -1) >= step)]
+        out.append(record)
+    return out
 
 
 def _run_fields(run: RunInfo) -> dict[str, Any]:
@@ -88,6 +111,9 @@ class JsonlExporter(RowExporter):
             path.parent.mkdir(parents=True, exist_ok=True)
             entry = self._files[key] = (path, open(path, "a", encoding="utf-8"))  # noqa: SIM115
             self._paths.append(path)
+            if self.options.resume_step is not None:
+                record = {"type": "resume", **_run_fields(run), "step": self.options.resume_step}
+                entry[1].write(json.dumps(record, separators=(",", ":")) + "\n")
         return entry[1]
 
     def _write(self, records: list[tuple[RunInfo, dict[str, Any]]]) -> None:

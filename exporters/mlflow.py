@@ -12,6 +12,8 @@
   any other character -> ``_`` (``eval/acc{split=val}`` -> ``eval/acc__split-val``).
 - Steps: ``step`` is `train.step`. A resumed run records the last step of each rank in the tag
   ``otel_train.last_step[.rankN]``; rows at or below it are dropped and counted, so no step is written twice.
+  MLflow cannot delete points, so a resume (`OTEL_TRAIN_RESUME_STEP` = N) is recorded in the tag
+  ``otel_train.resume_step[.rankN]``; steps the run already holds keep the earlier attempt's values.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes into the same run with ``{rank=N}`` in its keys
   (``train/loss__rank-1``); MLflow runs can be shared by processes.
 - Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.
@@ -43,11 +45,12 @@ from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, HistogramRo
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-__all__ = ["LAST_STEP_TAG", "MLflowExporter", "mlflow_key"]
+__all__ = ["LAST_STEP_TAG", "RESUME_STEP_TAG", "MLflowExporter", "mlflow_key"]
 
 _logger = logging.getLogger(__name__)
 
 LAST_STEP_TAG = "otel_train.last_step"
+RESUME_STEP_TAG = "otel_train.resume_step"
 _MAX_KEY = 250
 _MAX_PARAM_VALUE = 6000
 _METRICS_PER_BATCH = 1000
@@ -77,6 +80,10 @@ def mlflow_key(tag: str) -> str:
 
 def _last_step_tag(rank: int) -> str:
     return LAST_STEP_TAG if rank == 0 else f"{LAST_STEP_TAG}.rank{rank}"
+
+
+def _resume_tag(rank: int) -> str:
+    return RESUME_STEP_TAG if rank == 0 else f"{RESUME_STEP_TAG}.rank{rank}"
 
 
 class MLflowExporter(RowExporter):
@@ -225,6 +232,10 @@ class MLflowExporter(RowExporter):
         mlflow_id = str(run.info.run_id)
         self._runs[info.run_id] = mlflow_id
         self._tags[mlflow_id] = dict(run.data.tags)
+        if self.options.resume_step is not None:
+            # MLflow cannot delete points: record where the run restarted (its steps >= N before this
+            # are the earlier attempt's; the ones it already holds are not written again).
+            client.set_tag(mlflow_id, _resume_tag(info.rank), str(self.options.resume_step))
         self._log_params(client, mlflow_id, params, dict(run.data.params))
         return mlflow_id
 

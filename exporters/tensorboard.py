@@ -3,7 +3,9 @@
 No TensorFlow or torch needed. Layout: ``<dir>/<run name>/`` (so ``tensorboard --logdir <dir>``
 lists runs by name); with ``OTEL_TRAIN_RANKS=all`` and several ranks, ``<dir>/<run name>/rank<N>/``.
 Scalars are `simple_value` summaries tagged with the series tag (``train/loss``); histograms are
-TensorBoard histograms; hyperparameters go to the HParams plugin.
+TensorBoard histograms; hyperparameters go to the HParams plugin. A resumed run
+(`OTEL_TRAIN_RESUME_STEP` = N) starts each event file with a ``SessionLog.START`` event at step N, so
+TensorBoard's readers purge the steps >= N the earlier attempt wrote.
 
 Records are framed by TensorBoard's `RecordWriter` and protos come from `tensorboard.compat.proto`.
 We do not use its `EventFileWriter`: without TensorFlow it opens and closes the file for every
@@ -177,6 +179,12 @@ class TensorBoardExporter(RowExporter):
             writer = self._writers[key] = _EventFile(path, first.SerializeToString())
             if self.options.hparams:
                 self._write_hparams(writer, self.options.hparams, run)
+            if self.options.resume_step is not None:
+                # TensorBoard's readers drop every step >= N read before this event (from the earlier
+                # attempt's files), so a resumed run shows one value per step, not a zig-zag.
+                start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
+                writer.add(self._event_pb2.Event(wall_time=time.time(), step=self.options.resume_step,
+                                                 session_log=start).SerializeToString())
         return writer
 
     def _value(self, tag: str) -> bytes:

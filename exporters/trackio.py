@@ -8,7 +8,8 @@
   name, so when the local store already has a run of that name from another `train.run.id`, the run
   is named ``<run name>-<run id>`` instead of merging two training runs.
 - Steps: ``step=`` is `train.step`; a resumed run drops (and counts) rows at or below the last step it
-  already holds.
+  already holds, so steps it holds keep the earlier attempt's values; with `OTEL_TRAIN_RESUME_STEP`
+  the restart step is in the run config as ``otel_train.resume_step``.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the same run, and the run's
   group is `train.run.id`.
 - Hyperparameters: the run config (with `train.config.hash`). Histograms: `trackio.Histogram`.
@@ -122,6 +123,8 @@ class TrackioExporter(RowExporter):
         }
         if self.options.ranks == "all":
             kwargs["group"] = info.run_id
+        if self.options.resume_step is not None:  # Trackio cannot delete points: record the restart
+            kwargs["config"]["otel_train.resume_step"] = self.options.resume_step
         # A fresh context: trackio.init would finish whatever run is current in the caller's context.
         run = contextvars.Context().run(trackio.init, **kwargs)
         self._runs[info.run_id] = run

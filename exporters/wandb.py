@@ -2,10 +2,17 @@
 
 - Run identity: the W&B run id is `train.run.id` (characters W&B reserves become `-`), opened with
   ``resume="allow"``, so a restarted job continues the same run. The name is `train.run.name`.
-- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call. W&B needs increasing
-  steps, so a step older than the last one written, or one a resumed run already holds, is dropped
-  and counted (`steps_dropped`, one warning) instead of W&B's warning per call. A row for the step
-  written last is merged into it (W&B commits a step when a later one arrives, or at `finish`).
+- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call. Steps going backwards
+  follow `OTEL_TRAIN_STEP_ORDER` first (``drop``/``raise``: they never get here). Under ``warn`` the other
+  backends write them, but W&B cannot store a step older than its last: it is dropped here and counted
+  (`steps_dropped`, one warning that names the cure) instead of W&B's silent drop with a warning per
+  call. A row for the step written last is merged into it (W&B commits a step when a later one
+  arrives, or at `finish`).
+- Resume (`OTEL_TRAIN_RESUME_STEP` = N): online, the run is rewound with W&B's ``resume_from``
+  (``<id>?_step=N``), so the new values replace steps >= N; when W&B refuses (offline, or rewind not
+  enabled for the account) the run is resumed with ``resume="allow"`` and steps it already holds
+  keep the earlier attempt's values (the new rows for them are dropped and counted): never two values
+  for one step.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes its own run ``<run id>-rank<N>`` named
   ``<run name>-rank<N>``; every rank's run is in the group `train.run.id`. W&B runs cannot be shared
   by processes, and the sink does the same, so a run looks alike on both paths.
@@ -153,12 +160,30 @@ class WandbExporter(RowExporter):
         settings: dict[str, Any] = {}
         if not env.get("WANDB_CONSOLE"):
             settings["console"] = "off"
-        run = wandb.init(settings=wandb.Settings(**settings), **kwargs)
+        resume_step = self.options.resume_step
+        rewind = resume_step is not None and _can_rewind(env)
+        if rewind:
+            del kwargs["resume"]  # W&B allows one of resume / resume_from
+            kwargs["resume_from"] = f"{wandb_id}?_step={resume_step}"
+        try:
+            run = wandb.init(settings=wandb.Settings(**settings), **kwargs)
+        except Exception as err:
+            if not rewind:
+                raise
+            self._log.warning("rewind", "wandb: cannot rewind run %s to step %s (%s); resuming it instead: steps "
+                              "it already holds keep their earlier values", wandb_id, resume_step, err)
+            rewind = False
+            kwargs.pop("resume_from")
+            kwargs["resume"] = "allow"
+            run = wandb.init(settings=wandb.Settings(**settings), **kwargs)
         self._runs[key] = run
         # Steps a resumed run already holds: W&B's own count online, our marker offline.
         marker = Path(run.settings.wandb_dir) / f"otel-train-{wandb_id}.last-step"
         self._markers[key] = marker
-        held = max(int(run.starting_step or 0) - 1, _read_marker(marker))
+        if rewind and resume_step is not None:
+            held = resume_step - 1  # W&B dropped the steps >= N
+        else:
+            held = max(int(run.starting_step or 0) - 1, _read_marker(marker))
         self._gate.set_floor(key, held)
         return run
 
@@ -183,6 +208,14 @@ class WandbExporter(RowExporter):
             self._marked[key] = step
         except OSError as err:
             self._log.warning("marker", "wandb: cannot write %s (%s); a resumed run may repeat steps", marker, err)
+
+
+def _can_rewind(env: os._Environ[str] | dict[str, str]) -> bool:
+    """Whether to ask W&B to rewind: only online (offline runs have no server history to rewind)."""
+    import wandb
+
+    mode = (env.get("WANDB_MODE") or "").strip().lower()
+    return mode not in ("offline", "dryrun", "disabled") and "resume_from" in wandb.Settings.model_fields
 
 
 def _read_marker(path: Path) -> int:

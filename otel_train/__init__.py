@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from otel_train.config import Route
-from otel_train.errors import ConfigError, OtelTrainError
+from otel_train.errors import ConfigError, OtelTrainError, StepOrderError
 from otel_train.instrument import NO_SPAN
 from otel_train.step import STEP_ATTRIBUTE, current_step, step, steps
 
@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "OtelTrainError",
     "Route",
+    "StepOrderError",
     "current_step",
     "flush",
     "get_meter",
@@ -76,6 +77,8 @@ def init(
     local_rank: int | None = None,
     world_size: int | None = None,
     routes: Mapping[str, Route | Mapping[str, Any]] | None = None,
+    step_order: str | None = None,
+    resume_step: int | None = None,
 ) -> Any:
     """Start otel-train for this process. Settings come from `OTEL_TRAIN_*` variables; keywords override.
 
@@ -90,6 +93,9 @@ def init(
         routes: Per-backend routing, exporter name -> `Route` (or a dict with the same keys), e.g.
             ``{"wandb": Route(include=["train/*"], every=10)}``; each given field overrides its
             `OTEL_TRAIN_<BACKEND>_*` variable.
+        step_order: What a step going backwards does: ``warn``, ``drop`` or ``raise`` (`OTEL_TRAIN_STEP_ORDER`).
+        resume_step: The run restarts at this step, from a checkpoint (`OTEL_TRAIN_RESUME_STEP`): every
+            backend is told, so no series shows two values for one step.
 
     Raises:
         ConfigError: a setting is invalid (one line: the setting, the value, what is allowed), an
@@ -113,7 +119,7 @@ def init(
             export_every=export_every, export_interval_s=export_interval_s, ranks=ranks, disabled=disabled,
             shutdown_timeout_s=shutdown_timeout_s, queue_size=queue_size, buffer_size=buffer_size,
             strict_sync=strict_sync, config=config, trace_counters=trace_counters, service_name=service_name,
-            routes=routes,
+            routes=routes, step_order=step_order, resume_step=resume_step,
         )
         env = None
         placement = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size}
@@ -131,17 +137,40 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
 
     Outside any step the latest step entered is used (0 before the first). Numbers, NumPy
     scalars/0-d arrays and tensors are accepted; tensors are converted on the export thread.
+
+    Raises:
+        StepOrderError: only under ``OTEL_TRAIN_STEP_ORDER=raise``, for an explicit `step` below the
+            latest step (API misuse; nothing else raises here after `init`).
     """
     s = _session
     if s is None:
+        child = _child_client()
+        if child is not None:  # a spawned child of a run (DataLoader worker): to the run's exporter process
+            child.log(mapping, step)
+            return
         raise OtelTrainError(
             "otel_train.log() was called before otel_train.init(); call init() first "
             "(or set OTEL_TRAIN_DISABLED=1 and still call init() to turn logging off)"
         )
     if s.closed:
+        worker = getattr(s, "worker", None)
+        if worker is not None:  # a forked child: its own connection to the run's exporter process
+            worker.log(mapping, step)
+            return
         _warn_closed(getattr(s, "forked", False))
         return
     s.log(mapping, step)
+
+
+def _child_client() -> Any:
+    """The run's connection in a spawned child process (`otel_train.workers`), else None."""
+    import os
+
+    if not os.environ.get("OTEL_TRAIN_WORKER_ADDRESS"):  # config.OTEL_TRAIN_WORKER_ADDRESS; keeps import light
+        return None
+    from otel_train.workers import client_from_env
+
+    return client_from_env()
 
 
 def _warn_closed(forked: bool) -> None:
@@ -149,9 +178,8 @@ def _warn_closed(forked: bool) -> None:
     if not _warned_closed:
         _warned_closed = True
         if forked:
-            _logger.warning("otel_train.log() in a forked child process: dropped, because the child shares the "
-                            "parent's files (call otel_train.shutdown() and init() in the child to export from it; "
-                            "warned once)")
+            _logger.warning("otel_train.log() in a forked child process: dropped, because the run's session was "
+                            "already shut down when it forked (warned once)")
         else:
             _logger.warning("otel_train.log()/span() after shutdown(): dropped (warned once)")
 
@@ -168,7 +196,8 @@ def span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
 def _scope(name: str, attributes: Mapping[str, Any] | None, record_context: bool) -> Any:
     s = _session
     if s is None or s.closed:
-        return NO_SPAN
+        child = _child_client() if s is None else getattr(s, "worker", None)
+        return NO_SPAN if child is None else child.span(name, attributes)
     return s.span(name, attributes, record_context)
 
 
@@ -194,8 +223,15 @@ def traced(name: str | Callable[..., Any] | None = None) -> Any:
 
 
 def flush(timeout_s: float | None = None) -> bool:
-    """Collect now and wait until every exporter has written it (bounded by the shutdown timeout)."""
+    """Collect now and wait until every exporter has written it (bounded by the shutdown timeout).
+
+    In a child process (DataLoader worker) it sends what the child buffered to the run's exporter process.
+    """
     s = _session
+    child = _child_client() if s is None else getattr(s, "worker", None) if s.closed else None
+    if child is not None:
+        child.send_now()
+        return True
     return True if s is None else bool(s.flush(timeout_s))
 
 

@@ -77,6 +77,15 @@ OTEL_TRAIN_PROFILER_BRIDGE = "OTEL_TRAIN_PROFILER_BRIDGE"
 `torch.profiler.record_function` of the same name (torch is never imported by otel-train). Default false."""
 OTEL_TRAIN_QUIET = "OTEL_TRAIN_QUIET"
 """Boolean; no summary line on stderr at shutdown (rank 0). Default false."""
+OTEL_TRAIN_SELF_METRICS = "OTEL_TRAIN_SELF_METRICS"
+"""Boolean; the exporter process adds otel-train's own health to every window (``otel_train/points``,
+``otel_train/backlog_windows{exporter=X}``, ``otel_train/export_latency_s{exporter=X}``,
+``otel_train/backend_errors{exporter=X}`` ...). Default true."""
+OTEL_TRAIN_WORKER_ADDRESS = "OTEL_TRAIN_WORKER_ADDRESS"
+"""Set by otel-train, not by users: the Unix socket where the run's exporter process takes the data of
+child processes (DataLoader workers, `multiprocessing` children); ``none`` when there is none (their
+data is dropped with one warning), ``disabled`` for a disabled run (their calls are no-ops). Spawned
+children find the run through it."""
 
 OTEL_TRAIN_BACKEND_INCLUDE = "OTEL_TRAIN_<BACKEND>_INCLUDE"
 """Comma list of globs on metric names; that backend gets only matching metrics (its wire name or its
@@ -101,12 +110,20 @@ OTEL_TRAIN_EXPORT_CPUS = "OTEL_TRAIN_EXPORT_CPUS"
 process's affinity."""
 OTEL_TRAIN_EXPORT_NICE = "OTEL_TRAIN_EXPORT_NICE"
 """Niceness added to the exporter process (int 0-19). Default 0."""
+OTEL_TRAIN_STEP_ORDER = "OTEL_TRAIN_STEP_ORDER"
+"""What happens to a row whose step is lower than the last one of its series: ``warn`` (written as
+given, counted, warned), ``drop`` (kept from every backend, counted) or ``raise`` (`ot.step`/`ot.log`
+below the latest step raise `StepOrderError` on the training thread). Default ``warn``."""
+OTEL_TRAIN_RESUME_STEP = "OTEL_TRAIN_RESUME_STEP"
+"""The step a resumed run restarts at (int >= 0): every backend is told, so curves do not zig-zag.
+Default none (a fresh run)."""
 
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 
 RANKS_ALLOWED = ("0", "all")
 EXPORT_PROCESS_ALLOWED = ("auto", "on", "off")
+STEP_ORDER_ALLOWED = ("warn", "drop", "raise")
 DEFAULT_EXPORTERS = ("tensorboard", "chrome_trace")
 
 #: Launcher variables holding an id shared by every rank of one job, most specific first.
@@ -265,6 +282,9 @@ class Settings:
     system_interval_s: float = 1.0
     profiler_bridge: bool = False
     quiet: bool = False
+    self_metrics: bool = True
+    step_order: str = "warn"
+    resume_step: int | None = None
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -310,6 +330,13 @@ def _parse_ranks(name: str, raw: str) -> str:
     value = raw.strip().lower()
     if value not in RANKS_ALLOWED:
         raise ConfigError(f"{name}: {raw!r} is not allowed; use `0` (rank 0 exports metrics) or `all`")
+    return value
+
+
+def _parse_step_order(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in STEP_ORDER_ALLOWED:
+        raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(STEP_ORDER_ALLOWED)}")
     return value
 
 
@@ -387,6 +414,9 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "system_interval_s": (OTEL_TRAIN_SYSTEM_INTERVAL_S, _parse_positive_float),
     "profiler_bridge": (OTEL_TRAIN_PROFILER_BRIDGE, parse_bool),
     "quiet": (OTEL_TRAIN_QUIET, parse_bool),
+    "self_metrics": (OTEL_TRAIN_SELF_METRICS, parse_bool),
+    "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
+    "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: _parse_int(n, r, 0)),
 }
 
 
@@ -477,6 +507,10 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return _parse_int(field, str(value), 1)
+    if field == "resume_step":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"resume_step: {value!r} is not allowed; expected an integer step >= 0")
+        return _parse_int(field, str(value), 0)
     if field in ("export_interval_s", "shutdown_timeout_s", "system_interval_s", "drain_timeout_s"):
         return _parse_positive_float(field, str(value))
     if field == "export_nice":

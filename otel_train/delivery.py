@@ -39,6 +39,8 @@ class Progress:
     spooled_step: int = -1
     delivered: dict[str, int] = dataclasses.field(default_factory=dict)
     delivered_step: dict[str, int] = dataclasses.field(default_factory=dict)
+    failures: dict[str, int] = dataclasses.field(default_factory=dict)
+    dropped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def behind(self) -> dict[str, int]:
         """Backends that lack windows, with how many steps they are behind."""
@@ -79,6 +81,10 @@ class _Backend:
         self._on_error = on_error
         self._flushes_asked = 0
         self._flushes_done = 0
+        self.exports = 0  # export_window calls, and the seconds they took (self-telemetry)
+        self.export_s = 0.0
+        self.rows = 0  # rows (points and spans) handed to the backend
+        self._side: deque[Window] = deque(maxlen=queue_windows * 4)  # child-process windows, not spooled
         self.thread = threading.Thread(target=self._run, name=f"{thread_name}-{name}", daemon=True)
         self.thread.start()
 
@@ -96,6 +102,12 @@ class _Backend:
                     self._queue.append((seq, step, window))
             else:
                 self._queue.append((seq, step, window))
+            self._cv.notify_all()
+
+    def submit_side(self, window: Window) -> None:
+        """Queue a window that is not in the spool (it carries no seq; delivered once, best effort)."""
+        with self._cv:
+            self._side.append(window)
             self._cv.notify_all()
 
     def wait_room(self, deadline: float) -> bool:
@@ -135,10 +147,12 @@ class _Backend:
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._queue or self._reload or self._flush_wanted or self._stop,
-                                  timeout=_FLUSH_EVERY_S)
+                self._cv.wait_for(lambda: self._queue or self._side or self._reload or self._flush_wanted
+                                  or self._stop, timeout=_FLUSH_EVERY_S)
                 items = list(self._queue)
                 self._queue.clear()
+                side = list(self._side)
+                self._side.clear()
                 reload, self._reload = self._reload, False
                 flush, self._flush_wanted = self._flush_wanted, False
                 asked = self._flushes_asked
@@ -148,6 +162,8 @@ class _Backend:
             if reload and self.spool is not None:
                 items = self._from_spool() + items
             self._export(items)
+            if side:
+                self._write(side[0] if len(side) == 1 else _merge(side))
             # Without a spool there is no cursor to keep fresh: flush only when asked.
             due = (self.spool is not None and self.handed > self.acked
                    and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S)
@@ -159,7 +175,7 @@ class _Backend:
                     self._cv.notify_all()
             if stop:
                 with self._cv:
-                    if self._queue or self._reload:
+                    if self._queue or self._side or self._reload:
                         continue
                 self._close()
                 return
@@ -188,20 +204,26 @@ class _Backend:
                 rows += _rows(items[end][2])
                 end += 1
             batch = items[start:end]
-            window = batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch])
-            try:
-                ok = self.exporter.export_window(window)  # isolates and retries on its own
-            except Exception as err:
-                self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
-                ok = False
-            if ok is False:
-                self.errors += 1
-                if self._on_error is not None:
-                    self._on_error(self.name)
-            self.rows_written += len(window.metrics) + len(window.histograms)
+            self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch]))
             self.handed = batch[-1][0]
             self.handed_step = max(self.handed_step, max(s for _, s, _ in batch))
             start = end
+
+    def _write(self, window: Window) -> None:
+        started = time.perf_counter()
+        try:
+            ok = self.exporter.export_window(window)  # isolates and retries on its own
+        except Exception as err:
+            self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
+            ok = False
+        if ok is False:
+            self.errors += 1
+            if self._on_error is not None:
+                self._on_error(self.name)
+        self.rows_written += len(window.metrics) + len(window.histograms)
+        self.export_s += time.perf_counter() - started
+        self.exports += 1
+        self.rows += _rows(window)
 
     def _flush(self) -> None:
         self._last_flush = time.monotonic()
@@ -259,6 +281,14 @@ class Delivery:
             spool.backends = list(backends)
         self._backends = [_Backend(name, ex, spool, queue_windows, on_error, thread_name)
                           for name, ex in backends.items()]
+        #: Called with each decoded window and its max step; returns the window the backends get
+        #: (the exporter process adds its self-telemetry rows here; they are not spooled).
+        self.annotate: Callable[[Window, int], Window] | None = None
+
+    @property
+    def last_step(self) -> int:
+        """The highest step of any window submitted so far (-1 before the first)."""
+        return self._last_step
 
     @property
     def names(self) -> list[str]:
@@ -278,6 +308,11 @@ class Delivery:
         except Exception as err:
             _logger.error("window %d unreadable (%s); skipped", seq, err)
             return
+        if self.annotate is not None:
+            try:
+                window = self.annotate(window, max_step)
+            except Exception as err:  # self-telemetry must never cost a window
+                _logger.debug("self-telemetry failed: %s", err)
         for b in self._backends:
             b.submit(seq, max_step, window)
 
@@ -310,6 +345,19 @@ class Delivery:
         """Metric and histogram rows every backend was handed."""
         return min((b.rows_written for b in self._backends), default=0)
 
+    def submit_side(self, window: Window) -> None:
+        """Hand every backend a window that is not spooled (a child process's data): best effort, once."""
+        if window:
+            for b in self._backends:
+                b.submit_side(window)
+
+    def backend_stats(self) -> dict[str, dict[str, float]]:
+        """Per backend: windows not yet handed to it, export calls and their seconds, rows handed, failures, drops."""
+        return {b.name: {"backlog": max(0, self._last_seq - b.handed), "exports": b.exports, "export_s": b.export_s, "rows": b.rows,
+                         "failures": getattr(b.exporter, "failures", 0),
+                         "dropped": b.dropped + getattr(b.exporter, "dropped_windows", 0)}
+                for b in self._backends}
+
     def sync(self) -> None:
         """Make every submitted window durable in the spool."""
         with self._lock:
@@ -338,8 +386,11 @@ class Delivery:
         return done and not any(b.thread.is_alive() for b in self._backends)
 
     def progress(self) -> Progress:
+        stats = self.backend_stats()
         return Progress(self._last_seq, self._last_step, {b.name: b.acked for b in self._backends},
-                        {b.name: b.acked_step for b in self._backends})
+                        {b.name: b.acked_step for b in self._backends},
+                        {n: int(s["failures"]) for n, s in stats.items()},
+                        {n: int(s["dropped"]) for n, s in stats.items()})
 
     def exporters(self) -> list[Any]:
         return [b.exporter for b in self._backends]

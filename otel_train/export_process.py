@@ -38,7 +38,9 @@ from otel_train.delivery import Delivery, Progress
 from otel_train.errors import ConfigError
 from otel_train.framing import encode_window
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.self_metrics import SelfMetrics
 from otel_train.spool import Spool, spool_dir
+from otel_train.workers import WorkerListener, listen_address
 
 __all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
 
@@ -89,13 +91,15 @@ class ExportProcess:
         drain_timeout_s: How long the child may keep delivering after a hand-off.
         cpus: CPUs the child pins itself to (empty: inherit).
         nice: Niceness the child adds.
+        self_metrics: Add otel-train's own health rows to every window (`otel_train.self_metrics`).
 
     Raises:
         ConfigError: an unknown name, a missing package, or a backend that failed to start in the child.
     """
 
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
-                 drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0) -> None:
+                 drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0,
+                 self_metrics: bool = True) -> None:
         from otel_train.registry import check_available, get_spec
 
         for spec in [get_spec(n) for n in names]:
@@ -103,8 +107,11 @@ class ExportProcess:
         self.names = tuple(names)
         self.spool_path = spool_dir(options.directory, run.run_name, run.rank)
         self._options = options
+        #: Where child processes (DataLoader workers) connect to this run (`otel_train.workers`).
+        self.worker_address = listen_address(self.spool_path)
         self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
-                        "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice}
+                        "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice,
+                        "run": run, "workers": self.worker_address, "self_metrics": self_metrics}
         self._lock = threading.RLock()  # one sender at a time; held across restarts
         self._backlog: deque[tuple[int, int, bytes]] = deque()
         self._backlog_bytes = 0
@@ -113,6 +120,7 @@ class ExportProcess:
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply_cv = threading.Condition()
         self._closing = False
+        self._handoff = False  # close() asked: the child's exit after its answer is not a death
         self._pid = os.getpid()
         self.restarts = 0
         self.dropped = 0
@@ -121,6 +129,10 @@ class ExportProcess:
         started = time.monotonic()
         self._conn, self._proc, self._seq = self._start()
         self.start_s = time.monotonic() - started
+        # The first child told each backend about a resume; a restarted child or the fallback must not
+        # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
+        self._options = dataclasses.replace(options, resume_step=None)
+        self._config["options"] = self._options
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
 
@@ -244,7 +256,7 @@ class ExportProcess:
                     entry = self._replies.setdefault(msg[1], {})
                     entry[kind] = msg[2] if kind == "done" else True
                     self._reply_cv.notify_all()
-        if conn is self._conn and not self._closing:
+        if conn is self._conn and not self._closing and not self._handoff:
             proc.wait()
             self._on_child_death(proc.returncode)
 
@@ -270,6 +282,8 @@ class ExportProcess:
             try:
                 backends = build_backends(self.names, self._options)
                 self.fallback = Delivery(backends, Spool(self.spool_path))
+                if self._config["self_metrics"]:
+                    self.fallback.annotate = SelfMetrics(self.fallback.backend_stats)
                 with self._backlog_lock:
                     backlog = list(self._backlog)
                     self._backlog.clear()
@@ -310,6 +324,7 @@ class ExportProcess:
         keeps draining on its own for up to its drain timeout."""
         if os.getpid() != self._pid:
             return True
+        self._handoff = True
         rid, ok = self._ask(b"C", deadline)
         if not ok and rid:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
@@ -406,6 +421,16 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         return
     _write_meta(spool.path, config)
     delivery = Delivery(backends, spool)
+    if config.get("self_metrics"):
+        delivery.annotate = SelfMetrics(delivery.backend_stats)
+    listener = None
+    if config.get("workers"):
+        try:
+            listener = WorkerListener(config["workers"], config["run"], delivery.submit_side,
+                                      lambda: delivery.last_step)
+        except OSError as err:
+            _logger.warning("child processes cannot reach this run: listening on %s failed: %s",
+                            config["workers"], err)
     reply("ready", spool.last_seq)
 
     def flush_later(rid: int) -> None:
@@ -444,6 +469,8 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
             close_id = rid
             break
     # The trainer handed off (or died): never outlive the drain deadline, whatever a backend does.
+    if listener is not None:
+        listener.close()
     deadline = time.monotonic() + drain_s
     watchdog = threading.Timer(drain_s + 5.0, os._exit, args=(0,))
     watchdog.daemon = True
@@ -473,7 +500,8 @@ def _write_meta(path: Path, config: dict[str, Any]) -> None:
     """What `otel-train replay` needs to rebuild the backends of this spool (pickled: options hold paths,
     routes and step selections; read only by the same otel-train)."""
     tmp = path / (_META + ".tmp")
-    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": config["options"]}))
+    options = dataclasses.replace(config["options"], resume_step=None)  # a replay never resumes the run again
+    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": options}))
     os.replace(tmp, path / _META)
 
 

@@ -364,3 +364,17 @@ def traced_with(make_scope: Callable[[str, bool], Any], name: str | None, fn: _F
         with make_scope(span_name, True):
             return fn(*args, **kwargs)
     return wrapper  # type: ignore[return-value]
+
+
+def open_span_scopes() -> list[Any]:
+    """The `ot.span` scopes open in the current (interrupted) context, innermost first. Lock-free: a
+    signal handler calls it to record the spans a preemption cuts short."""
+    from opentelemetry import context as otel_context
+
+    scopes = []
+    scope = otel_context.get_current().get(_SPAN_KEY)
+    while type(scope) is SpanScope:
+        scopes.append(scope)
+        outer: Any = getattr(scope._token, "old_value", None)  # the context it was entered from holds its parent
+        scope = outer.get(_SPAN_KEY) if hasattr(outer, "get") else None
+    return scopes

@@ -130,6 +130,10 @@ class ExporterOptions:
     routes: Mapping[str, Route] | None = None
     trace_steps: Container[int] | None = None  # steps the Chrome trace keeps (None: all)
     trace_gzip: bool = False
+    #: `OTEL_TRAIN_STEP_ORDER`: what a backend does with a step that goes backwards (see `step_order`).
+    step_order: str = "warn"
+    #: `OTEL_TRAIN_RESUME_STEP`: the run restarts at this step (each backend is told in its own way).
+    resume_step: int | None = None
 
     @classmethod
     def from_env(cls) -> ExporterOptions:
@@ -144,7 +148,8 @@ class ExporterOptions:
         """Options from loaded settings. The sink passes ``ranks="all"`` and no hyperparameters
         (each run brings its own); the runtime passes the directory it checked."""
         return cls(directory or s.dir, s.project, s.config if with_hparams else None, ranks or s.ranks,
-                   s.trace_counters, routes=s.routes, trace_steps=s.trace_steps, trace_gzip=s.trace_gzip)
+                   s.trace_counters, routes=s.routes, trace_steps=s.trace_steps, trace_gzip=s.trace_gzip,
+                   step_order=s.step_order, resume_step=s.resume_step if with_hparams else None)  # the sink: per run
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -21,13 +21,32 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import config as cfg
+from otel_train import semconv
 from otel_train.errors import ConfigError
-from otel_train.instrument import NO_SPAN, LogBuffer, ProfiledSpanScope, SpanBuffer, SpanScope
+from otel_train.instrument import (
+    NO_SPAN,
+    LogBuffer,
+    ProfiledSpanScope,
+    SpanBuffer,
+    SpanScope,
+    open_span_scopes,
+)
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
-from otel_train.step import StepEnd, _current, add_step_end_listener, current_step, remove_step_end_listener
+from otel_train.step import (
+    StepEnd,
+    _current,
+    add_step_end_listener,
+    check_log_step,
+    current_step,
+    remove_step_end_listener,
+    set_step_order,
+)
 
-__all__ = ["Session", "resolve_run_id", "start"]
+__all__ = ["TRUNCATED_ATTRIBUTE", "Session", "resolve_run_id", "start"]
+
+#: Span attribute set on spans that were still open when a signal ended the process.
+TRUNCATED_ATTRIBUTE = semconv.SPAN_TRUNCATED
 
 _logger = logging.getLogger("otel_train")
 
@@ -115,7 +134,8 @@ class Session:
             from otel_train.export_process import ExportProcess
 
             self.export_process = ExportProcess(remote, options, self.run, drain_timeout_s=settings.drain_timeout_s,
-                                                cpus=settings.export_cpus, nice=settings.export_nice)
+                                                cpus=settings.export_cpus, nice=settings.export_nice,
+                                                self_metrics=settings.self_metrics)
         try:
             self.exporters = self._build_exporters(local, options) + list(instances)
         except BaseException:
@@ -155,16 +175,29 @@ class Session:
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
         self._append_step_end = self.log_buffer.append_floats
+        set_step_order(settings.step_order, resume=settings.resume_step is not None)
+        self._check_step = settings.step_order == "raise"
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_listener = self._on_step_end
         add_step_end_listener(self._step_listener)
         self.forked = False
+        self.worker: Any = None
+        self._worker_address = self.export_process.worker_address if self.export_process is not None else None
+        # Spawned children (DataLoader workers, multiprocessing) find the run here: the one variable
+        # otel-train sets, because a spawned child has nothing else of ours. Removed at shutdown.
+        os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS] = self._worker_address or "none"
+        from otel_train.workers import WorkerClient
+
+        self._worker_class = WorkerClient
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork_in_child)
 
     def _after_fork_in_child(self) -> None:
-        # A forked child (e.g. a DataLoader worker) shares the parent's open files and backend runs:
-        # exporting from both would interleave them. The child drops its data unless it calls init().
+        # A forked child (e.g. a DataLoader worker) shares the parent's open files, backend runs and
+        # exporter-process socket: it must use none of them. Its `ot.log`/`ot.span` go through a
+        # connection of its own to the exporter process (`otel_train.workers`), opened on first use.
+        if not self._closed:
+            self.worker = self._worker_class(self._worker_address)
         self._closed = True
         self.forked = True
 
@@ -210,6 +243,8 @@ class Session:
             step = _current.get()
             if step is None:
                 step = current_step() or 0
+        elif self._check_step:
+            check_log_step(step)  # OTEL_TRAIN_STEP_ORDER=raise: API misuse, raised where it happens
         try:
             self._append(step, dict(mapping))
         except (TypeError, ValueError):
@@ -251,16 +286,23 @@ class Session:
             _logger.warning("flush failed", exc_info=True)
             return False
 
-    def shutdown(self) -> None:
+    def shutdown(self, deadline: float | None = None) -> None:
+        """Flush and close everything by `deadline` (`time.monotonic()`; default: the shutdown timeout)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         remove_step_end_listener(self._step_listener)
+        if os.environ.get(cfg.OTEL_TRAIN_WORKER_ADDRESS) == (self._worker_address or "none"):
+            del os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS]
+        set_step_order("warn")
+        timeout_s = self.settings.shutdown_timeout_s
+        if deadline is not None:
+            timeout_s = max(0.05, min(timeout_s, deadline - time.monotonic()))
         try:
             if self.sampler is not None:
                 self.sampler.stop()  # its last step goes out with the final flush
-            self.reader.shutdown(self.settings.shutdown_timeout_s * 1000)
+            self.reader.shutdown(timeout_s * 1000)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
@@ -275,16 +317,24 @@ class Session:
         try:
             stats = self.reader.stats()
             names = [str(getattr(ex, "name", type(ex).__name__)) for ex in self.exporters]
-            if self.export_process is not None:
+            failures, dropped = dict(stats["failures"]), stats["dropped"]
+            if self.export_process is not None:  # the exporter process's backends: its last progress report
                 names += list(self.export_process.names)
-            write_summary(summary_line(stats["points"], stats["windows"], names, stats["dropped"],
-                                       stats["failures"], str(run_folder(self.settings.dir, self.run.run_name))))
+                progress = self.export_process.last_progress
+                failures.update(progress.failures)
+                dropped += self.export_process.dropped + sum(progress.dropped.values())
+            write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
+                                       failures, str(run_folder(self.settings.dir, self.run.run_name))))
         except Exception:
             _logger.debug("no shutdown summary", exc_info=True)
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def step_order_counts(self) -> dict[str, dict[str, int]]:
+        """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
+        return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
 
 
 _IN_PROCESS = frozenset({"otlp"})
@@ -341,26 +391,97 @@ class DisabledSession:
 
 
 # -- process hooks --------------------------------------------------------------------------------
+#: Signals handed off like interpreter exit. SIGUSR1 is SLURM's `--signal` warning before preemption.
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
 _hooks_installed = False
 _previous_handlers: dict[int, Any] = {}
 _active: list[Session] = []
+_handoff: threading.Thread | None = None
 
 
 def _shutdown_active() -> None:
+    """Shut every session down under ONE deadline, the longest `OTEL_TRAIN_SHUTDOWN_TIMEOUT_S`."""
+    sessions = [s for s in _active if not s.closed]
+    if not sessions:
+        return
+    deadline = time.monotonic() + max(s.settings.shutdown_timeout_s for s in sessions)
+    for session in sessions:
+        session.shutdown(deadline)
+
+
+def _at_exit() -> None:
+    handoff = _handoff
+    if handoff is not None:  # a signal's hand-off is under way: let it finish (it has the deadline)
+        handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0) + 1.0)
+    _shutdown_active()
+
+
+def _record_truncated(scopes: list[Any]) -> None:
+    """Record the scopes still open as spans ended now, flagged `otel_train.truncated`."""
+    from otel_train.instrument import SpanRecord
+
+    session = next((s for s in reversed(_active) if not s.closed), None)
+    if session is None:
+        return
+    now = time.time_ns()
+    for scope in scopes:
+        if hasattr(scope, "end_ns"):  # ended meanwhile: recorded by its own exit
+            continue
+        session.span_buffer.append(SpanRecord(
+            scope.name, scope.trace_id, scope.span_id, scope.parent_id, scope.start_ns, now, scope.thread_id,
+            scope.thread_name, scope.step, {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}, None))
+
+
+def _end_process(signum: int, scopes: list[Any]) -> None:
+    try:
+        _record_truncated(scopes)
+        _shutdown_active()
+    except Exception:
+        _logger.warning("otel-train: hand-off on signal %d failed", signum, exc_info=True)
+    os.kill(os.getpid(), signum)  # the default action, now restored: same exit status as without us
+
+
+def _flush_active() -> None:
+    deadline = time.monotonic() + max((s.settings.shutdown_timeout_s for s in _active), default=0.0)
     for session in _active:
-        session.shutdown()
+        session.flush(max(0.0, deadline - time.monotonic()))
+
+
+_LOCKING_CODE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(threading.__file__) + os.sep + "threading",
+                 os.sep + "opentelemetry" + os.sep)
+
+
+def _interrupted_locking_code(frame: Any) -> bool:
+    """Whether the signal interrupted our own code, OTel's or `threading` (which may hold a lock the
+    flush needs, e.g. inside the reader's wake-up `Event.set`), rather than the user's."""
+    code_file = getattr(getattr(frame, "f_code", None), "co_filename", "")
+    return code_file.startswith(_LOCKING_CODE[:2]) or _LOCKING_CODE[2] in code_file
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    """Hand off on a signal. The work runs on a thread of its own: a signal handler runs inside
+    whatever the training thread was doing, possibly holding a lock that flushing needs."""
+    global _handoff
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
-    if previous in (signal.SIG_DFL, None) and signum == signal.SIGTERM:
-        _shutdown_active()  # the process is about to end: flush everything, close files
+    # Called by a handler installed after ours that chains to it (Lightning composes handlers this way):
+    # that handler decides whether the process ends, so we only flush.
+    chained = signal.getsignal(signum) is not _on_signal
+    if previous in (signal.SIG_DFL, None) and not chained:
+        # The default action ends the process: flush and close everything (open spans recorded as
+        # truncated), then end it by the same signal. A second signal meanwhile ends it at once.
         signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        _handoff = threading.Thread(target=_end_process, args=(signum, open_span_scopes()), name="otel-train-signal",
+                                    daemon=True)
+        _handoff.start()
         return
-    for session in _active:
-        session.flush()
-    if callable(previous):
+    # A handler of the user's or a framework's (Lightning's SLURM requeue, a checkpoint hook) runs next and
+    # decides whether the process ends: flush first, waiting at most the deadline (should the interrupted
+    # code hold a lock the flush needs, the wait ends at the deadline, never later).
+    _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
+    _handoff.start()
+    if not _interrupted_locking_code(frame):  # else the flush waits for the locks the loop holds: go on
+        _handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0))
+    if callable(previous) and previous is not _on_signal:
         previous(signum, frame)
 
 
@@ -369,11 +490,14 @@ def _install_hooks() -> None:
     if _hooks_installed:
         return
     _hooks_installed = True
-    atexit.register(_shutdown_active)
+    atexit.register(_at_exit)
     if threading.current_thread() is not threading.main_thread():
         _logger.debug("init() outside the main thread: no signal handlers installed")
         return
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for name in _SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is None:  # SIGUSR1 does not exist on Windows
+            continue
         try:
             _previous_handlers[sig] = signal.getsignal(sig)
             signal.signal(sig, _on_signal)
@@ -389,6 +513,7 @@ def start(settings: cfg.Settings, env: Mapping[str, str] | None = None,
         ConfigError: anything misconfigured.
     """
     if settings.disabled:
+        os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS] = "disabled"  # its spawned children: no-ops too, silently
         return DisabledSession(settings)
     session = Session(settings, os.environ if env is None else env, instances)
     _active[:] = [s for s in _active if not s.closed]

@@ -32,6 +32,8 @@ HOST_NAME = "host.name"
 PROCESS_PID = "process.pid"
 THREAD_ID = "thread.id"
 THREAD_NAME = "thread.name"
+SPAN_TRUNCATED = "otel_train.truncated"
+"""Span attribute: the span was still open when a signal ended the process (closed at the hand-off)."""
 
 # -- metrics recorded at every step end ------------------------------------------------------------
 TRAIN_STEP_DURATION = "train.step.duration_s"
@@ -43,6 +45,15 @@ TRAIN_THROUGHPUT = "train.throughput"
 DROPPED_RECORDS = "otel_train.dropped_records"
 DROPPED_SPANS = "otel_train.dropped_spans"
 DROPPED_BATCHES = "otel_train.dropped_batches"
+
+# -- self-telemetry from the exporter process (`otel_train.self_metrics`, every window) ---------------
+SELF_POINTS = "otel_train.points"
+SELF_WINDOWS = "otel_train.windows"
+SELF_BACKLOG = "otel_train.backlog_windows"
+SELF_ROWS_WRITTEN = "otel_train.rows_written"
+SELF_EXPORT_LATENCY = "otel_train.export_latency_s"
+SELF_BACKEND_ERRORS = "otel_train.backend_errors"
+SELF_DROPPED_WINDOWS = "otel_train.dropped_windows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +92,7 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention(PROCESS_PID, "resource", "int", "", "runtime", "process.pid"),
     Convention(THREAD_ID, "span", "int", "", "the thread that started the span", "thread.id"),
     Convention(THREAD_NAME, "span", "str", "", "the thread that started the span", "thread.name"),
+    Convention(SPAN_TRUNCATED, "span", "bool", "", "a signal ended the process while the span was open"),
     Convention(TRAIN_STEP_DURATION, "metric", "float", "s", "every step end", display="train/step_duration_s"),
     Convention(TRAIN_TIME_TOTAL, "metric", "float", "s", "every step end", display="train/time_total_s"),
     Convention(TRAIN_ITERATIONS, "metric", "int", "1", "every step end", display="train/iterations"),
@@ -91,6 +103,26 @@ CONVENTIONS: tuple[Convention, ...] = (
                display="otel_train/dropped_spans"),
     Convention(DROPPED_BATCHES, "metric", "int", "1", "reader: export windows dropped (queue full)",
                display="otel_train/dropped_batches"),
+    Convention(SELF_POINTS, "metric", "int", "1", "exporter process: points received so far",
+               display="otel_train/points"),
+    Convention(SELF_WINDOWS, "metric", "int", "1", "exporter process: windows received so far",
+               display="otel_train/windows"),
+    Convention(SELF_BACKLOG, "metric", "int", "1", "exporter process, `{exporter=X}`: windows waiting for X, the arriving one included",
+               display="otel_train/backlog_windows"),
+    Convention(SELF_ROWS_WRITTEN, "metric", "int", "1",
+               "exporter process, `{exporter=X}`: rows (points and spans) handed to X so far",
+               display="otel_train/rows_written"),
+    Convention(SELF_EXPORT_LATENCY, "metric", "float", "s",
+               "exporter process, `{exporter=X}`: mean time of X's writes since the last window",
+               display="otel_train/export_latency_s"),
+    Convention(SELF_BACKEND_ERRORS, "metric", "int", "1",
+               "exporter process, `{exporter=X}`: X's failed writes so far (each is retried)",
+               display="otel_train/backend_errors"),
+    Convention(SELF_DROPPED_WINDOWS, "metric", "int", "1",
+               "exporter process, `{exporter=X}`: windows X gave up on (rejected on every retry, or its queue overflowed)",
+               display="otel_train/dropped_windows"),
+    Convention("worker", "point, span", "int", "1",
+               "DataLoader worker id (pid for other child processes) of child-process data"),
     # Names of the phase and system-metrics feature (defined there; listed here so the table is whole).
     Convention("phase/<name>_s", "metric", "float", "s", "phase timing (per step)"),
     Convention("phase/other_s", "metric", "float", "s", "phase timing: step time outside every phase"),

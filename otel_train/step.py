@@ -15,14 +15,17 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from otel_train import semconv
+from otel_train.errors import StepOrderError
 
 __all__ = [
     "RANK_ATTRIBUTE",
     "STEP_ATTRIBUTE",
     "StepEnd",
     "add_step_end_listener",
+    "check_log_step",
     "current_step",
     "remove_step_end_listener",
+    "set_step_order",
     "step",
     "steps",
 ]
@@ -41,13 +44,15 @@ _clock = time.perf_counter_ns  # bound once: a step boundary is on the training 
 class _ProcessState:
     """Process-wide step facts: the latest step entered and the run's start time."""
 
-    __slots__ = ("iterations", "latest", "started_ns", "warned_backwards")
+    __slots__ = ("iterations", "last_logged", "latest", "order", "started_ns", "warned_backwards")
 
     def __init__(self) -> None:
         self.latest: int | None = None
         self.started_ns = _clock()
         self.iterations = 0
         self.warned_backwards = False
+        self.order = "warn"  # OTEL_TRAIN_STEP_ORDER of the running session
+        self.last_logged: int | None = None  # highest explicit `ot.log(step=)` under `raise`
 
 
 _state = _ProcessState()
@@ -101,6 +106,35 @@ def current_step() -> int | None:
     return _state.latest if value is None else value
 
 
+def set_step_order(policy: str, resume: bool = False) -> None:
+    """Set the step-order policy the training thread enforces (the runtime calls it at init).
+
+    `resume`: the run restarts (`resume_step`), so steps entered before do not count as "later".
+    """
+    _state.order = policy
+    _state.last_logged = None
+    if resume:
+        _state.latest = None
+
+
+def check_log_step(step: int) -> None:
+    """Under ``raise``: refuse an explicit `ot.log(..., step=)` below the latest step (API misuse).
+
+    Raises:
+        StepOrderError: `step` is lower than the latest step entered or logged explicitly.
+    """
+    if _state.order != "raise":
+        return
+    latest = max((s for s in (_state.latest, _state.last_logged) if s is not None), default=None)
+    if latest is not None and step < latest:
+        raise StepOrderError(
+            f"otel_train.log(step={step}) after step {latest}: steps must not go backwards under "
+            "OTEL_TRAIN_STEP_ORDER=raise; pass resume_step= to init() when restarting from a checkpoint, "
+            "or set OTEL_TRAIN_STEP_ORDER=warn or drop"
+        )
+    _state.last_logged = step
+
+
 def _reset_for_tests() -> None:
     global _state
     _state = _ProcessState()
@@ -112,6 +146,10 @@ class step:
     Args:
         i: The step number; ``None`` means the previous step + 1 (0 for the first).
         samples: Samples processed in this step; when given, `train.throughput` is recorded.
+
+    Raises:
+        StepOrderError: on entering, under ``OTEL_TRAIN_STEP_ORDER=raise``, when `i` is below the latest
+            step entered (a resumed run declares its restart with `init(resume_step=)`).
 
     Example:
         >>> import otel_train as ot
@@ -137,17 +175,24 @@ class step:
         return self._step
 
     def __enter__(self) -> int:
-        state = _state
-        latest = state.latest
-        if latest is not None and self._step < latest and not state.warned_backwards:
-            state.warned_backwards = True
-            _logger.warning(
-                "step %d follows step %d: steps are exported as given; backends that need increasing "
-                "steps handle it themselves (warned once)",
-                self._step,
-                latest,
-            )
-        state.latest = self._step
+        latest = _state.latest
+        if latest is not None and self._step < latest:
+            if _state.order == "raise":
+                raise StepOrderError(
+                    f"otel_train.step({self._step}) after step {latest}: steps must not go backwards under "
+                    "OTEL_TRAIN_STEP_ORDER=raise; pass resume_step= to init() when restarting from a "
+                    "checkpoint, or set OTEL_TRAIN_STEP_ORDER=warn or drop"
+                )
+            if not _state.warned_backwards:
+                _state.warned_backwards = True
+                _logger.warning(
+                    "step %d follows step %d: rows going backwards are %s (OTEL_TRAIN_STEP_ORDER=%s; "
+                    "warned once)",
+                    self._step, latest,
+                    "dropped from every backend" if _state.order == "drop" else "written as given (W&B drops them)",
+                    _state.order,
+                )
+        _state.latest = self._step
         self._token = _current.set(self._step)
         self._start_ns = _clock()
         return self._step

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# importlib mode puts no test folder on sys.path: the shared scaffolding (`backendkit`) is imported from here.
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 
 @pytest.fixture(autouse=True)
@@ -39,3 +43,13 @@ def _no_session() -> Iterator[None]:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "runs"
+
+
+@pytest.fixture
+def backend_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """W&B, ClearML and MLflow offline/local under a temporary folder (the exporter process inherits it)."""
+    from backendkit import isolated_backends_env
+
+    root = tmp_path / "backend-home"
+    isolated_backends_env(monkeypatch, root)
+    return root

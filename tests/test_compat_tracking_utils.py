@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "exporters"))  # importlib mode: reuse the read-back helpers
-
-from test_clearml import events, isolated_clearml_env
-from test_wandb import isolated_wandb_env, read_run
+from backendkit import events, isolated_clearml_env, isolated_wandb_env, read_run, tb_scalars
 
 import otel_train as ot
 from otel_train.compat import MetricsServiceAdapter, tracking_utils
@@ -77,11 +72,7 @@ def _wandb_written() -> None:
 
 
 def _tb(folder: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: {e.step: e.value for e in acc.Scalars(t)} for t in acc.Tags()["scalars"] if t in USER_SERIES}
+    return {t: values for t, values in tb_scalars(folder).items() if t in USER_SERIES}
 
 
 def _wandb(folder: Path) -> dict[int, dict[str, float]]:

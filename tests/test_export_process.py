@@ -6,7 +6,6 @@ back with their own readers or the read-back helpers of tests/exporters/.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from backendkit import events as clearml_events
+from backendkit import isolated_wandb_env, read_run, tb_scalars, wandb_files
 
 import otel_train as ot
 from otel_train.config import load_settings
@@ -75,15 +76,6 @@ FAKE_WANDB = textwrap.dedent("""
 """)
 
 
-def _helpers(name: str) -> Any:
-    """A read-back helper module of tests/exporters/ (loaded by path: `exporters` is also a package name)."""
-    spec = importlib.util.spec_from_file_location(f"_helpers_{name}", HERE / "exporters" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _env(root: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OTEL_TRAIN_", "WANDB_", "MLFLOW_", "CLEARML_", "TRAINS_", "TRACKIO_", "HF_"))}
@@ -126,11 +118,7 @@ def _jsonl_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int
 
 
 def _tb_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(directory / run), size_guidance={"scalars": 0})
-    acc.Reload()
-    return sorted(e.step for e in acc.Scalars(tag))
+    return sorted(tb_scalars(directory / run)[tag])
 
 
 def test_every_backend_through_the_exporter_process(tmp_path: Path) -> None:
@@ -151,7 +139,7 @@ def test_every_backend_through_the_exporter_process(tmp_path: Path) -> None:
     assert _jsonl_steps(directory, run) == every
     spans = [e for e in load_trace(trace_path(directory, run, 0)) if e.get("ph") == "X" and e["name"] == "fwd"]
     assert len(spans) == steps
-    wandb_run = _helpers("test_wandb").read_run(_helpers("test_wandb").wandb_files(directory, run, run)[0])
+    wandb_run = read_run(wandb_files(directory, run, run)[0])
     assert {s: h["train/loss"] for s, h in wandb_run["history"].items()} == pytest.approx(loss)
     client = MlflowClient(f"sqlite:///{(directory / 'mlruns' / 'mlflow.db').resolve()}")
     (mlflow_run,) = client.search_runs([client.get_experiment_by_name("otel-train").experiment_id])
@@ -160,7 +148,7 @@ def test_every_backend_through_the_exporter_process(tmp_path: Path) -> None:
     logs = json.loads(next(x for x in out.splitlines() if x.startswith("TRACKIO"))[len("TRACKIO"):])
     assert sorted(e["step"] for e in logs if "train/loss" in e) == every
     (folder,) = (tmp_path / "cache" / "offline").glob("*/metrics.jsonl")
-    events = _helpers("test_clearml").events(folder.parent)
+    events = clearml_events(folder.parent)
     clearml_steps = [e["iter"] for e in events if e["type"] == "training_stats_scalar"
                      and (e["metric"], e["variant"]) == ("train", "loss")]
     assert sorted(clearml_steps) == every
@@ -327,8 +315,7 @@ def test_replay_of_a_folder_without_a_spool_says_so(tmp_path: Path, capsys: pyte
 
 def test_config_reported_after_init_reaches_a_backend_in_the_exporter_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    wandb_helpers = _helpers("test_wandb")
-    wandb_helpers.isolated_wandb_env(monkeypatch, tmp_path)  # the exporter process inherits this environment
+    isolated_wandb_env(monkeypatch, tmp_path)  # the exporter process inherits this environment
     directory = tmp_path / "runs"
     session = ot.init(exporters=["wandb"], dir=directory, run_id="cfg", run_name="cfg", config={"lr": 0.1})
     session.add_config({"batch_size": 32})  # as a framework integration does before training starts
@@ -336,6 +323,6 @@ def test_config_reported_after_init_reaches_a_backend_in_the_exporter_process(
         with ot.step(step):
             ot.log({"train/loss": float(step)})
     ot.shutdown()
-    run = wandb_helpers.read_run(wandb_helpers.wandb_files(directory, "cfg", "cfg")[0])
+    run = read_run(wandb_files(directory, "cfg", "cfg")[0])
     assert run["config"]["lr"] == 0.1 and run["config"]["batch_size"] == 32
     assert sorted(run["history"]) == [0, 1, 2]

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from backendkit import tb_scalars
 
 import otel_train as ot
 from otel_train.phases import DURATION_KEY, PhaseTimer, Span, phase_values
@@ -74,19 +75,11 @@ def _demo_like(steps: int) -> None:
             ot.log({"train/loss": 1.0 / (i + 1)})
 
 
-def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
 def test_phases_add_up_to_the_step_duration_in_tensorboard(tmp_path: Path) -> None:
     ot.init(exporters=["tensorboard"], dir=tmp_path, run_name="phases")
     _demo_like(12)
     ot.shutdown()
-    series = _scalars(tmp_path / "phases")
+    series = tb_scalars(tmp_path / "phases")
     phases = sorted(t for t in series if t.startswith("phase/"))
     assert phases == ["phase/backward_s", "phase/data_s", "phase/forward_s", "phase/optimizer_s", "phase/other_s"]
     durations = series[display_name(DURATION_KEY)]
@@ -103,6 +96,6 @@ def test_phases_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ot.init(exporters=["tensorboard"], dir=tmp_path, run_name="nophases")
     _demo_like(3)
     ot.shutdown()
-    series = _scalars(tmp_path / "nophases")
+    series = tb_scalars(tmp_path / "nophases")
     assert display_name(DURATION_KEY) in series
     assert not [t for t in series if t.startswith("phase/")]

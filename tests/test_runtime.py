@@ -197,7 +197,8 @@ def _forked_child(conn) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_forked_child_neither_raises_nor_writes_into_the_parents_files(run_dir: Path) -> None:
-    """A DataLoader worker started by fork shares the parent's files: its data is dropped, not interleaved."""
+    """A DataLoader worker started by fork shares the parent's files and socket: it uses neither, its data
+    reaches the run through its own connection to the exporter process (tests/test_workers.py)."""
     import multiprocessing
 
     from otel_train.exporters.jsonl import read_jsonl
@@ -217,7 +218,8 @@ def test_forked_child_neither_raises_nor_writes_into_the_parents_files(run_dir: 
     ot.shutdown()
     rows = list(read_jsonl(run_dir / "forked" / "rank0.jsonl"))
     assert {(r["step"], r["value"]) for r in rows if r.get("tag") == "x"} == {(0, 1.0), (1, 2.0)}
-    assert not [r for r in rows if r.get("name") == "in-child"]
+    assert [r["value"] for r in rows if r.get("tag") == f"x{{worker={proc.pid}}}"] == [-1.0]
+    assert len([r for r in rows if r.get("name") == "in-child"]) == 1
 
 
 def test_init_rank_keywords_override_the_launcher_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from backendkit import tb_scalars
 
 import otel_train as ot
 from otel_train.system_metrics import SystemSampler
@@ -47,14 +48,6 @@ def test_no_sample_before_the_first_step() -> None:
     assert got == []
 
 
-def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
 def test_cpu_and_rss_for_every_step_and_no_gpu_series_without_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -73,7 +66,7 @@ def test_cpu_and_rss_for_every_step_and_no_gpu_series_without_gpu(
             time.sleep(0.001)
         ot.log({"train/loss": 0.5})
     ot.shutdown()
-    series = _scalars(tmp_path / "sys")
+    series = tb_scalars(tmp_path / "sys")
     for tag in ("system/cpu_percent/mean", "system/cpu_percent/max", "system/rss_mb/mean", "system/rss_mb/max",
                 "system/host_memory_percent/mean"):
         assert sorted(series[tag]) == list(range(steps)), tag

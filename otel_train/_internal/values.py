@@ -7,6 +7,7 @@ instead of one per value).
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Sequence
@@ -40,9 +41,12 @@ def to_float(value: Any) -> float | None:
     if t is float:
         return value  # type: ignore[no-any-return]
     if t is int or t is bool:
-        return float(value)
+        return _int_float(value)
     if isinstance(value, numbers.Real):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integral type beyond the float range
+            return _int_float(int(value))  # type: ignore[call-overload]  # Real has no __int__ in typeshed; integral types do
     if isinstance(value, (str, bytes, dict)):
         return None
     item = getattr(value, "item", None)
@@ -55,6 +59,14 @@ def to_float(value: Any) -> float | None:
     if isinstance(value, (list, tuple)) and len(value) == 1:
         return to_float(value[0])
     return None
+
+
+def _int_float(value: int) -> float:
+    """`float(value)`; an int beyond the float range is +-inf (as float32 overflow is stored), not an error."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _numel(value: Any) -> int:
@@ -77,7 +89,7 @@ def to_floats(values: Sequence[Any]) -> list[float | None]:
         if t is float:
             out[i] = v
         elif t is int:
-            out[i] = float(v)
+            out[i] = _int_float(v)
         elif t.__module__ == "torch" and t.__name__ in ("Tensor", "Parameter") and _numel(v) == 1:
             tensors.setdefault(v.device, []).append(i)
         else:

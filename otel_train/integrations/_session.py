@@ -33,6 +33,7 @@ class OwnedSession:
         world_size: int | None = None,
         config: Mapping[str, Any] | None = None,
         run_name: str | None = None,
+        run_id: str | None = None,
     ) -> None:
         """Call `otel_train.init()` (env configuration, plus the framework's own rank) unless a session runs.
 
@@ -41,7 +42,8 @@ class OwnedSession:
         """
         if session_running():
             return
-        ot.init(rank=rank, local_rank=local_rank, world_size=world_size, config=config, run_name=run_name)
+        ot.init(rank=rank, local_rank=local_rank, world_size=world_size, config=config, run_name=run_name,
+                run_id=run_id)
         self.started = True
 
     def close(self) -> None:

@@ -11,30 +11,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from backendkit import events, isolated_clearml_env, row, two_ranks
 
 from otel_train.exporters.base import Window
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, config_hash
+from otel_train.records import ExporterOptions, HistogramRow, RunInfo, config_hash
 
 HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
 RUN_ID = "cml-run-1"
-
-
-def row(run: RunInfo, step: int, tag: str, value: float, **attrs: Any) -> MetricRow:
-    return MetricRow(run, step, tag.split("{")[0], tag, value, "gauge", 0, attrs)
-
-
-def isolated_clearml_env(mp: pytest.MonkeyPatch, root: Path) -> None:
-    """No server, no user config: ClearML goes offline and keeps everything under `root`."""
-    for key in list(os.environ):
-        if key.startswith(("CLEARML_", "TRAINS_")):
-            mp.delenv(key)
-    # ClearML writes these itself (offline mode, process master id): record them, so they are undone after.
-    for key in ("CLEARML_OFFLINE_MODE", "TRAINS_OFFLINE_MODE", "CLEARML_PROC_MASTER_ID", "TRAINS_PROC_MASTER_ID"):
-        mp.setenv(key, "")
-        mp.delenv(key)
-    mp.setenv("HOME", str(root / "home"))
-    mp.setenv("CLEARML_CONFIG_FILE", str(root / "clearml.conf"))  # absent: defaults only
-    mp.setenv("CLEARML_CACHE_DIR", str(root / "cache"))
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +29,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         isolated_clearml_env(mp, root)
         options = ExporterOptions(directory=root / "runs", project="otel-clearml-test", hparams=HPARAMS,
                                   ranks="all")
-        r0 = RunInfo(RUN_ID, "cml", rank=0, world_size=2, config_hash=config_hash(HPARAMS))
-        r1 = RunInfo(RUN_ID, "cml", rank=1, world_size=2, config_hash=config_hash(HPARAMS))
+        r0, r1 = two_ranks(RUN_ID, "cml", HPARAMS)
         exporter = ClearMLExporter(options)
         results: list[bool] = []
 
@@ -68,14 +50,6 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         exporter.shutdown()
         folder = Path(task.get_offline_mode_folder())
         yield {"results": results, "folder": folder, "task_id": task.id, "exporter": exporter}
-
-
-def events(folder: Path) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for line in (folder / "metrics.jsonl").read_text().splitlines():
-        if line.strip():
-            out.extend(json.loads(line))
-    return out
 
 
 def test_offline_session_stored_locally(session: dict[str, Any]) -> None:

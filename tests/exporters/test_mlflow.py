@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import backendkit
 import pytest
+from backendkit import history, isolated_mlflow_env, two_ranks
 
 from otel_train.exporters.base import Window
 from otel_train.records import (
@@ -27,14 +29,7 @@ RUN_ID = "mlf-run-1"
 
 
 def row(run: RunInfo, step: int, tag: str, value: float, **attrs: Any) -> MetricRow:
-    return MetricRow(run, step, tag.split("{")[0], tag, value, "gauge", 1_700_000_000_000_000_000 + step, attrs)
-
-
-def isolated_mlflow_env(mp: pytest.MonkeyPatch, root: Path) -> None:
-    for key in list(os.environ):
-        if key.startswith("MLFLOW_"):
-            mp.delenv(key)
-    mp.setenv("HOME", str(root / "home"))
+    return backendkit.row(run, step, tag, value, 1_700_000_000_000_000_000 + step, **attrs)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +41,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         isolated_mlflow_env(mp, root)
         # ranks "all" with one instance seeing two ranks: the sink's situation.
         options = ExporterOptions(directory=root / "runs", project="otel-mlflow-test", hparams=HPARAMS, ranks="all")
-        r0 = RunInfo(RUN_ID, "mlf", rank=0, world_size=2, config_hash=config_hash(HPARAMS))
-        r1 = RunInfo(RUN_ID, "mlf", rank=1, world_size=2, config_hash=config_hash(HPARAMS))
+        r0, r1 = two_ranks(RUN_ID, "mlf", HPARAMS)
         exporter = MLflowExporter(options)
         assert exporter.export_window(Window(metrics=[
             row(r0, 1, "train/loss", 0.5), row(r0, 0, "train/loss", 1.0), row(r0, 2, "train/loss", 0.25),
@@ -60,12 +54,6 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         exporter.shutdown()
         exporter.shutdown()
         yield {"root": root, "uri": uri, "id": mlflow_id, "env": dict(os.environ)}
-
-
-def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
-    from mlflow.tracking import MlflowClient
-
-    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
 
 
 def test_default_store_is_local_sqlite_under_the_directory(store: dict[str, Any]) -> None:

@@ -5,16 +5,11 @@ unmatched-pattern line, config errors, and the same routing through the sink."""
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # importlib mode: reuse the backends' read-back helpers
-
-from test_clearml import events, isolated_clearml_env
-from test_wandb import isolated_wandb_env, read_run
+from backendkit import events, read_run, tb_scalars
 
 import otel_train as ot
 from otel_train.config import load_settings
@@ -31,22 +26,13 @@ def _wandb_written() -> None:
     wandb.teardown()
 
 
-def _tb_scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
 def _train(steps: range) -> None:
     for s in ot.steps(steps):
         ot.log({"train/loss": 1.0 / (s + 1), "eval/acc": s / 100, "system/cpu_percent": 50.0 + s})
 
 
-def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    isolated_wandb_env(monkeypatch, tmp_path / "wb")
-    isolated_clearml_env(monkeypatch, tmp_path / "cml")
+def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     backend_home: Path) -> None:
     monkeypatch.setenv("OTEL_TRAIN_WANDB_INCLUDE", "train/*")
     monkeypatch.setenv("OTEL_TRAIN_WANDB_EVERY", "5")
     monkeypatch.setenv("OTEL_TRAIN_CLEARML_INCLUDE", "system/*")
@@ -55,8 +41,9 @@ def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch:
     ot.shutdown()
     _wandb_written()
 
-    tb = _tb_scalars(tmp_path / "runs" / "route-1")
-    assert set(tb) == {"train/loss", "eval/acc", "system/cpu_percent", *BUILTINS}  # everything, built-ins in `train/`
+    tb = tb_scalars(tmp_path / "runs" / "route-1")
+    tags = {t for t in tb if not t.startswith("otel_train/")}  # minus otel-train's own health (test_self_telemetry)
+    assert tags == {"train/loss", "eval/acc", "system/cpu_percent", *BUILTINS}  # everything, built-ins in `train/`
     assert tb["train/loss"] == {s: pytest.approx(1.0 / (s + 1)) for s in STEPS}
     assert set(tb["train/iterations"]) == set(STEPS)
 
@@ -68,7 +55,7 @@ def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch:
         assert values["train/loss"] == pytest.approx(1.0 / (step + 1))
 
     scalars: dict[tuple[str, str], dict[int, float]] = {}
-    [folder] = [p for p in (tmp_path / "cml" / "cache" / "offline").glob("offline-*") if p.is_dir()]
+    [folder] = [p for p in (backend_home / "clearml" / "cache" / "offline").glob("offline-*") if p.is_dir()]
     for ev in events(folder):
         if ev["type"] == "training_stats_scalar":
             scalars.setdefault((ev["metric"], ev["variant"]), {})[ev["iter"]] = ev["value"]
@@ -86,7 +73,7 @@ def test_a_misspelt_pattern_is_reported_once_at_shutdown(run_dir: Path, monkeypa
     lines = [r.getMessage() for r in caplog.records if r.name == "otel_train.routing"]
     assert lines == ["OTEL_TRAIN_TENSORBOARD_INCLUDE: pattern 'trian/*' matched no metric",
                      "routes['tensorboard'].exclude: pattern 'debug/*' matched no metric"]
-    assert set(_tb_scalars(run_dir / "typo")) == {"eval/acc"}
+    assert set(tb_scalars(run_dir / "typo")) == {"eval/acc"}
 
 
 def test_keyword_fields_override_their_variables(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,7 +115,8 @@ def test_a_backends_ranks_override_in_process(run_dir: Path, monkeypatch: pytest
     ot.init(exporters=["tensorboard", "jsonl"], dir=run_dir, run_id="r", rank=1, world_size=2)
     _train(range(2))
     ot.shutdown()
-    names = {r["name"] for r in read_jsonl(jsonl_path(run_dir, "r", 1)) if r["type"] == "metric"}
+    names = {r["name"] for r in read_jsonl(jsonl_path(run_dir, "r", 1))
+             if r["type"] == "metric" and not r["name"].startswith("otel_train.")}  # minus otel-train's own health
     assert names == {"train/loss", "eval/acc", "system/cpu_percent", "train.step.duration_s", "train.time_total_s",
                      "train.iterations"}  # JSONL keeps the wire names
     assert not list(run_dir.glob("**/events.out.tfevents.*"))
@@ -170,7 +158,7 @@ def test_the_sink_routes_its_backends_the_same(tmp_path: Path, monkeypatch: pyte
     finally:
         sink.stop()
     runs = tmp_path / "runs" / "s"
-    tb = _tb_scalars(runs)  # rank 0 only: no rank<N> subfolders
+    tb = tb_scalars(runs)  # rank 0 only: no rank<N> subfolders
     assert tb == {tag: {s: float(s) for s in (0, 3, 6, 9)} for tag in ("train/loss", "train/step_duration_s")}
     assert len(list(runs.glob("**/events.out.tfevents.*"))) == 1
     for rank in (0, 1):  # JSONL has no route: every series, every step, wire names

@@ -3,9 +3,7 @@ rank policy and step ordering against a fake `wandb` module."""
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -14,7 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import backendkit
 import pytest
+from backendkit import isolated_wandb_env, read_run, two_ranks, wandb_files
 
 from otel_train.exporters.base import Window
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, config_hash
@@ -23,80 +23,8 @@ HPARAMS = {"lr": 0.1, "optim": {"beta": 0.9}}
 RUN_ID = "job/77"  # "/" is reserved in W&B ids: becomes "-"
 
 
-def isolated_wandb_env(mp: pytest.MonkeyPatch, root: Path) -> None:
-    """Offline W&B with every file it writes under `root` (never the user's home config)."""
-    for key in list(os.environ):
-        if key.startswith("WANDB_"):
-            mp.delenv(key)
-    mp.setenv("HOME", str(root / "home"))
-    mp.setenv("WANDB_MODE", "offline")
-    mp.setenv("WANDB_SILENT", "true")
-    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
-                     ("WANDB_ARTIFACT_DIR", "artifacts")):
-        mp.setenv(var, str(root / sub))
-
-
-# -- reading a .wandb file back (LevelDB log format of protobuf `Record`s) -----------------------
-_BLOCK = 32768
-_HEADER = 7
-
-
-def wandb_records(path: Path) -> Iterator[Any]:
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    ident, magic, _version = struct.unpack("<4sHB", data[:_HEADER])
-    assert (ident, magic) == (b":W&B", 0xBEE1)
-    off, pending = _HEADER, b""
-    while off + _HEADER <= len(data):
-        left = _BLOCK - off % _BLOCK
-        if left < _HEADER:
-            off += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[off:off + _HEADER])
-        if kind == 0 and length == 0:  # zero padding up to the block end
-            off += left
-            continue
-        chunk = data[off + _HEADER:off + _HEADER + length]
-        off += _HEADER + length
-        if kind in (1, 4):  # FULL, LAST
-            record = pb.Record()
-            record.ParseFromString(pending + chunk if kind == 4 else chunk)
-            pending = b""
-            yield record
-        elif kind == 2:  # FIRST
-            pending = chunk
-        else:  # MIDDLE
-            pending += chunk
-
-
-def read_run(path: Path) -> dict[str, Any]:
-    """run id, name, group, config and history (step -> {key: value}) of one `.wandb` file."""
-    out: dict[str, Any] = {"history": {}, "config": {}}
-    for rec in wandb_records(path):
-        kind = rec.WhichOneof("record_type")
-        if kind == "run":
-            out.update(id=rec.run.run_id, name=rec.run.display_name, group=rec.run.run_group,
-                       project=rec.run.project)
-            out["config"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
-        elif kind == "config":
-            out["config"].update({i.key: json.loads(i.value_json) for i in rec.config.update})
-        elif kind == "history":
-            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-            step = items["_step"]
-            assert step not in out["history"], f"step {step} written twice"
-            out["history"][step] = {k: v for k, v in items.items() if not k.startswith("_")}
-            if "grad/_type" in items:
-                assert items["grad/_type"] == "histogram"
-    return out
-
-
-def wandb_files(directory: Path, run_name: str, wandb_id: str) -> list[Path]:
-    return sorted((directory / run_name / "wandb").glob(f"offline-run-*-{wandb_id}/run-{wandb_id}.wandb"))
-
-
 def row(run: RunInfo, step: int, tag: str, value: float, **attrs: Any) -> MetricRow:
-    return MetricRow(run, step, tag.split("{")[0], tag, value, "gauge", 1_000 + step, attrs)
+    return backendkit.row(run, step, tag, value, 1_000 + step, **attrs)
 
 
 # -- the real offline run (one module-scoped session) ----------------------------------------------
@@ -109,8 +37,7 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         isolated_wandb_env(mp, root)
         options = ExporterOptions(directory=root / "runs", project="otel-wandb-test", hparams=HPARAMS,
                                   ranks="all")
-        r0 = RunInfo(RUN_ID, "wb", rank=0, world_size=2, config_hash=config_hash(HPARAMS))
-        r1 = RunInfo(RUN_ID, "wb", rank=1, world_size=2, config_hash=config_hash(HPARAMS))
+        r0, r1 = two_ranks(RUN_ID, "wb", HPARAMS)
         hist = HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 5_000)
         exporter = WandbExporter(options)
         # Window 1: out of order inside the window, a suffixed series, a histogram, rank 1.

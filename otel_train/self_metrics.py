@@ -1,0 +1,66 @@
+"""otel-train's own health as metrics, in the same backends as the run (``otel_train/*`` on dashboards).
+
+Computed in the exporter process, off the training thread, when a window arrives: a few rows per backend,
+stamped with that window's highest step, so a stall or a failing backend lines up with the loss. The rows
+go to every backend (so TensorBoard shows that W&B is failing) but not into the spool: they describe this
+delivery, not the run. ``OTEL_TRAIN_SELF_METRICS=0`` turns them off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+from otel_train import semconv
+from otel_train.exporters.base import Window
+from otel_train.records import MetricRow, RunInfo
+
+__all__ = ["SelfMetrics"]
+
+
+class SelfMetrics:
+    """Adds the health rows to each window (`Delivery.annotate`).
+
+    Args:
+        backend_stats: The delivery's `backend_stats` (name -> backlog, exports, export_s, rows, failures, dropped).
+
+    Example:
+        >>> from otel_train.records import RunInfo
+        >>> stats = {"tensorboard": {"backlog": 1, "exports": 2, "export_s": 0.5, "rows": 9, "failures": 0,
+        ...                          "dropped": 0}}
+        >>> rows = SelfMetrics(lambda: stats).rows(RunInfo("r", "r"), 3, 10)
+        >>> sorted((r.tag, r.value) for r in rows)[:2]
+        [('otel_train.backend_errors{exporter=tensorboard}', 0.0), ('otel_train.backlog_windows{exporter=tensorboard}', 1.0)]
+    """
+
+    def __init__(self, backend_stats: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+        self._stats = backend_stats
+        self._points = 0
+        self._windows = 0
+        self._last: dict[str, tuple[float, float]] = {}  # backend -> (exports, export_s) at the last report
+
+    def __call__(self, window: Window, max_step: int) -> Window:
+        self._windows += 1
+        self._points += len(window.metrics) + len(window.histograms)
+        if max_step < 0 or not window.metrics:  # spans only: no step to put the rows at
+            return window
+        rows = self.rows(window.metrics[0].run, max_step, self._points)
+        return Window([*window.metrics, *rows], window.histograms, window.spans)
+
+    def rows(self, run: RunInfo, step: int, points: int) -> list[MetricRow]:
+        """The health rows at `step`: run-wide counts, then per backend."""
+        t = time.time_ns()
+        out = [MetricRow(run, step, semconv.SELF_POINTS, semconv.SELF_POINTS, float(points), "gauge", t),
+               MetricRow(run, step, semconv.SELF_WINDOWS, semconv.SELF_WINDOWS, float(self._windows), "gauge", t)]
+        for name, s in self._stats().items():
+            values = {semconv.SELF_BACKLOG: s["backlog"], semconv.SELF_ROWS_WRITTEN: s["rows"],
+                      semconv.SELF_BACKEND_ERRORS: s["failures"],
+                      semconv.SELF_DROPPED_WINDOWS: s["dropped"]}
+            exports, seconds = self._last.get(name, (0.0, 0.0))
+            if s["exports"] > exports:  # mean latency of the writes since the last report
+                values[semconv.SELF_EXPORT_LATENCY] = (s["export_s"] - seconds) / (s["exports"] - exports)
+                self._last[name] = (s["exports"], s["export_s"])
+            attrs = {"exporter": name}
+            out.extend(MetricRow(run, step, key, f"{key}{{exporter={name}}}", float(v), "gauge", t, attrs)
+                       for key, v in values.items())
+        return out

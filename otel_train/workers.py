@@ -1,0 +1,362 @@
+"""Child processes (DataLoader workers, `multiprocessing` children) reach the run's exporter process.
+
+A child never writes to the trainer's connection (forked, it shares that socket; spawned, it has none).
+The exporter process listens on a Unix socket of its own (`WorkerListener`); each child opens its own
+connection on first use (`WorkerClient`): forked children find the address on the session they inherited,
+spawned ones in `OTEL_TRAIN_WORKER_ADDRESS`, which the trainer sets for its children. The child's
+`ot.log` / `ot.span` only append to a bounded buffer; a sender thread ships it every 0.2 s and at the
+child's exit. A child that cannot reach the exporter process drops its data with one warning: data loading
+never waits for telemetry.
+
+In the run, child data carries ``worker=N`` (the DataLoader worker id, else the child's pid): metrics as
+``name{worker=N}``, spans on their own Chrome trace thread track ``worker N (pid P)``. A value logged
+without ``step=`` gets the run's latest step, as the exporter process sees it. Child windows are not
+spooled: they are delivered once, best effort.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import pickle
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from otel_train.exporters.base import Window
+from otel_train.records import MetricRow, RunInfo, SpanRow
+
+__all__ = ["WorkerClient", "WorkerListener", "client_from_env"]
+
+_logger = logging.getLogger("otel_train")
+_LEN = struct.Struct("<I")
+_SEND_EVERY_S = 0.2
+_CONNECT_TIMEOUT_S = 2.0
+_SEND_TIMEOUT_S = 5.0  # a stalled exporter process: give up and drop, never block the worker's exit for long
+_MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropped (counted)
+
+
+def _send(sock: socket.socket, obj: Any) -> None:
+    payload = pickle.dumps(obj, protocol=5)
+    sock.sendall(_LEN.pack(len(payload)) + payload)
+
+
+def _recv(sock: socket.socket) -> Any:
+    head = _recv_exact(sock, _LEN.size)
+    return pickle.loads(_recv_exact(sock, _LEN.unpack(head)[0]))  # our own children, same user (socket 0600)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+# -- the exporter process's end ----------------------------------------------------------------------
+class WorkerListener:
+    """Accepts child connections in the exporter process and hands their data to delivery.
+
+    Args:
+        address: Unix socket path (replaced if a stale one is there).
+        run: The run every child row belongs to (the trainer's rank and pid track).
+        submit: Takes a `Window` of child rows (`Delivery.submit_side`).
+        last_step: The run's latest step, for values logged without one.
+    """
+
+    def __init__(self, address: str, run: RunInfo, submit: Any, last_step: Any) -> None:
+        self.address = address
+        self._run = run
+        self._submit = submit
+        self._last_step = last_step
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(address)
+        os.chmod(address, 0o600)  # only this user's processes may add to the run
+        self._sock.listen(64)
+        self._serving: list[threading.Thread] = []
+        self._serving_lock = threading.Lock()
+        self._acceptor = threading.Thread(target=self._accept, name="otel-train-workers", daemon=True)
+        self._acceptor.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            self._start_serving(conn)
+
+    def _start_serving(self, conn: socket.socket) -> None:
+        conn.setblocking(True)
+        thread = threading.Thread(target=self._serve, args=(conn,), name="otel-train-worker-conn", daemon=True)
+        thread.start()
+        with self._serving_lock:
+            self._serving = [t for t in self._serving if t.is_alive()] + [thread]
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                _, worker, pid = _recv(conn)
+                while True:
+                    points, spans = _recv(conn)
+                    self._submit(self._window(int(worker), int(pid), points, spans))
+            except (EOFError, OSError):
+                return
+            except Exception as err:  # a malformed frame ends this child's connection only
+                _logger.warning("a child process sent unreadable telemetry (%s); its connection is closed", err)
+
+    def _window(self, worker: int, pid: int, points: list[tuple[str, int, float, int]],
+                spans: list[tuple[Any, ...]]) -> Window:
+        run, attrs = self._run, {"worker": worker}
+        last = max(0, int(self._last_step()))
+        rows = [MetricRow(run, s if s >= 0 else last, key, f"{key}{{worker={worker}}}", v, "gauge", t, attrs)
+                for key, s, v, t in points]
+        track = f"worker {worker} (pid {pid})"
+        span_rows = [SpanRow(run, name, trace_id, span_id, parent, start, end, pid, track, step,
+                             {**attributes, "worker": worker}, error, message)
+                     for name, trace_id, span_id, parent, start, end, step, attributes, error, message in spans]
+        return Window(rows, [], span_rows)
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop accepting; give connected children up to `timeout_s` to deliver what they sent."""
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(OSError):  # children that connected but were not accepted yet: serve them too
+            self._sock.setblocking(False)
+            while True:
+                conn, _ = self._sock.accept()
+                self._start_serving(conn)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not on Linux)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self._acceptor.join(max(0.0, deadline - time.monotonic()))
+        with self._serving_lock:
+            serving = list(self._serving)
+        for thread in serving:  # children that exited: their last frames are still being read
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(OSError):
+            os.unlink(self.address)
+        parent = Path(self.address).parent
+        if parent.name.startswith("otel-train-w"):  # our own temporary folder (a long run path)
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+
+
+def listen_address(spool_path: Path) -> str:
+    """Where the exporter process listens: beside the spool, or in a temporary folder when that path is
+    too long for a Unix socket (about 100 bytes)."""
+    address = str(spool_path / "workers.sock")
+    if len(address.encode()) <= 100:
+        return address
+    import tempfile
+
+    return os.path.join(tempfile.mkdtemp(prefix="otel-train-w"), "workers.sock")
+
+
+# -- the child's end ------------------------------------------------------------------------------------
+class _WorkerSpan:
+    """A span in a child process: timed here, shipped as plain fields."""
+
+    def __init__(self, client: WorkerClient, name: str, attributes: Mapping[str, Any] | None, step: Any) -> None:
+        self._client = client
+        self._name = name
+        self._attributes = dict(attributes or {})
+        self._step = step
+        self._start = 0
+        self._parent: int | None = None
+        self.span_id = secrets.randbits(64) or 1
+
+    def __enter__(self) -> _WorkerSpan:
+        self._parent = self._client.enter(self.span_id)
+        self._start = time.time_ns()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        end = time.time_ns()
+        self._client.leave()
+        error = exc_type is not None
+        message = f"{exc_type.__name__}: {exc}" if exc_type is not None else ""
+        self._client.add_span((self._name, self._client.trace_id, self.span_id, self._parent, self._start, end,
+                               self._step, self._attributes, error, message))
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        self._attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self._attributes.update(attributes)
+
+
+class WorkerClient:
+    """A child process's connection to the run (opened on first use, in the child).
+
+    Args:
+        address: The exporter process's child socket; None when the run has none
+            (`OTEL_TRAIN_EXPORT_PROCESS=off`): then everything is dropped with one warning.
+    """
+
+    def __init__(self, address: str | None) -> None:
+        self._address = address
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._points: list[tuple[str, int, float, int]] = []
+        self._spans: list[tuple[Any, ...]] = []
+        self._sock: socket.socket | None = None
+        self._state = "new"  # new -> open | dead
+        self._warned = False
+        self._stack = threading.local()
+        self.dropped = 0
+        self.trace_id = secrets.randbits(128) or 1
+
+    # -- recording (any thread of the child) ------------------------------------------------------------
+    def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
+        if not self._usable():
+            return
+        t = time.time_ns()
+        s = -1 if step is None else int(step)  # -1: the exporter process stamps the run's latest step
+        points = []
+        for key, value in mapping.items():
+            try:
+                points.append((str(key), s, float(value), t))
+            except (TypeError, ValueError):
+                _logger.warning("otel_train.log in a child process: %r is not a number; skipped", key)
+        with self._lock:
+            if len(self._points) + len(points) > _MAX_BUFFERED:
+                self.dropped += len(points)
+                return
+            self._points.extend(points)
+
+    def span(self, name: str, attributes: Mapping[str, Any] | None = None) -> Any:
+        from otel_train.instrument import NO_SPAN
+
+        if not self._usable():
+            return NO_SPAN
+        step = (attributes or {}).get("train.step")
+        return _WorkerSpan(self, name, attributes, step)
+
+    def enter(self, span_id: int) -> int | None:
+        stack = self._stack.__dict__.setdefault("ids", [])
+        parent = stack[-1] if stack else None
+        stack.append(span_id)
+        return parent
+
+    def leave(self) -> None:
+        stack = self._stack.__dict__.get("ids")
+        if stack:
+            stack.pop()
+
+    def add_span(self, fields: tuple[Any, ...]) -> None:
+        with self._lock:
+            if len(self._spans) >= _MAX_BUFFERED:
+                self.dropped += 1
+                return
+            self._spans.append(fields)
+
+    # -- connection (the sender thread) ------------------------------------------------------------------
+    def _usable(self) -> bool:
+        if self._state == "open":
+            return True
+        if self._state == "dead":
+            return False
+        with self._lock:
+            if self._state == "new":
+                self._open()
+        return self._state == "open"
+
+    def _open(self) -> None:
+        if self._address is None:
+            self._die("the run has no exporter process (OTEL_TRAIN_EXPORT_PROCESS=off, or it stopped)")
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(_CONNECT_TIMEOUT_S)
+        try:
+            sock.connect(self._address)
+            sock.settimeout(_SEND_TIMEOUT_S)
+            _send(sock, ("hello", _worker_id(), os.getpid()))
+        except OSError as err:
+            sock.close()
+            self._die(f"cannot reach the run's exporter process at {self._address} ({err})")
+            return
+        self._sock = sock
+        self._state = "open"
+        threading.Thread(target=self._sender, name="otel-train-worker-send", daemon=True).start()
+        # multiprocessing children (DataLoader workers) leave through its finalizers, not atexit.
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(self, self.close, exitpriority=100)
+        atexit.register(self.close)
+
+    def _die(self, why: str) -> None:
+        self._state = "dead"
+        if not self._warned:
+            self._warned = True
+            _logger.warning("otel-train: telemetry of child process %d dropped: %s (warned once)", os.getpid(), why)
+
+    def _sender(self) -> None:
+        while self._state == "open":
+            time.sleep(_SEND_EVERY_S)
+            self.send_now()
+
+    def send_now(self) -> None:
+        """Ship what is buffered (drops it with one warning when the exporter process is unreachable)."""
+        with self._lock:
+            points, spans = self._points, self._spans
+            self._points, self._spans = [], []
+            sock = self._sock
+            if not (points or spans) or sock is None or self._state != "open":
+                return
+            try:
+                _send(sock, (points, spans))
+            except OSError as err:
+                self._sock = None
+                sock.close()
+                self._die(f"sending to the run's exporter process failed ({err})")
+
+    def close(self) -> None:
+        """Send the rest and close (at the child's exit; idempotent)."""
+        if os.getpid() != self._pid or self._state != "open":
+            return
+        self.send_now()
+        with self._lock:
+            self._state = "closed"
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+                self._sock = None
+
+
+def _worker_id() -> int:
+    """The DataLoader worker id when this is a torch worker (torch already imported), else the pid."""
+    data = sys.modules.get("torch.utils.data")
+    info = data.get_worker_info() if data is not None else None
+    return int(info.id) if info is not None else os.getpid()
+
+
+_from_env: tuple[int, str, WorkerClient | None] | None = None
+
+
+def client_from_env() -> WorkerClient | None:
+    """The client of a spawned child of a run (from `OTEL_TRAIN_WORKER_ADDRESS`), else None."""
+    global _from_env
+    from otel_train.config import OTEL_TRAIN_WORKER_ADDRESS
+
+    raw = os.environ.get(OTEL_TRAIN_WORKER_ADDRESS, "").strip()
+    if _from_env is None or _from_env[:2] != (os.getpid(), raw):
+        client = None if not raw else WorkerClient(None if raw in ("none", "disabled") else raw)
+        if client is not None and raw == "disabled":  # a disabled run: its children's calls are silent no-ops
+            client._state, client._warned = "dead", True
+        _from_env = (os.getpid(), raw, client)
+    return _from_env[2]

@@ -1,0 +1,57 @@
+"""Helpers of the fault-injection suite: what a tiny training loop logs, and reading it back.
+
+Every fault test asserts exact (series, step, value) sets, so the loop logs values that are a
+function of the step, and the readers return sets of points.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+#: The series the tiny loop logs (the auto-recorded `train.*` series are left out of the sets).
+SERIES = ("loss", "acc")
+
+
+def value(tag: str, step: int) -> float:
+    """What the tiny loop logs for `tag` at `step` (exactly representable in float32)."""
+    return 1.0 / (step + 1) if tag == "loss" else step * 0.5
+
+
+def f32(x: float) -> float:
+    """`x` as TensorBoard stores it (float32)."""
+    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+
+
+def expected(steps: range | list[int], as_f32: bool = False) -> set[tuple[str, int, float]]:
+    """The exact points of `SERIES` at `steps`."""
+    conv = f32 if as_f32 else float
+    return {(tag, s, conv(value(tag, s))) for s in steps for tag in SERIES}
+
+
+def jsonl_points(directory: Path, run_name: str, rank: int = 0) -> list[tuple[str, int, float]]:
+    """Every (tag, step, value) of `SERIES` in a JSONL file, in file order, resumes applied."""
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl, resolve_resumes
+
+    path = jsonl_path(directory, run_name, rank)
+    if not path.exists():
+        return []
+    return [(r["tag"], r["step"], r["value"]) for r in resolve_resumes(read_jsonl(path))
+            if r["type"] == "metric" and r["tag"] in SERIES]
+
+
+def jsonl_spans(directory: Path, run_name: str, rank: int = 0) -> list[dict[str, object]]:
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    path = jsonl_path(directory, run_name, rank)
+    return [r for r in read_jsonl(path) if r["type"] == "span"] if path.exists() else []
+
+
+def tb_points(run_dir: Path) -> list[tuple[str, int, float]]:
+    """Every (tag, step, value) of `SERIES` as TensorBoard's own reader shows them (purges applied)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    return [(tag, e.step, e.value) for tag in SERIES if tag in tags for e in acc.Scalars(tag)]

@@ -1,0 +1,160 @@
+"""Test scaffolding shared by every backend's tests: isolated offline environments, rows, read-back.
+
+Each backend writes into a temporary folder only (never the user's home config or a server), and
+each has one reader that returns what a user would see: TensorBoard scalars, a W&B offline run's
+history, ClearML's offline metrics, MLflow's metric history. `tests/conftest.py` puts this folder on
+`sys.path` (the suite runs in importlib mode), and its `backend_home` fixture isolates them all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otel_train.records import MetricRow, RunInfo, config_hash
+
+
+def row(run: RunInfo, step: int, tag: str, value: float, time_ns: int = 0, **attrs: Any) -> MetricRow:
+    """A gauge row; `tag` may carry the series suffix (``eval/acc{split=val}``), `attrs` its attributes."""
+    return MetricRow(run, step, tag.split("{")[0], tag, value, "gauge", time_ns, attrs)
+
+
+def two_ranks(run_id: str, name: str, hparams: dict[str, Any]) -> tuple[RunInfo, RunInfo]:
+    """Ranks 0 and 1 of one run: the sink's situation, one exporter instance seeing both."""
+    h = config_hash(hparams)
+    return RunInfo(run_id, name, rank=0, world_size=2, config_hash=h), RunInfo(run_id, name, rank=1, world_size=2,
+                                                                               config_hash=h)
+
+
+def isolated_backends_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """W&B, ClearML and MLflow all offline/local under `root`."""
+    isolated_wandb_env(mp, root / "wandb")
+    isolated_clearml_env(mp, root / "clearml")
+    isolated_mlflow_env(mp, root / "mlflow")
+    mp.setenv("HOME", str(root / "home"))
+
+
+# -- TensorBoard ----------------------------------------------------------------------------------
+def tb_scalars(logdir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar series of a TensorBoard log folder, read with TensorBoard's own reader: tag -> step -> value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+# -- Weights & Biases ---------------------------------------------------------------------------------
+def isolated_wandb_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """Offline W&B with every file it writes under `root` (never the user's home config)."""
+    for key in list(os.environ):
+        if key.startswith("WANDB_"):
+            mp.delenv(key)
+    mp.setenv("HOME", str(root / "home"))
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
+    for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
+                     ("WANDB_ARTIFACT_DIR", "artifacts")):
+        mp.setenv(var, str(root / sub))
+
+
+# -- reading a .wandb file back (LevelDB log format of protobuf `Record`s) -----------------------
+_BLOCK = 32768
+_HEADER = 7
+
+
+def wandb_records(path: Path) -> Iterator[Any]:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    ident, magic, _version = struct.unpack("<4sHB", data[:_HEADER])
+    assert (ident, magic) == (b":W&B", 0xBEE1)
+    off, pending = _HEADER, b""
+    while off + _HEADER <= len(data):
+        left = _BLOCK - off % _BLOCK
+        if left < _HEADER:
+            off += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[off:off + _HEADER])
+        if kind == 0 and length == 0:  # zero padding up to the block end
+            off += left
+            continue
+        chunk = data[off + _HEADER:off + _HEADER + length]
+        off += _HEADER + length
+        if kind in (1, 4):  # FULL, LAST
+            record = pb.Record()
+            record.ParseFromString(pending + chunk if kind == 4 else chunk)
+            pending = b""
+            yield record
+        elif kind == 2:  # FIRST
+            pending = chunk
+        else:  # MIDDLE
+            pending += chunk
+
+
+def read_run(path: Path) -> dict[str, Any]:
+    """run id, name, group, config and history (step -> {key: value}) of one `.wandb` file."""
+    out: dict[str, Any] = {"history": {}, "config": {}}
+    for rec in wandb_records(path):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            out.update(id=rec.run.run_id, name=rec.run.display_name, group=rec.run.run_group,
+                       project=rec.run.project)
+            out["config"].update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+        elif kind == "config":
+            out["config"].update({i.key: json.loads(i.value_json) for i in rec.config.update})
+        elif kind == "history":
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            step = items["_step"]
+            assert step not in out["history"], f"step {step} written twice"
+            out["history"][step] = {k: v for k, v in items.items() if not k.startswith("_")}
+            if "grad/_type" in items:
+                assert items["grad/_type"] == "histogram"
+    return out
+
+
+def wandb_files(directory: Path, run_name: str, wandb_id: str) -> list[Path]:
+    return sorted((directory / run_name / "wandb").glob(f"offline-run-*-{wandb_id}/run-{wandb_id}.wandb"))
+
+
+# -- ClearML ------------------------------------------------------------------------------------------
+def isolated_clearml_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """No server, no user config: ClearML goes offline and keeps everything under `root`."""
+    for key in list(os.environ):
+        if key.startswith(("CLEARML_", "TRAINS_")):
+            mp.delenv(key)
+    # ClearML writes these itself (offline mode, process master id): record them, so they are undone after.
+    for key in ("CLEARML_OFFLINE_MODE", "TRAINS_OFFLINE_MODE", "CLEARML_PROC_MASTER_ID", "TRAINS_PROC_MASTER_ID"):
+        mp.setenv(key, "")
+        mp.delenv(key)
+    mp.setenv("HOME", str(root / "home"))
+    mp.setenv("CLEARML_CONFIG_FILE", str(root / "clearml.conf"))  # absent: defaults only
+    mp.setenv("CLEARML_CACHE_DIR", str(root / "cache"))
+
+
+def events(folder: Path) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for line in (folder / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            out.extend(json.loads(line))
+    return out
+
+
+# -- MLflow -------------------------------------------------------------------------------------------
+def isolated_mlflow_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    for key in list(os.environ):
+        if key.startswith("MLFLOW_"):
+            mp.delenv(key)
+    mp.setenv("HOME", str(root / "home"))
+
+
+def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))

@@ -1,0 +1,122 @@
+"""Ray Tune: a real two-trial experiment on the CPU; read back from TensorBoard and the Chrome trace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+tune = pytest.importorskip("ray.tune", reason="Ray Tune is not installed: pip install 'otel-train[ray]'")
+
+import ray
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import otel_train as ot
+from otel_train.exporters.chrome_trace import trace_path
+from otel_train.integrations.ray_tune import OtelTrainCallback
+from otel_train.trace_merge import load_trace
+
+
+def _tags(path: Path) -> EventAccumulator:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    return acc
+
+
+def _trainable(config: dict[str, Any]) -> None:
+    for i in range(3):
+        if config["lr"] < 0 and i == 1:
+            raise ValueError("negative learning rate")
+        tune.report({"loss": config["lr"] * (10 - i), "nested": {"acc": i / 10}, "name": "not a number"})
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[None]:
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_two_trials_write_their_series_and_spans(ray_local: None, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "tune-run")
+    callback = OtelTrainCallback()
+    tuner = tune.Tuner(
+        _trainable,
+        param_space={"lr": tune.grid_search([1.0, 2.0, -1.0])},
+        run_config=tune.RunConfig(storage_path=str(tmp_path / "ray"), callbacks=[callback], verbose=0),
+    )
+    results = tuner.fit()
+    assert len(results.errors) == 1
+    assert ot._session is None or ot._session.closed  # the callback shut down what it started
+
+    trials = {r.config["lr"]: r.metrics["trial_id"] for r in results if r.error is None}
+    (failed,) = [r.metrics["trial_id"] for r in results if r.error is not None]
+    acc = _tags(tmp_path / "runs" / "tune-run")
+    scalars = set(acc.Tags()["scalars"])
+    for lr, trial_id in trials.items():
+        loss = {e.step: e.value for e in acc.Scalars(f"tune/loss{{trial_id={trial_id}}}")}
+        assert loss == pytest.approx({1: lr * 10, 2: lr * 9, 3: lr * 8})  # at Tune's training_iteration
+        acc_values = {e.step: e.value for e in acc.Scalars(f"tune/nested/acc{{trial_id={trial_id}}}")}
+        assert acc_values == pytest.approx({1: 0.0, 2: 0.1, 3: 0.2})
+        for auto in ("training_iteration", "time_this_iter_s", "time_total_s", "iterations_since_restore"):
+            assert f"tune/{auto}{{trial_id={trial_id}}}" in scalars
+        iters = {e.step: e.value for e in acc.Scalars(f"tune/training_iteration{{trial_id={trial_id}}}")}
+        assert iters == {1: 1.0, 2: 2.0, 3: 3.0}
+    assert not any("name" in t or "pid" in t or "timestamp" in t for t in scalars)
+
+    events = load_trace(trace_path(tmp_path / "runs", "tune-run", 0))
+    spans = {e["args"]["trial_id"]: e for e in events if e.get("ph") == "X" and e["name"] == "tune/trial"}
+    assert sorted(spans) == sorted([*trials.values(), failed])
+    assert sorted(s["args"]["config/lr"] for s in spans.values()) == [-1.0, 1.0, 2.0]
+    assert all(spans[t]["args"]["tune/last_iteration"] == 3 and "error" not in spans[t]["args"]
+               for t in trials.values())
+    assert spans[failed]["args"]["error"] == "ValueError: negative learning rate"
+    assert spans[failed]["args"]["tune/last_iteration"] == 1
+    assert {e.step for e in acc.Scalars(f"tune/loss{{trial_id={failed}}}")} == {1}
+
+
+def test_state_survives_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What Tune checkpoints (`get_state`) brings a fresh callback back to the same run and steps."""
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
+    first = OtelTrainCallback()
+    first.setup()
+    state = first.get_state()
+    first.on_experiment_end([])
+    resumed = OtelTrainCallback()
+    resumed.set_state(state)
+    resumed.setup()
+    assert ot._session.run.run_id == state["run_id"]
+    assert resumed.get_state()["run_name"] == state["run_name"]
+    resumed.on_experiment_end([])
+
+
+def _fails_once(config: dict[str, Any]) -> None:
+    marker = Path(config["marker"])
+    for i in range(3):
+        if i == 1 and not marker.exists():
+            marker.touch()
+            raise RuntimeError("first attempt fails")
+        tune.report({"loss": 10.0 - i})
+
+
+def test_restored_experiment_continues_the_same_run(ray_local: None, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Tuner.restore` brings the callback back through Tune's checkpointed state: same run, same folder."""
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))  # no run name or id: a fresh id per init
+    config = {"marker": str(tmp_path / "marker")}
+    tuner = tune.Tuner(_fails_once, param_space=config, run_config=tune.RunConfig(
+        name="exp", storage_path=str(tmp_path / "ray"), callbacks=[OtelTrainCallback()], verbose=0))
+    assert len(tuner.fit().errors) == 1
+    (first_run,) = (tmp_path / "runs").iterdir()
+    restored = tune.Tuner.restore(str(tmp_path / "ray" / "exp"), _fails_once, resume_errored=True)
+    results = restored.fit()
+    assert not results.errors
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [first_run.name]  # the same run continued
+    (trial_id,) = [r.metrics["trial_id"] for r in results]
+    acc = _tags(first_run)
+    assert {e.step: e.value for e in acc.Scalars(f"tune/loss{{trial_id={trial_id}}}")} == {
+        1: 10.0, 2: 9.0, 3: 8.0}
