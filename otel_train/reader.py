@@ -395,9 +395,9 @@ class StepAlignedMetricReader(MetricReader):
         in ends with a collection. Reaches into the SDK's measurement storage; where that is not
         found, every `export_every`-th step end collects, as if something were always recorded."""
         storages = getattr(getattr(meter_provider, "_measurement_consumer", None), "_reader_storages", None)
-        storage = storages.get(self) if isinstance(storages, dict) else None
+        storage: Any = storages.get(self) if isinstance(storages, dict) else None
         consume = getattr(storage, "consume_measurement", None)
-        if consume is None:
+        if storage is None or consume is None:
             return
 
         def consume_measurement(*args: Any, **kwargs: Any) -> None:
