@@ -121,6 +121,7 @@ class Spool:
         if self._file is not None:
             os.fsync(self._file.fileno())
             self._file.close()
+            self._file = None  # if the new segment cannot be opened, the next append tries again
         self._file = open(self.path / f"{seq:016d}.seg", "ab", buffering=0)  # noqa: SIM115 - kept open across appends
         self._file_bytes = 0
 

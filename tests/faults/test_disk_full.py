@@ -131,3 +131,29 @@ def test_real_tmpfs_filled_mid_run(tmp_path: Path, caplog: pytest.LogCaptureFixt
     points = jsonl_points(out, "tmpfs")
     assert len(points) == len(set(points)) and set(points) == expected(range(STEPS))
     assert sorted(tb_points(out / "tmpfs")) == sorted(expected(range(STEPS), as_f32=True))
+
+
+def test_a_segment_that_cannot_be_opened_is_skipped_then_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+
+    from otel_train import spool as spool_module
+
+    spool = spool_module.Spool(tmp_path / "rank0")
+    assert spool.append(1, 0, b"one")
+    spool._file_bytes = spool_module._SEGMENT_BYTES  # the next append rolls to a new segment
+    real_open = open
+
+    def full(path: Path, *args: object, **kwargs: object) -> object:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spool_module, "open", full, raising=False)
+    assert not spool.append(2, 1, b"two")  # never raises: counted and logged
+    monkeypatch.setattr(spool_module, "open", real_open, raising=False)
+    assert spool.append(3, 2, b"three")
+    spool.close()
+    assert spool.failed_appends == 1
+    assert [(seq, payload) for seq, _, payload in spool_module.Spool(tmp_path / "rank0").read(0)] == [
+        (1, b"one"), (3, b"three")]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cannot write the spool" in m for m in messages) == 1 and sum("writable again" in m for m in messages) == 1
