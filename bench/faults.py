@@ -56,6 +56,19 @@ def kill9(reps: int) -> None:
           f"exited {statistics.median(drains) * 1000:.0f} ms median, {max(drains) * 1000:.0f} ms max after the kill")
 
 
+def kill9_whole_job(reps: int) -> None:
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([sys.executable, str(KILL9_DRIVER), out, str(reps), "2", "both"], capture_output=True,
+                              text=True, check=True)
+    results = json.loads(proc.stdout)
+    spooled = sum(r["spooled_step"] + 1 for r in results)
+    landed = sum(len({p[1] for p in r["jsonl"]}) for r in results)
+    points = sum(len(r["jsonl"]) for r in results)
+    repeated = points - sum(len({tuple(p) for p in r["jsonl"]}) for r in results)
+    print(f"kill -9 of both processes: {reps} reps, after replay {landed}/{spooled} spooled steps in JSONL, "
+          f"{repeated} of {points} points written twice (not yet acknowledged at the kill)")
+
+
 def hanging_backend(deadline_s: float) -> None:
     import otel_train as ot
     from otel_train.records import HistogramRow, MetricRow
@@ -82,6 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     signals(args.reps)
     kill9(args.reps)
+    kill9_whole_job(args.reps)
     hanging_backend(args.deadline_s)
 
 

@@ -1,12 +1,13 @@
 """Fork a tiny training loop many times, `kill -9` each at a random step, replay, report what landed (JSON).
 
-Run as ``python kill9_driver.py OUT REPS SEED``. Like `signal_driver`, the driver imports otel-train and
+Run as ``python kill9_driver.py OUT REPS SEED [both]``. Like `signal_driver`, the driver imports otel-train and
 TensorBoard once and forks each repetition. The driver makes itself a child subreaper, so the exporter
 process orphaned by the kill is re-parented to it and can be waited for. Each repetition: the loop logs
 `faultkit.SERIES` at every step and flushes every few steps (a flushed step has reached the exporter
 process for sure; the others may have); the driver kills it with SIGKILL after a random step, waits
 for the exporter process to drain and exit on its own, runs ``otel-train replay RUN_DIR`` twice, and
-reads JSONL, TensorBoard and the spool's cursors back.
+reads JSONL, TensorBoard and the spool's cursors back. With ``both``, the exporter process is killed too,
+at once (a job killed as a whole): then replay has the rest to deliver.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _replay(run_dir: Path) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
-def _one(out: Path, rep: int, rng: random.Random) -> dict[str, object]:
+def _one(out: Path, rep: int, rng: random.Random, both: bool) -> dict[str, object]:
     name = f"rep{rep}"
     at = rng.randint(0, 60)
     r, w = os.pipe()
@@ -96,16 +97,19 @@ def _one(out: Path, rep: int, rng: random.Random) -> dict[str, object]:
                 flushed = last
             if last >= at:
                 os.kill(pid, signal.SIGKILL)
+                if both:
+                    os.kill(exporter, signal.SIGKILL)
                 break
     _, status = os.waitpid(pid, 0)
     drained_s = _wait_exit(exporter, 60.0)  # it drains what reached it, then exits by itself
     spool = Spool(spool_dir(out, name, 0))
-    cursors = dict(spool.cursors)
+    cursors, spooled_seq, spooled_step = dict(spool.cursors), spool.last_seq, spool.last_step
+    del spool  # replay opens the spool itself
     replays = [_replay(out / name) for _ in range(2)]
     return {
         "rep": rep, "kill_after_step": at, "last_reported": last, "last_flushed": flushed,
         "killed_by": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None, "drained_s": drained_s,
-        "spooled_seq": spool.last_seq, "cursors": cursors, "replays": replays,
+        "spooled_seq": spooled_seq, "spooled_step": spooled_step, "cursors": cursors, "replays": replays,
         "jsonl": faultkit.jsonl_points(out, name), "tb": faultkit.tb_points(out / name),
     }
 
@@ -114,7 +118,8 @@ def main() -> None:
     out, reps, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     rng = random.Random(seed)
-    results = [_one(out / "kill9", i, rng) for i in range(reps)]
+    both = sys.argv[4:] == ["both"]
+    results = [_one(out / "kill9", i, rng, both) for i in range(reps)]
     json.dump(results, sys.stdout)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,17 @@ DRIVER = Path(__file__).with_name("kill9_driver.py")
 REPS = 24
 
 
-def test_kill_9_at_random_steps_then_replay_lands_each_step_once(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(DRIVER), str(tmp_path), str(REPS), "9"], capture_output=True,
+def drive(out: Path, reps: int, seed: int, *mode: str) -> list[dict[str, Any]]:
+    proc = subprocess.run([sys.executable, str(DRIVER), str(out), str(reps), str(seed), *mode], capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results: list[dict[str, Any]] = json.loads(proc.stdout)
-    assert len(results) == REPS
-    for r in results:
+    assert len(results) == reps
+    return results
+
+
+def test_kill_9_at_random_steps_then_replay_lands_each_step_once(tmp_path: Path) -> None:
+    for r in drive(tmp_path, REPS, 9):
         assert r["killed_by"] == 9 and r["drained_s"] is not None, r  # the exporter process exited by itself
         spooled = r["spooled_seq"]
         # Everything the exporter process spooled is durable in both backends...
@@ -40,3 +45,17 @@ def test_kill_9_at_random_steps_then_replay_lands_each_step_once(tmp_path: Path)
         assert len(r["jsonl"]) == len(set(map(tuple, r["jsonl"]))) == len(r["tb"]), r["rep"]  # exactly once
         assert {tuple(p) for p in r["jsonl"]} == expected(range(last + 1)), r["rep"]
         assert {tuple(p) for p in r["tb"]} == expected(range(last + 1), as_f32=True), r["rep"]
+
+
+def test_kill_9_of_the_whole_job_then_replay_lands_every_spooled_step(tmp_path: Path) -> None:
+    """The exporter process killed too, at once: replay delivers what it had spooled but not delivered. A
+    window a backend had written but not yet acknowledged is written again (at least once: JSONL and
+    TensorBoard have no resume gate), with the same values."""
+    for r in drive(tmp_path, 8, 11, "both"):
+        assert r["killed_by"] == 9, r
+        last = r["spooled_step"]  # the spool's last intact record: what reached the exporter process
+        assert r["last_flushed"] <= last <= r["last_reported"] + 1, r
+        assert r["replays"][1] == [0, f"rank0: {r['spooled_seq']} window(s), every backend up to date\n"], r
+        assert {tuple(p) for p in r["jsonl"]} == expected(range(last + 1)), r["rep"]
+        assert {tuple(p) for p in r["tb"]} == expected(range(last + 1), as_f32=True), r["rep"]
+        assert max(Counter(map(tuple, r["jsonl"])).values()) <= 2 and max(Counter(map(tuple, r["tb"])).values()) <= 2
