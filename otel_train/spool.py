@@ -4,12 +4,18 @@ Layout under ``<run folder>/spool/rank<N>/``: segment files ``<first seq>.seg`` 
 (``seq``, ``max step``, length, CRC-32, payload) and ``cursors.json`` (backend name -> the last seq
 that backend has made durable). A torn tail (the writer killed mid-record) ends a segment's reading;
 it is never an error. Segments whose every record every backend acknowledged are deleted.
+
+A disk full (or any other write error) never stops delivery: the window that could not be written is
+cut back out of its segment, counted in `Spool.failed_appends`, and still handed to the backends from
+memory; the first failure and the recovery are each logged once. Such a window is not written ahead:
+a crash before a backend made it durable loses it, and `otel-train replay` cannot bring it back.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import struct
 import threading
@@ -17,12 +23,14 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from otel_train._internal.ratelimit import LogOnce
 from otel_train.records import run_folder
 
 __all__ = ["Spool", "spool_dir"]
 
 _HEADER = struct.Struct("<qqII")  # seq, max step, payload length, crc32 of the payload
 _SEGMENT_BYTES = 16 * 1024 * 1024
+_logger = logging.getLogger("otel_train")
 
 
 def spool_dir(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
@@ -50,6 +58,10 @@ class Spool:
         self.last_step = -1
         self._file: io.FileIO | None = None
         self._file_bytes = 0
+        #: Windows not written ahead because the spool could not be written (disk full): memory only.
+        self.failed_appends = 0
+        self._failing = False
+        self._log = LogOnce(_logger, interval_s=60.0)  # a disk that keeps flapping cannot flood the log
         for seq, step, _ in self.read(0):  # the tail of an earlier writer (restart, replay)
             self.last_seq = seq
             self.last_step = max(self.last_step, step)
@@ -58,24 +70,58 @@ class Spool:
 
     # -- writing ------------------------------------------------------------------------------
     def append(self, seq: int, max_step: int, payload: bytes) -> bool:
-        """Append one window; a seq at or below the last one is a resend and is skipped."""
+        """Append one window; a seq at or below the last one is a resend and is skipped.
+
+        Returns:
+            Whether the window was written; False also when the write failed (see the module docstring).
+        """
+        record = _HEADER.pack(seq, max_step, len(payload), zlib.crc32(payload)) + payload
         with self._file_lock:
             if seq <= self.last_seq:
                 return False
-            if self._file is None or self._file_bytes >= _SEGMENT_BYTES:
-                self._roll(seq)
-            assert self._file is not None
-            # One unbuffered write: once `append` returns, a kill -9 of this process cannot lose it.
-            self._file.write(_HEADER.pack(seq, max_step, len(payload), zlib.crc32(payload)) + payload)
-            self._file_bytes += _HEADER.size + len(payload)
+            try:
+                if self._file is None or self._file_bytes >= _SEGMENT_BYTES:
+                    self._roll(seq)
+                assert self._file is not None
+                # One unbuffered write: once `append` returns, a kill -9 of this process cannot lose it.
+                written = self._file.write(record)
+                if written != len(record):  # a full disk first shows as a short write
+                    raise OSError(f"short write: {written} of {len(record)} bytes (disk full?)")
+            except OSError as err:
+                self._write_failed(err)
+                return False
+            if self._failing:
+                self._failing = False
+                self._log.warning("spool-ok", "otel-train: the spool %s is writable again; %d window(s) so far were "
+                                  "delivered from memory only", self.path, self.failed_appends)
+            self._file_bytes += len(record)
             self.last_seq = seq
             self.last_step = max(self.last_step, max_step)
             return True
+
+    def _write_failed(self, err: OSError) -> None:
+        self.failed_appends += 1
+        if not self._failing:
+            self._failing = True
+            self._log.warning("spool-full", "otel-train: cannot write the spool %s (%s); training goes on and windows "
+                              "go to the backends from memory only, not written ahead: a crash before they are "
+                              "delivered loses them and `otel-train replay` cannot bring them back", self.path, err)
+        if self._file is None:
+            return
+        try:  # cut a partly written record back out, so the records after it stay readable
+            self._file.truncate(self._file_bytes)
+        except OSError:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None  # the next append starts a new segment; reading stops at this one's torn tail
 
     def _roll(self, seq: int) -> None:
         if self._file is not None:
             os.fsync(self._file.fileno())
             self._file.close()
+            self._file = None  # if the new segment cannot be opened, the next append tries again
         self._file = open(self.path / f"{seq:016d}.seg", "ab", buffering=0)  # noqa: SIM115 - kept open across appends
         self._file_bytes = 0
 
@@ -83,13 +129,19 @@ class Spool:
         """Make every appended window durable (flush + fsync)."""
         with self._file_lock:
             if self._file is not None:
-                os.fsync(self._file.fileno())
+                try:
+                    os.fsync(self._file.fileno())
+                except OSError as err:  # a full disk: the windows are still delivered from memory
+                    self._log.warning("spool-sync", "otel-train: cannot sync the spool %s: %s", self.path, err)
 
     def close(self) -> None:
         self.sync()
         with self._file_lock:
             if self._file is not None:
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
                 self._file = None
 
     # -- reading ------------------------------------------------------------------------------
