@@ -120,7 +120,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self.failures = 0
         self.dropped_windows = 0
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters, applied in `export_window`.
-        self.step_order = StepOrder(getattr(self.options, "step_order", "warn"), self.name)
+        self.step_order = StepOrder(self.options.step_order, self.name)
 
     # -- hooks -------------------------------------------------------------------------------
     @classmethod

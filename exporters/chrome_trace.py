@@ -193,7 +193,7 @@ class ChromeTraceExporter(RowExporter):
         touched: dict[int, _RankTrace] = {}
         steps = self._steps
         for row in rows:
-            if steps is not None and (row.step is None or row.step not in steps):
+            if steps is not None and row.step not in steps:  # a step-less span is in no selection
                 continue
             trace = self._trace(row.run)
             touched[id(trace)] = trace

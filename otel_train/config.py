@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from otel_train.errors import ConfigError
+from otel_train.step_order import POLICIES
 
 __all__ = ["Route", "Settings", "SinkSettings", "StepSelection", "load_settings", "load_sink_settings", "parse_bool"]
 
@@ -123,7 +124,7 @@ OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
 
 RANKS_ALLOWED = ("0", "all")
 EXPORT_PROCESS_ALLOWED = ("auto", "on", "off")
-STEP_ORDER_ALLOWED = ("warn", "drop", "raise")
+STEP_ORDER_ALLOWED = POLICIES
 DEFAULT_EXPORTERS = ("tensorboard", "chrome_trace")
 
 #: Launcher variables holding an id shared by every rank of one job, most specific first.
@@ -333,11 +334,18 @@ def _parse_ranks(name: str, raw: str) -> str:
     return value
 
 
-def _parse_step_order(name: str, raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in STEP_ORDER_ALLOWED:
-        raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(STEP_ORDER_ALLOWED)}")
-    return value
+def _choice(allowed: tuple[str, ...]) -> Callable[[str, str], str]:
+    """A parser accepting one of `allowed` (case-insensitive)."""
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(allowed)}")
+        return value
+    return parse
+
+
+_parse_step_order = _choice(STEP_ORDER_ALLOWED)
+_parse_export_process = _choice(EXPORT_PROCESS_ALLOWED)
 
 
 def _parse_config_json(name: str, raw: str) -> Mapping[str, Any]:
@@ -347,13 +355,6 @@ def _parse_config_json(name: str, raw: str) -> Mapping[str, Any]:
         raise ConfigError(f"{name}: not valid JSON ({err.msg} at char {err.pos}); expected a JSON object") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{name}: {raw[:60]!r} is not allowed; expected a JSON object")
-    return value
-
-
-def _parse_export_process(name: str, raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in EXPORT_PROCESS_ALLOWED:
-        raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(EXPORT_PROCESS_ALLOWED)}")
     return value
 
 
@@ -434,6 +435,7 @@ def _route_variables() -> frozenset[str]:
 def _parse_route_env(env: Mapping[str, str]) -> dict[str, Route]:
     """`OTEL_TRAIN_<BACKEND>_{INCLUDE,EXCLUDE,EVERY,RANKS}` -> a `Route` per backend name."""
     fixed = _route_variables()
+    known: tuple[str, ...] | None = None  # looked up once, and only if a routing variable is set
     found: dict[str, dict[str, Any]] = {}
     for var, raw in env.items():
         if not var.startswith("OTEL_TRAIN_") or var in fixed or not raw.strip():
@@ -441,7 +443,8 @@ def _parse_route_env(env: Mapping[str, str]) -> dict[str, Route]:
         backend_part, _, suffix = var[len("OTEL_TRAIN_"):].rpartition("_")
         if suffix.lower() not in ROUTE_FIELDS or not backend_part:
             continue
-        known = _known_backends()
+        if known is None:
+            known = tuple(_known_backends())
         backend = backend_part.lower()
         if backend not in known:
             upper = ", ".join(f"OTEL_TRAIN_{k.upper()}_{suffix}" for k in known)

@@ -77,7 +77,6 @@ class _Backend:
         self._log = LogOnce(_logger, interval_s=60.0)
         self.dropped = 0
         self.rows_written = 0  # metric and histogram rows handed to the backend
-        self.errors = 0  # windows the backend reported as not written
         self._on_error = on_error
         self._flushes_asked = 0
         self._flushes_done = 0
@@ -216,10 +215,8 @@ class _Backend:
         except Exception as err:
             self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
             ok = False
-        if ok is False:
-            self.errors += 1
-            if self._on_error is not None:
-                self._on_error(self.name)
+        if ok is False and self._on_error is not None:
+            self._on_error(self.name)
         self.rows_written += len(window.metrics) + len(window.histograms)
         self.export_s += time.perf_counter() - started
         self.exports += 1
@@ -382,7 +379,7 @@ class Delivery:
             b.thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if self.spool is not None:
             self.spool.close()
-            self.spool.remove_acknowledged(self.names)
+            self.spool.remove_acknowledged()
         return done and not any(b.thread.is_alive() for b in self._backends)
 
     def progress(self) -> Progress:

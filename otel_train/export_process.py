@@ -126,9 +126,7 @@ class ExportProcess:
         self.dropped = 0
         self.fallback: Delivery | None = None
         self.last_progress = Progress()
-        started = time.monotonic()
         self._conn, self._proc, self._seq = self._start()
-        self.start_s = time.monotonic() - started
         # The first child told each backend about a resume; a restarted child or the fallback must not
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
         self._options = dataclasses.replace(options, resume_step=None)

@@ -373,7 +373,7 @@ def open_span_scopes() -> list[Any]:
 
     scopes = []
     scope = otel_context.get_current().get(_SPAN_KEY)
-    while type(scope) is SpanScope:
+    while isinstance(scope, SpanScope):  # ProfiledSpanScope too
         scopes.append(scope)
         outer: Any = getattr(scope._token, "old_value", None)  # the context it was entered from holds its parent
         scope = outer.get(_SPAN_KEY) if hasattr(outer, "get") else None

@@ -432,7 +432,8 @@ class StepAlignedMetricReader(MetricReader):
                 not records and not spans and not _has_points(metrics_data)):
             return  # no exporter wants anything: draining bounded the memory, converting would waste CPU
         run = self._converter.run_for(self._resource.attributes)
-        need_rows = self._need_rows or self._channel is not None
+        # Metric rows for the exporter process only where this rank exports metrics (spans: every rank).
+        need_rows = self._need_rows or (self._channel is not None and self._channel_metrics)
         rows: list[MetricRow] = []
         sdk_rows: list[MetricRow] = []
         hists: list[Any] = []

@@ -112,12 +112,10 @@ class RowFilter:
                 return rows
             return [self._shown(row, shown) if row.name in shown else row for row in rows]
         out: list[_RowT] = []
-        keep, every, rank0_only = self._keep, self.every, self.rank0_only
+        every, rank0_only = self.every, self.rank0_only
         for row in rows:
             name = row.name
-            wanted = keep.get(name)
-            if wanted is None:
-                wanted = self.wants(name)
+            wanted = self.wants(name)  # cached per name
             if row.run.rank:
                 if rank0_only:
                     continue

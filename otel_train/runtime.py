@@ -399,27 +399,28 @@ _active: list[Session] = []
 _handoff: threading.Thread | None = None
 
 
+def _shutdown_budget_s() -> float:
+    """The one deadline for hand-offs: the longest `OTEL_TRAIN_SHUTDOWN_TIMEOUT_S` of the open sessions."""
+    return max((s.settings.shutdown_timeout_s for s in _active if not s.closed), default=0.0)
+
+
 def _shutdown_active() -> None:
-    """Shut every session down under ONE deadline, the longest `OTEL_TRAIN_SHUTDOWN_TIMEOUT_S`."""
-    sessions = [s for s in _active if not s.closed]
-    if not sessions:
-        return
-    deadline = time.monotonic() + max(s.settings.shutdown_timeout_s for s in sessions)
-    for session in sessions:
+    """Shut every session down under ONE deadline (`_shutdown_budget_s`)."""
+    deadline = time.monotonic() + _shutdown_budget_s()
+    for session in [s for s in _active if not s.closed]:
         session.shutdown(deadline)
 
 
 def _at_exit() -> None:
     handoff = _handoff
     if handoff is not None:  # a signal's hand-off is under way: let it finish (it has the deadline)
-        handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0) + 1.0)
+        handoff.join(_shutdown_budget_s() + 1.0)
     _shutdown_active()
 
 
 def _record_truncated(scopes: list[Any]) -> None:
-    """Record the scopes still open as spans ended now, flagged `otel_train.truncated`."""
-    from otel_train.instrument import SpanRecord
-
+    """Record the scopes still open as spans ended now, flagged `otel_train.truncated` (a scope is
+    its own span record: it is ended here as its exit would end it)."""
     session = next((s for s in reversed(_active) if not s.closed), None)
     if session is None:
         return
@@ -427,9 +428,9 @@ def _record_truncated(scopes: list[Any]) -> None:
     for scope in scopes:
         if hasattr(scope, "end_ns"):  # ended meanwhile: recorded by its own exit
             continue
-        session.span_buffer.append(SpanRecord(
-            scope.name, scope.trace_id, scope.span_id, scope.parent_id, scope.start_ns, now, scope.thread_id,
-            scope.thread_name, scope.step, {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}, None))
+        scope.end_ns = now
+        scope.attributes = {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}
+        session.span_buffer.append(scope)
 
 
 def _end_process(signum: int, scopes: list[Any]) -> None:
@@ -442,8 +443,8 @@ def _end_process(signum: int, scopes: list[Any]) -> None:
 
 
 def _flush_active() -> None:
-    deadline = time.monotonic() + max((s.settings.shutdown_timeout_s for s in _active), default=0.0)
-    for session in _active:
+    deadline = time.monotonic() + _shutdown_budget_s()
+    for session in [s for s in _active if not s.closed]:
         session.flush(max(0.0, deadline - time.monotonic()))
 
 
@@ -480,7 +481,7 @@ def _on_signal(signum: int, frame: Any) -> None:
     _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
     _handoff.start()
     if not _interrupted_locking_code(frame):  # else the flush waits for the locks the loop holds: go on
-        _handoff.join(max((s.settings.shutdown_timeout_s for s in _active), default=0.0))
+        _handoff.join(_shutdown_budget_s())
     if callable(previous) and previous is not _on_signal:
         previous(signum, frame)
 

@@ -189,13 +189,13 @@ class Spool:
             tmp.write_text(json.dumps(self.cursors))
             os.replace(tmp, self._cursor_file)  # atomic: a crash leaves the old cursors or the new ones
         if self.backends:
-            self.remove_acknowledged(self.backends)  # a long run's spool stays as small as the slowest backend
+            self.remove_acknowledged()  # a long run's spool stays as small as the slowest backend
 
-    def remove_acknowledged(self, backends: list[str]) -> None:
-        """Delete segments every one of `backends` has acknowledged entirely (the open one only once closed)."""
-        if not backends:
+    def remove_acknowledged(self) -> None:
+        """Delete segments every one of `self.backends` has acknowledged entirely (the open one only once closed)."""
+        if not self.backends:
             return
-        done = min(self.cursors.get(b, 0) for b in backends)
+        done = min(self.cursors.get(b, 0) for b in self.backends)
         segments = self.segments()
         ends = [int(nxt.stem) - 1 for nxt in segments[1:]]
         if self._file is None:

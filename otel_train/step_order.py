@@ -8,8 +8,8 @@ seen for its series "goes backwards" (equal steps are fine: several `log` calls 
   an older step (TensorBoard, JSONL, MLflow, ClearML, Trackio) store it. W&B cannot: it keeps such
   rows out, counts them in its own `steps_dropped` and says so in one warning (nothing silent).
   TensorBoard then shows two points at one step.
-- ``drop``: dropped before any backend sees it, counted, warned (at most once a minute per backend). Every backend then
-  shows the same points.
+- ``drop``: dropped by every backend (each keeps its own per-series table, so a row is counted and
+  warned once per backend), at most once a minute per backend. Every backend then shows the same points.
 - ``raise``: on the training thread, `ot.step(i)` below the latest step entered, and `ot.log(...,
   step=s)` below it, raise `StepOrderError` (API misuse, raised where the mistake is made, before
   anything is recorded). Rows that still go backwards later (raw OTel instruments with their own

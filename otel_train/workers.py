@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from otel_train._internal.values import to_float, valid_name
 from otel_train.exporters.base import Window
 from otel_train.records import MetricRow, RunInfo, SpanRow
 
@@ -229,10 +230,12 @@ class WorkerClient:
         s = -1 if step is None else int(step)  # -1: the exporter process stamps the run's latest step
         points = []
         for key, value in mapping.items():
-            try:
-                points.append((str(key), s, float(value), t))
-            except (TypeError, ValueError):
-                _logger.warning("otel_train.log in a child process: %r is not a number; skipped", key)
+            v = to_float(value)  # the same rules as `ot.log` in the training process
+            if v is None or not valid_name(key):
+                _logger.warning("otel_train.log in a child process: %r is not a metric name with a number; skipped",
+                                key)
+                continue
+            points.append((key, s, v, t))
         with self._lock:
             if len(self._points) + len(points) > _MAX_BUFFERED:
                 self.dropped += len(points)

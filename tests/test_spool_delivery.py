@@ -50,16 +50,17 @@ def test_segments_roll_and_go_once_every_backend_acknowledged(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spool_mod, "_SEGMENT_BYTES", 1)  # one record per segment
     sp = Spool(tmp_path)
+    sp.backends = ["a", "b"]  # as `Delivery` sets them
     for seq in range(1, 6):
         sp.append(seq, seq, window(seq))
     assert len(sp.segments()) == 5
     sp.acknowledge("a", 5)
     sp.acknowledge("b", 3)
-    sp.remove_acknowledged(["a", "b"])
+    sp.remove_acknowledged()
     assert [int(s.stem) for s in sp.segments()] == [4, 5]
     sp.acknowledge("b", 5)
     sp.close()
-    sp.remove_acknowledged(["a", "b"])
+    sp.remove_acknowledged()
     assert sp.segments() == []
     assert Spool(tmp_path).last_seq == 5  # seqs continue after what was acknowledged, not from 1
 

@@ -56,6 +56,5 @@ class OwnedSession:
 
     def add_config(self, config: Mapping[str, Any]) -> None:
         """Add hyperparameters the framework reports after the session started (no-op without one)."""
-        s = ot._session
-        if s is not None and not s.closed:
-            s.add_config(config)
+        if session_running():
+            ot._session.add_config(config)

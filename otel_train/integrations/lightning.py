@@ -112,7 +112,7 @@ class OtelTrainLogger(Logger):
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         """Record `params` as the run config (before training: every backend receives it)."""
         config = _hyperparameters(params)
-        self._owned.ensure(rank=getattr(rank_zero_only, "rank", None), config=config)
+        self._ensure()
         self._owned.add_config(config)
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:

@@ -106,8 +106,9 @@ class SinkCore:
             raise DecodeError(f"unknown signal {signal!r}")
         n = decoded.points + len(decoded.spans)
         for run_id, count in decoded.unattributed.items():
-            self.unattributed += count
-            self.unattributed_runs.add(run_id)
+            with self._lock:  # `ingest` also runs on the backpressure thread
+                self.unattributed += count
+                self.unattributed_runs.add(run_id)
             self._log.warning(f"unattributed:{run_id}",
                               "received %s data without the `train.run.id` resource attribute, written under the "
                               "run %r (fallback: service.name-service.instance.id, then service.name@host.name, "
