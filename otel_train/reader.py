@@ -453,7 +453,7 @@ class StepAlignedMetricReader(MetricReader):
         if spans:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
-            if need_rows:
+            if self._need_rows or self._channel is not None:  # spans go out from every rank
                 row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self._converter)
             if self._need_spans:
                 otel_spans = [_readable_span(r, self._resource) for r in recs] + sdk_spans
