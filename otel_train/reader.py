@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import (
@@ -325,6 +325,7 @@ class StepAlignedMetricReader(MetricReader):
         self._sdk_watched = False
         self._collector_ident = 0
         self._next_wake_s = 0.0
+        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
         self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)
         self._log_items, self._span_items = self.log_buffer._items, self.span_buffer._items  # len() in C
         self._last_step: int | None = None
@@ -380,6 +381,32 @@ class StepAlignedMetricReader(MetricReader):
             self._steps_since = 0
             self._next_wake_s = info.time_total_s + _WAKE_EVERY_S
             self._wake.set()
+
+    def step_end_hook(self) -> Callable[[int, int, int, int, int | None], None]:
+        """`on_step_end` plus buffering the step's numbers, as one closure for `otel_train.step`'s hook:
+        no `StepEnd` object, no clock read and two calls fewer per step on the training thread (the
+        collector rebuilds the `StepEnd` with `StepEnd.from_times` and the time from `end_ns`)."""
+        append = self._log_items.append
+        seq = self.log_buffer._seq
+        wake = self._wake.set
+        log_items, span_items = self._log_items, self._span_items
+        every, records = self.export_every, self._wake_records
+        wake_every_ns = int(_WAKE_EVERY_S * 1e9)
+        since = 0
+        next_wake_ns = 0
+
+        def on_step_end(step: int, start_ns: int, end_ns: int, iterations: int, samples: int | None) -> None:
+            nonlocal since, next_wake_ns
+            append((next(seq), step, (start_ns, end_ns, iterations, samples), 0))
+            self._last_step = step
+            since += 1
+            if since >= every and (self._sdk_recorded or end_ns >= next_wake_ns
+                                   or len(log_items) >= records or len(span_items) >= records):
+                since = 0
+                next_wake_ns = end_ns + wake_every_ns
+                wake()
+
+        return on_step_end
 
     # -- collection (collector thread) ----------------------------------------------------------
     def _set_meter_provider(self, meter_provider: Any) -> None:
@@ -478,6 +505,9 @@ class StepAlignedMetricReader(MetricReader):
         append = out.append
         slow = []
         for _, step, mapping, t in records:
+            if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
+                t = mapping[1] + self._wall_offset_ns
+                mapping = StepEnd.from_times(step, mapping)
             for key, value in mapping.items():
                 if type(value) is float and valid_name(key):  # the common case: nothing to convert
                     append((key, step, value, t))

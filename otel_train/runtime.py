@@ -34,13 +34,12 @@ from otel_train.instrument import (
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import (
-    StepEnd,
     _current,
-    add_step_end_listener,
     check_log_step,
     current_step,
-    remove_step_end_listener,
+    set_step_end_hook,
     set_step_order,
+    step_end_hook,
 )
 
 __all__ = ["TRUNCATED_ATTRIBUTE", "Session", "resolve_run_id", "start"]
@@ -174,12 +173,11 @@ class Session:
         self._closed = False
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
-        self._append_step_end = self.log_buffer.append_floats
         set_step_order(settings.step_order, resume=settings.resume_step is not None)
         self._check_step = settings.step_order == "raise"
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
-        self._step_listener = self._on_step_end
-        add_step_end_listener(self._step_listener)
+        self._step_hook = self.reader.step_end_hook()
+        set_step_end_hook(self._step_hook)
         self.forked = False
         self.worker: Any = None
         self._worker_address = self.export_process.worker_address if self.export_process is not None else None
@@ -254,11 +252,6 @@ class Session:
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
         return self._scope_class(self.span_buffer, name, attributes, record_context)
 
-    def _on_step_end(self, info: StepEnd) -> None:
-        # The StepEnd itself is buffered: the collector builds the step's gauges from it (`StepEnd.items`).
-        self._append_step_end(info.step, info)
-        self.reader.on_step_end(info)
-
     def add_config(self, config: Mapping[str, Any]) -> None:
         """Merge hyperparameters that a framework reports after `init()` into the run's config.
 
@@ -292,7 +285,8 @@ class Session:
             if self._closed:
                 return
             self._closed = True
-        remove_step_end_listener(self._step_listener)
+        if step_end_hook() is self._step_hook:
+            set_step_end_hook(None)
         if os.environ.get(cfg.OTEL_TRAIN_WORKER_ADDRESS) == (self._worker_address or "none"):
             del os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS]
         set_step_order("warn")

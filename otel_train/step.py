@@ -25,8 +25,10 @@ __all__ = [
     "check_log_step",
     "current_step",
     "remove_step_end_listener",
+    "set_step_end_hook",
     "set_step_order",
     "step",
+    "step_end_hook",
     "steps",
 ]
 
@@ -85,8 +87,30 @@ class StepEnd:
         return out
 
 
+    @classmethod
+    def from_times(cls, step: int, times: tuple[int, int, int, int | None]) -> StepEnd:
+        """The StepEnd of a step-end hook's ``(start_ns, end_ns, iterations, samples)`` (off the training thread)."""
+        start_ns, end_ns, iterations, samples = times
+        return cls(step, (end_ns - start_ns) / 1e9, (end_ns - _state.started_ns) / 1e9, iterations, samples)
+
+
 StepEndListener = Callable[[StepEnd], None]
 _listeners: list[StepEndListener] = []
+#: ``(step, start_ns, end_ns, iterations, samples)``: the runtime's own step end. Plain numbers, so the
+#: training thread builds no `StepEnd` (the collector does, with `StepEnd.from_times`).
+StepEndHook = Callable[[int, int, int, int, "int | None"], None]
+_hook: StepEndHook | None = None
+
+
+def set_step_end_hook(hook: StepEndHook | None) -> None:
+    """Install the runtime's step-end hook (one per process; ``None`` removes it)."""
+    global _hook
+    _hook = hook
+
+
+def step_end_hook() -> StepEndHook | None:
+    """The installed step-end hook, if any."""
+    return _hook
 
 
 def add_step_end_listener(listener: StepEndListener) -> None:
@@ -198,14 +222,20 @@ class step:
         return self._step
 
     def __exit__(self, *exc: object) -> None:
-        # Kept to a few attribute stores and one call per listener: the runtime's listener appends the
-        # step's own gauges to a buffer and wakes no thread unless a collection is due.
+        # Kept to a few attribute stores and one call: the runtime's hook appends the step's numbers to a
+        # buffer and wakes no thread unless a collection is due; a `StepEnd` is built only for listeners.
         end_ns = _clock()
         if self._token is not None:
             _current.reset(self._token)
             self._token = None
         state = _state
         state.iterations += 1
+        hook = _hook
+        if hook is not None:
+            try:
+                hook(self._step, self._start_ns, end_ns, state.iterations, self._samples)
+            except Exception:  # never into the training loop
+                _logger.exception("step-end hook failed")
         if _listeners:
             info = StepEnd(self._step, (end_ns - self._start_ns) / 1e9, (end_ns - state.started_ns) / 1e9,
                            state.iterations, self._samples)
