@@ -54,6 +54,9 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         dropped = exporter.steps_dropped
         exporter.shutdown()
         exporter.shutdown()  # idempotent
+        import wandb
+
+        wandb.teardown()  # the service process writes the last records of each run file: wait for it
         yield {"root": root, "options": options, "dropped": dropped, "env": dict(os.environ)}
 
 
