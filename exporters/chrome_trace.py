@@ -93,6 +93,20 @@ def _us(unix_nano: int) -> float:
     return round(unix_nano / 1000.0, 3)
 
 
+def span_event(row: SpanRow, pid: int, tid: int) -> dict[str, Any]:
+    """The complete event (``"ph": "X"``) of a finished span; errors carry the status and a red colour."""
+    args = {k: json_safe(v) for k, v in row.attributes.items() if k not in _THREAD_ATTRS}
+    if row.step is not None:
+        args.setdefault(_STEP, row.step)
+    event: dict[str, Any] = {"name": row.name, "cat": "span", "ph": "X", "ts": _us(row.start_unix_nano),
+                             "dur": _us(max(0, row.end_unix_nano - row.start_unix_nano)), "pid": pid,
+                             "tid": tid, "args": args}
+    if row.error:
+        args["error"] = row.status_message or True
+        event["cname"] = ERROR_CNAME
+    return event
+
+
 def _fallback_tid(thread_name: str) -> int:
     """A stable small tid for spans recorded without `thread.id` (same name -> same tid)."""
     return 1 + zlib.crc32(thread_name.encode()) % 99_999 if thread_name else 1
@@ -199,22 +213,7 @@ class ChromeTraceExporter(RowExporter):
             touched[id(trace)] = trace
             tid = row.thread_id or _fallback_tid(row.thread_name)
             trace.thread(tid, row.thread_name)
-            args = {k: json_safe(v) for k, v in row.attributes.items() if k not in _THREAD_ATTRS}
-            if row.step is not None:
-                args.setdefault(_STEP, row.step)
-            event: dict[str, Any] = {
-                "name": row.name,
-                "cat": "span",
-                "ph": "X",
-                "ts": _us(row.start_unix_nano),
-                "dur": _us(max(0, row.end_unix_nano - row.start_unix_nano)),
-                "pid": trace.pid,
-                "tid": tid,
-                "args": args,
-            }
-            if row.error:
-                args["error"] = row.status_message or True
-                event["cname"] = ERROR_CNAME
+            event = span_event(row, trace.pid, tid)
             trace.emit(event)
         for trace in touched.values():
             trace.push()

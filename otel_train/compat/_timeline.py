@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.exporters.base import RowExporter
-from otel_train.exporters.chrome_trace import json_safe
+from otel_train.exporters.chrome_trace import json_safe, span_event
 from otel_train.records import ExporterOptions, SpanRow
 
 __all__ = ["RAW_PHASES", "TimelineDump", "raw_events"]
@@ -25,7 +25,6 @@ __all__ = ["RAW_PHASES", "TimelineDump", "raw_events"]
 _logger = logging.getLogger(__name__)
 
 RAW_PHASES = frozenset({"B", "E", "X"})
-_THREAD_ATTRS = frozenset({"thread.id", "thread.name"})
 
 
 def raw_events(value: Any) -> list[dict[str, Any]]:
@@ -68,7 +67,7 @@ class TimelineDump(RowExporter):
         with self._spans_lock:
             mine = [s for s in self._spans if s.end_unix_nano <= until_ns]
             self._spans = [s for s in self._spans if s.end_unix_nano > until_ns]
-        trace: list[dict[str, Any]] = [_span_event(s) for s in mine]
+        trace: list[dict[str, Any]] = [span_event(s, s.run.rank, s.thread_id) for s in mine]
         trace.extend({k: json_safe(v) for k, v in e.items()} for e in events)
         path = self.directory / f"timeline_step_{step}.json"
         tmp = path.with_suffix(".json.tmp")
@@ -78,11 +77,3 @@ class TimelineDump(RowExporter):
         except OSError as err:
             self._log.error("write", "timeline dump: cannot write %s (%s); logged at most once a minute", path, err)
 
-
-def _span_event(row: SpanRow) -> dict[str, Any]:
-    args = {k: json_safe(v) for k, v in row.attributes.items() if k not in _THREAD_ATTRS}
-    if row.error:
-        args["error"] = row.status_message or True
-    return {"name": row.name, "cat": "span", "ph": "X", "ts": row.start_unix_nano / 1000,
-            "dur": max(0, row.end_unix_nano - row.start_unix_nano) / 1000, "pid": row.run.rank,
-            "tid": row.thread_id, "args": args}
