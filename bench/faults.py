@@ -3,10 +3,11 @@
 Runs the fault suite's signal driver (a tiny loop forked per repetition, JSONL + TensorBoard) for each
 signal and reports the time from the signal to the process's end and the share of the steps logged
 before the signal that landed; the same after `kill -9` followed by `otel-train replay` (and how long
-the orphaned exporter process takes to drain and exit, polled every 10 ms); then the time
+the orphaned exporter process takes to drain and exit, polled every 10 ms); `kill -9` of the exporter
+process twice per run (restart, then in-process export) and how many points landed twice; then the time
 `ot.shutdown()` takes with a backend that never returns.
 
-    python bench/faults.py --reps 20
+    python bench/faults.py --reps 20 [--only child_kill]
 """
 
 from __future__ import annotations
@@ -69,6 +70,49 @@ def kill9_whole_job(reps: int) -> None:
           f"{repeated} of {points} points written twice (not yet acknowledged at the kill)")
 
 
+def child_kill(reps: int) -> None:
+    """`kill -9` of the exporter process at two random steps of each run (JSONL, TensorBoard, Chrome trace)."""
+    import os
+    import random
+    import signal
+
+    import otel_train as ot
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+    from otel_train.trace_merge import load_trace
+
+    points = twice = spans = spans_twice = kills = 0
+    for rep in range(reps):
+        rng = random.Random(rep)
+        at = set(rng.sample(range(5, 55), 2))
+        with tempfile.TemporaryDirectory() as out:
+            session = ot.init(exporters=["jsonl", "tensorboard", "chrome_trace"], dir=out, run_name="k")
+            proc = session.export_process
+            assert proc is not None
+            for step in range(60):
+                with ot.step(step), ot.span("work"):
+                    ot.log({"loss": 1.0 / (step + 1), "acc": step * 0.5})
+                time.sleep(rng.uniform(0.0, 0.03))
+                if step in at:
+                    time.sleep(rng.uniform(0.0, 0.15))
+                    old = proc.pid
+                    os.kill(old, signal.SIGKILL)
+                    kills += 1
+                    deadline = time.monotonic() + 30
+                    while proc.pid == old and proc.fallback is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
+            ot.shutdown()
+            got = [(r["tag"], r["step"]) for r in read_jsonl(jsonl_path(out, "k", 0))
+                   if r["type"] == "metric" and r["tag"] in ("loss", "acc")]
+            points += len(got)
+            twice += len(got) - len(set(got))
+            steps = [e["args"]["train.step"] for t in sorted(Path(out, "k", "trace").glob("rank0*.trace.json"))
+                     for e in load_trace(t) if e.get("name") == "work"]
+            spans += len(steps)
+            spans_twice += len(steps) - len(set(steps))
+    print(f"kill -9 of the exporter process: {kills} kills in {reps} runs; JSONL {twice} of {points} points twice, "
+          f"Chrome trace {spans_twice} of {spans} spans twice")
+
+
 def hanging_backend(deadline_s: float) -> None:
     import otel_train as ot
     from otel_train.records import HistogramRow, MetricRow
@@ -92,11 +136,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--deadline-s", type=float, default=2.0)
+    parser.add_argument("--only", choices=["signals", "kill9", "kill9_whole_job", "child_kill", "hanging_backend"])
     args = parser.parse_args()
-    signals(args.reps)
-    kill9(args.reps)
-    kill9_whole_job(args.reps)
-    hanging_backend(args.deadline_s)
+    parts = {"signals": lambda: signals(args.reps), "kill9": lambda: kill9(args.reps),
+             "kill9_whole_job": lambda: kill9_whole_job(args.reps), "child_kill": lambda: child_kill(args.reps),
+             "hanging_backend": lambda: hanging_backend(args.deadline_s)}
+    for name, part in parts.items():
+        if args.only in (None, name):
+            part()
 
 
 if __name__ == "__main__":

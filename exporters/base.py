@@ -102,6 +102,9 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     client_module: str | None = None
     #: Dashboards that group by ``/`` show built-in series under their display names (`otel_train.semconv`).
     display_names: bool = False
+    #: Every successful `export_window` has appended the window to the backend's own files and handed it to
+    #: the OS, so delivery may record it as written at once: a process killed later does not write it again.
+    kill_safe_writes: bool = False
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         # DELTA, as in our reader: on a plain SDK pipeline a counter with a per-step attribute then

@@ -173,6 +173,7 @@ class ChromeTraceExporter(RowExporter):
     """
 
     name = "chrome_trace"
+    kill_safe_writes = True  # every window is appended and handed to the OS before export_window returns
     handles_spans = True
 
     def __init__(self, options: ExporterOptions | None = None) -> None:

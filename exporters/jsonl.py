@@ -44,13 +44,30 @@ def jsonl_path(directory: str | os.PathLike[str], run_name: str, rank: int) -> P
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """The records of a file written by `JsonlExporter`; a cut-off last line is skipped."""
+    """The records of a file written by `JsonlExporter`; a line cut off by a killed writer is skipped
+    (the last line, or one a later writer ended before appending, see `JsonlExporter`)."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.endswith("\n"):
                 return  # written when the process died
             if line.strip():
-                yield json.loads(line)
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # torn by a kill; the window it belonged to was written again after it
+                yield record
+
+
+def _torn_tail(path: Path) -> bool:
+    """Whether the file ends in the middle of a line."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(0, os.SEEK_END) == 0:
+                return False
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
 
 
 def resolve_resumes(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -89,6 +106,7 @@ class JsonlExporter(RowExporter):
     """
 
     name = "jsonl"
+    kill_safe_writes = True  # every window is appended and handed to the OS before export_window returns
     handles_metrics = True
     handles_spans = True
 
@@ -110,6 +128,8 @@ class JsonlExporter(RowExporter):
             path = jsonl_path(self.options.directory, run.run_name, run.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             entry = self._files[key] = (path, open(path, "a", encoding="utf-8"))  # noqa: SIM115
+            if _torn_tail(path):  # a process killed mid-line: the next record starts on a line of its own
+                entry[1].write("\n")
             self._paths.append(path)
             if self.options.resume_step is not None:
                 record = {"type": "resume", **_run_fields(run), "step": self.options.resume_step}

@@ -131,6 +131,7 @@ class TensorBoardExporter(RowExporter):
     """
 
     name = "tensorboard"
+    kill_safe_writes = True  # every window is appended and handed to the OS before export_window returns
     display_names = True
     handles_metrics = True
     handles_spans = False

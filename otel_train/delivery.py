@@ -5,7 +5,9 @@ without a spool: `submit_window` waits for room instead, so a full queue pushes 
 and the sender's own retry takes the place of the spool). Each backend
 runs on its own thread (a slow or hanging one stalls only itself); while it is busy, new windows
 merge into one bigger write. A backend's cursor moves only after its `force_flush()` succeeded, so
-whatever it has not made durable is fed again from the spool after a crash or by `otel-train replay`.
+whatever it has not made durable is fed again from the spool after a crash or by `otel-train replay`;
+a backend that appends to its own files (`RowExporter.kill_safe_writes`) also records after every
+write how far its writes reached the OS (`Spool.advance`), so a killed process writes nothing twice.
 The single entry into a backend is `RowExporter.export_window`.
 """
 
@@ -78,6 +80,7 @@ class _Backend:
         self.dropped = 0
         self.rows_written = 0  # metric and histogram rows handed to the backend
         self._on_error = on_error
+        self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
         self._flushes_asked = 0
         self._flushes_done = 0
         self.exports = 0  # export_window calls, and the seconds they took (self-telemetry)
@@ -203,12 +206,21 @@ class _Backend:
                 rows += _rows(items[end][2])
                 end += 1
             batch = items[start:end]
-            self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch]))
+            ok = self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch]))
+            if ok and self._kill_safe:
+                self._advance(batch[-1][0])
             self.handed = batch[-1][0]
             self.handed_step = max(self.handed_step, max(s for _, s, _ in batch))
             start = end
 
-    def _write(self, window: Window) -> None:
+    def _advance(self, seq: int) -> None:
+        assert self.spool is not None
+        try:
+            self.spool.advance(self.name, seq)
+        except OSError as err:  # only costs a repeat after a kill: the flush cursor still holds
+            self._log.error("written", "cannot record how far `%s` has written: %s", self.name, err)
+
+    def _write(self, window: Window) -> bool:
         started = time.perf_counter()
         try:
             ok = self.exporter.export_window(window)  # isolates and retries on its own
@@ -221,6 +233,7 @@ class _Backend:
         self.export_s += time.perf_counter() - started
         self.exports += 1
         self.rows += _rows(window)
+        return ok is not False
 
     def _flush(self) -> None:
         self._last_flush = time.monotonic()

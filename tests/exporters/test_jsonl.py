@@ -86,6 +86,18 @@ def test_cut_off_last_line_is_skipped(tmp_path: Path) -> None:
     exp.shutdown()
 
 
+def test_a_writer_after_a_torn_line_starts_a_new_line(tmp_path: Path) -> None:
+    # A killed exporter process leaves half a line; its restart writes that window again after it.
+    with JsonlExporter(ExporterOptions(directory=tmp_path)) as exp:
+        exp.export_window(Window(metrics=[metric("loss", 0, 1.0)]))
+    path = jsonl_path(tmp_path, "jl", 0)
+    with open(path, "a") as f:
+        f.write('{"type":"metric","st')
+    with JsonlExporter(ExporterOptions(directory=tmp_path)) as exp:
+        exp.export_window(Window(metrics=[metric("loss", 1, 0.5), metric("loss", 2, 0.25)]))
+    assert [(r["step"], r["value"]) for r in read_jsonl(path)] == [(0, 1.0), (1, 0.5), (2, 0.25)]
+
+
 def test_plain_otel_sdk_paths(tmp_path: Path) -> None:
     resource = Resource({"train.run.id": "sdk", "train.run.name": "sdk-run", "train.rank": 0})
     exp = JsonlExporter(ExporterOptions(directory=tmp_path))

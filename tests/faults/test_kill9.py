@@ -48,9 +48,10 @@ def test_kill_9_at_random_steps_then_replay_lands_each_step_once(tmp_path: Path)
 
 
 def test_kill_9_of_the_whole_job_then_replay_lands_every_spooled_step(tmp_path: Path) -> None:
-    """The exporter process killed too, at once: replay delivers what it had spooled but not delivered. A
-    window a backend had written but not yet acknowledged is written again (at least once: JSONL and
-    TensorBoard have no resume gate), with the same values."""
+    """The exporter process killed too, at once: replay delivers what it had spooled but not delivered, and
+    resumes each backend after the last window its writes handed to the OS (`Spool.advance`). Only a window
+    whose write had finished but whose 12-byte cursor write had not (microseconds) can appear twice, with the
+    same values."""
     for r in drive(tmp_path, 8, 11, "both"):
         assert r["killed_by"] == 9, r
         last = r["spooled_step"]  # the spool's last intact record: what reached the exporter process
