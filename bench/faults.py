@@ -5,9 +5,11 @@ signal and reports the time from the signal to the process's end and the share o
 before the signal that landed; the same after `kill -9` followed by `otel-train replay` (and how long
 the orphaned exporter process takes to drain and exit, polled every 10 ms); `kill -9` of the exporter
 process twice per run (restart, then in-process export) and how many points landed twice; then the time
-`ot.shutdown()` takes with a backend that never returns.
+`ot.shutdown()` takes with a backend that never returns; and a real `rotel` collector between `otlp`
+and the sink, killed for `--collector-down-s` seconds mid-run: step wall time while down vs up, and
+the points that landed in the sink after recovery.
 
-    python bench/faults.py --reps 20 [--only child_kill]
+    python bench/faults.py --reps 20 [--only child_kill] [--collector-down-s 60]
 """
 
 from __future__ import annotations
@@ -113,6 +115,67 @@ def child_kill(reps: int) -> None:
           f"Chrome trace {spans_twice} of {spans} spans twice")
 
 
+def collector_down(down_s: float) -> None:
+    """`otlp` (in the exporter process) -> rotel -> `otel-train sink`; rotel killed for `down_s` seconds."""
+    import os
+
+    import otel_train as ot
+    from otel_train.exporters.jsonl import read_jsonl
+
+    tests = Path(__file__).parents[1] / "tests"
+    sys.path[:0] = [str(tests / "faults"), str(tests / "sink")]
+    from rotel_proc import Rotel
+    from test_collector_sink import _Sink
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "runs"
+        sink = _Sink(Path(tmp) / "sink", out).start()
+        rotel = Rotel(Path(tmp) / "rotel", sink.grpc).start()
+        os.environ.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{rotel.grpc_port}",
+                          OTEL_EXPORTER_OTLP_INSECURE="true")
+        try:
+            ot.init(exporters=["otlp"], dir=Path(tmp) / "local", run_id="down", run_name="down")
+            phases: dict[str, list[float]] = {"up before": [], "down": [], "up after": []}
+            phase, step, t_kill = "up before", 0, 0.0
+            start = time.monotonic()
+            while True:
+                now = time.monotonic()
+                if phase == "up before" and now - start >= 10:
+                    rotel.kill()
+                    phase, t_kill = "down", now
+                elif phase == "down" and now - t_kill >= down_s:
+                    rotel.start()
+                    phase = "up after"
+                elif phase == "up after" and now - t_kill >= down_s + 20:
+                    break
+                t0 = time.perf_counter()
+                with ot.step(step):
+                    ot.log({"loss": 1.0 / (step + 1), "acc": step * 0.5})
+                    time.sleep(0.02)  # the step's work
+                phases[phase].append(time.perf_counter() - t0)
+                step += 1
+            t0 = time.monotonic()
+            ot.shutdown()
+            shutdown_s = time.monotonic() - t0
+            deadline = time.monotonic() + 120
+            landed: set[tuple[str, int]] = set()
+            while time.monotonic() < deadline:
+                rows = [r for f in sorted(out.rglob("*.jsonl")) for r in read_jsonl(f)]
+                got = [(r["tag"], r["step"]) for r in rows if r.get("type") == "metric" and r["tag"] in ("loss", "acc")]
+                landed = set(got)
+                if len(landed) == 2 * step:
+                    break
+                time.sleep(0.5)
+        finally:
+            rotel.stop()
+            sink.stop()
+    med = {k: statistics.median(v) * 1000 for k, v in phases.items() if v}
+    print(f"collector down {down_s:g} s: step wall time median {med['down']:.2f} ms while down vs "
+          f"{med['up before']:.2f} ms before / {med['up after']:.2f} ms after (20 ms of it the loop's sleep; "
+          f"ratio {med['down'] / med['up before']:.3f}); {len(landed)}/{2 * step} points in the sink's JSONL, "
+          f"{len(got) - len(landed)} twice; shutdown {shutdown_s:.2f} s")
+
+
 def hanging_backend(deadline_s: float) -> None:
     import otel_train as ot
     from otel_train.records import HistogramRow, MetricRow
@@ -136,11 +199,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--deadline-s", type=float, default=2.0)
-    parser.add_argument("--only", choices=["signals", "kill9", "kill9_whole_job", "child_kill", "hanging_backend"])
+    parser.add_argument("--collector-down-s", type=float, default=60.0)
+    parser.add_argument("--only", choices=["signals", "kill9", "kill9_whole_job", "child_kill", "hanging_backend",
+                                           "collector_down"])
     args = parser.parse_args()
     parts = {"signals": lambda: signals(args.reps), "kill9": lambda: kill9(args.reps),
              "kill9_whole_job": lambda: kill9_whole_job(args.reps), "child_kill": lambda: child_kill(args.reps),
-             "hanging_backend": lambda: hanging_backend(args.deadline_s)}
+             "hanging_backend": lambda: hanging_backend(args.deadline_s),
+             "collector_down": lambda: collector_down(args.collector_down_s)}
     for name, part in parts.items():
         if args.only in (None, name):
             part()

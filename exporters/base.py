@@ -60,9 +60,6 @@ DELTA_TEMPORALITY: dict[type, AggregationTemporality] = {
                  _SyncGauge)
     if kind is not None
 }
-_MAX_PENDING = 64  # failed windows kept for retry before the oldest is dropped
-_MAX_ATTEMPTS = 8  # tries of one window before it is dropped
-_BACKOFF_S = (1.0, 2.0, 5.0, 15.0, 60.0)
 
 
 class Window:
@@ -105,6 +102,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     #: Every successful `export_window` has appended the window to the backend's own files and handed it to
     #: the OS, so delivery may record it as written at once: a process killed later does not write it again.
     kill_safe_writes: bool = False
+    #: Failed windows kept for retry before the oldest is dropped, tries of one window before it is dropped
+    #: (0: never), and the waits between tries: a backend whose failures are outages (a collector) keeps more.
+    max_pending_windows: int = 64
+    max_attempts: int = 8
+    backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 15.0, 60.0)
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         # DELTA, as in our reader: on a plain SDK pipeline a counter with a per-step attribute then
@@ -168,7 +170,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                 if self.handles_metrics and (window.metrics or window.histograms):
                     window = self._in_step_order(window)
                 self._pending.append(window)
-                while len(self._pending) > _MAX_PENDING:
+                while len(self._pending) > self.max_pending_windows:
                     self._pending.popleft()
                     self.dropped_windows += 1
             return self._drain(force=False)
@@ -195,7 +197,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             except Exception as err:  # isolate the backend: count, log rarely, retry later
                 self.failures += 1
                 self._attempts += 1
-                if self._attempts >= _MAX_ATTEMPTS:
+                if self.max_attempts and self._attempts >= self.max_attempts:
                     # A window the backend rejects every time must not hold back every later one.
                     self._pending.popleft()
                     self.dropped_windows += 1
@@ -204,10 +206,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                         "poison",
                         "exporter `%s` rejected one window %d times (%s: %s); dropped it and moved on "
                         "(logged at most once a minute)",
-                        self.name, _MAX_ATTEMPTS, type(err).__name__, err,
+                        self.name, self.max_attempts, type(err).__name__, err,
                     )
                     continue
-                delay = _BACKOFF_S[min(self._attempts, len(_BACKOFF_S)) - 1]
+                delay = self.backoff_s[min(self._attempts, len(self.backoff_s)) - 1]
                 self._retry_at = time.monotonic() + delay
                 self._log.error(
                     "write",

@@ -164,6 +164,8 @@ class MetricRow:
             backend shows (``train/loss``, ``eval/acc{split=val}``).
         kind: ``gauge``, ``counter`` (running total), ``sum`` (up-down running total) or
             ``histogram`` (count/sum/min/max rows of a histogram, tagged ``name/count`` ...).
+        delta: For a sum from a DELTA point, that point's own value (what this collection added at
+            this step); the `otlp` backend sends it as a DELTA point again. None otherwise.
     """
 
     run: RunInfo
@@ -174,6 +176,7 @@ class MetricRow:
     kind: str
     time_unix_nano: int
     attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    delta: float | None = None
 
     @property
     def rank(self) -> int:
@@ -317,7 +320,7 @@ class MetricsConverter:
                             total = self.accumulate(run, tag, float(p.value), delta)
                             metric_rows.append(
                                 MetricRow(run, _step_of(attrs, fallback), name, tag, total, kind,
-                                          p.time_unix_nano, _extra(attrs))
+                                          p.time_unix_nano, _extra(attrs), float(p.value) if delta else None)
                             )
                     elif isinstance(d, Histogram):
                         for hp in d.data_points:

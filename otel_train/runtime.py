@@ -331,9 +331,6 @@ class Session:
         return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
 
 
-_IN_PROCESS = frozenset({"otlp"})
-
-
 def _is_builtin(target: str) -> bool:
     """Whether a registry target (``module:Class``) is one of our own backends."""
     return target.partition(":")[0].split(".")[:2] == ["otel_train", "exporters"]
@@ -342,10 +339,9 @@ def _is_builtin(target: str) -> bool:
 def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Split the named exporters into (built here, built in the exporter process).
 
-    Built-in row backends go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`. Staying
-    here: `otlp` (it sends the SDK's own data, unconverted, which only exists here) and third-party
-    names (entry points; their classes may not expect to run elsewhere). Unknown names and missing
-    packages fail here, before anything starts.
+    Built-in backends (`otlp` included) go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`.
+    Staying here: third-party names (entry points; their classes may not expect to run elsewhere).
+    Unknown names and missing packages fail here, before anything starts.
     """
     from otel_train.registry import check_available, get_spec
 
@@ -355,7 +351,7 @@ def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]
     if settings.export_process == "off" or (settings.export_process == "auto" and (
             os.name != "posix" or not sys.executable)):
         return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start
-    remote = tuple(n for n in names if n not in _IN_PROCESS and _is_builtin(get_spec(n).target))
+    remote = tuple(n for n in names if _is_builtin(get_spec(n).target))
     return tuple(n for n in names if n not in remote), remote
 
 

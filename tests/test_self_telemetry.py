@@ -28,7 +28,7 @@ def _scalars(run_folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_a_backend_failing_twice_shows_in_tensorboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base, "_BACKOFF_S", (0.0,))  # retry at once: the test is about counting, not waiting
+    monkeypatch.setattr(base.RowExporter, "backoff_s", (0.0,))  # retry at once: the test is about counting, not waiting
     tb = TensorBoardExporter(ExporterOptions(directory=tmp_path))
     flaky = InMemoryRowExporter(fail_times=2)
     delivery = Delivery({"tensorboard": tb, "flaky": flaky}, None)

@@ -1,4 +1,6 @@
-"""The `otlp` exporter against the real sink (gRPC and HTTP/protobuf), and with nothing listening."""
+"""The `otlp` exporter against the real sink (gRPC and HTTP/protobuf), and with nothing listening.
+
+It is a `RowExporter`: SDK data handed to `export` becomes rows, then OTLP again (`_otlp_rows`)."""
 
 from __future__ import annotations
 
@@ -32,13 +34,13 @@ def test_protocol_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
     exp = OTLPExporter()
     assert exp.protocols == {"metrics": "grpc", "traces": "grpc"}
-    assert isinstance(exp._metrics.inner, GrpcMetrics)
+    assert isinstance(exp._metrics, GrpcMetrics)
     exp.shutdown()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc")
     exp = OTLPExporter(None)
     assert exp.protocols == {"metrics": "grpc", "traces": "http/protobuf"}
-    assert isinstance(exp._traces.inner, HttpSpans)
+    assert isinstance(exp._traces, HttpSpans)
     exp.shutdown()
     exp.shutdown()  # idempotent
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/json")
@@ -71,7 +73,7 @@ def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeyp
         with tp.get_tracer("t").start_as_current_span("step", attributes={"train.step": 2}):
             pass
         assert exp.export([]) is SpanExportResult.SUCCESS
-        assert exp.sent == 8 + 1 and exp.failures == 0 and exp.dropped == 0
+        assert exp.sent == 8 + 1 and exp.failures == 0 and exp.dropped_windows == 0
         tp.shutdown()  # shuts the exporter down too
         assert sink.flush(10)
         assert sink.router.spans_in == 1
@@ -92,28 +94,28 @@ def test_wrong_token_is_a_counted_failure(tmp_path: Path, monkeypatch: pytest.Mo
         assert exp.failures == 1 and exp.pending == 1 and sink.router.points_in == 0
         assert sink.rejected == {"unauthenticated": 1}
         exp.shutdown(timeout_millis=100)  # no time for another attempt: counted as dropped
-        assert exp.dropped == 4
+        assert exp.dropped_windows == 1 and exp.pending == 0
     finally:
         sink.stop()
 
 
-def test_collector_down_bounded_kept_and_sent_after_recovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from rotel_proc import free_port
 
     port = free_port()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
-    exp = OTLPExporter(max_pending=2)
+    exp = OTLPExporter()
     t0 = time.monotonic()
     exp.export(metrics_data("down", 0, 1, range(2)))
     assert time.monotonic() - t0 < 3.0  # bounded by our 2 s default timeout
     assert exp.failures == 1 and exp.pending == 1
     t0 = time.monotonic()
-    exp.export(metrics_data("down", 0, 1, range(2, 4)))  # in backoff: queued without blocking
-    exp.export(metrics_data("down", 0, 1, range(4, 6)))  # over max_pending: the oldest batch is dropped
-    assert time.monotonic() - t0 < 0.2
-    assert exp.pending == 2 and exp.dropped == 4 and exp.failures == 1
-    assert exp.force_flush() is False  # the collector failed last time: flush does not block on it
+    for start in range(2, 100, 2):  # in backoff: kept without blocking, none dropped however many
+        exp.export(metrics_data("down", 0, 1, range(start, start + 2)))
+    assert time.monotonic() - t0 < 1.0
+    assert exp.pending == 50 and exp.dropped_windows == 0 and exp.failures == 1
     from otel_train.config import SinkSettings
     from otel_train.records import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
@@ -121,12 +123,15 @@ def test_collector_down_bounded_kept_and_sent_after_recovery(tmp_path: Path, mon
     sink = Sink(SinkSettings(grpc=f"127.0.0.1:{port}", http="127.0.0.1:0"),
                 exporter_factory(("tensorboard",), ExporterOptions(tmp_path / "runs", ranks="all"))).start()
     try:
-        exp.shutdown(timeout_millis=10_000)  # the last try finds the collector back
-        assert exp.pending == 0 and exp.sent == 8 and exp.dropped == 4
+        assert exp.force_flush()  # the collector is back: every kept window goes, oldest first
+        assert exp.pending == 0 and exp.sent == 200 and exp.dropped_windows == 0
+        exp.shutdown()
         assert sink.flush(10)
     finally:
         sink.stop()
-    assert scalars(tmp_path / "runs" / "down")["train/loss"] == [(s, float(s)) for s in range(2, 6)]
+    got = scalars(tmp_path / "runs" / "down")
+    assert got["train/loss"] == [(s, float(s)) for s in range(100)]
+    assert got["train/tokens"] == [(s, 10.0 * (s + 1)) for s in range(100)]
 
 
 def test_shutdown_with_collector_down_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,11 +142,43 @@ def test_shutdown_with_collector_down_is_bounded(monkeypatch: pytest.MonkeyPatch
     exp = OTLPExporter()
     exp.export(metrics_data("down", 0, 1, range(3)))
     t0 = time.monotonic()
-    exp.shutdown(timeout_millis=1000)
+    exp.shutdown(timeout_millis=1000)  # a whole 2 s attempt does not fit: no last try
     assert time.monotonic() - t0 < 1.0
-    assert exp.dropped == 6
-    assert exp.export(metrics_data("down", 0, 1, range(1))).name == "FAILURE"  # after shutdown: counted
-    assert exp.dropped == 8
+    assert exp.dropped_windows == 1
+    assert exp.export(metrics_data("down", 0, 1, range(1))).name == "FAILURE"  # after shutdown
+
+
+def test_a_window_half_sent_is_not_sent_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metrics taken, spans refused: the retry sends only the spans (a DELTA counter re-sent would count twice)."""
+    from otel_train.exporters.base import Window
+    from otel_train.records import MetricRow, RunInfo, SpanRow
+
+    sink = make_sink(tmp_path)
+    try:
+        _point_to(monkeypatch, sink, "grpc")
+        exp = OTLPExporter()
+        real = exp._traces.export
+        refusals = [1]
+
+        def refuse_once(spans: Any) -> Any:
+            if refusals:
+                refusals.pop()
+                from opentelemetry.sdk.trace.export import SpanExportResult
+                return SpanExportResult.FAILURE
+            return real(spans)
+
+        monkeypatch.setattr(exp._traces, "export", refuse_once)
+        run = RunInfo("half", "half")
+        rows = [MetricRow(run, s, "tokens", "tokens", 10.0 * (s + 1), "counter", 1000 + s, {}, 10.0) for s in range(3)]
+        spans = [SpanRow(run, "step", 7, 100 + s, None, 1000, 2000, 1, "main", s, {}) for s in range(3)]
+        assert exp.export_window(Window(rows, (), spans)) is False
+        assert exp.force_flush() and exp.sent == 6
+        exp.shutdown()
+        assert sink.flush(10)
+        assert sink.router.spans_in == 3
+    finally:
+        sink.stop()
+    assert scalars(tmp_path / "runs" / "half")["tokens"] == [(0, 10.0), (1, 20.0), (2, 30.0)]
 
 
 def test_windows_merged_behind_a_slow_collector_all_arrive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +191,7 @@ def test_windows_merged_behind_a_slow_collector_all_arrive(tmp_path: Path, monke
     try:
         _point_to(monkeypatch, sink, "grpc")
         exp = OTLPExporter()
-        inner = exp._metrics.inner
+        inner = exp._metrics
         real_export = inner.export
         calls = []
 

@@ -4,8 +4,8 @@ training (`otlp` exporter) -> rotel -> `python -m otel_train.sink` (JSONL + Tens
 at steps 10 and 20 so the test can kill a process after steps 0..9 reached the sink's files, and
 restart it once steps 10..19 were recorded during the outage. What is documented and asserted:
 
-- collector down: the `otlp` exporter keeps the failed batches (64 per signal) and retries them with
-  backoff, so after recovery every step lands, exactly once;
+- collector down: the `otlp` backend (in the exporter process) keeps every window the collector did not
+  take and retries them with backoff, so after recovery every step lands, exactly once;
 - sink down: the collector holds and retries what it could not forward; the sink's JSONL hands each
   window to the OS, so what it wrote before its kill survives; after the restart every step lands,
   exactly once.

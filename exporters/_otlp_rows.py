@@ -1,0 +1,126 @@
+"""Rows back into the OTel SDK's export objects, so the SDK's own OTLP exporters encode and send them.
+
+The `otlp` backend runs where every other backend runs (the exporter process, `otel-train sink`), and
+there only rows exist. What each row becomes on the wire:
+
+* gauge rows (``ot.log`` values, gauges) -> Gauge points;
+* counter / up-down sum rows from DELTA points -> Sum points, DELTA, with the collection's own value
+  (`MetricRow.delta`), as the SDK pipeline of the training process sent them; a sum row without it
+  (from a CUMULATIVE source) -> a Gauge of its running total;
+* histograms -> Histogram points, DELTA (their ``name/count`` ... scalar rows are not sent again);
+* spans -> `ReadableSpan`s with their ids, parent, times, status and attributes (events and links
+  are not kept in rows).
+
+Every point carries ``train.step``; every request carries the run's Resource, built as the training
+process builds it (`Resource.create` of the run's attributes, so ``OTEL_RESOURCE_ATTRIBUTES`` too).
+Requests hold at most `MAX_POINTS` points or spans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Gauge,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
+    MetricsData,
+    NumberDataPoint,
+    ResourceMetrics,
+    ScopeMetrics,
+    Sum,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.semconv import THREAD_ID, THREAD_NAME
+from otel_train.semconv import TRAIN_STEP as STEP_ATTRIBUTE
+
+__all__ = ["MAX_POINTS", "RowsToOTLP"]
+
+#: Points (or spans) per request: well under collectors' default 4 MiB message limit.
+MAX_POINTS = 4096
+_SCOPE = InstrumentationScope("otel_train")
+
+
+class RowsToOTLP:
+    """Builds `MetricsData` and span batches from rows; caches one Resource per run."""
+
+    def __init__(self) -> None:
+        self._resources: dict[RunInfo, Resource] = {}
+
+    def resource(self, run: RunInfo) -> Resource:
+        res = self._resources.get(run)
+        if res is None:
+            res = self._resources[run] = Resource.create(run.resource_attributes())
+        return res
+
+    def metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> Iterator[MetricsData]:
+        """The rows as requests of at most `MAX_POINTS` points."""
+        sendable = [r for r in rows if r.kind != "histogram"]  # a histogram's stats go as the histogram
+        for start in range(0, len(sendable), MAX_POINTS):
+            yield self._metrics_data(sendable[start:start + MAX_POINTS], ())
+        for start in range(0, len(histograms), MAX_POINTS):
+            yield self._metrics_data((), histograms[start:start + MAX_POINTS])
+
+    def spans(self, rows: Sequence[SpanRow]) -> Iterator[list[ReadableSpan]]:
+        """The span rows as batches of at most `MAX_POINTS` `ReadableSpan`s."""
+        for start in range(0, len(rows), MAX_POINTS):
+            yield [self._span(r) for r in rows[start:start + MAX_POINTS]]
+
+    # -- building ----------------------------------------------------------------------------------
+    def _metrics_data(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> MetricsData:
+        # (run, metric name, shape) -> points; a dict keeps first-seen order
+        groups: dict[tuple[RunInfo, str, str], list[Any]] = {}
+        for r in rows:
+            attrs = _with_step(r.attributes, r.step)
+            if r.kind in ("counter", "sum") and r.delta is not None:
+                shape, value = r.kind, r.delta
+            else:
+                shape, value = "gauge", r.value
+            groups.setdefault((r.run, r.name, shape), []).append(
+                NumberDataPoint(attrs, r.time_unix_nano, r.time_unix_nano, value))
+        for h in histograms:
+            groups.setdefault((h.run, h.name, "histogram"), []).append(HistogramDataPoint(
+                _with_step(h.attributes, h.step), h.time_unix_nano, h.time_unix_nano, h.count, h.sum,
+                list(h.bucket_counts), list(h.explicit_bounds), h.min, h.max))
+        by_run: dict[RunInfo, list[Metric]] = {}
+        for (run, name, shape), points in groups.items():
+            data: Gauge | Sum | Histogram
+            if shape == "gauge":
+                data = Gauge(points)
+            elif shape == "histogram":
+                data = Histogram(points, AggregationTemporality.DELTA)
+            else:
+                data = Sum(points, AggregationTemporality.DELTA, is_monotonic=shape == "counter")
+            by_run.setdefault(run, []).append(Metric(name, None, None, data))
+        return MetricsData([ResourceMetrics(self.resource(run), [ScopeMetrics(_SCOPE, metrics, "")], "")
+                            for run, metrics in by_run.items()])
+
+    def _span(self, r: SpanRow) -> ReadableSpan:
+        attrs = dict(r.attributes)
+        if r.step is not None:
+            attrs.setdefault(STEP_ATTRIBUTE, r.step)
+        if r.thread_id:
+            attrs.setdefault(THREAD_ID, r.thread_id)
+        if r.thread_name:
+            attrs.setdefault(THREAD_NAME, r.thread_name)
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        parent = (None if r.parent_span_id is None
+                  else SpanContext(r.trace_id, r.parent_span_id, is_remote=False, trace_flags=flags))
+        status = Status(StatusCode.ERROR, r.status_message or None) if r.error else Status(StatusCode.UNSET)
+        return ReadableSpan(r.name, SpanContext(r.trace_id, r.span_id, is_remote=False, trace_flags=flags), parent,
+                            self.resource(r.run), attrs, status=status, start_time=r.start_unix_nano,
+                            end_time=r.end_unix_nano, instrumentation_scope=_SCOPE)
+
+
+def _with_step(attributes: Any, step: int) -> dict[str, Any]:
+    attrs = dict(attributes) if attributes else {}
+    attrs[STEP_ATTRIBUTE] = step
+    return attrs
