@@ -290,6 +290,13 @@ class Session:
         if os.environ.get(cfg.OTEL_TRAIN_WORKER_ADDRESS) == (self._worker_address or "none"):
             del os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS]
         set_step_order("warn")
+        preempted = _preempted_by
+        if preempted is not None:  # backends that have the notion mark the run as preempted before closing it
+            for exporter in self.exporters:
+                if hasattr(exporter, "preempt_at_close"):
+                    exporter.preempt_at_close(preempted)
+            if self.export_process is not None:
+                self.export_process.preempted = preempted
         timeout_s = self.settings.shutdown_timeout_s
         if deadline is not None:
             timeout_s = max(0.05, min(timeout_s, deadline - time.monotonic()))
@@ -383,6 +390,10 @@ class DisabledSession:
 # -- process hooks --------------------------------------------------------------------------------
 #: Signals handed off like interpreter exit. SIGUSR1 is SLURM's `--signal` warning before preemption.
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+#: Of those, the ones that mean preemption (a scheduler's), not a user's Ctrl-C.
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: The preemption signal this process received (its name), once one has: the backends mark their runs at shutdown.
+_preempted_by: str | None = None
 _hooks_installed = False
 _previous_handlers: dict[int, Any] = {}
 _active: list[Session] = []
@@ -418,6 +429,8 @@ def _record_truncated(scopes: list[Any]) -> None:
     for scope in scopes:
         if hasattr(scope, "end_ns"):  # ended meanwhile: recorded by its own exit
             continue
+        if not hasattr(scope, "start_ns"):  # the signal came inside its `__enter__`: it never started
+            continue
         scope.end_ns = now
         scope.attributes = {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}
         session.span_buffer.append(scope)
@@ -452,7 +465,10 @@ def _interrupted_locking_code(frame: Any) -> bool:
 def _on_signal(signum: int, frame: Any) -> None:
     """Hand off on a signal. The work runs on a thread of its own: a signal handler runs inside
     whatever the training thread was doing, possibly holding a lock that flushing needs."""
-    global _handoff
+    global _handoff, _preempted_by
+    name = signal.Signals(signum).name
+    if name in _PREEMPTION_SIGNALS and _preempted_by is None:
+        _preempted_by = name
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
     # Called by a handler installed after ours that chains to it (Lightning composes handlers this way):
     # that handler decides whether the process ends, so we only flush.
