@@ -33,14 +33,14 @@ from typing import Any
 
 from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
 from otel_train.exporters.base import RowExporter
-from otel_train.records import CONFIG_HASH, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import CONFIG_HASH, PREEMPTED, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
 __all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
 
 _logger = logging.getLogger(__name__)
 
 #: Tag prefix of a Task whose process ended on SIGTERM / SIGUSR1 (``otel_train.preempted:SIGTERM``).
-PREEMPTED_TAG = "otel_train.preempted"
+PREEMPTED_TAG = PREEMPTED
 
 
 def title_series(name: str, tag: str) -> tuple[str, str]:

@@ -42,7 +42,15 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import (
+    CONFIG_HASH,
+    PREEMPTED,
+    RUN_ID,
+    ExporterOptions,
+    HistogramRow,
+    MetricRow,
+    RunInfo,
+)
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -53,7 +61,7 @@ _logger = logging.getLogger(__name__)
 
 LAST_STEP_TAG = "otel_train.last_step"
 RESUME_STEP_TAG = "otel_train.resume_step"
-PREEMPTED_TAG = "otel_train.preempted"
+PREEMPTED_TAG = PREEMPTED
 _MAX_KEY = 250
 _MAX_PARAM_VALUE = 6000
 _METRICS_PER_BATCH = 1000

@@ -36,7 +36,7 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import PREEMPTED, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
 __all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter"]
 
@@ -44,7 +44,7 @@ _logger = logging.getLogger(__name__)
 
 #: Alert title (and, without alerts, config key) of a run whose process ended on SIGTERM / SIGUSR1.
 PREEMPTED_TITLE = "preempted"
-PREEMPTED_KEY = "otel_train.preempted"
+PREEMPTED_KEY = PREEMPTED
 
 _MAX_BINS = 512
 

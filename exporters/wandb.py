@@ -41,7 +41,7 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import PREEMPTED, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
@@ -51,7 +51,7 @@ __all__ = ["PREEMPTED_KEY", "WandbExporter", "wandb_run_id"]
 _logger = logging.getLogger(__name__)
 
 #: Summary field of a run that ended on SIGTERM / SIGUSR1 (its value: the signal's name).
-PREEMPTED_KEY = "otel_train.preempted"
+PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
 

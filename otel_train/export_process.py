@@ -281,9 +281,10 @@ class ExportProcess:
                             "training process from now on", code)
             try:
                 backends = build_backends(self.names, self._options)
-                self.fallback = Delivery(backends, Spool(self.spool_path))
+                fallback = Delivery(backends, Spool(self.spool_path))
                 if self._config["self_metrics"]:
-                    self.fallback.annotate = SelfMetrics(self.fallback.backend_stats)
+                    fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
+                self.fallback = fallback
                 with self._backlog_lock:
                     backlog = list(self._backlog)
                     self._backlog.clear()
@@ -427,7 +428,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     _write_meta(spool.path, config)
     delivery = Delivery(backends, spool)
     if config.get("self_metrics"):
-        delivery.annotate = SelfMetrics(delivery.backend_stats)
+        delivery.annotate = SelfMetrics(delivery.backend_stats, lambda: delivery.spool_failed_appends)
     listener = None
     if config.get("workers"):
         try:

@@ -319,13 +319,22 @@ class Session:
             stats = self.reader.stats()
             names = [str(getattr(ex, "name", type(ex).__name__)) for ex in self.exporters]
             failures, dropped = dict(stats["failures"]), stats["dropped"]
+            in_process = [ex for ex in self.exporters if hasattr(ex, "step_order")]
+            backwards = {ex.name: ex.step_order.backwards for ex in in_process}
+            order_dropped = {ex.name: ex.step_order.dropped + int(getattr(ex, "steps_dropped", 0)) for ex in in_process}
+            spool_failed = 0
             if self.export_process is not None:  # the exporter process's backends: its last progress report
                 names += list(self.export_process.names)
                 progress = self.export_process.last_progress
                 failures.update(progress.failures)
                 dropped += self.export_process.dropped + sum(progress.dropped.values())
+                backwards.update(progress.steps_backwards)
+                order_dropped.update(progress.steps_order_dropped)
+                spool_failed = progress.spool_failed_appends
             write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
-                                       failures, str(run_folder(self.settings.dir, self.run.run_name))))
+                                       failures, str(run_folder(self.settings.dir, self.run.run_name)),
+                                       steps_backwards=backwards, steps_order_dropped=order_dropped,
+                                       spool_failed_appends=spool_failed))
         except Exception:
             _logger.debug("no shutdown summary", exc_info=True)
 
