@@ -342,6 +342,21 @@ class Session:
     def closed(self) -> bool:
         return self._closed
 
+    @staticmethod
+    def release_signal(signum: int) -> Any:
+        """Give `signum` back to the handler it had before `init()`, for a framework that installs its own
+        handler only over the default one (Lightning's SLURM requeue handler).
+
+        Returns:
+            otel-train's handler, for the caller to chain in front of the framework's (called from a
+            handler composed so, it only flushes); None when otel-train's is not the current handler
+            (then nothing changed).
+        """
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) is not _on_signal:
+            return None
+        signal.signal(signum, _previous_handlers.get(signum, signal.SIG_DFL))
+        return _on_signal
+
     def step_order_counts(self) -> dict[str, dict[str, int]]:
         """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
         return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
