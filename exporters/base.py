@@ -124,6 +124,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self._log = LogOnce(_logger, interval_s=60.0)
         self.failures = 0
         self.dropped_windows = 0
+        self._preempted: str | None = None
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters, applied in `export_window`.
         self.step_order = StepOrder(self.options.step_order, self.name)
 
@@ -157,6 +158,19 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
 
     def close(self) -> None:
         """Release the backend (close files, finish the run). Called once."""
+
+    def mark_preempted(self, cause: str) -> None:
+        """Mark the run as preempted, where the backend has that notion (a tag, a status, a record).
+
+        Called once, on the exporter's own thread, after the last window was written and flushed
+        and before `close`, when the training process ended on `cause` (``SIGTERM`` or
+        ``SIGUSR1``); never on SIGINT, a normal exit or `otel-train replay`. Default: nothing.
+        """
+
+    def preempt_at_close(self, cause: str) -> None:
+        """Have `shutdown` call `mark_preempted(cause)` before `close` (any thread; one attribute set,
+        so a backend busy in a write never blocks the signal's hand-off)."""
+        self._preempted = cause
 
     # -- the row path (used by the step-aligned reader) ------------------------------------------
     def export_window(self, window: Window) -> bool:
@@ -263,6 +277,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                 self.flush()
             except Exception as err:
                 _logger.error("exporter `%s` flush at shutdown failed: %s", self.name, err)
+            if self._preempted is not None:
+                try:
+                    self.mark_preempted(self._preempted)
+                except Exception as err:
+                    _logger.error("exporter `%s` could not mark the run preempted: %s", self.name, err)
             try:
                 self.close()
             except Exception as err:

@@ -22,6 +22,9 @@ With ``trace_counters`` (`OTEL_TRAIN_TRACE_COUNTERS`, default on), logged scalar
 events (``"ph": "C"``, name = the tag, ``args = {"value": v}``), so the loss curve sits under the
 timeline. Histogram statistic rows and non-finite values are left out of the counters.
 
+A run that ended on SIGTERM or SIGUSR1 (preemption) gets a process-wide instant event (``"ph": "i"``,
+``"s": "p"``) named ``preempted (SIGTERM)`` at the hand-off.
+
 Long runs: ``trace_steps`` (`OTEL_TRAIN_TRACE_STEPS`, e.g. ``100-120`` or ``every:1000:5``) keeps only
 the spans and counters of those steps; ``trace_gzip`` (`OTEL_TRAIN_TRACE_GZIP`) writes
 ``rank<N>.trace.json.gz``. The gzip stream is sync-flushed after every window, so a file cut off
@@ -46,6 +49,7 @@ import json
 import logging
 import math
 import os
+import time
 import zlib
 from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
@@ -232,6 +236,14 @@ class ChromeTraceExporter(RowExporter):
                         "args": {"value": row.value}})
         for trace in touched.values():
             trace.push()
+
+    def mark_preempted(self, cause: str) -> None:
+        """A process-wide instant event ``preempted (SIGTERM)`` on each rank's track, at the hand-off."""
+        ts = _us(time.time_ns())
+        for trace in self._ranks.values():
+            trace.emit({"name": f"preempted ({cause})", "cat": "otel_train", "ph": "i", "s": "p", "ts": ts,
+                        "pid": trace.pid, "tid": 0, "args": {"signal": cause}})
+        self.flush()
 
     def flush(self) -> None:
         for trace in self._ranks.values():

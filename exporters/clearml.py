@@ -18,6 +18,8 @@
 - Hyperparameters: `Task.connect` in section ``General`` (with `train.config.hash`).
 - Resume (`OTEL_TRAIN_RESUME_STEP` = N): the Task is tagged ``otel_train.resume_step:N``; a continued
   Task's initial-iteration offset is reset to 0, since `train.step` is already absolute.
+- Preemption: a process that ended on SIGTERM or SIGUSR1 tags the Task ``otel_train.preempted:<signal>``
+  and adds ``otel-train: preempted by <signal>`` to its comment.
 - One Task per process: rows of a second run id in the same exporter are dropped with a warning.
 """
 
@@ -31,11 +33,14 @@ from typing import Any
 
 from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
 from otel_train.exporters.base import RowExporter
-from otel_train.records import CONFIG_HASH, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import CONFIG_HASH, PREEMPTED, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
-__all__ = ["ClearMLExporter", "title_series"]
+__all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
 
 _logger = logging.getLogger(__name__)
+
+#: Tag prefix of a Task whose process ended on SIGTERM / SIGUSR1 (``otel_train.preempted:SIGTERM``).
+PREEMPTED_TAG = PREEMPTED
 
 
 def title_series(name: str, tag: str) -> tuple[str, str]:
@@ -122,6 +127,16 @@ class ClearMLExporter(RowExporter):
     def flush(self) -> None:
         if self._task is not None:
             self._task.get_logger().flush(wait=True)
+
+    def mark_preempted(self, cause: str) -> None:
+        """Tag the Task ``otel_train.preempted:<cause>`` and add a line to its comment."""
+        task = self._task
+        if task is None:
+            return
+        task.add_tags([f"{PREEMPTED_TAG}:{cause}"])
+        comment = task.comment or ""
+        note = f"otel-train: preempted by {cause}"
+        task.set_comment(f"{comment}\n{note}" if comment else note)
 
     def close(self) -> None:
         task, self._task = self._task, None

@@ -4,6 +4,7 @@ Rows of rank N are appended to ``<dir>/<run_name>/rank<N>.jsonl``; each line has
 (``metric``, ``histogram`` or ``span``), the run identity (``run_id``, ``run_name``, ``rank``) and
 the row's fields. Lines are handed to the OS after every window and fsynced on flush.
 
+A run that ended on SIGTERM or SIGUSR1 (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
 rows after it supersede the earlier attempt's rows at steps >= N (`resolve_resumes` applies that).
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -113,6 +115,7 @@ class JsonlExporter(RowExporter):
     def __init__(self, options: ExporterOptions | None = None) -> None:
         super().__init__(options)
         self._files: dict[tuple[str, int], tuple[Path, IO[str]]] = {}
+        self._runs: dict[tuple[str, int], RunInfo] = {}
         self._paths: list[Path] = []
 
     @property
@@ -131,6 +134,7 @@ class JsonlExporter(RowExporter):
             if _torn_tail(path):  # a process killed mid-line: the next record starts on a line of its own
                 entry[1].write("\n")
             self._paths.append(path)
+            self._runs[key] = run
             if self.options.resume_step is not None:
                 record = {"type": "resume", **_run_fields(run), "step": self.options.resume_step}
                 entry[1].write(json.dumps(record, separators=(",", ":")) + "\n")
@@ -172,6 +176,14 @@ class JsonlExporter(RowExporter):
             "thread_id": s.thread_id, "thread_name": s.thread_name, "error": s.error,
             "status_message": s.status_message, "attributes": _attrs(s.attributes),
         }) for s in rows])
+
+    def mark_preempted(self, cause: str) -> None:
+        """Append ``{"type": "preempted", "signal": cause}`` to each rank file this run wrote, durably."""
+        now = time.time_ns()
+        for key, (_, f) in self._files.items():
+            record = {"type": "preempted", **_run_fields(self._runs[key]), "signal": cause, "time_unix_nano": now}
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.flush()
 
     def flush(self) -> None:
         for _, f in self._files.values():

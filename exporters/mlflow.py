@@ -16,6 +16,8 @@
   ``otel_train.resume_step[.rankN]``; steps the run already holds keep the earlier attempt's values.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes into the same run with ``{rank=N}`` in its keys
   (``train/loss__rank-1``); MLflow runs can be shared by processes.
+- Preemption: a run that ended on SIGTERM or SIGUSR1 gets the tag ``otel_train.preempted`` = the signal's
+  name and ends with status KILLED (else FINISHED).
 - Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.
 """
 
@@ -40,17 +42,26 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import (
+    CONFIG_HASH,
+    PREEMPTED,
+    RUN_ID,
+    ExporterOptions,
+    HistogramRow,
+    MetricRow,
+    RunInfo,
+)
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-__all__ = ["LAST_STEP_TAG", "RESUME_STEP_TAG", "MLflowExporter", "mlflow_key"]
+__all__ = ["LAST_STEP_TAG", "PREEMPTED_TAG", "RESUME_STEP_TAG", "MLflowExporter", "mlflow_key"]
 
 _logger = logging.getLogger(__name__)
 
 LAST_STEP_TAG = "otel_train.last_step"
 RESUME_STEP_TAG = "otel_train.resume_step"
+PREEMPTED_TAG = PREEMPTED
 _MAX_KEY = 250
 _MAX_PARAM_VALUE = 6000
 _METRICS_PER_BATCH = 1000
@@ -112,6 +123,7 @@ class MLflowExporter(RowExporter):
         self._tags: dict[str, dict[str, str]] = {}  # MLflow run id -> its tags when found
         self._gate = StepGate("mlflow", monotonic=False)
         self._floored: set[tuple[str, int]] = set()
+        self._end_status = "FINISHED"  # KILLED once the run was preempted
 
     @property
     def steps_dropped(self) -> int:
@@ -162,12 +174,20 @@ class MLflowExporter(RowExporter):
                 # The last-step tags go with the last chunk: they claim only what is stored.
                 client.log_batch(mlflow_id, metrics=list(chunk), tags=tags if i == len(chunks) - 1 else [])
 
+    def mark_preempted(self, cause: str) -> None:
+        """Tag ``otel_train.preempted`` = `cause` on every run written; `close` ends them as KILLED."""
+        if self._client is None:
+            return
+        for mlflow_id in self._runs.values():
+            self._client.set_tag(mlflow_id, PREEMPTED_TAG, cause)
+        self._end_status = "KILLED"
+
     def close(self) -> None:
         if self._client is None:
             return
         for mlflow_id in self._runs.values():
             try:
-                self._client.set_terminated(mlflow_id)
+                self._client.set_terminated(mlflow_id, status=self._end_status)
             except Exception as err:
                 _logger.error("mlflow: ending run %s failed: %s", mlflow_id, err)
 

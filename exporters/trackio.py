@@ -13,6 +13,8 @@
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the same run, and the run's
   group is `train.run.id`.
 - Hyperparameters: the run config (with `train.config.hash`). Histograms: `trackio.Histogram`.
+- Preemption: a run whose process ended on SIGTERM or SIGUSR1 gets a WARN alert titled ``preempted``
+  (Trackio versions without alerts: the config key ``otel_train.preempted``, best effort).
 - Trackio keeps its current run in a context variable; the run is opened in a context of its own, so
   a Trackio run of the user's (on any thread) is never finished or replaced by this exporter.
 """
@@ -34,11 +36,15 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import PREEMPTED, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
-__all__ = ["TrackioExporter"]
+__all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter"]
 
 _logger = logging.getLogger(__name__)
+
+#: Alert title (and, without alerts, config key) of a run whose process ended on SIGTERM / SIGUSR1.
+PREEMPTED_TITLE = "preempted"
+PREEMPTED_KEY = PREEMPTED
 
 _MAX_BINS = 512
 
@@ -93,6 +99,18 @@ class TrackioExporter(RowExporter):
                             data[key] = hist
                 if data:
                     run.log(data, step=step)
+
+    def mark_preempted(self, cause: str) -> None:
+        """A Trackio alert (level WARN, title ``preempted``) on every run written, where the installed
+        Trackio has alerts; else the config note ``otel_train.preempted`` = `cause`."""
+        for run in self._runs.values():
+            if callable(getattr(run, "alert", None)):
+                import trackio
+
+                run.alert(PREEMPTED_TITLE, text=f"otel-train: the training process ended on {cause}",
+                          level=trackio.AlertLevel.WARN)
+            elif isinstance(getattr(run, "config", None), dict):
+                run.config[PREEMPTED_KEY] = cause
 
     def close(self) -> None:
         for run_id, run in list(self._runs.items()):

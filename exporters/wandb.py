@@ -16,6 +16,8 @@
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes its own run ``<run id>-rank<N>`` named
   ``<run name>-rank<N>``; every rank's run is in the group `train.run.id`. W&B runs cannot be shared
   by processes, and the sink does the same, so a run looks alike on both paths.
+- Preemption: a run that ended on SIGTERM or SIGUSR1 gets `run.mark_preempting()` and the summary
+  field ``otel_train.preempted`` = the signal's name.
 - Settings: `WANDB_PROJECT` (default: the otel-train project), `WANDB_ENTITY`, `WANDB_MODE`,
   `WANDB_DIR` (default: the run's folder under `OTEL_TRAIN_DIR`), `WANDB_RUN_GROUP`, `WANDB_CONSOLE`
   (default here: ``off``, so W&B does not wrap the training process's stdout) are W&B's own; they
@@ -39,15 +41,17 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.records import PREEMPTED, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
-__all__ = ["WandbExporter", "wandb_run_id"]
+__all__ = ["PREEMPTED_KEY", "WandbExporter", "wandb_run_id"]
 
 _logger = logging.getLogger(__name__)
 
+#: Summary field of a run that ended on SIGTERM / SIGUSR1 (its value: the signal's name).
+PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
 
@@ -120,6 +124,13 @@ class WandbExporter(RowExporter):
                     self._committed[key] = previous  # W&B commits a step when a later one arrives
                 run.log(self._payload(step_rows), step=step)
             self._write_marker(key, self._committed.get(key))
+
+    def mark_preempted(self, cause: str) -> None:
+        """W&B's own preemption mark (`run.mark_preempting()`: online, the run shows as preempted
+        rather than crashed) and the summary field ``otel_train.preempted`` = `cause`."""
+        for run in self._runs.values():
+            run.summary[PREEMPTED_KEY] = cause
+            run.mark_preempting()
 
     def close(self) -> None:
         for key, run in list(self._runs.items()):

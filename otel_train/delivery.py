@@ -43,6 +43,13 @@ class Progress:
     delivered_step: dict[str, int] = dataclasses.field(default_factory=dict)
     failures: dict[str, int] = dataclasses.field(default_factory=dict)
     dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Per backend: rows whose step went backwards in their series (`OTEL_TRAIN_STEP_ORDER`, any policy).
+    steps_backwards: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Per backend: rows not written because of their step (backwards under ``drop``/``raise``; a step
+    #: W&B cannot store under ``warn``; one a resumed run already holds).
+    steps_order_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Windows the spool could not write ahead (disk full), delivered from memory only.
+    spool_failed_appends: int = 0
 
     def behind(self) -> dict[str, int]:
         """Backends that lack windows, with how many steps they are behind."""
@@ -261,6 +268,14 @@ class _Backend:
             _logger.error("exporter `%s` failed to shut down: %s", self.name, err)
 
 
+def _order_counts(exporter: Any) -> dict[str, int]:
+    """A backend's step-order counters: rows that went backwards, and rows it did not write for their step
+    (the policy's drops plus the backend's own: W&B's older steps, a resumed run's held steps)."""
+    order = getattr(exporter, "step_order", None)
+    backwards, dropped = (order.backwards, order.dropped) if order is not None else (0, 0)
+    return {"backwards": int(backwards), "order_dropped": int(dropped) + int(getattr(exporter, "steps_dropped", 0))}
+
+
 def _rows(window: Window) -> int:
     return len(window.metrics) + len(window.histograms) + len(window.spans)
 
@@ -365,8 +380,13 @@ class Delivery:
         """Per backend: windows not yet handed to it, export calls and their seconds, rows handed, failures, drops."""
         return {b.name: {"backlog": max(0, self._last_seq - b.handed), "exports": b.exports, "export_s": b.export_s, "rows": b.rows,
                          "failures": getattr(b.exporter, "failures", 0),
-                         "dropped": b.dropped + getattr(b.exporter, "dropped_windows", 0)}
+                         "dropped": b.dropped + getattr(b.exporter, "dropped_windows", 0), **_order_counts(b.exporter)}
                 for b in self._backends}
+
+    @property
+    def spool_failed_appends(self) -> int:
+        """Windows the spool could not write ahead (disk full): delivered from memory only."""
+        return self.spool.failed_appends if self.spool is not None else 0
 
     def sync(self) -> None:
         """Make every submitted window durable in the spool."""
@@ -400,7 +420,10 @@ class Delivery:
         return Progress(self._last_seq, self._last_step, {b.name: b.acked for b in self._backends},
                         {b.name: b.acked_step for b in self._backends},
                         {n: int(s["failures"]) for n, s in stats.items()},
-                        {n: int(s["dropped"]) for n, s in stats.items()})
+                        {n: int(s["dropped"]) for n, s in stats.items()},
+                        {n: int(s["backwards"]) for n, s in stats.items()},
+                        {n: int(s["order_dropped"]) for n, s in stats.items()},
+                        self.spool_failed_appends)
 
     def exporters(self) -> list[Any]:
         return [b.exporter for b in self._backends]

@@ -9,7 +9,7 @@ trainer restarts it once (it resumes from the spool); if it dies again, the trai
 its own process from the same spool.
 
 Messages, trainer -> child: ``W`` + seq, max step + encoded window; ``F`` + id (flush); ``C`` + id
-(close); ``P`` + id (progress); ``H`` + pickled hyperparameters (reported after `init()`). Child -> trainer (pickled tuples): ``("ready", last seq)``,
+[+ the preemption signal's name, e.g. ``SIGTERM``: the backends mark their runs preempted] (close); ``P`` + id (progress); ``H`` + pickled hyperparameters (reported after `init()`). Child -> trainer (pickled tuples): ``("ready", last seq)``,
 ``("error", message)``, ``("spooled", seq)``, ``("durable", id, progress)``, ``("done", id, ok, progress)``.
 """
 
@@ -126,6 +126,8 @@ class ExportProcess:
         self.dropped = 0
         self.fallback: Delivery | None = None
         self.last_progress = Progress()
+        #: The preemption signal's name when the training process ends on one (set before `close`).
+        self.preempted: str | None = None
         self._conn, self._proc, self._seq = self._start()
         # The first child told each backend about a resume; a restarted child or the fallback must not
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
@@ -217,11 +219,11 @@ class ExportProcess:
         except (OSError, ValueError):
             return False  # the child is gone: the reply thread restarts it and resends the backlog
 
-    def _request(self, kind: bytes) -> int:
+    def _request(self, kind: bytes, extra: bytes = b"") -> int:
         rid = next(self._ids)
         with self._lock:
             if self.fallback is None:
-                self._send(kind + _ID.pack(rid))
+                self._send(kind + _ID.pack(rid) + extra)
         return rid
 
     def _wait(self, rid: int, key: str, deadline: float) -> dict[str, Any] | None:
@@ -279,9 +281,10 @@ class ExportProcess:
                             "training process from now on", code)
             try:
                 backends = build_backends(self.names, self._options)
-                self.fallback = Delivery(backends, Spool(self.spool_path))
+                fallback = Delivery(backends, Spool(self.spool_path))
                 if self._config["self_metrics"]:
-                    self.fallback.annotate = SelfMetrics(self.fallback.backend_stats)
+                    fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
+                self.fallback = fallback
                 with self._backlog_lock:
                     backlog = list(self._backlog)
                     self._backlog.clear()
@@ -299,13 +302,18 @@ class ExportProcess:
     def _ask(self, kind: bytes, deadline: float) -> tuple[int, bool]:
         """Flush (``F``) or close (``C``) and wait for the answer: (request id, every backend done).
         The id is 0 when the in-process fallback answered."""
+        cause = self.preempted if kind == b"C" else None
         if self.fallback is None:
-            rid = self._request(kind)
+            rid = self._request(kind, cause.encode() if cause else b"")
             reply = self._wait(rid, "done", deadline)
             if self.fallback is None:
                 return rid, bool(reply and reply.get("done"))
         fallback = self.fallback
-        return 0, fallback.flush(deadline) if kind == b"F" else fallback.close(deadline)
+        if kind == b"F":
+            return 0, fallback.flush(deadline)
+        if cause:
+            _preempt(fallback.exporters(), cause)
+        return 0, fallback.close(deadline)
 
     def flush(self, deadline: float) -> bool:
         """Wait until every backend has everything sent so far, or `deadline` (then: durable, and warn)."""
@@ -420,7 +428,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     _write_meta(spool.path, config)
     delivery = Delivery(backends, spool)
     if config.get("self_metrics"):
-        delivery.annotate = SelfMetrics(delivery.backend_stats)
+        delivery.annotate = SelfMetrics(delivery.backend_stats, lambda: delivery.spool_failed_appends)
     listener = None
     if config.get("workers"):
         try:
@@ -465,6 +473,9 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
             reply("progress", rid, delivery.progress())
         elif kind == b"C":
             close_id = rid
+            cause = frame[1 + _ID.size:].decode(errors="replace")
+            if cause:  # the trainer ended on a preemption signal: the backends mark their runs before closing
+                _preempt(delivery.exporters(), cause)
             break
     # The trainer handed off (or died): never outlive the drain deadline, whatever a backend does.
     if listener is not None:
@@ -485,6 +496,12 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _preempt(exporters: Sequence[Any], cause: str) -> None:
+    for exporter in exporters:
+        if hasattr(exporter, "preempt_at_close"):
+            exporter.preempt_at_close(cause)
 
 
 def _set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:

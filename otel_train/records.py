@@ -48,6 +48,7 @@ WORLD_SIZE = semconv.TRAIN_WORLD_SIZE
 CONFIG_HASH = semconv.TRAIN_CONFIG_HASH
 THREAD_ID = semconv.THREAD_ID
 THREAD_NAME = semconv.THREAD_NAME
+PREEMPTED = semconv.RUN_PREEMPTED
 
 #: Attributes that identify a point's step and rank; every other attribute makes a distinct series.
 _SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})

@@ -290,6 +290,13 @@ class Session:
         if os.environ.get(cfg.OTEL_TRAIN_WORKER_ADDRESS) == (self._worker_address or "none"):
             del os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS]
         set_step_order("warn")
+        preempted = _preempted_by
+        if preempted is not None:  # backends that have the notion mark the run as preempted before closing it
+            for exporter in self.exporters:
+                if hasattr(exporter, "preempt_at_close"):
+                    exporter.preempt_at_close(preempted)
+            if self.export_process is not None:
+                self.export_process.preempted = preempted
         timeout_s = self.settings.shutdown_timeout_s
         if deadline is not None:
             timeout_s = max(0.05, min(timeout_s, deadline - time.monotonic()))
@@ -312,19 +319,43 @@ class Session:
             stats = self.reader.stats()
             names = [str(getattr(ex, "name", type(ex).__name__)) for ex in self.exporters]
             failures, dropped = dict(stats["failures"]), stats["dropped"]
+            in_process = [ex for ex in self.exporters if hasattr(ex, "step_order")]
+            backwards = {ex.name: ex.step_order.backwards for ex in in_process}
+            order_dropped = {ex.name: ex.step_order.dropped + int(getattr(ex, "steps_dropped", 0)) for ex in in_process}
+            spool_failed = 0
             if self.export_process is not None:  # the exporter process's backends: its last progress report
                 names += list(self.export_process.names)
                 progress = self.export_process.last_progress
                 failures.update(progress.failures)
                 dropped += self.export_process.dropped + sum(progress.dropped.values())
+                backwards.update(progress.steps_backwards)
+                order_dropped.update(progress.steps_order_dropped)
+                spool_failed = progress.spool_failed_appends
             write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
-                                       failures, str(run_folder(self.settings.dir, self.run.run_name))))
+                                       failures, str(run_folder(self.settings.dir, self.run.run_name)),
+                                       steps_backwards=backwards, steps_order_dropped=order_dropped,
+                                       spool_failed_appends=spool_failed))
         except Exception:
             _logger.debug("no shutdown summary", exc_info=True)
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @staticmethod
+    def release_signal(signum: int) -> Any:
+        """Give `signum` back to the handler it had before `init()`, for a framework that installs its own
+        handler only over the default one (Lightning's SLURM requeue handler).
+
+        Returns:
+            otel-train's handler, for the caller to chain in front of the framework's (called from a
+            handler composed so, it only flushes); None when otel-train's is not the current handler
+            (then nothing changed).
+        """
+        if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) is not _on_signal:
+            return None
+        signal.signal(signum, _previous_handlers.get(signum, signal.SIG_DFL))
+        return _on_signal
 
     def step_order_counts(self) -> dict[str, dict[str, int]]:
         """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
@@ -383,6 +414,10 @@ class DisabledSession:
 # -- process hooks --------------------------------------------------------------------------------
 #: Signals handed off like interpreter exit. SIGUSR1 is SLURM's `--signal` warning before preemption.
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
+#: Of those, the ones that mean preemption (a scheduler's), not a user's Ctrl-C.
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: The preemption signal this process received (its name), once one has: the backends mark their runs at shutdown.
+_preempted_by: str | None = None
 _hooks_installed = False
 _previous_handlers: dict[int, Any] = {}
 _active: list[Session] = []
@@ -418,6 +453,8 @@ def _record_truncated(scopes: list[Any]) -> None:
     for scope in scopes:
         if hasattr(scope, "end_ns"):  # ended meanwhile: recorded by its own exit
             continue
+        if not hasattr(scope, "start_ns"):  # the signal came inside its `__enter__`: it never started
+            continue
         scope.end_ns = now
         scope.attributes = {**(scope.attributes or {}), TRUNCATED_ATTRIBUTE: True}
         session.span_buffer.append(scope)
@@ -452,7 +489,10 @@ def _interrupted_locking_code(frame: Any) -> bool:
 def _on_signal(signum: int, frame: Any) -> None:
     """Hand off on a signal. The work runs on a thread of its own: a signal handler runs inside
     whatever the training thread was doing, possibly holding a lock that flushing needs."""
-    global _handoff
+    global _handoff, _preempted_by
+    name = signal.Signals(signum).name
+    if name in _PREEMPTION_SIGNALS and _preempted_by is None:
+        _preempted_by = name
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
     # Called by a handler installed after ours that chains to it (Lightning composes handlers this way):
     # that handler decides whether the process ends, so we only flush.

@@ -34,6 +34,8 @@ THREAD_ID = "thread.id"
 THREAD_NAME = "thread.name"
 SPAN_TRUNCATED = "otel_train.truncated"
 """Span attribute: the span was still open when a signal ended the process (closed at the hand-off)."""
+RUN_PREEMPTED = "otel_train.preempted"
+"""Backend run mark (W&B summary field, MLflow tag, ClearML tag ``name:value``): the preemption signal's name."""
 
 # -- metrics recorded at every step end ------------------------------------------------------------
 TRAIN_STEP_DURATION = "train.step.duration_s"
@@ -54,6 +56,10 @@ SELF_ROWS_WRITTEN = "otel_train.rows_written"
 SELF_EXPORT_LATENCY = "otel_train.export_latency_s"
 SELF_BACKEND_ERRORS = "otel_train.backend_errors"
 SELF_DROPPED_WINDOWS = "otel_train.dropped_windows"
+# ... recorded only once non-zero (a count that stays: the series appears when the trouble starts)
+SELF_SPOOL_FAILED_APPENDS = "otel_train.spool_failed_appends"
+SELF_STEPS_BACKWARDS = "otel_train.steps_backwards"
+SELF_STEPS_ORDER_DROPPED = "otel_train.steps_order_dropped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,8 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention(THREAD_ID, "span", "int", "", "the thread that started the span", "thread.id"),
     Convention(THREAD_NAME, "span", "str", "", "the thread that started the span", "thread.name"),
     Convention(SPAN_TRUNCATED, "span", "bool", "", "a signal ended the process while the span was open"),
+    Convention(RUN_PREEMPTED, "backend run", "str", "",
+               "a SIGTERM / SIGUSR1 ended the process: the signal's name (W&B summary, MLflow tag, ClearML tag)"),
     Convention(TRAIN_STEP_DURATION, "metric", "float", "s", "every step end", display="train/step_duration_s"),
     Convention(TRAIN_TIME_TOTAL, "metric", "float", "s", "every step end", display="train/time_total_s"),
     Convention(TRAIN_ITERATIONS, "metric", "int", "1", "every step end", display="train/iterations"),
@@ -121,6 +129,16 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention(SELF_DROPPED_WINDOWS, "metric", "int", "1",
                "exporter process, `{exporter=X}`: windows X gave up on (rejected on every retry, or its queue overflowed)",
                display="otel_train/dropped_windows"),
+    Convention(SELF_SPOOL_FAILED_APPENDS, "metric", "int", "1",
+               "exporter process: windows the spool could not write ahead (disk full), delivered from memory only; "
+               "once non-zero", display="otel_train/spool_failed_appends"),
+    Convention(SELF_STEPS_BACKWARDS, "metric", "int", "1",
+               "exporter process, `{exporter=X}`: rows whose step went backwards in their series, seen by X; "
+               "once non-zero", display="otel_train/steps_backwards"),
+    Convention(SELF_STEPS_ORDER_DROPPED, "metric", "int", "1",
+               "exporter process, `{exporter=X}`: rows X did not write because of their step (backwards under "
+               "`drop`/`raise`, older than W&B's last, held by a resumed run); once non-zero",
+               display="otel_train/steps_order_dropped"),
     Convention("worker", "point, span", "int", "1",
                "DataLoader worker id (pid for other child processes) of child-process data"),
     # Names of the phase and system-metrics feature (defined there; listed here so the table is whole).

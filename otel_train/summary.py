@@ -15,7 +15,9 @@ __all__ = ["summary_line", "write_summary"]
 
 
 def summary_line(points: int, windows: int, backends: Sequence[str], dropped: int,
-                 failures: Mapping[str, int], run_folder: str | None = None) -> str:
+                 failures: Mapping[str, int], run_folder: str | None = None, *,
+                 steps_backwards: Mapping[str, int] | None = None, steps_order_dropped: Mapping[str, int] | None = None,
+                 spool_failed_appends: int = 0) -> str:
     """Format the shutdown summary.
 
     Args:
@@ -25,14 +27,29 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         dropped: Records, spans and windows dropped to keep memory bounded, together.
         failures: Backend name -> failed writes (only non-zero ones are shown).
         run_folder: Where the local backends wrote, if any.
+        steps_backwards: Backend name -> rows whose step went backwards (only non-zero ones are shown).
+        steps_order_dropped: Backend name -> rows not written because of their step (shown with the above).
+        spool_failed_appends: Windows the spool could not write ahead (disk full); shown when non-zero.
 
     Example:
         >>> summary_line(1200, 4, ["tensorboard", "wandb"], 0, {"wandb": 3}, "runs/demo")
         'otel-train: 1,200 points in 4 windows to tensorboard, wandb; 0 dropped; wandb: 3 failures; run folder runs/demo'
+        >>> summary_line(10, 2, ["wandb"], 0, {}, steps_backwards={"wandb": 2}, steps_order_dropped={"wandb": 1},
+        ...              spool_failed_appends=3)
+        'otel-train: 10 points in 2 windows to wandb; 0 dropped; wandb: 2 rows with a step going backwards, 1 not written; 3 windows not written ahead to the spool (disk full?)'
     """
     parts = [f"otel-train: {points:,} points in {windows:,} windows to {', '.join(backends) or 'no backend'}",
              f"{dropped:,} dropped"]
     parts += [f"{name}: {n:,} failure{'s' if n != 1 else ''}" for name, n in failures.items() if n]
+    backwards, order_dropped = steps_backwards or {}, steps_order_dropped or {}
+    for name in dict.fromkeys([*backwards, *order_dropped]):
+        went, gone = backwards.get(name, 0), order_dropped.get(name, 0)
+        if went or gone:
+            parts.append(f"{name}: {went:,} row{'s' if went != 1 else ''} with a step going backwards, "
+                         f"{gone:,} not written")
+    if spool_failed_appends:
+        parts.append(f"{spool_failed_appends:,} window{'s' if spool_failed_appends != 1 else ''} not written ahead "
+                     "to the spool (disk full?)")
     if run_folder:
         parts.append(f"run folder {run_folder}")
     return "; ".join(parts)

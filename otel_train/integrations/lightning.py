@@ -28,6 +28,8 @@ This module imports ``lightning.pytorch`` (else ``pytorch_lightning``); ``import
 from __future__ import annotations
 
 import functools
+import signal
+import threading
 from argparse import Namespace
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -127,6 +129,38 @@ class OtelTrainLogger(Logger):
         ot.flush()
 
 
+def _requeue_signal(trainer: Trainer) -> int | None:
+    """The signal Lightning's SLURM auto-requeue handler will take, or None when it will install none."""
+    try:
+        from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    except ImportError:
+        try:  # the `pytorch_lightning` package's own copy
+            from lightning_fabric.plugins.environments.slurm import (  # type: ignore[assignment,no-redef,unused-ignore]
+                SLURMEnvironment,
+            )
+        except ImportError:
+            return None
+    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
+        return None
+    return int(environment.requeue_signal or signal.SIGUSR1)
+
+
+class _FlushThenRequeue:
+    """otel-train's hand-off (composed so, it only flushes), then Lightning's requeue handler: what was
+    logged is durable before the job is requeued (which ends it)."""
+
+    def __init__(self, ours: Any, theirs: Any) -> None:
+        self.ours = ours
+        self.theirs = theirs
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        try:
+            self.ours(signum, frame)
+        finally:
+            self.theirs(signum, frame)
+
+
 class OtelTrainCallback(Callback):
     """A Lightning `Callback` that times epochs, batches and checkpoint saves as spans.
 
@@ -142,12 +176,14 @@ class OtelTrainCallback(Callback):
         self._spans = HookSpans()
         self._step = HookStep()
         self._save_checkpoint: Any = None
+        self._released: tuple[int, Any, Any] | None = None  # (signal, otel-train's handler, the one released to)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._owned.ensure(rank=trainer.global_rank, local_rank=trainer.local_rank, world_size=trainer.world_size)
         if self._save_checkpoint is None:
             self._wrap_checkpoint_saves(trainer)
+        self._release_requeue_signal(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._step.end()
@@ -155,7 +191,59 @@ class OtelTrainCallback(Callback):
         if self._save_checkpoint is not None:
             trainer.save_checkpoint = self._save_checkpoint  # type: ignore[method-assign]
             self._save_checkpoint = None
+        self._reclaim_requeue_signal()
         ot.flush()
+
+    # -- SLURM auto-requeue -----------------------------------------------------------------------------
+    # Lightning installs its requeue handler only where the signal still has the default one, and it
+    # registers its handlers after `setup`: otel-train's (from `init()`) would make it skip requeueing.
+    # So, with auto-requeue on, ours steps aside before Lightning registers (`setup`) and is chained in
+    # front of Lightning's once it has (the first hook after registering); Lightning restores the old
+    # handlers when the stage ends, and `teardown` puts ours back.
+    def _release_requeue_signal(self, trainer: Trainer) -> None:
+        signum = _requeue_signal(trainer)
+        release = getattr(ot._session, "release_signal", None)
+        if signum is None or self._released is not None or release is None:
+            return
+        ours = release(signum)
+        if ours is not None:
+            self._released = (signum, ours, signal.getsignal(signum))
+
+    def _chain_requeue_signal(self) -> None:
+        if self._released is None or threading.current_thread() is not threading.main_thread():
+            return
+        signum, ours, released_to = self._released
+        current = signal.getsignal(signum)
+        if isinstance(current, _FlushThenRequeue) and current.ours is ours:
+            return  # chained already (an earlier stage hook)
+        if current is released_to or not callable(current):  # Lightning installed nothing: ours again
+            signal.signal(signum, ours)
+        else:
+            signal.signal(signum, _FlushThenRequeue(ours, current))
+
+    def _reclaim_requeue_signal(self) -> None:
+        if self._released is None or threading.current_thread() is not threading.main_thread():
+            return
+        signum, ours, released_to = self._released
+        self._released = None
+        current = signal.getsignal(signum)
+        if current is released_to or (isinstance(current, _FlushThenRequeue) and current.ours is ours):
+            signal.signal(signum, ours)  # Lightning restored what it found; the process goes on: ours again
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._chain_requeue_signal()
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._chain_requeue_signal()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._chain_requeue_signal()
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._chain_requeue_signal()
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._chain_requeue_signal()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._spans.end_all(exception)
