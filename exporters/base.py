@@ -194,6 +194,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         with self._lock:
             if self._closed:
                 return False
+            if run.rank and self.options.ranks == "0":
+                # This backend writes no metrics of that rank (`OTEL_TRAIN_RANKS`): nothing to supersede, and a
+                # marker there could supersede rank 0's steps (TensorBoard reads one folder as one run).
+                return True
             ok = self._drain(force=True)
             self.step_order.restart(run.run_id, run.rank)
             try:

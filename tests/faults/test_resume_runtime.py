@@ -63,3 +63,24 @@ def test_resume_lets_steps_restart_below_the_latest_under_raise(tmp_path: Path) 
         pass
     with pytest.raises(ot.StepOrderError), ot.step(4):
         pass
+
+
+def test_a_rank_whose_metrics_no_backend_writes_leaves_no_restart_marker(tmp_path: Path) -> None:
+    """Under `OTEL_TRAIN_RANKS=0` every rank declares the resume (Lightning calls it on each); rank 1's must
+    not land in rank 0's TensorBoard folder, where its marker would supersede rank 0's new steps."""
+    from otel_train.exporters.base import Window
+    from otel_train.exporters.jsonl import JsonlExporter
+    from otel_train.exporters.tensorboard import TensorBoardExporter
+    from otel_train.records import ExporterOptions, MetricRow, RunInfo
+
+    rank0, rank1 = (RunInfo(RUN, RUN, rank=r, world_size=2) for r in (0, 1))
+    options = ExporterOptions(directory=tmp_path)
+    with TensorBoardExporter(options) as tb0, TensorBoardExporter(options) as tb1, JsonlExporter(options) as jl1:
+        tb0.export_window(Window([MetricRow(rank0, s, "loss", "loss", value("loss", s), "gauge", 0) for s in range(8)]))
+        tb0.resume(rank0, 5)
+        assert tb1.resume(rank1, 5) and jl1.resume(rank1, 5)
+        tb0.export_window(Window([MetricRow(rank0, s, "loss", "loss", 9.0, "gauge", 0) for s in (5, 6)]))
+    assert len(list((tmp_path / RUN).glob("events.*"))) == 1
+    assert not list(tmp_path.rglob("rank1.jsonl"))
+    assert set(tb_points(tmp_path / RUN)) == {("loss", s, f32(value("loss", s))) for s in range(5)} | {
+        ("loss", 5, 9.0), ("loss", 6, 9.0)}
