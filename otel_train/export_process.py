@@ -421,8 +421,10 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
 
     try:
         spool = Spool(Path(config["spool"]))
-        options = _spool_resume(spool, config["run"], config["options"])
-        backends = build_backends(config["names"], options)
+        options = config["options"]
+        backends = build_backends(config["names"], dataclasses.replace(options, resume_step=None))
+        if options.resume_step is not None:
+            _spool_resume(spool, config["run"], options.resume_step, backends)
     except ConfigError as err:
         reply("error", str(err))
         return
@@ -499,19 +501,19 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     os._exit(0)
 
 
-def _spool_resume(spool: Spool, run: RunInfo, options: ExporterOptions) -> ExporterOptions:
+def _spool_resume(spool: Spool, run: RunInfo, step: int, backends: Mapping[str, Any]) -> None:
     """`init(resume_step=N)`: spool the resume after the earlier attempt's windows, so that what a `kill -9`
     left undelivered is cut at N and every backend applies the resume once, in order (also after a restart
-    or in `otel-train replay`). Returns the options to build the backends with (resume left to the spool;
-    kept in the options if the spool cannot be written)."""
-    step = options.resume_step
-    if step is None:
-        return options
+    or in `otel-train replay`). If the spool cannot be written, each backend applies it when it opens, as
+    in-process."""
     earlier = spool.last_seq
-    if not spool.append(earlier + 1, -1, encode_resume(run, step, earlier)):
-        return options  # the spool cannot be written: each backend applies it when it opens, as in-process
-    spool.sync()
-    return dataclasses.replace(options, resume_step=None)
+    if spool.append(earlier + 1, -1, encode_resume(run, step, earlier)):
+        spool.sync()
+        return
+    for exporter in backends.values():
+        options = getattr(exporter, "options", None)
+        if isinstance(options, ExporterOptions):
+            exporter.options = dataclasses.replace(options, resume_step=step)
 
 
 def _set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:
