@@ -8,6 +8,7 @@ logged at most once a minute, and the batch is retried with backoff (bounded); i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -34,7 +35,15 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_train import routing
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, MetricsConverter, SpanRow, span_rows
+from otel_train.records import (
+    ExporterOptions,
+    HistogramRow,
+    MetricRow,
+    MetricsConverter,
+    RunInfo,
+    SpanRow,
+    span_rows,
+)
 from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
@@ -153,6 +162,15 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
         """Write one window's finished spans. Runs on the export thread."""
 
+    def write_resume(self, run: RunInfo, step: int) -> None:
+        """The run (this rank of it) restarts at `step`: supersede the earlier attempt's steps >= `step`
+        the way this backend can. Runs on the export thread, after every row delivered before it.
+
+        The default records it in `options.resume_step`, which run-based backends read when they open
+        their run (as for `init(resume_step=)`); a run already open keeps the steps it holds.
+        """
+        self.options = dataclasses.replace(self.options, resume_step=step)
+
     def flush(self) -> None:
         """Make everything written so far durable / visible."""
 
@@ -188,6 +206,27 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                     self._pending.popleft()
                     self.dropped_windows += 1
             return self._drain(force=False)
+
+    def resume(self, run: RunInfo, step: int) -> bool:
+        """Apply a resume (`otel_train.resume`) in order: windows still pending first, then `write_resume`;
+        the step order of `run`'s rank restarts. Isolated like a write. Returns False if it failed."""
+        with self._lock:
+            if self._closed:
+                return False
+            if run.rank and self.options.ranks == "0":
+                # This backend writes no metrics of that rank (`OTEL_TRAIN_RANKS`): nothing to supersede, and a
+                # marker there could supersede rank 0's steps (TensorBoard reads one folder as one run).
+                return True
+            ok = self._drain(force=True)
+            self.step_order.restart(run.run_id, run.rank)
+            try:
+                self.write_resume(run, step)
+            except Exception as err:
+                self.failures += 1
+                self._log.error("resume", "exporter `%s` could not record the resume at step %d (%s: %s)",
+                                self.name, step, type(err).__name__, err)
+                return False
+            return ok
 
     def _in_step_order(self, window: Window) -> Window:
         metrics = self.step_order.filter(window.metrics)

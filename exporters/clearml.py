@@ -156,6 +156,12 @@ class ClearMLExporter(RowExporter):
                           run.run_id, self._run_id)
         return False
 
+    def write_resume(self, run: RunInfo, step: int) -> None:
+        """Tag the Task ``otel_train.resume_step:N`` (now, if it is open)."""
+        super().write_resume(run, step)
+        if self._task is not None and run.run_id == self._run_id:
+            self._task.add_tags([f"otel_train.resume_step:{step}"])
+
     def _open(self, info: RunInfo) -> Any:
         if self._task is not None:
             return self._task

@@ -136,9 +136,18 @@ class JsonlExporter(RowExporter):
             self._paths.append(path)
             self._runs[key] = run
             if self.options.resume_step is not None:
-                record = {"type": "resume", **_run_fields(run), "step": self.options.resume_step}
-                entry[1].write(json.dumps(record, separators=(",", ":")) + "\n")
+                self._write_resume_record(entry[1], run, self.options.resume_step)
         return entry[1]
+
+    @staticmethod
+    def _write_resume_record(f: IO[str], run: RunInfo, step: int) -> None:
+        f.write(json.dumps({"type": "resume", **_run_fields(run), "step": step}, separators=(",", ":")) + "\n")
+
+    def write_resume(self, run: RunInfo, step: int) -> None:
+        """A ``resume`` record for `run`'s rank, now: `resolve_resumes` drops its earlier rows at steps >= `step`."""
+        f = self._file(run)
+        self._write_resume_record(f, run, step)
+        f.flush()
 
     def _write(self, records: list[tuple[RunInfo, dict[str, Any]]]) -> None:
         touched: dict[int, IO[str]] = {}

@@ -259,6 +259,13 @@ class MLflowExporter(RowExporter):
         self._log_params(client, mlflow_id, params, dict(run.data.params))
         return mlflow_id
 
+    def write_resume(self, run: RunInfo, step: int) -> None:
+        """Record the restart in the tag `otel_train.resume_step[.rankN]` (now, if the run is open)."""
+        super().write_resume(run, step)
+        mlflow_id = self._runs.get(run.run_id)
+        if mlflow_id is not None:
+            self._get_client().set_tag(mlflow_id, _resume_tag(run.rank), str(step))
+
     def _ensure_floor(self, mlflow_id: str, rank: int) -> None:
         if (mlflow_id, rank) in self._floored:
             return

@@ -181,12 +181,20 @@ class TensorBoardExporter(RowExporter):
             if self.options.hparams:
                 self._write_hparams(writer, self.options.hparams, run)
             if self.options.resume_step is not None:
-                # TensorBoard's readers drop every step >= N read before this event (from the earlier
-                # attempt's files), so a resumed run shows one value per step, not a zig-zag.
-                start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
-                writer.add(self._event_pb2.Event(wall_time=time.time(), step=self.options.resume_step,
-                                                 session_log=start).SerializeToString())
+                self._add_start(writer, self.options.resume_step)
         return writer
+
+    def _add_start(self, writer: _EventFile, step: int) -> None:
+        # TensorBoard's readers drop every step >= N read before this event (from the earlier attempt,
+        # in this file or an earlier one), so a resumed run shows one value per step, not a zig-zag.
+        start = self._event_pb2.SessionLog(status=self._event_pb2.SessionLog.START)
+        writer.add(self._event_pb2.Event(wall_time=time.time(), step=step, session_log=start).SerializeToString())
+
+    def write_resume(self, run: RunInfo, step: int) -> None:
+        """A `SessionLog.START` event at `step` in `run`'s event file, now (see `_add_start`)."""
+        writer = self._writer(run)
+        self._add_start(writer, step)
+        writer.flush()
 
     def _value(self, tag: str) -> bytes:
         """The encoding of a one-value Summary for `tag`, less its 4-byte float (which comes last)."""

@@ -39,6 +39,7 @@ __all__ = [
     "get_tracer",
     "init",
     "log",
+    "resume",
     "shutdown",
     "span",
     "step",
@@ -233,6 +234,46 @@ def flush(timeout_s: float | None = None) -> bool:
         child.send_now()
         return True
     return True if s is None else bool(s.flush(timeout_s))
+
+
+def resume(step: int) -> None:
+    """Declare that the run restarts at `step` (from a checkpoint), once the session is running.
+
+    What `init(resume_step=step)` does, for when the step is known only after `init()` (the framework
+    integrations call it once they have loaded a checkpoint): everything logged before is delivered first,
+    then every backend supersedes the earlier attempt's steps >= `step` (TensorBoard purge, JSONL resume
+    record, ...; see the README, "Preemption and resume"), and steps may start again from `step`. Windows
+    an earlier, killed attempt left undelivered lose their rows at steps >= `step`.
+
+    Args:
+        step: The first step of the new attempt (an integer >= 0).
+
+    Raises:
+        ConfigError: `step` is not an integer >= 0.
+        OtelTrainError: called before `init()`.
+
+    Example:
+        >>> import otel_train as ot
+        >>> _ = ot.init(exporters=[], disabled=True)
+        >>> ot.resume(100)
+        >>> ot.shutdown()
+    """
+    import operator
+
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        index = operator.index(step)
+    except TypeError:
+        index = -1
+    if index < 0:
+        raise ConfigError(f"otel_train.resume: {step!r} is not allowed; expected an integer step >= 0")
+    s = _session
+    if s is None:
+        raise OtelTrainError("otel_train.resume() was called before otel_train.init(); call init() first "
+                             "(or pass resume_step= to init())")
+    if not s.closed:
+        s.resume(index)
 
 
 def shutdown() -> None:

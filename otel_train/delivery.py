@@ -9,6 +9,11 @@ whatever it has not made durable is fed again from the spool after a crash or by
 a backend that appends to its own files (`RowExporter.kill_safe_writes`) also records after every
 write how far its writes reached the OS (`Spool.advance`), so a killed process writes nothing twice.
 The single entry into a backend is `RowExporter.export_window`.
+
+A `Resume` in the stream (`otel_train.framing`) is applied by each backend in order (`RowExporter.resume`)
+and then acknowledged like a window. Windows of the earlier attempt (seq <= its `cut_after`) that a backend
+is handed once the resume is known lose their rows at steps >= the resume step (`framing.cut_window`): after
+a `kill -9`, the earlier attempt's undelivered windows must not bring back steps the new attempt supersedes.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.exporters.base import RowExporter, Window
-from otel_train.framing import decode_window
+from otel_train.framing import Resume, cut_window, decode_window, is_resume
 from otel_train.spool import Spool
 
 __all__ = ["Delivery", "Progress"]
@@ -67,8 +72,10 @@ class _Backend:
     """One backend's thread, queue and cursor."""
 
     def __init__(self, name: str, exporter: RowExporter, spool: Spool | None, queue_windows: int,
-                 on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver") -> None:
+                 on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver",
+                 cuts: list[tuple[int, int]] | None = None) -> None:
         self.name = name
+        self._cuts = cuts if cuts is not None else []  # (cut_after, step) of the resumes known (shared)
         self.exporter = exporter
         self.spool = spool
         self.acked = spool.cursor(name) if spool is not None else 0
@@ -205,7 +212,30 @@ class _Backend:
         for item in sorted(items, key=lambda i: i[0]):
             if item[0] > (fresh[-1][0] if fresh else self.handed):
                 fresh.append(item)
-        items = fresh
+        group: list[tuple[int, int, Window]] = []
+        for seq, step, window in fresh:
+            if isinstance(window, Resume):  # never merged: what came before is written first
+                self._export_windows(group)
+                group = []
+                self._apply_resume(seq, window)
+                continue
+            for cut_after, resume_step in self._cuts:
+                if seq <= cut_after:
+                    window = cut_window(window, resume_step)
+            group.append((seq, step, window))
+        self._export_windows(group)
+
+    def _apply_resume(self, seq: int, resume: Resume) -> None:
+        try:
+            self.exporter.resume(resume.run, resume.step)  # isolates the backend on its own
+        except Exception as err:
+            self._log.error("resume", "exporter `%s` resume raised %s: %s", self.name, type(err).__name__, err)
+        self.handed = seq
+        # Acknowledged at once: a crash before this applies it again, which every backend tolerates
+        # (TensorBoard and JSONL then also supersede what was written twice after it).
+        self._flush()
+
+    def _export_windows(self, items: list[tuple[int, int, Window]]) -> None:
         start = 0
         while start < len(items):
             end, rows = start, 0
@@ -280,6 +310,21 @@ def _rows(window: Window) -> int:
     return len(window.metrics) + len(window.histograms) + len(window.spans)
 
 
+def _spooled_cuts(spool: Spool, names: list[str]) -> list[tuple[int, int]]:
+    """(cut_after, step) of the resumes a backend of `names` has yet to be handed (a restart, a replay)."""
+    cuts = []
+    for _, _, payload in spool.read(min((spool.cursor(n) for n in names), default=0)):
+        if is_resume(payload):
+            try:
+                resume = decode_window(payload)
+            except Exception as err:
+                _logger.error("a spooled resume is unreadable (%s); skipped", err)
+                continue
+            if isinstance(resume, Resume):
+                cuts.append((resume.cut_after, resume.step))
+    return cuts
+
+
 def _merge(windows: list[Window]) -> Window:
     return Window([r for w in windows for r in w.metrics], [h for w in windows for h in w.histograms],
                   [s for w in windows for s in w.spans])
@@ -304,7 +349,9 @@ class Delivery:
         self._last_step = spool.last_step if spool is not None else -1
         if spool is not None:
             spool.backends = list(backends)
-        self._backends = [_Backend(name, ex, spool, queue_windows, on_error, thread_name)
+        #: (cut_after, step) of every resume in the stream (`framing.Resume`); the spool's are known up front.
+        self._cuts = _spooled_cuts(spool, list(backends)) if spool is not None else []
+        self._backends = [_Backend(name, ex, spool, queue_windows, on_error, thread_name, self._cuts)
                           for name, ex in backends.items()]
         #: Called with each decoded window and its max step; returns the window the backends get
         #: (the exporter process adds its self-telemetry rows here; they are not spooled).
@@ -333,7 +380,9 @@ class Delivery:
         except Exception as err:
             _logger.error("window %d unreadable (%s); skipped", seq, err)
             return
-        if self.annotate is not None:
+        if isinstance(window, Resume):
+            self._cuts.append((window.cut_after, window.step))  # before any backend can be handed it
+        elif self.annotate is not None:
             try:
                 window = self.annotate(window, max_step)
             except Exception as err:  # self-telemetry must never cost a window

@@ -8,7 +8,7 @@ dies it keeps delivering for at most `OTEL_TRAIN_DRAIN_TIMEOUT_S`, then exits. I
 trainer restarts it once (it resumes from the spool); if it dies again, the trainer exports in
 its own process from the same spool.
 
-Messages, trainer -> child: ``W`` + seq, max step + encoded window; ``F`` + id (flush); ``C`` + id
+Messages, trainer -> child: ``W`` + seq, max step + encoded window (or resume, `framing.encode_resume`); ``F`` + id (flush); ``C`` + id
 [+ the preemption signal's name, e.g. ``SIGTERM``: the backends mark their runs preempted] (close); ``P`` + id (progress); ``H`` + pickled hyperparameters (reported after `init()`). Child -> trainer (pickled tuples): ``("ready", last seq)``,
 ``("error", message)``, ``("spooled", seq)``, ``("durable", id, progress)``, ``("done", id, ok, progress)``.
 """
@@ -36,7 +36,7 @@ from typing import Any
 
 from otel_train.delivery import Delivery, Progress
 from otel_train.errors import ConfigError
-from otel_train.framing import encode_window
+from otel_train.framing import encode_resume, encode_window
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
 from otel_train.self_metrics import SelfMetrics
 from otel_train.spool import Spool, spool_dir
@@ -129,6 +129,7 @@ class ExportProcess:
         #: The preemption signal's name when the training process ends on one (set before `close`).
         self.preempted: str | None = None
         self._conn, self._proc, self._seq = self._start()
+        self._earlier_seq = self._seq  # the spool's windows up to here are an earlier attempt's (see `send_resume`)
         # The first child told each backend about a resume; a restarted child or the fallback must not
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
         self._options = dataclasses.replace(options, resume_step=None)
@@ -188,6 +189,16 @@ class ExportProcess:
         if os.getpid() != self._pid or not (points or metrics or histograms or spans):
             return
         payload, max_step = encode_window(run, points, metrics, histograms, spans)
+        self._send_encoded(max_step, payload)
+
+    def send_resume(self, run: RunInfo, step: int) -> None:
+        """The run restarts at `step`: sent, spooled and acknowledged like a window, so every backend applies
+        it once, in order; the earlier attempt's windows still undelivered lose their rows at steps >= `step`."""
+        if os.getpid() != self._pid:
+            return
+        self._send_encoded(-1, encode_resume(run, step, self._earlier_seq))
+
+    def _send_encoded(self, max_step: int, payload: bytes) -> None:
         with self._lock:
             self._seq += 1
             seq = self._seq
@@ -418,7 +429,10 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
 
     try:
         spool = Spool(Path(config["spool"]))
-        backends = build_backends(config["names"], config["options"])
+        options = config["options"]
+        backends = build_backends(config["names"], dataclasses.replace(options, resume_step=None))
+        if options.resume_step is not None:
+            _spool_resume(spool, config["run"], options.resume_step, backends)
     except ConfigError as err:
         reply("error", str(err))
         return
@@ -502,6 +516,21 @@ def _preempt(exporters: Sequence[Any], cause: str) -> None:
     for exporter in exporters:
         if hasattr(exporter, "preempt_at_close"):
             exporter.preempt_at_close(cause)
+
+
+def _spool_resume(spool: Spool, run: RunInfo, step: int, backends: Mapping[str, Any]) -> None:
+    """`init(resume_step=N)`: spool the resume after the earlier attempt's windows, so that what a `kill -9`
+    left undelivered is cut at N and every backend applies the resume once, in order (also after a restart
+    or in `otel-train replay`). If the spool cannot be written, each backend applies it when it opens, as
+    in-process."""
+    earlier = spool.last_seq
+    if spool.append(earlier + 1, -1, encode_resume(run, step, earlier)):
+        spool.sync()
+        return
+    for exporter in backends.values():
+        options = getattr(exporter, "options", None)
+        if isinstance(options, ExporterOptions):
+            exporter.options = dataclasses.replace(options, resume_step=step)
 
 
 def _set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:

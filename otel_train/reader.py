@@ -85,6 +85,8 @@ class _Batch:
     window: Window
     metrics_data: MetricsData | None
     spans: Sequence[ReadableSpan]
+    #: (run, step): after this batch's rows, the run restarts at step (`otel_train.resume`); never merged past.
+    resume: tuple[Any, int] | None = None
 
 
 _MERGE_ROWS = 50_000  # rows one merged window may hold (~7 MB); with `queue_size` it bounds a slow backend's queue
@@ -104,7 +106,7 @@ def _merge_batches(batches: list[_Batch]) -> _Batch:
                     [s for w in ws for s in w.spans])
     mds = [b.metrics_data for b in batches if b.metrics_data is not None]
     md = _merge_metrics_data([rm for m in mds for rm in m.resource_metrics]) if mds else None
-    return _Batch(window, md, [s for b in batches for s in b.spans])
+    return _Batch(window, md, [s for b in batches for s in b.spans], batches[-1].resume)
 
 
 def _merge_metrics_data(resource_metrics: Sequence[ResourceMetrics]) -> MetricsData:
@@ -160,7 +162,7 @@ class _ExportWorker:
             if batch is None:
                 self._queue.append(None)
                 self._closed = True
-            elif tail is not None and _rows_in(tail) + _rows_in(batch) <= _MERGE_ROWS:
+            elif tail is not None and tail.resume is None and _rows_in(tail) + _rows_in(batch) <= _MERGE_ROWS:
                 self._queue[-1] = _merge_batches([tail, batch])
             else:
                 self._queue.append(batch)
@@ -187,6 +189,8 @@ class _ExportWorker:
                 batches: list[_Batch] = []
                 while self._queue and self._queue[0] is not None:  # everything queued: one write
                     batches.append(self._queue.popleft())  # type: ignore[arg-type]
+                    if batches[-1].resume is not None:  # a resume ends the write: later rows come after it
+                        break
                 stop = not batches
                 if stop:
                     self._queue.popleft()
@@ -209,6 +213,9 @@ class _ExportWorker:
                             w.spans if self.send_spans else ())
             if window:
                 self._call(lambda: ex.export_window(window))
+            if batch.resume is not None:
+                run, step = batch.resume
+                self._call(lambda: ex.resume(run, step))
             return
         if self.send_metrics and isinstance(ex, MetricExporter) and batch.metrics_data is not None:
             md = batch.metrics_data
@@ -564,6 +571,25 @@ class StepAlignedMetricReader(MetricReader):
             else:
                 resource_metrics.append(ResourceMetrics(self._resource, [ours], ""))
         return _merge_metrics_data(resource_metrics)  # the SDK's meters may use our scope too
+
+    def resume(self, step: int) -> None:
+        """The run restarts at `step` (`otel_train.resume`): collect what was recorded before (on the calling
+        thread), then tell every row exporter and the exporter process, in order after it. Never waits
+        for a backend."""
+        if self._shutdown:
+            return
+        self._collect_window()
+        with self._collect_lock:  # no collection in flight: the resume follows every window sent so far
+            run = self._converter.run_for(self._resource.attributes)
+            if self._channel is not None:
+                try:
+                    self._channel.send_resume(run, step)
+                except Exception:
+                    self._log.warning("channel-resume", "handing a resume to the exporter process failed",
+                                      exc_info=True)
+            for w in self._workers:
+                if isinstance(w.exporter, RowExporter):
+                    w.submit(_Batch(Window(), None, (), (run, step)))
 
     # -- flush / shutdown ---------------------------------------------------------------------
     def force_flush(self, timeout_millis: float = 10_000) -> bool:

@@ -268,6 +268,18 @@ class Session:
         if self.export_process is not None:
             self.export_process.add_config(merged)
 
+    def resume(self, step: int) -> None:
+        """The run restarts at `step` (`otel_train.resume`): steps may start again below the latest, and every
+        backend, here and in the exporter process, supersedes the earlier attempt's steps >= `step`, in order
+        after what was logged before. Never raises, never waits for a backend."""
+        if self._closed:
+            return
+        set_step_order(self.settings.step_order, resume=True)
+        try:
+            self.reader.resume(step)
+        except Exception:
+            _logger.warning("otel-train: declaring the resume at step %d failed", step, exc_info=True)
+
     # -- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
         if self._closed:
@@ -402,6 +414,9 @@ class DisabledSession:
         return NO_SPAN
 
     def add_config(self, config: Mapping[str, Any]) -> None:
+        return None
+
+    def resume(self, step: int) -> None:
         return None
 
     def flush(self, timeout_s: float | None = None) -> bool:

@@ -72,6 +72,11 @@ class StepOrder:
         #: Of those, rows kept from every backend (``drop`` and ``raise``).
         self.dropped = 0
 
+    def restart(self, run_id: str, rank: int) -> None:
+        """Forget the steps seen for one rank of one run: it restarts (a resume), so the steps that follow
+        do not go backwards."""
+        self._last.pop((run_id, rank), None)
+
     def counts(self) -> dict[str, int]:
         """The counters, for a shutdown summary or self-telemetry."""
         return {"backwards": self.backwards, "dropped": self.dropped}

@@ -3,14 +3,20 @@
 Every framework integration holds one `OwnedSession`: ``ensure()`` at the framework's "run begins"
 event, ``close()`` at "run ends". A session the user started with `otel_train.init()` is used as it
 is and never shut down by the integration.
+
+A framework that restores a checkpoint declares the resume (`resume_at`): through `init(resume_step=)` when
+the integration starts the session then, else through `otel_train.resume` on the running session.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 import otel_train as ot
+
+_logger = logging.getLogger(__name__)
 
 
 def session_running() -> bool:
@@ -34,17 +40,33 @@ class OwnedSession:
         config: Mapping[str, Any] | None = None,
         run_name: str | None = None,
         run_id: str | None = None,
-    ) -> None:
+        resume_step: int | None = None,
+    ) -> bool:
         """Call `otel_train.init()` (env configuration, plus the framework's own rank) unless a session runs.
+
+        Returns:
+            Whether this call started the session.
 
         Raises:
             ConfigError: the env configuration is invalid (before any training step runs).
         """
         if session_running():
-            return
+            return False
         ot.init(rank=rank, local_rank=local_rank, world_size=world_size, config=config, run_name=run_name,
-                run_id=run_id)
+                run_id=run_id, resume_step=resume_step)
         self.started = True
+        return True
+
+    def resume_at(self, step: int, **ensure: Any) -> None:
+        """The framework restored a checkpoint: the run restarts at `step`. Starts the session with
+        ``resume_step=step`` (`ensure` holds the rest of `ensure`'s keywords) unless one runs; a running one
+        is told with `otel_train.resume`. Never raises into the framework past `init`'s own errors."""
+        if self.ensure(resume_step=step, **ensure):
+            return
+        try:
+            ot.resume(step)
+        except ot.OtelTrainError as err:  # a step the framework reported oddly must not stop training
+            _logger.warning("otel-train: the resume at step %r was not declared: %s", step, err)
 
     def close(self) -> None:
         """Shut down the session if this object started it; otherwise flush what was logged so far."""

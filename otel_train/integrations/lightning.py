@@ -14,7 +14,10 @@ What appears where:
   hyperparameters become the run config (TensorBoard HParams, W&B config, ...).
 - `OtelTrainCallback`: spans ``train/epoch``, ``train/batch`` (inside ``otel_train.step(global_step)``, so
   step durations and step-aligned export come with it), ``val/epoch``, ``val/batch``, ``test/epoch``,
-  ``test/batch`` and ``checkpoint/save``, each with ``train.step`` = `trainer.global_step`.
+  ``test/batch`` and ``checkpoint/save``, each with ``train.step`` = `trainer.global_step`. A ``fit`` resumed
+  from a checkpoint (``ckpt_path=``) restarts the run at the restored `trainer.global_step` G (the step of
+  the first new batch and of the values it logs): `otel_train.resume(G)` at `on_train_start`, so every
+  backend supersedes the earlier attempt's steps >= G.
 
 Both call `otel_train.init()` (env configuration) when the user has not, with Lightning's global rank,
 local rank and world size; `OTEL_TRAIN_RANKS` decides which ranks export metrics (spans come from
@@ -270,6 +273,11 @@ class OtelTrainCallback(Callback):
         trainer.save_checkpoint = save_checkpoint  # type: ignore[method-assign]
 
     # -- training ----------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.ckpt_path is not None:  # `fit(ckpt_path=)` restored the loops: batches go on at global_step
+            self._owned.resume_at(trainer.global_step, rank=trainer.global_rank, local_rank=trainer.local_rank,
+                                  world_size=trainer.world_size)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._spans.begin("train_epoch", "train/epoch", trainer.global_step, {"epoch": trainer.current_epoch})
 

@@ -19,6 +19,12 @@ What appears where:
   ``otel_train.step(n)`` where ``n`` is the `global_step` the step produces (the step its logs carry);
   ``eval`` for each evaluation; ``checkpoint/save`` for each save during training.
 
+Resume: a `Trainer.train(resume_from_checkpoint=...)` restores `state.global_step` = G before
+`on_train_begin`; the new attempt's first step is G + 1 (the step its first logs carry), so the run
+restarts at N = G + 1 (`init(resume_step=N)` when this callback starts the session, else
+`otel_train.resume(N)`): every backend supersedes the earlier attempt's steps >= N, and the checkpoint's
+own step G keeps its values.
+
 It calls `otel_train.init()` (env configuration) when the user has not, with the Trainer's process
 index, local process index and world size; `OTEL_TRAIN_RANKS` decides which ranks export metrics. A
 session it started is flushed at the end of training and shut down at interpreter exit, so a
@@ -107,7 +113,12 @@ class OtelTrainCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         config = _run_config(args, kwargs.get("model"))
-        self._ensure(args, config)
+        if state.global_step > 0:  # restored from a checkpoint (a fresh `train()` starts at 0)
+            # The first new step is global_step + 1 (`on_step_begin`): the checkpoint's own step keeps its values.
+            self._owned.resume_at(state.global_step + 1, rank=args.process_index, local_rank=args.local_process_index,
+                                  world_size=args.world_size, config=config)
+        else:
+            self._ensure(args, config)
         self._owned.add_config(config)  # a session the user started gets it too
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
