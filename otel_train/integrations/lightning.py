@@ -236,9 +236,6 @@ class OtelTrainCallback(Callback):
     def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._chain_requeue_signal()
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._chain_requeue_signal()
-
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._chain_requeue_signal()
 
@@ -274,6 +271,7 @@ class OtelTrainCallback(Callback):
 
     # -- training ----------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._chain_requeue_signal()
         if trainer.ckpt_path is not None:  # `fit(ckpt_path=)` restored the loops: batches go on at global_step
             self._owned.resume_at(trainer.global_step, rank=trainer.global_rank, local_rank=trainer.local_rank,
                                   world_size=trainer.world_size)
