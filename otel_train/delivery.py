@@ -230,6 +230,8 @@ class _Backend:
             self.exporter.resume(resume.run, resume.step)  # isolates the backend on its own
         except Exception as err:
             self._log.error("resume", "exporter `%s` resume raised %s: %s", self.name, type(err).__name__, err)
+        if self._kill_safe:
+            self._advance(seq)
         self.handed = seq
         # Acknowledged at once: a crash before this applies it again, which every backend tolerates
         # (TensorBoard and JSONL then also supersede what was written twice after it).
