@@ -23,6 +23,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
+from typing import Any
 
 ALL_SIX = "tensorboard,chrome_trace,wandb,mlflow,trackio,clearml"
 CONFIGS = {  # label -> extra environment
@@ -30,6 +31,9 @@ CONFIGS = {  # label -> extra environment
     "default, EXPORT_PROCESS=off": {"OTEL_TRAIN_EXPORT_PROCESS": "off"},
     "all six": {"OTEL_TRAIN_EXPORTERS": ALL_SIX},
     "all six, EXPORT_PROCESS=off": {"OTEL_TRAIN_EXPORTERS": ALL_SIX, "OTEL_TRAIN_EXPORT_PROCESS": "off"},
+    # `otlp` to an `otel-train sink` (TensorBoard) that this script runs on loopback gRPC, in its own process.
+    "otlp -> sink": {"OTEL_TRAIN_EXPORTERS": "otlp"},
+    "otlp -> sink, EXPORT_PROCESS=off": {"OTEL_TRAIN_EXPORTERS": "otlp", "OTEL_TRAIN_EXPORT_PROCESS": "off"},
 }
 
 LOOP = textwrap.dedent("""
@@ -89,7 +93,7 @@ def _landed(directory: Path, steps: int) -> str:
     """Values of the last run read back from TensorBoard (20 per step expected)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = directory.glob("*/events.out.tfevents.*")
+    (events,) = directory.rglob("events.out.tfevents.*")
     acc = EventAccumulator(str(events.parent), size_guidance={"scalars": 0})
     acc.Reload()
     tags = [t for t in acc.Tags()["scalars"] if t.startswith("train/m") or t == "train/loss"]
@@ -113,6 +117,11 @@ def main() -> int:
         base.update(HOME=str(root / "home"), WANDB_MODE="offline", WANDB_SILENT="true", TRACKIO_DIR=str(root / "trk"),
                     CLEARML_CONFIG_FILE=str(root / "clearml.conf"), CLEARML_CACHE_DIR=str(root / "cml"),
                     HF_HOME=str(root / "hf"))
+        sink = None
+        if any(CONFIGS[label].get("OTEL_TRAIN_EXPORTERS") == "otlp" for label in labels):
+            sink = _start_sink(root / "sink-runs")
+            base.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink.grpc_port}",
+                        OTEL_EXPORTER_OTLP_INSECURE="true")
         print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps, median of {args.reps}")
         for mode in args.modes.split(","):
             pinned = mode == "pinned"
@@ -124,9 +133,14 @@ def main() -> int:
             for rep in range(args.reps):
                 for label in labels:
                     off = _run(script, args.steps, {**base, "OTEL_TRAIN_DISABLED": "1"}, pinned)
-                    directory = root / f"runs-{mode}-{rep}-{labels.index(label)}"
-                    env = {**base, **extra, **CONFIGS[label], "OTEL_TRAIN_DIR": str(directory)}
+                    name = f"{mode}-{rep}-{labels.index(label)}"
+                    directory = root / f"runs-{name}"
+                    env = {**base, **extra, **CONFIGS[label], "OTEL_TRAIN_DIR": str(directory),
+                           "OTEL_TRAIN_RUN_NAME": name, "OTEL_TRAIN_RUN_ID": name}
                     on = _run(script, args.steps, env, pinned)
+                    if sink is not None and CONFIGS[label].get("OTEL_TRAIN_EXPORTERS") == "otlp":
+                        sink.flush(60)
+                        directory = root / "sink-runs" / name
                     on["landed"] = _landed(directory, args.steps)  # type: ignore[assignment]
                     disabled.append(off["step_ms"])
                     disabled_cpu.append(off["cpu_ms"])
@@ -145,7 +159,19 @@ def main() -> int:
                       f"{statistics.median(ratios[label]):.2f} | {statistics.median(r['cpu_ms'] for r in rs):.2f} | "
                       f"{statistics.median(r['init_s'] for r in rs):.2f}"
                       f"{child_txt} | {statistics.median(r['shutdown_s'] for r in rs):.2f} | {rs[-1]['landed']} |")
+        if sink is not None:
+            sink.stop()
     return 0
+
+
+def _start_sink(directory: Path) -> Any:
+    """An `otel-train sink` writing TensorBoard files, on a free loopback gRPC port, in this process."""
+    from otel_train.config import SinkSettings
+    from otel_train.records import ExporterOptions
+    from otel_train.sink import Sink, exporter_factory
+
+    settings = SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0")
+    return Sink(settings, exporter_factory(("tensorboard",), ExporterOptions(directory, ranks="all"))).start()
 
 
 if __name__ == "__main__":
