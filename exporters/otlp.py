@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExportResult
@@ -37,6 +39,47 @@ _logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_TIMEOUT_S = 2.0
+_SDK_LOGGERS = "opentelemetry.exporter.otlp"
+
+
+class _HeldSDKLog(logging.Filter):
+    """Holds back the SDK exporters' log lines while `_send` runs on this thread.
+
+    They log every failed attempt (one or two lines a second while a collector is down, for as long as
+    it is down); the base class counts our failures and logs them once. The last held line is the reason
+    our error gives.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(self._local, "holding", False):
+            return True
+        self._local.last = record.getMessage()
+        return False
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        self._local.holding, self._local.last = True, ""
+        try:
+            yield
+        finally:
+            self._local.holding = False
+
+    @property
+    def last(self) -> str:
+        return str(getattr(self._local, "last", ""))
+
+    def attach(self) -> None:
+        """Onto every SDK OTLP exporter logger that exists (their modules are imported by now)."""
+        for name, logger in list(logging.Logger.manager.loggerDict.items()):
+            if name.startswith(_SDK_LOGGERS) and isinstance(logger, logging.Logger):
+                logger.addFilter(self)  # a no-op when attached already
+
+
+_SDK_LOG = _HeldSDKLog()
 
 
 def _protocol(signal: str) -> tuple[str, str]:
@@ -91,6 +134,7 @@ class OTLPExporter(RowExporter):
         self.protocols = {"metrics": m_proto, "traces": t_proto}
         self._metrics = self._build_metrics(m_proto)
         self._traces = self._build_traces(t_proto)
+        _SDK_LOG.attach()
         self._encode = RowsToOTLP()
         # What of the window at the head of the retry queue already went out: a retry sends only the rest.
         self._progress: dict[str, tuple[object, int]] = {}
@@ -151,11 +195,13 @@ class OTLPExporter(RowExporter):
         done = last[1] if last is not None and last[0] is key else 0
         for i in range(done, len(requests)):
             request = requests[i]
-            result = inner.export(request)
+            with _SDK_LOG.holding():
+                result = inner.export(request)
             if result not in (MetricExportResult.SUCCESS, SpanExportResult.SUCCESS):
                 self._progress[signal] = (key, i)  # keeps `key` alive, so `is` cannot match a new object
+                reason = f": {_SDK_LOG.last}" if _SDK_LOG.last else ""
                 raise ConnectionError(f"the collector did not take an OTLP {signal} request "
-                                      f"({self.protocols[signal]}; endpoint from OTEL_EXPORTER_OTLP_*)")
+                                      f"({self.protocols[signal]}; endpoint from OTEL_EXPORTER_OTLP_*){reason}")
             self.sent += _items(request)
         self._progress[signal] = (key, len(requests))
 

@@ -4,6 +4,7 @@ It is a `RowExporter`: SDK data handed to `export` becomes rows, then OTLP again
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from pathlib import Path
@@ -99,9 +100,11 @@ def test_wrong_token_is_a_counted_failure(tmp_path: Path, monkeypatch: pytest.Mo
         sink.stop()
 
 
-def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     from rotel_proc import free_port
+
+    caplog.set_level(logging.DEBUG)
 
     port = free_port()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
@@ -116,6 +119,9 @@ def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Pa
         exp.export(metrics_data("down", 0, 1, range(start, start + 2)))
     assert time.monotonic() - t0 < 1.0
     assert exp.pending == 50 and exp.dropped_windows == 0 and exp.failures == 1
+    # One line of ours, with the SDK's reason in it; none of the SDK's own per-attempt lines.
+    failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(failed) == 1 and "exporter `otlp` failed" in failed[0] and "UNAVAILABLE" in failed[0], failed
     from otel_train.config import SinkSettings
     from otel_train.records import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
