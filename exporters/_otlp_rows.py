@@ -8,8 +8,8 @@ there only rows exist. What each row becomes on the wire:
   (`MetricRow.delta`), as the SDK pipeline of the training process sent them; a sum row without it
   (from a CUMULATIVE source) -> a Gauge of its running total;
 * histograms -> Histogram points, DELTA (their ``name/count`` ... scalar rows are not sent again);
-* spans -> `ReadableSpan`s with their ids, parent, times, status and attributes (events and links
-  are not kept in rows).
+* spans -> `ReadableSpan`s with their ids, parent, times, status, attributes and events (links and
+  span kind are not kept in rows).
 
 Every point carries ``train.step``; every request carries the run's Resource, built as the training
 process builds it (`Resource.create` of the run's attributes, so ``OTEL_RESOURCE_ATTRIBUTES`` too).
@@ -34,7 +34,7 @@ from opentelemetry.sdk.metrics.export import (
     Sum,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
@@ -115,8 +115,9 @@ class RowsToOTLP:
         parent = (None if r.parent_span_id is None
                   else SpanContext(r.trace_id, r.parent_span_id, is_remote=False, trace_flags=flags))
         status = Status(StatusCode.ERROR, r.status_message or None) if r.error else Status(StatusCode.UNSET)
+        events = [Event(name, dict(attributes), timestamp=time) for name, time, attributes in r.events]
         return ReadableSpan(r.name, SpanContext(r.trace_id, r.span_id, is_remote=False, trace_flags=flags), parent,
-                            self.resource(r.run), attrs, status=status, start_time=r.start_unix_nano,
+                            self.resource(r.run), attrs, events, status=status, start_time=r.start_unix_nano,
                             end_time=r.end_unix_nano, instrumentation_scope=_SCOPE)
 
 

@@ -111,6 +111,12 @@ def span_event(row: SpanRow, pid: int, tid: int) -> dict[str, Any]:
     return event
 
 
+def span_event_marks(row: SpanRow, pid: int, tid: int) -> list[dict[str, Any]]:
+    """The span's own events (``add_event``, ``record_exception``) as instant events on its thread track."""
+    return [{"name": name, "cat": "span_event", "ph": "i", "s": "t", "ts": _us(t), "pid": pid, "tid": tid,
+             "args": {k: json_safe(v) for k, v in attrs.items()}} for name, t, attrs in row.events]
+
+
 def _fallback_tid(thread_name: str) -> int:
     """A stable small tid for spans recorded without `thread.id` (same name -> same tid)."""
     return 1 + zlib.crc32(thread_name.encode()) % 99_999 if thread_name else 1
@@ -218,8 +224,9 @@ class ChromeTraceExporter(RowExporter):
             touched[id(trace)] = trace
             tid = row.thread_id or _fallback_tid(row.thread_name)
             trace.thread(tid, row.thread_name)
-            event = span_event(row, trace.pid, tid)
-            trace.emit(event)
+            trace.emit(span_event(row, trace.pid, tid))
+            for mark in span_event_marks(row, trace.pid, tid):
+                trace.emit(mark)
         for trace in touched.values():
             trace.push()
 

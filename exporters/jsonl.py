@@ -2,7 +2,8 @@
 
 Rows of rank N are appended to ``<dir>/<run_name>/rank<N>.jsonl``; each line has a ``type``
 (``metric``, ``histogram`` or ``span``), the run identity (``run_id``, ``run_name``, ``rank``) and
-the row's fields. Lines are handed to the OS after every window and fsynced on flush.
+the row's fields (a span with events has ``events``: name, time, attributes). Lines are handed to the OS
+after every window and fsynced on flush.
 
 A run that ended on SIGTERM or SIGUSR1 (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
@@ -92,6 +93,21 @@ def resolve_resumes(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _span_record(s: SpanRow) -> dict[str, Any]:
+    record = {
+        "type": "span", **_run_fields(s.run), "step": s.step, "name": s.name,
+        "trace_id": f"{s.trace_id:032x}", "span_id": f"{s.span_id:016x}",
+        "parent_span_id": None if s.parent_span_id is None else f"{s.parent_span_id:016x}",
+        "start_unix_nano": s.start_unix_nano, "end_unix_nano": s.end_unix_nano,
+        "thread_id": s.thread_id, "thread_name": s.thread_name, "error": s.error,
+        "status_message": s.status_message, "attributes": _attrs(s.attributes),
+    }
+    if s.events:  # only spans that have them (raw OTel spans: `add_event`, `record_exception`)
+        record["events"] = [{"name": name, "time_unix_nano": t, "attributes": _attrs(attrs)}
+                            for name, t, attrs in s.events]
+    return record
+
+
 def _run_fields(run: RunInfo) -> dict[str, Any]:
     return {"run_id": run.run_id, "run_name": run.run_name, "rank": run.rank}
 
@@ -177,14 +193,7 @@ class JsonlExporter(RowExporter):
         self._write(records)
 
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
-        self._write([(s.run, {
-            "type": "span", **_run_fields(s.run), "step": s.step, "name": s.name,
-            "trace_id": f"{s.trace_id:032x}", "span_id": f"{s.span_id:016x}",
-            "parent_span_id": None if s.parent_span_id is None else f"{s.parent_span_id:016x}",
-            "start_unix_nano": s.start_unix_nano, "end_unix_nano": s.end_unix_nano,
-            "thread_id": s.thread_id, "thread_name": s.thread_name, "error": s.error,
-            "status_message": s.status_message, "attributes": _attrs(s.attributes),
-        }) for s in rows])
+        self._write([(s.run, _span_record(s)) for s in rows])
 
     def mark_preempted(self, cause: str) -> None:
         """Append ``{"type": "preempted", "signal": cause}`` to each rank file this run wrote, durably."""

@@ -219,6 +219,8 @@ class SpanRow:
     attributes: Mapping[str, Any]
     error: bool = False
     status_message: str = ""
+    #: The span's events (``span.add_event``, ``record_exception``) as (name, time_unix_nano, attributes).
+    events: tuple[tuple[str, int, Mapping[str, Any]], ...] = ()
 
 
 def series_tag(name: str, attributes: Mapping[str, Any] | None) -> str:
@@ -383,6 +385,7 @@ def span_rows(spans: Iterable[ReadableSpan], runs: MetricsConverter | None = Non
                 attributes=attrs,
                 error=span.status.status_code == StatusCode.ERROR,
                 status_message=span.status.description or "",
+                events=tuple((e.name, e.timestamp, dict(e.attributes or {})) for e in span.events),
             )
         )
     return out

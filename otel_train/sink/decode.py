@@ -487,5 +487,6 @@ def decode_traces(request: Any, runs: DecodeCache) -> Decoded:
                     attributes=attrs,
                     error=span.status.code == _STATUS_ERROR,
                     status_message=span.status.message,
+                    events=tuple((e.name, e.time_unix_nano, attributes(e.attributes)) for e in span.events),
                 ))
     return out

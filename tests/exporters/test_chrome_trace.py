@@ -155,6 +155,7 @@ def test_plain_otel_sdk_path(tmp_path: Path) -> None:
     with (tracer.start_as_current_span("step", attributes=outer),
           tracer.start_as_current_span("forward", attributes={"train.step": 5, "thread.id": 77}) as s):
         s.set_status(Status(StatusCode.ERROR, "nan loss"))
+        s.record_exception(FloatingPointError("nan loss"))
     provider.shutdown()
     events = json.loads(trace_path(tmp_path, "sdk", 1).read_text())
     xs = {e["name"]: e for e in by_ph(events, "X")}
@@ -164,6 +165,11 @@ def test_plain_otel_sdk_path(tmp_path: Path) -> None:
     # The child lies inside its parent on the timeline.
     assert xs["step"]["ts"] <= xs["forward"]["ts"]
     assert xs["forward"]["ts"] + xs["forward"]["dur"] <= xs["step"]["ts"] + xs["step"]["dur"]
+    # The recorded exception: an instant event on the span's thread, inside the span.
+    (mark,) = [e for e in by_ph(events, "i") if e.get("cat") == "span_event"]
+    assert (mark["name"], mark["pid"], mark["tid"], mark["s"]) == ("exception", 1, 77, "t")
+    assert mark["args"]["exception.type"] == "FloatingPointError" and mark["args"]["exception.message"] == "nan loss"
+    assert xs["forward"]["ts"] <= mark["ts"] <= xs["forward"]["ts"] + xs["forward"]["dur"]
 
 
 _CRASH = textwrap.dedent("""

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' h
 from sinkkit import make_sink, metrics_data, resource, scalars
 
 from otel_train.errors import ConfigError
+from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.exporters.otlp import OTLPExporter
 
 
@@ -63,7 +64,7 @@ def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeyp
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 
-    sink = make_sink(tmp_path, ("tensorboard", "chrome_trace"), token="s3cret")
+    sink = make_sink(tmp_path, ("tensorboard", "chrome_trace", "jsonl"), token="s3cret")
     try:
         _point_to(monkeypatch, sink, protocol)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret")
@@ -71,8 +72,9 @@ def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeyp
         assert exp.export(metrics_data("o", 0, 1, range(4))) is MetricExportResult.SUCCESS
         tp = TracerProvider(resource=resource("o", 0, 1))
         tp.add_span_processor(SimpleSpanProcessor(exp))
-        with tp.get_tracer("t").start_as_current_span("step", attributes={"train.step": 2}):
-            pass
+        with tp.get_tracer("t").start_as_current_span("step", attributes={"train.step": 2}) as span:
+            span.add_event("batch loaded", {"batch": 7})
+            span.record_exception(ValueError("bad batch"))
         assert exp.export([]) is SpanExportResult.SUCCESS
         assert exp.sent == 8 + 1 and exp.failures == 0 and exp.dropped_windows == 0
         tp.shutdown()  # shuts the exporter down too
@@ -83,6 +85,12 @@ def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeyp
     got = scalars(tmp_path / "runs" / "o")
     assert got["train/loss"] == [(s, float(s)) for s in range(4)]
     assert got["train/tokens"] == [(s, 10.0 * (s + 1)) for s in range(4)]
+    # The span's events crossed as rows and the wire: what the sink wrote holds them.
+    (span_record,) = [r for r in read_jsonl(jsonl_path(tmp_path / "runs", "o", 0)) if r["type"] == "span"]
+    events = [(e["name"], e["attributes"]) for e in span_record["events"]]
+    assert events[0] == ("batch loaded", {"batch": 7})
+    assert events[1][0] == "exception"
+    assert events[1][1]["exception.type"] == "ValueError" and events[1][1]["exception.message"] == "bad batch"
 
 
 def test_wrong_token_is_a_counted_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

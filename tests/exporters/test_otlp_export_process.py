@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' h
 from sinkkit import make_sink, scalars
 
 import otel_train as ot
+from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 
 STEPS = 40
 
@@ -44,12 +45,16 @@ def test_otlp_through_the_exporter_process_to_the_sink(tmp_path: Path, monkeypat
                 while proc.pid == old and time.monotonic() < deadline:
                     time.sleep(0.01)
                 assert proc.restarts == 1
+        with ot.get_tracer().start_as_current_span("raw", attributes={"train.step": STEPS - 1}) as raw:
+            raw.add_event("checkpoint written", {"bytes": 1024})  # a raw OTel span's event crosses both hops
         assert ot.flush(timeout_s=30)
         ot.shutdown()
         assert sink.flush(10)
-        assert sink.router.spans_in == STEPS  # each span once
+        assert sink.router.spans_in == STEPS + 1  # each span once
     finally:
         sink.stop()
     got = scalars(tmp_path / "runs" / "op")
     assert got["train/loss"] == [(s, pytest.approx(1.0 / (s + 1))) for s in range(STEPS)]
     assert got["train.tokens"] == [(s, 10.0 * (s + 1)) for s in range(STEPS)]
+    (raw_span,) = [r for r in read_jsonl(jsonl_path(tmp_path / "runs", "op", 0)) if r["name"] == "raw"]
+    assert [(e["name"], e["attributes"]) for e in raw_span["events"]] == [("checkpoint written", {"bytes": 1024})]
