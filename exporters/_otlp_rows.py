@@ -8,8 +8,7 @@ there only rows exist. What each row becomes on the wire:
   (`MetricRow.delta`), as the SDK pipeline of the training process sent them; a sum row without it
   (from a CUMULATIVE source) -> a Gauge of its running total;
 * histograms -> Histogram points, DELTA (their ``name/count`` ... scalar rows are not sent again);
-* spans -> `ReadableSpan`s with their ids, parent, times, status, attributes and events (links and
-  span kind are not kept in rows).
+* spans -> `ReadableSpan`s with their ids, parent, times, status, attributes, events, kind and links.
 
 Every point carries ``train.step``; every request carries the run's Resource, built as the training
 process builds it (`Resource.create` of the run's attributes, so ``OTEL_RESOURCE_ATTRIBUTES`` too).
@@ -36,7 +35,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
 from otel_train.semconv import THREAD_ID, THREAD_NAME
@@ -116,9 +115,11 @@ class RowsToOTLP:
                   else SpanContext(r.trace_id, r.parent_span_id, is_remote=False, trace_flags=flags))
         status = Status(StatusCode.ERROR, r.status_message or None) if r.error else Status(StatusCode.UNSET)
         events = [Event(name, dict(attributes), timestamp=time) for name, time, attributes in r.events]
+        links = [Link(SpanContext(trace_id, span_id, is_remote=False, trace_flags=flags), dict(attributes))
+                 for trace_id, span_id, attributes in r.links]
         return ReadableSpan(r.name, SpanContext(r.trace_id, r.span_id, is_remote=False, trace_flags=flags), parent,
-                            self.resource(r.run), attrs, events, status=status, start_time=r.start_unix_nano,
-                            end_time=r.end_unix_nano, instrumentation_scope=_SCOPE)
+                            self.resource(r.run), attrs, events, links, SpanKind(r.kind), status=status,
+                            start_time=r.start_unix_nano, end_time=r.end_unix_nano, instrumentation_scope=_SCOPE)
 
 
 def _with_step(attributes: Any, step: int) -> dict[str, Any]:

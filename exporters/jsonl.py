@@ -2,8 +2,8 @@
 
 Rows of rank N are appended to ``<dir>/<run_name>/rank<N>.jsonl``; each line has a ``type``
 (``metric``, ``histogram`` or ``span``), the run identity (``run_id``, ``run_name``, ``rank``) and
-the row's fields (a span with events has ``events``: name, time, attributes). Lines are handed to the OS
-after every window and fsynced on flush.
+the row's fields (a span with events has ``events``: name, time, attributes; ``kind`` when not internal,
+``links`` when it has some). Lines are handed to the OS after every window and fsynced on flush.
 
 A run that ended on SIGTERM or SIGUSR1 (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
@@ -105,7 +105,15 @@ def _span_record(s: SpanRow) -> dict[str, Any]:
     if s.events:  # only spans that have them (raw OTel spans: `add_event`, `record_exception`)
         record["events"] = [{"name": name, "time_unix_nano": t, "attributes": _attrs(attrs)}
                             for name, t, attrs in s.events]
+    if s.kind:  # not internal: `opentelemetry.trace.SpanKind`'s name, lower case
+        record["kind"] = _KINDS.get(s.kind, str(s.kind))
+    if s.links:
+        record["links"] = [{"trace_id": f"{t:032x}", "span_id": f"{i:016x}", "attributes": _attrs(attrs)}
+                           for t, i, attrs in s.links]
     return record
+
+
+_KINDS = {1: "server", 2: "client", 3: "producer", 4: "consumer"}
 
 
 def _run_fields(run: RunInfo) -> dict[str, Any]:

@@ -221,6 +221,9 @@ class SpanRow:
     status_message: str = ""
     #: The span's events (``span.add_event``, ``record_exception``) as (name, time_unix_nano, attributes).
     events: tuple[tuple[str, int, Mapping[str, Any]], ...] = ()
+    #: `opentelemetry.trace.SpanKind` as its value (0 = internal) and links as (trace_id, span_id, attributes).
+    kind: int = 0
+    links: tuple[tuple[int, int, Mapping[str, Any]], ...] = ()
 
 
 def series_tag(name: str, attributes: Mapping[str, Any] | None) -> str:
@@ -386,6 +389,9 @@ def span_rows(spans: Iterable[ReadableSpan], runs: MetricsConverter | None = Non
                 error=span.status.status_code == StatusCode.ERROR,
                 status_message=span.status.description or "",
                 events=tuple((e.name, e.timestamp, dict(e.attributes or {})) for e in span.events),
+                kind=span.kind.value,
+                links=tuple((link.context.trace_id, link.context.span_id, dict(link.attributes or {}))
+                            for link in span.links),
             )
         )
     return out

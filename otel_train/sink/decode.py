@@ -488,5 +488,9 @@ def decode_traces(request: Any, runs: DecodeCache) -> Decoded:
                     error=span.status.code == _STATUS_ERROR,
                     status_message=span.status.message,
                     events=tuple((e.name, e.time_unix_nano, attributes(e.attributes)) for e in span.events),
+                    kind=max(0, span.kind - 1),  # OTLP counts from UNSPECIFIED = 0, INTERNAL = 1
+                    links=tuple((int.from_bytes(link.trace_id, "big"), int.from_bytes(link.span_id, "big"),
+                                 attributes(link.attributes)) for link in span.links
+                                if len(link.trace_id) == 16 and len(link.span_id) == 8),  # a bad link only is left out
                 ))
     return out

@@ -63,6 +63,7 @@ def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeyp
     from opentelemetry.sdk.metrics.export import MetricExportResult
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+    from opentelemetry.trace import Link, SpanContext, SpanKind
 
     sink = make_sink(tmp_path, ("tensorboard", "chrome_trace", "jsonl"), token="s3cret")
     try:
@@ -72,7 +73,9 @@ def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeyp
         assert exp.export(metrics_data("o", 0, 1, range(4))) is MetricExportResult.SUCCESS
         tp = TracerProvider(resource=resource("o", 0, 1))
         tp.add_span_processor(SimpleSpanProcessor(exp))
-        with tp.get_tracer("t").start_as_current_span("step", attributes={"train.step": 2}) as span:
+        linked = SpanContext(0xABC, 0xDEF, is_remote=True)
+        with tp.get_tracer("t").start_as_current_span("step", attributes={"train.step": 2}, kind=SpanKind.CLIENT,
+                                                      links=[Link(linked, {"why": "batch"})]) as span:
             span.add_event("batch loaded", {"batch": 7})
             span.record_exception(ValueError("bad batch"))
         assert exp.export([]) is SpanExportResult.SUCCESS
@@ -91,6 +94,8 @@ def test_metrics_and_spans_reach_the_sink(protocol: str, tmp_path: Path, monkeyp
     assert events[0] == ("batch loaded", {"batch": 7})
     assert events[1][0] == "exception"
     assert events[1][1]["exception.type"] == "ValueError" and events[1][1]["exception.message"] == "bad batch"
+    assert span_record["kind"] == "client"
+    assert span_record["links"] == [{"trace_id": f"{0xABC:032x}", "span_id": f"{0xDEF:016x}", "attributes": {"why": "batch"}}]
 
 
 def test_wrong_token_is_a_counted_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
