@@ -576,6 +576,12 @@ OTEL_TRAIN_SINK_MAX_BODY_BYTES = "OTEL_TRAIN_SINK_MAX_BODY_BYTES"
 """Largest request body / gRPC message accepted, in bytes (int >= 1024). Default 16 MiB."""
 OTEL_TRAIN_SINK_STATUS_INTERVAL_S = "OTEL_TRAIN_SINK_STATUS_INTERVAL_S"
 """Seconds between the sink's status log lines (float > 0). Default 10."""
+OTEL_TRAIN_SINK_TOKEN_FILE = "OTEL_TRAIN_SINK_TOKEN_FILE"
+"""A file holding the bearer token (`OTEL_TRAIN_SINK_TOKEN` from a file; surrounding whitespace ignored)."""
+OTEL_TRAIN_SINK_BODY_TIMEOUT_S = "OTEL_TRAIN_SINK_BODY_TIMEOUT_S"
+"""Seconds an HTTP request body may take to arrive; a slower one is answered 408 and closed (float > 0). Default 30."""
+OTEL_TRAIN_SINK_MAX_CONNECTIONS = "OTEL_TRAIN_SINK_MAX_CONNECTIONS"
+"""Open HTTP connections at most; one more is closed at once (int >= 1). Default 1024."""
 
 SINK_AGGREGATES_ALLOWED = ("mean", "min", "max")
 
@@ -594,6 +600,19 @@ class SinkSettings:
     status_interval_s: float = 10.0
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
+
+
+def _parse_token_file(name: str, raw: str) -> str:
+    try:
+        token = Path(raw.strip()).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{name}: cannot read {raw!r} ({getattr(err, 'strerror', None) or err}); give a "
+                          "readable file holding the token") from None
+    if not token:
+        raise ConfigError(f"{name}: {raw!r} is empty; the file must hold the token")
+    return token
 
 
 def _parse_host_port(name: str, raw: str) -> str:
@@ -620,6 +639,9 @@ _SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "aggregate_timeout_s": (OTEL_TRAIN_SINK_AGGREGATE_TIMEOUT_S, _parse_positive_float),
     "max_body_bytes": (OTEL_TRAIN_SINK_MAX_BODY_BYTES, lambda n, r: _parse_int(n, r, 1024)),
     "status_interval_s": (OTEL_TRAIN_SINK_STATUS_INTERVAL_S, _parse_positive_float),
+    "token_file": (OTEL_TRAIN_SINK_TOKEN_FILE, _parse_token_file),
+    "body_timeout_s": (OTEL_TRAIN_SINK_BODY_TIMEOUT_S, _parse_positive_float),
+    "max_connections": (OTEL_TRAIN_SINK_MAX_CONNECTIONS, lambda n, r: _parse_int(n, r, 1)),
 }
 
 
@@ -647,4 +669,9 @@ def load_sink_settings(environ: Mapping[str, str] | None = None, **overrides: An
             values[key] = _SINK_ENV[key][1](f"--{key.replace('_', '-')}", str(value))
         else:
             raise ConfigError(f"sink: unknown setting `{key}`; allowed: {', '.join(sorted(_SINK_ENV))}, tls_cert, tls_key")
+    token_file = values.pop("token_file", None)
+    # A token given here wins, then a token file given here, then the variables (the token over the file).
+    if token_file is not None and overrides.get("token") is None and (
+            overrides.get("token_file") is not None or "token" not in values):
+        values["token"] = token_file
     return SinkSettings(**values)

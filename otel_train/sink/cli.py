@@ -37,8 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory local backends write under [env OTEL_TRAIN_DIR; default ./otel-train-runs]")
     parser.add_argument("--project", metavar="NAME",
                         help="project for W&B/ClearML/MLflow/Trackio [env OTEL_TRAIN_PROJECT; default otel-train]")
-    parser.add_argument("--token", metavar="TOKEN",
-                        help="require `authorization: Bearer TOKEN` on every request [env OTEL_TRAIN_SINK_TOKEN]")
+    parser.add_argument("--token", metavar="TOKEN", help=argparse.SUPPRESS)  # refused: argv is visible in `ps`
+    parser.add_argument("--token-file", metavar="FILE", dest="token_file",
+                        help="require `authorization: Bearer TOKEN` on every request, TOKEN read from FILE "
+                             "[env OTEL_TRAIN_SINK_TOKEN_FILE, or the token itself in OTEL_TRAIN_SINK_TOKEN]")
     parser.add_argument("--aggregate", metavar="LIST",
                         help="cross-rank aggregates from mean,min,max written as NAME/mean ... "
                              "[env OTEL_TRAIN_SINK_AGGREGATE; default none]")
@@ -52,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request accepted [env OTEL_TRAIN_SINK_MAX_BODY_BYTES; default 16 MiB]")
     parser.add_argument("--status-interval-s", metavar="S", dest="status_interval_s",
                         help="seconds between status log lines [env OTEL_TRAIN_SINK_STATUS_INTERVAL_S; default 10]")
+    parser.add_argument("--body-timeout-s", metavar="S", dest="body_timeout_s",
+                        help="seconds a request body may take to arrive, else 408 "
+                             "[env OTEL_TRAIN_SINK_BODY_TIMEOUT_S; default 30]")
+    parser.add_argument("--max-connections", metavar="N", dest="max_connections",
+                        help="open HTTP connections at most [env OTEL_TRAIN_SINK_MAX_CONNECTIONS; default 1024]")
     parser.add_argument("--tls-cert", metavar="FILE", dest="tls_cert",
                         help="PEM certificate: serve both protocols over TLS (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="FILE", dest="tls_key", help="PEM private key of --tls-cert")
@@ -89,11 +96,15 @@ def main(args: argparse.Namespace) -> int:
     if not isinstance(level, int):
         return _fail(f"--log-level: {args.log_level!r} is not allowed; use DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(stream=sys.stderr, level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.token is not None:
+        return _fail("--token: a token on the command line is visible to every user of this machine (`ps`); "
+                     "set OTEL_TRAIN_SINK_TOKEN or give --token-file FILE")
     try:
         settings = load_sink_settings(
-            grpc=args.grpc, http=args.http, token=args.token, aggregate=args.aggregate, idle_s=args.idle_s,
-            aggregate_timeout_s=args.aggregate_timeout_s, max_body_bytes=args.max_body_bytes,
-            status_interval_s=args.status_interval_s, tls_cert=args.tls_cert, tls_key=args.tls_key)
+            grpc=args.grpc, http=args.http, token_file=args.token_file, aggregate=args.aggregate,
+            idle_s=args.idle_s, aggregate_timeout_s=args.aggregate_timeout_s, max_body_bytes=args.max_body_bytes,
+            status_interval_s=args.status_interval_s, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            body_timeout_s=args.body_timeout_s, max_connections=args.max_connections)
         if (settings.tls_cert is None) != (settings.tls_key is None):
             raise ConfigError("--tls-cert/--tls-key: give both (a PEM certificate and its key) or neither")
         for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
@@ -111,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _fail(str(err))
 
-    sink = Sink(settings, factory)
+    sink = Sink(settings, factory, options.directory)
     try:
         sink.start()
     except OSError as err:

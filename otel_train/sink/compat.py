@@ -23,9 +23,11 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from otel_train.records import MetricRow, RunInfo, SpanRow, series_tag
+from otel_train.sink.otlp import MAX_RUN_ID_BYTES
 
 if TYPE_CHECKING:
     from otel_train.sink.router import Router
+    from otel_train.sink.run_names import RunNames
 
 __all__ = ["DEFAULT_RUN_ID", "CompatAPI"]
 
@@ -51,8 +53,9 @@ def _ok(**extra: Any) -> tuple[int, dict[str, Any]]:
 class CompatAPI:
     """Request handlers of the compat API (transport-free: the HTTP server calls `handle`)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, names: RunNames | None = None) -> None:
         self._router = router
+        self._names = names
         self._lock = threading.Lock()
         self._timeline_lock = threading.Lock()
         self._buffer: dict[_Key, dict[int, list[MetricRow | SpanRow]]] = {}
@@ -114,6 +117,11 @@ class CompatAPI:
         if run is None:
             if len(self._runs) > 10_000:
                 self._runs.clear()
+            if "\x00" in run_id or len(run_id.encode("utf-8", "surrogatepass")) > MAX_RUN_ID_BYTES:
+                raise _BadRequest(f"`run_id` {run_id[:60]!r} is not allowed: it holds a NUL or is over "
+                                  f"{MAX_RUN_ID_BYTES} bytes")
+            if self._names is not None:
+                name = self._names.name_for(run_id, name)
             run = self._runs[key] = RunInfo(run_id=run_id, run_name=name, rank=rank, world_size=world,
                                             service_name="otel-train-compat")
         return run

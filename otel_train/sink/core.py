@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
@@ -26,6 +27,7 @@ from otel_train.sink.decode import (
     parse_traces,
 )
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
+from otel_train.sink.run_names import RunNames
 
 __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 
@@ -35,7 +37,9 @@ _logger = logging.getLogger(__name__)
 def token_matches(expected: str, header: str) -> bool:
     """Constant-time check of an ``authorization: Bearer <token>`` value."""
     scheme, _, given = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected.encode())
+    # A header that is not UTF-8 reaches us with surrogate escapes: compare its bytes, never fail on it.
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                                                              expected.encode("utf-8", "surrogateescape"))
 
 
 class SinkCore:
@@ -47,18 +51,23 @@ class SinkCore:
     Args:
         settings: Ports, token, limits, aggregates, TLS (see `SinkSettings`).
         make_exporters: Builds the backends of one run (see `exporter_factory`).
+        directory: Where the local backends write: a run name held by one run id is given to no
+            other there (`otel_train.sink.run_names`); ``None`` remembers that in memory only.
     """
 
-    def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory) -> None:
+    def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory,
+                 directory: Path | None = None) -> None:
         self.settings = settings
         self.token = settings.token
         self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s)
-        self.compat = CompatAPI(self.router)
-        self._runs = DecodeCache()
+        self.run_names = RunNames(directory)
+        self.compat = CompatAPI(self.router, self.run_names)
+        self._runs = DecodeCache(names=self.run_names)
         self.rejected: dict[str, int] = {}
         self.unattributed = 0
         self.unattributed_runs: set[str] = set()
         self.unsupported: dict[str, int] = {}
+        self.points_refused: dict[str, int] = {}
         self._log = LogOnce(_logger, interval_s=60.0)
         self._stopped = False
         self._started_at = time.monotonic()
@@ -121,9 +130,22 @@ class SinkCore:
             if first:
                 _logger.warning("received %s metric(s) of OTLP type `%s`, which the sink cannot write; they are "
                                 "counted in /health `unsupported` (warned once per type)", count, kind)
+        if decoded.refused:
+            self._count_refused_points(decoded.refused)
         if n:
             self.router.ingest(decoded)
         return n
+
+    def _count_refused_points(self, refused: dict[tuple[str, str], int]) -> None:
+        """Points refused alone (the rest of their request is written): counted, each metric named once."""
+        for (why, name), count in refused.items():
+            with self._lock:
+                self.points_refused[why] = self.points_refused.get(why, 0) + count
+            what = ("a `train.step` that is no step (not an integer in int64 range)" if why == "bad_step"
+                    else "more buckets than the sink takes")
+            self._log.warning(f"refused:{why}:{name}"[:200], "refused %d point(s) of metric %r: %s; the rest of the "
+                              "request is written (counted in /health `points_refused`; logged once a minute per "
+                              "metric)", count, name[:200], what)
 
     def health(self) -> dict[str, Any]:
         return {
@@ -136,6 +158,7 @@ class SinkCore:
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),
+            "points_refused": dict(self.points_refused),
         }
 
     def runs(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ OTLP/JSON, other metric kinds and traces through protobuf's objects.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,6 +19,8 @@ from typing import Any
 
 from otel_train.records import RUN_ID, HistogramRow, MetricRow, RunInfo, SpanRow, series_tag
 from otel_train.sink.otlp import (
+    BAD_STEP,
+    MAX_RUN_ID_BYTES,
     NO_EXTRA,
     DecodeError,
     attributes,
@@ -26,8 +29,10 @@ from otel_train.sink.otlp import (
     parse_metrics,
     parse_traces,
     point_attributes,
+    step_value,
 )
 from otel_train.sink.points import DOUBLE, TIME, TIME_DOUBLE, WHOLE, AttributeCache, split_point
+from otel_train.sink.run_names import RunNames
 from otel_train.sink.temporality import (
     CUMULATIVE_COUNTER,
     CUMULATIVE_UPDOWN,
@@ -47,6 +52,9 @@ __all__ = [
 _DELTA = 1  # AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA in the proto enum
 _STATUS_ERROR = 2  # Status.STATUS_CODE_ERROR
 _SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
+#: Buckets (or quantiles) one histogram point may have; a point with more is refused alone. OTel SDKs
+#: default to 16 explicit and 160 exponential buckets; the cap bounds what one request can expand to.
+MAX_BUCKETS = 16_384
 
 
 class Decoded:
@@ -59,10 +67,11 @@ class Decoded:
         tags: The series tags of each training run (`train.run.id`).
         unattributed: Resources without `train.run.id`, by the run name they were given.
         unsupported: Metrics that were not written, by OTLP data type.
+        refused: Points refused alone (a step that is no step, too many buckets), by ``(why, metric)``.
     """
 
-    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "metrics", "runs", "spans", "tags", "unattributed",
-                 "unsupported")
+    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "metrics", "refused", "runs", "spans", "tags",
+                 "unattributed", "unsupported")
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
@@ -78,6 +87,12 @@ class Decoded:
         self.tags: dict[str, set[str]] = {}
         self.unattributed: dict[str, int] = {}
         self.unsupported: dict[str, int] = {}
+        self.refused: dict[tuple[str, str], int] = {}
+
+    def refuse(self, why: str, name: str) -> None:
+        """Count one point of metric `name` that is not written (the rest of the request is)."""
+        key = (why, name)
+        self.refused[key] = self.refused.get(key, 0) + 1
 
     @classmethod
     def of_rows(cls, metrics: Sequence[MetricRow] = (), spans: Sequence[SpanRow] = ()) -> Decoded:
@@ -184,14 +199,25 @@ def _as_int(value: Any) -> int:
 
 class DecodeCache:
     """What decoding learns once and reuses: RunInfo by Resource attributes (every process of every
-    run has its own Resource) and decoded point attributes by their encoding. Both bounded."""
+    run has its own Resource) and decoded point attributes by their encoding. Both bounded.
 
-    def __init__(self, max_entries: int = 10_000) -> None:
+    Args:
+        names: Gives each run id a name no other run id holds (see `otel_train.sink.run_names`);
+            ``None``: names as the senders give them.
+    """
+
+    def __init__(self, max_entries: int = 10_000, names: RunNames | None = None) -> None:
         self._runs: dict[tuple[tuple[str, Any], ...], RunInfo] = {}
         self._max = max_entries
+        self._names = names
         self.points = AttributeCache()
 
     def run_for(self, resource_attributes: Mapping[str, Any]) -> RunInfo:
+        """The run of a Resource.
+
+        Raises:
+            DecodeError: its `train.run.id` holds a NUL or is over 255 bytes (no backend can name it).
+        """
         key = tuple(sorted(resource_attributes.items(), key=lambda kv: kv[0]))
         run = self._runs.get(key)
         if run is None:
@@ -200,7 +226,16 @@ class DecodeCache:
             attrs = resource_attributes
             if not attrs.get(RUN_ID):
                 attrs = {**attrs, RUN_ID: fallback_run_id(attrs)}
-            run = self._runs[key] = RunInfo.from_resource(attrs)
+            run = RunInfo.from_resource(attrs)
+            for what, value in (("train.run.id", run.run_id), ("train.run.name", run.run_name)):
+                if "\x00" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_RUN_ID_BYTES:
+                    raise DecodeError(f"resource attribute `{what}` {value[:60]!r}... is not allowed: it holds a NUL "
+                                      f"or is over {MAX_RUN_ID_BYTES} bytes")
+            if self._names is not None:
+                name = self._names.name_for(run.run_id, run.run_name)
+                if name != run.run_name:
+                    run = dataclasses.replace(run, run_name=name)
+            self._runs[key] = run
         return run
 
 
@@ -227,12 +262,7 @@ def fallback_run_id(attrs: Mapping[str, Any]) -> str:
 
 def _step(attrs: Mapping[str, Any]) -> int:
     raw = attrs.get(STEP_ATTRIBUTE)
-    if raw is None:
-        return STEPLESS
-    try:
-        return int(raw)
-    except (TypeError, ValueError):
-        return STEPLESS
+    return STEPLESS if raw is None else step_value(raw)
 
 
 def _extra(attrs: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -259,6 +289,9 @@ def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: D
     hi = -1
     for p in points:
         row = _one_point(p, name, kind, run)
+        if row.step == BAD_STEP:
+            seen.refuse("bad_step", name)
+            continue
         tags.add(row.tag)
         hi = max(hi, row.step)
         if mode == GAUGE and row.step != STEPLESS:
@@ -330,6 +363,9 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
             if entry is WHOLE:
                 p = number_point(raw)
                 row = _one_point(p, name, row_kind, run)
+                if row.step == BAD_STEP:
+                    out.refuse("bad_step", name)
+                    continue
                 tags.add(row.tag)
                 hi = max(hi, row.step)
                 if mode == GAUGE and row.step != STEPLESS:
@@ -340,6 +376,9 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
             step, extra = entry
             if step is None:
                 step = STEPLESS
+            elif step == BAD_STEP:
+                out.refuse("bad_step", name)
+                continue
             if extra is NO_EXTRA:
                 plain = True
                 tag = name
@@ -370,18 +409,29 @@ def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: D
             if len(p.bucket_counts) not in (0, len(p.explicit_bounds) + 1):
                 raise DecodeError(f"histogram `{name}`: {len(p.bucket_counts)} bucket counts for "
                                   f"{len(p.explicit_bounds)} bounds")
+            if len(p.explicit_bounds) >= MAX_BUCKETS:
+                out.refuse("too_many_buckets", name)
+                continue
             _pending_histogram(out, run, name, p, tuple(p.explicit_bounds), tuple(p.bucket_counts), cumulative, True)
     elif kind == "exponential_histogram":
         h = metric.exponential_histogram
         cumulative = h.aggregation_temporality != _DELTA
         for p in h.data_points:
+            if len(p.positive.bucket_counts) + len(p.negative.bucket_counts) >= MAX_BUCKETS:
+                out.refuse("too_many_buckets", name)  # before expanding them: 8M buckets fit in 8 MiB
+                continue
             bounds, counts = exponential_buckets(
                 p.scale, p.zero_count, (p.positive.offset, p.positive.bucket_counts),
                 (p.negative.offset, p.negative.bucket_counts))
             _pending_histogram(out, run, name, p, bounds, counts, cumulative, True)
     elif kind == "summary":
         for p in metric.summary.data_points:  # count and sum are cumulative by the data model
+            if len(p.quantile_values) >= MAX_BUCKETS:
+                out.refuse("too_many_buckets", name)
+                continue
             row = _pending_histogram(out, run, name, p, (), (), True, False)
+            if row is None:
+                continue
             tags = out.tags_of(run)
             for q in p.quantile_values:
                 q_name = f"{name}/p{q.quantile * 100:g}"
@@ -403,9 +453,13 @@ def _has(p: Any, field: str) -> bool:
 
 
 def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tuple[float, ...],
-                       counts: tuple[int, ...], cumulative: bool, buckets: bool) -> HistogramRow:
+                       counts: tuple[int, ...], cumulative: bool, buckets: bool) -> HistogramRow | None:
+    """The pending row of a histogram or summary point; None (counted) when its step is no step."""
     attrs = attributes(p.attributes)
     step = _step(attrs)
+    if step == BAD_STEP:
+        out.refuse("bad_step", name)
+        return None
     extra = _extra(attrs)
     total = float(p.sum) if _has(p, "sum") else 0.0
     lo = float(p.min) if _has(p, "min") else math.nan
@@ -457,6 +511,14 @@ def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
     return out
 
 
+def _span_step(raw: Any) -> int | None:
+    """A span's step; a `train.step` that is no step leaves the span without one (the span is kept)."""
+    if raw is None:
+        return None
+    step = step_value(raw)
+    return None if step == BAD_STEP else step
+
+
 def _id(raw: bytes, size: int, what: str) -> int:
     if len(raw) != size:
         raise DecodeError(f"{what} has {len(raw)} bytes; expected {size}")
@@ -483,7 +545,7 @@ def decode_traces(request: Any, runs: DecodeCache) -> Decoded:
                     end_unix_nano=span.end_time_unix_nano or span.start_time_unix_nano,
                     thread_id=_as_int(attrs.get("thread.id")),
                     thread_name=str(attrs.get("thread.name", "")),
-                    step=None if step is None else _as_int(step),
+                    step=_span_step(step),
                     attributes=attrs,
                     error=span.status.code == _STATUS_ERROR,
                     status_message=span.status.message,

@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from otel_train._internal.ratelimit import LogOnce
+
 __all__ = ["LoopThread"]
 
 T = TypeVar("T")
+_logger = logging.getLogger(__name__)
+# asyncio reports each failed accept (descriptors exhausted: one per connection attempt) with a traceback;
+# one line per kind of error a minute says the same without filling the disk.
+_loop_errors = LogOnce(_logger, interval_s=60.0)
+
+
+def _rate_limited(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    message = str(context.get("message") or "event loop error")
+    err = context.get("exception")
+    key = f"{message[:80]}:{type(err).__name__ if err is not None else ''}"
+    _loop_errors.error(key, "%s%s (logged at most once a minute per kind)", message,
+                       f": {type(err).__name__}: {err}" if err is not None else "")
 
 
 class LoopThread:
@@ -26,6 +41,7 @@ class LoopThread:
 
     def __init__(self, name: str = "otel-train-sink-receivers") -> None:
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(_rate_limited)
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 

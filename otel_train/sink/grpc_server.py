@@ -41,11 +41,19 @@ def _handler(sink: Sink, signal: str) -> Any:
             if not sink.token_ok(auth):
                 sink.count_rejected("unauthenticated")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong `authorization: Bearer` token")
+        limit = sink.settings.max_body_bytes
+        if len(body) > limit:  # gRPC's own limit is twice ours, so that this refusal is counted
+            sink.count_rejected("too_large", f"{len(body)} bytes")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"message of {len(body)} bytes exceeds the "
+                                f"limit of {limit} bytes")
         try:
             await sink.ingest_async(signal, body, "application/x-protobuf", None)
         except DecodeError as err:
             sink.count_rejected("invalid", str(err))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+        except OverflowError as err:
+            sink.count_rejected("too_large", str(err))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except Overloaded as err:
             sink.count_rejected("overloaded", str(err))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
@@ -75,7 +83,9 @@ class GrpcReceiver:
         import grpc
 
         options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
+            # Twice ours: a message up to that size reaches the handler, which refuses and counts it;
+            # only a larger one is refused by gRPC itself, before the sink can see (or count) it.
+            ("grpc.max_receive_message_length", 2 * max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second sink on the same port must fail, not share it
         ]
         self._server = grpc.aio.server(options=options)

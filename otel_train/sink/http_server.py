@@ -10,6 +10,7 @@ off, so a small gzip bomb cannot grow in memory).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,13 @@ def _otlp_error(code: int, message: str, protobuf: bool, close: bool = False) ->
     return _json(code, {"code": _GRPC_CODES.get(code, 2), "message": message}, close)
 
 
+class _Refused(asyncio.Protocol):
+    """A connection over `max_connections`: closed at once, before a byte is read."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
 class HttpReceiver:
     """A started aiohttp server on the receivers' event loop; `stop()` closes it."""
 
@@ -65,6 +73,7 @@ class HttpReceiver:
         self._sink = sink
         self._loop = loop
         self._runner: Any = None
+        self._server: Any = None
         self.port = loop.run(self._start(address, tls_cert, tls_key), 60)
 
     async def _start(self, address: str, tls_cert: str | None, tls_key: str | None) -> int:
@@ -72,8 +81,10 @@ class HttpReceiver:
 
         app = web.Application(client_max_size=self._sink.settings.max_body_bytes)
         app.router.add_route("*", "/{tail:.*}", self._handle)
+        # lingering_time: after answering a request whose body was not read (413, 408), read and drop what
+        # the client still sends for 1 s (so it sees the answer), not aiohttp's 10 s.
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None, auto_decompress=False,
-                                     keepalive_timeout=75.0)
+                                     keepalive_timeout=75.0, lingering_time=1.0)
         await self._runner.setup()
         ssl_context = None
         if tls_cert and tls_key:
@@ -82,18 +93,33 @@ class HttpReceiver:
             ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ssl_context.load_cert_chain(tls_cert, tls_key)
         host, _, port = address.rpartition(":")
-        site = web.TCPSite(self._runner, host.strip("[]"), int(port), ssl_context=ssl_context)
+        handlers = self._runner.server  # aiohttp's protocol factory; `.connections` are the open ones
+        cap = self._sink.settings.max_connections
+        sink = self._sink
+
+        def connection() -> asyncio.Protocol:
+            if len(handlers.connections) >= cap:
+                sink.count_rejected("too_many_connections", f"{cap} open")
+                return _Refused()
+            return handlers()  # type: ignore[no-any-return]
+
         try:
-            await site.start()
+            self._server = await asyncio.get_running_loop().create_server(
+                connection, host.strip("[]") or None, int(port), ssl=ssl_context, reuse_address=True)
         except OSError:
             await self._runner.cleanup()
             raise
-        return int(self._runner.addresses[0][1])
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _close(self) -> None:
+        if self._server is not None:  # stop accepting; `cleanup` then closes the open connections
+            self._server.close()
+        await self._runner.cleanup()
 
     def stop(self) -> None:
         if self._runner is not None and self._loop.loop.is_running():
             try:
-                self._loop.run(self._runner.cleanup(), 15.0)
+                self._loop.run(self._close(), 15.0)
             except Exception:
                 _logger.exception("stopping the OTLP/HTTP receiver failed")
 
@@ -123,9 +149,15 @@ class HttpReceiver:
         if path == "/runs":
             return _json(200, sink.runs())
         if path.startswith("/metrics/"):
-            code, doc = sink.compat.handle("GET", path, parse_qs(request.query_string), None)
-            return _json(code, doc)
+            return self._compat("GET", request, None)
+        sink.count_rejected("not_found", f"GET {path}")
         return _json(404, {"code": 5, "message": f"no route {path}"})
+
+    def _compat(self, method: str, request: web.Request, body: bytes | None) -> web.StreamResponse:
+        code, doc = self._sink.compat.handle(method, request.path, parse_qs(request.query_string), body)
+        if code >= 400:
+            self._sink.count_rejected(f"compat_{code}", f"{method} {request.path}: {doc.get('message', '')}")
+        return _json(code, doc)
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         from aiohttp import web
@@ -148,14 +180,17 @@ class HttpReceiver:
         if length is not None and length > limit:  # refused before reading a byte of it
             sink.count_rejected("too_large", f"{length} bytes")
             return _json(413, {"code": 8, "message": f"body of {length} bytes {too_large}"}, close=True)
+        timeout_s = sink.settings.body_timeout_s
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), timeout_s)
         except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
             sink.count_rejected("too_large", "chunked body")
             return _json(413, {"code": 8, "message": f"body {too_large}"}, close=True)
+        except asyncio.TimeoutError:  # a body trickled in: the connection is not held for ever
+            sink.count_rejected("body_timeout", f"POST {path} from {request.remote}")
+            return _json(408, {"code": 4, "message": f"the body did not arrive within {timeout_s:g} s"}, close=True)
         if signal is None:
-            code, doc = sink.compat.handle("POST", path, parse_qs(request.query_string), body)
-            return _json(code, doc)
+            return self._compat("POST", request, body)
         try:
             await sink.ingest_async(signal, body, ctype, request.headers.get("Content-Encoding"))
         except DecodeError as err:

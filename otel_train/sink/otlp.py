@@ -12,6 +12,8 @@ from typing import Any
 from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 __all__ = [
+    "BAD_STEP",
+    "MAX_RUN_ID_BYTES",
     "NO_EXTRA",
     "DecodeError",
     "any_value",
@@ -22,8 +24,11 @@ __all__ = [
     "parse_metrics",
     "parse_traces",
     "point_attributes",
+    "step_value",
 ]
 
+#: Longest `train.run.id` / `train.run.name` taken (a file name is at most 255 bytes).
+MAX_RUN_ID_BYTES = 255
 #: Shared by rows without extra attributes (read-only).
 NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
 
@@ -50,21 +55,43 @@ def attributes(kvs: Any) -> dict[str, Any]:
     return {kv.key: any_value(kv.value) for kv in kvs}
 
 
+#: The step of a point whose `train.step` is no step (2.5, NaN, ±inf, beyond int64, a word): such a
+#: point is refused alone (counted), never written at a made-up step.
+BAD_STEP = -(1 << 64)
+_INT64 = range(-(1 << 63), 1 << 63)
+
+
+def step_value(value: Any) -> int:
+    """A `train.step` attribute value as a step: an int64, a float with an integral value, or the
+    decimal text of one; anything else is `BAD_STEP`.
+
+    Example:
+        >>> step_value(3), step_value(4.0), step_value("5"), step_value(2.5) == BAD_STEP, step_value(1e19) == BAD_STEP
+        (3, 4, 5, True, True)
+    """
+    if isinstance(value, bool):
+        return BAD_STEP
+    if isinstance(value, int):
+        return value if value in _INT64 else BAD_STEP
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and int(value) in _INT64 else BAD_STEP
+    if isinstance(value, str):
+        try:
+            return step_value(int(value.strip()))
+        except ValueError:
+            return BAD_STEP
+    return BAD_STEP
+
+
 def point_attributes(kvs: Any) -> tuple[int | None, Mapping[str, Any]]:
-    """(`train.step` or None, extra attributes) of a data point's attributes."""
+    """(`train.step` (`BAD_STEP` if it is no step) or None, extra attributes) of a data point's attributes."""
     step: int | None = None
     extra: dict[str, Any] = {}
     for kv in kvs:
         key = kv.key
         if key == STEP_ATTRIBUTE:
             v = kv.value
-            if v.WhichOneof("value") == "int_value":
-                step = v.int_value
-            else:
-                try:
-                    step = int(any_value(v))
-                except (TypeError, ValueError):
-                    step = None
+            step = v.int_value if v.WhichOneof("value") == "int_value" else step_value(any_value(v))
         elif key != RANK_ATTRIBUTE:
             extra[key] = any_value(kv.value)
     return step, (extra or NO_EXTRA)
@@ -116,14 +143,24 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     if enc == "gzip":
         import zlib
 
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        # A gzip body may hold several members (RFC 1952, e.g. written in chunks): read every one.
+        parts: list[bytes] = []
+        size = 0
+        rest = body
         try:
-            out = d.decompress(body, limit + 1)
+            while rest:
+                d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                out = d.decompress(rest, limit + 1 - size)
+                size += len(out)
+                parts.append(out)
+                if size > limit:
+                    raise OverflowError(f"decompressed body exceeds {limit} bytes")
+                if not d.eof:
+                    raise DecodeError("invalid gzip body: truncated")
+                rest = d.unused_data
         except zlib.error as err:
             raise DecodeError(f"invalid gzip body: {err}") from None
-        if len(out) > limit:
-            raise OverflowError(f"decompressed body exceeds {limit} bytes")
-        return out
+        return b"".join(parts)
     raise DecodeError(f"unsupported content-encoding {encoding!r}; use gzip or none")
 
 
@@ -159,11 +196,15 @@ def _parse(message: Any, body: bytes, content_type: str | None) -> Any:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as err:
             raise DecodeError(f"invalid JSON: {err}") from None
+        except RecursionError:
+            raise DecodeError("invalid OTLP/JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise DecodeError("invalid OTLP/JSON: expected an object")
         _hex_ids_to_base64(data, _ID_KEYS)
         try:
             json_format.ParseDict(data, message, ignore_unknown_fields=True)
+        except RecursionError:
+            raise DecodeError("invalid OTLP/JSON: nested too deeply") from None
         except (json_format.ParseError, ValueError, TypeError) as err:
             raise DecodeError(f"invalid OTLP/JSON: {str(err)[:200]}") from None
         return message
@@ -172,6 +213,8 @@ def _parse(message: Any, body: bytes, content_type: str | None) -> Any:
 
         try:
             message.ParseFromString(body)
+        except RecursionError:
+            raise DecodeError("invalid OTLP protobuf: nested too deeply") from None
         except (PbDecodeError, ValueError, RuntimeError) as err:
             raise DecodeError(f"invalid OTLP protobuf: {str(err)[:200] or type(err).__name__}") from None
         return message

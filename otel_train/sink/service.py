@@ -14,9 +14,27 @@ from otel_train.records import ExporterOptions
 from otel_train.sink.core import SinkCore
 from otel_train.sink.router import ExporterFactory
 
-__all__ = ["Sink", "exporter_factory"]
+__all__ = ["Sink", "exporter_factory", "is_loopback"]
 
 _logger = logging.getLogger(__name__)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ``HOST:PORT`` bind address is reachable only from this machine.
+
+    Example:
+        >>> is_loopback("127.0.0.1:4317"), is_loopback("[::1]:4318"), is_loopback("0.0.0.0:4317")
+        (True, True, False)
+    """
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name (or an empty host: every interface)
 
 
 def exporter_factory(names: Sequence[str], options: ExporterOptions) -> ExporterFactory:
@@ -53,10 +71,12 @@ class Sink(SinkCore):
     Args:
         settings: Ports, token, limits, aggregates, TLS (see `SinkSettings`).
         make_exporters: Builds the backends of one run (see `exporter_factory`).
+        directory: Where the local backends write (keeps runs of one name apart, see `SinkCore`).
     """
 
-    def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory) -> None:
-        super().__init__(settings, make_exporters)
+    def __init__(self, settings: SinkSettings, make_exporters: ExporterFactory,
+                 directory: Path | None = None) -> None:
+        super().__init__(settings, make_exporters, directory)
         self._loop: Any = None
         self._grpc: Any = None
         self._http: Any = None
@@ -91,6 +111,10 @@ class Sink(SinkCore):
         self._housekeeper.start()
         _logger.info("otel-train sink listening: OTLP/gRPC %s, OTLP/HTTP %s%s", self._addr(s.grpc, self.grpc_port),
                      self._addr(s.http, self.http_port), " (token required)" if self.token else "")
+        exposed = [a for a in (s.grpc, s.http) if not is_loopback(a)]
+        if exposed and not self.token:
+            _logger.warning("the sink listens on %s beyond this machine without a token: anyone who reaches it can "
+                            "write runs; set OTEL_TRAIN_SINK_TOKEN (or OTEL_TRAIN_SINK_TOKEN_FILE)", ", ".join(exposed))
         return self
 
     @staticmethod

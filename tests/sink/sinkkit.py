@@ -13,8 +13,8 @@ def make_sink(tmp_path: Path, exporters: tuple[str, ...] = ("tensorboard",), **s
     from otel_train.sink import Sink, exporter_factory
 
     options = ExporterOptions(directory=tmp_path / "runs", ranks="all")
-    s = SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0", **settings)
-    return Sink(s, exporter_factory(exporters, options)).start()
+    s = SinkSettings(**{"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", **settings})
+    return Sink(s, exporter_factory(exporters, options), options.directory).start()
 
 
 def resource(run_id: str, rank: int, world_size: int, run_name: str | None = None) -> Any:

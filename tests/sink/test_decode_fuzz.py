@@ -17,6 +17,9 @@ from otel_train.sink.temporality import SeriesLedger
 from otel_train.testing import OtlpPoint, metrics_request
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
+#: A NUL in a run id is refused at the door (tests/sink/test_sink_hardening.py).
+_run_ids = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="\x00"), min_size=1,
+                   max_size=12)
 _points = st.lists(st.tuples(st.integers(0, 10**9), st.floats(allow_nan=False, width=64),
                              st.one_of(st.none(), _names)), min_size=1, max_size=8)
 
@@ -28,7 +31,7 @@ def _request(run: str, rank: int, metrics: dict[str, list[tuple[int, float, str 
 
 
 @settings(max_examples=60, deadline=None)
-@given(run=_names, rank=st.integers(0, 512), metrics=st.dictionaries(_names, _points, min_size=1, max_size=4))
+@given(run=_run_ids, rank=st.integers(0, 512), metrics=st.dictionaries(_names, _points, min_size=1, max_size=4))
 def test_valid_requests_decode_to_exact_rows(run: str, rank: int,
                                              metrics: dict[str, list[tuple[int, float, str | None]]]) -> None:
     decoded = decode_metrics(parse_metrics(_request(run, rank, metrics)), DecodeCache())

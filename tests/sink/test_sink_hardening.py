@@ -1,0 +1,264 @@
+"""A sink shared by many jobs on an unkind network: distinct runs stay distinct, a bad point is refused
+alone, slow or greedy clients are cut off, and every refusal is counted in `/health`."""
+
+from __future__ import annotations
+
+import gzip
+import http.client
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sinkkit import make_sink
+
+from otel_train.exporters.jsonl import read_jsonl
+from otel_train.records import run_folder
+from otel_train.testing import OtlpPoint, metrics_request
+
+_METHOD = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+
+
+def _post(port: int, body: bytes, headers: dict[str, str] | None = None, path: str = "/v1/metrics") -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/x-protobuf", **(headers or {})})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def _health(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+        return json.loads(resp.read())  # type: ignore[no-any-return]
+
+
+def _gauges(path: Path) -> list[tuple[str, int, float]]:
+    """Every metric row of a JSONL file as (name, step, value), in file order."""
+    return [(r["name"], r["step"], r["value"]) for r in read_jsonl(path) if r.get("type") == "metric"]
+
+
+def _request(run_id: str, points: list[tuple[str, float, Any]], run_name: str | None = None) -> bytes:
+    """A gauge request whose `train.step` attributes are given as any OTLP value (int, double, string)."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    from otel_train.testing import set_any_value
+
+    req = ExportMetricsServiceRequest()
+    rm = req.resource_metrics.add()
+    for key, value in {"train.run.id": run_id, "train.run.name": run_name or run_id, "train.rank": 0}.items():
+        set_any_value(rm.resource.attributes.add(key=key).value, value)
+    metrics: dict[str, Any] = {}
+    for name, value, step in points:
+        metric = metrics.get(name)
+        if metric is None:
+            metric = metrics[name] = rm.scope_metrics.add().metrics.add(name=name)
+        p = metric.gauge.data_points.add(as_double=value, time_unix_nano=1)
+        set_any_value(p.attributes.add(key="train.step").value, step)
+    return bytes(req.SerializeToString())
+
+
+def test_run_ids_that_look_alike_stay_distinct(tmp_path: Path) -> None:
+    ids = ["team/a", "team_a", ".team_a", "team\\a", " team_a "]
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        for i, run_id in enumerate(ids):
+            assert _post(sink.http_port, _request(run_id, [("loss", float(i), 1)])) == 200
+        # two run ids, one name: two runs
+        assert _post(sink.http_port, _request("job-1", [("loss", 10.0, 1)], run_name="exp")) == 200
+        assert _post(sink.http_port, _request("job-2", [("loss", 20.0, 1)], run_name="exp")) == 200
+    finally:
+        sink.stop()
+    runs = tmp_path / "runs"
+    files = sorted(runs.glob("*/rank0.jsonl"))
+    assert len(files) == len(ids) + 2
+    for i, run_id in enumerate(ids):
+        assert _gauges(run_folder(runs, run_id) / "rank0.jsonl") == [("loss", 1, float(i))]
+    assert _gauges(runs / "exp" / "rank0.jsonl") == [("loss", 1, 10.0)]
+    others = [f for f in files if f.parent.name.startswith("exp~")]
+    assert len(others) == 1 and _gauges(others[0]) == [("loss", 1, 20.0)]
+
+    # a restarted sink gives each run the folder it had, whichever arrives first
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, _request("job-2", [("loss", 21.0, 2)], run_name="exp")) == 200
+        assert _post(sink.http_port, _request("job-1", [("loss", 11.0, 2)], run_name="exp")) == 200
+    finally:
+        sink.stop()
+    assert _gauges(runs / "exp" / "rank0.jsonl") == [("loss", 1, 10.0), ("loss", 2, 11.0)]
+    assert _gauges(others[0]) == [("loss", 1, 20.0), ("loss", 2, 21.0)]
+
+
+def test_run_ids_with_nul_or_over_255_bytes_are_refused_at_the_door(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, _request("a\x00b", [("loss", 1.0, 1)])) == 400
+        assert _post(sink.http_port, _request("r" * 256, [("loss", 1.0, 1)])) == 400
+        assert _post(sink.http_port, _request("r" * 255, [("loss", 1.0, 1)])) == 200
+        assert _health(sink.http_port)["rejected"]["invalid"] == 2
+    finally:
+        sink.stop()
+    assert [f.parent for f in (tmp_path / "runs").glob("*/rank0.jsonl")] == [run_folder(tmp_path / "runs", "r" * 255)]
+
+
+def test_a_point_whose_step_is_no_step_is_refused_alone(tmp_path: Path) -> None:
+    bad = [1e19, float("inf"), float("-inf"), float("nan"), 2.5, "ten", "1e30"]
+    points = [("loss", 1.0, 1)] + [("loss", 9.0, s) for s in bad] + [("loss", 3.0, 3.0), ("loss", 4.0, "4")]
+    sink = make_sink(tmp_path, ("jsonl", "tensorboard"))
+    try:
+        assert _post(sink.http_port, _request("steps", points)) == 200
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    folder = tmp_path / "runs" / "steps"
+    assert sorted(_gauges(folder / "rank0.jsonl")) == [("loss", 1, 1.0), ("loss", 3, 3.0), ("loss", 4, 4.0)]
+    from sinkkit import scalars
+
+    assert scalars(folder) == {"loss": [(1, 1.0), (3, 3.0), (4, 4.0)]}
+    assert health["points_refused"] == {"bad_step": len(bad)}
+    assert health["rejected"] == {}
+
+
+def test_a_histogram_with_millions_of_buckets_is_refused_alone(tmp_path: Path) -> None:
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    body = metrics_request({"train.run.id": "buckets"}, [OtlpPoint("loss", 0.5, step=1)])
+    req = ExportMetricsServiceRequest.FromString(body)
+    metric = req.resource_metrics[0].scope_metrics[0].metrics.add(name="latency")
+    p = metric.exponential_histogram.data_points.add(count=2_000_000, scale=0, time_unix_nano=1)
+    p.positive.bucket_counts.extend([1] * 2_000_000)
+    p.attributes.add(key="train.step").value.int_value = 1
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, bytes(req.SerializeToString())) == 200
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    assert _gauges(tmp_path / "runs" / "buckets" / "rank0.jsonl") == [("loss", 1, 0.5)]
+    assert health["points_refused"] == {"too_many_buckets": 1}
+
+
+def test_status_codes_of_malformed_requests(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), token="s3cret")
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        deep = ("[" * 300 + "]" * 300).encode()
+        body = b'{"resourceMetrics": ' + deep + b"}"
+        assert _post(sink.http_port, body, {**auth, "Content-Type": "application/json"}) == 400
+        conn = http.client.HTTPConnection("127.0.0.1", sink.http_port, timeout=10)
+        conn.putrequest("POST", "/v1/metrics")
+        conn.putheader("Content-Type", "application/x-protobuf")
+        conn.putheader("Authorization", b"Bearer \xff\xfe")  # not UTF-8
+        conn.putheader("Content-Length", "0")
+        conn.endheaders()
+        assert conn.getresponse().status == 401
+        conn.close()
+        # a gzip body of two members (written in two pieces) is read whole: two protobuf requests one
+        # after the other are one request holding both
+        one = _request("gz", [("loss", 1.0, 1)])
+        two = _request("gz", [("loss", 2.0, 2)])
+        assert _post(sink.http_port, gzip.compress(one) + gzip.compress(two), {**auth, "Content-Encoding": "gzip"}) == 200
+        # every refusal is counted: unknown routes (GET too), compat errors
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/nothing", headers=auth),
+                                   timeout=5)
+        assert _post(sink.http_port, b"{}", {**auth, "Content-Type": "application/json"},
+                     path="/metrics/log_metric") == 400
+        rejected = _health(sink.http_port)["rejected"]
+    finally:
+        sink.stop()
+    assert _gauges(tmp_path / "runs" / "gz" / "rank0.jsonl") == [("loss", 1, 1.0), ("loss", 2, 2.0)]
+    assert rejected == {"invalid": 1, "unauthenticated": 1, "not_found": 1, "compat_400": 1}
+
+
+def test_gzip_members_are_all_inflated() -> None:
+    from otel_train.sink.otlp import _decompress
+
+    assert _decompress(gzip.compress(b"ab") + gzip.compress(b"cd"), "gzip", 100) == b"abcd"
+    with pytest.raises(OverflowError):
+        _decompress(gzip.compress(b"a" * 60) + gzip.compress(b"b" * 60), "gzip", 100)
+
+
+def test_a_trickled_body_is_cut_off_and_connections_are_capped(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), body_timeout_s=1.0, max_connections=3)
+    try:
+        slow = socket.create_connection(("127.0.0.1", sink.http_port), timeout=10)
+        slow.sendall(b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                     b"Content-Length: 100\r\n\r\nx")
+        answer = slow.recv(4096)  # within the body timeout, not never
+        assert answer.startswith(b"HTTP/1.1 408")
+        deadline = time.monotonic() + 5
+        while slow.recv(4096) and time.monotonic() < deadline:  # then the connection is closed
+            pass
+        slow.close()
+        held = [socket.create_connection(("127.0.0.1", sink.http_port), timeout=10) for _ in range(3)]
+        time.sleep(0.3)  # let the server register them: there is no event to wait on from outside
+        extra = socket.create_connection(("127.0.0.1", sink.http_port), timeout=10)
+        assert extra.recv(16) == b""  # closed at once
+        extra.close()
+        for s in held:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # once the held ones are gone, the sink serves again
+            try:
+                health = _health(sink.http_port)
+                break
+            except (OSError, http.client.HTTPException):
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    finally:
+        sink.stop()
+    assert health["rejected"]["body_timeout"] == 1
+    assert health["rejected"]["too_many_connections"] >= 1
+
+
+def test_grpc_messages_over_the_limit_are_counted(tmp_path: Path) -> None:
+    import grpc
+
+    sink = make_sink(tmp_path, ("jsonl",), max_body_bytes=4096)
+    try:
+        body = _request("big", [(f"m{i}", 1.0, 1) for i in range(120)])
+        assert 4096 < len(body) < 8192
+        with grpc.insecure_channel(f"127.0.0.1:{sink.grpc_port}") as channel, pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary(_METHOD)(body, timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _health(sink.http_port)["rejected"] == {"too_large": 1}
+    finally:
+        sink.stop()
+
+
+def test_a_token_on_the_command_line_is_refused(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "otel_train.sink", "--token", "s3cret", "--dir", str(tmp_path)],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "--token: a token on the command line is visible" in run.stderr
+    assert "OTEL_TRAIN_SINK_TOKEN" in run.stderr
+
+
+def test_token_file(tmp_path: Path) -> None:
+    from otel_train.config import load_sink_settings
+    from otel_train.errors import ConfigError
+
+    path = tmp_path / "token"
+    path.write_text("from-file\n")
+    assert load_sink_settings({"OTEL_TRAIN_SINK_TOKEN_FILE": str(path)}).token == "from-file"
+    assert load_sink_settings({"OTEL_TRAIN_SINK_TOKEN_FILE": str(path), "OTEL_TRAIN_SINK_TOKEN": "env"}).token == "env"
+    assert load_sink_settings({"OTEL_TRAIN_SINK_TOKEN": "env"}, token_file=str(path)).token == "from-file"
+    with pytest.raises(ConfigError, match="OTEL_TRAIN_SINK_TOKEN_FILE: cannot read"):
+        load_sink_settings({"OTEL_TRAIN_SINK_TOKEN_FILE": str(tmp_path / "missing")})
+
+
+def test_binding_beyond_loopback_without_a_token_warns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="otel_train.sink.service"):
+        sink = make_sink(tmp_path, ("jsonl",))
+        sink.stop()
+        assert not [r for r in caplog.records if "without a token" in r.getMessage()]
+        sink = make_sink(tmp_path, ("jsonl",), http="0.0.0.0:0")
+        sink.stop()
+    warned = [r.getMessage() for r in caplog.records if "without a token" in r.getMessage()]
+    assert len(warned) == 1 and "0.0.0.0:0" in warned[0] and "OTEL_TRAIN_SINK_TOKEN" in warned[0]
