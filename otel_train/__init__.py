@@ -249,7 +249,8 @@ def resume(step: int) -> None:
         step: The first step of the new attempt (an integer >= 0).
 
     Raises:
-        ConfigError: `step` is not an integer >= 0.
+        ConfigError: before `init()`, `step` is not an integer >= 0 (see `otel_train.step.coerce_step`); after
+            it, such a step is warned about once and ignored.
         OtelTrainError: called before `init()`.
 
     Example:
@@ -258,17 +259,18 @@ def resume(step: int) -> None:
         >>> ot.resume(100)
         >>> ot.shutdown()
     """
-    import operator
+    from otel_train.step import coerce_step
 
-    try:
-        if isinstance(step, bool):
-            raise TypeError
-        index = operator.index(step)
-    except TypeError:
-        index = -1
-    if index < 0:
-        raise ConfigError(f"otel_train.resume: {step!r} is not allowed; expected an integer step >= 0")
     s = _session
+    try:
+        index = coerce_step(step, "otel_train.resume")
+        if index < 0:
+            raise ValueError(f"otel_train.resume: {step!r} is not allowed; expected an integer step >= 0")
+    except ValueError as err:
+        if s is None or s.closed or not hasattr(s, "refuse_step"):
+            raise ConfigError(str(err)) from None
+        s.refuse_step(err)  # after init(): warned once, counted, never raised into the training loop
+        return
     if s is None:
         raise OtelTrainError("otel_train.resume() was called before otel_train.init(); call init() first "
                              "(or pass resume_step= to init())")

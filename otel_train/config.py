@@ -511,9 +511,13 @@ def _validate_kwarg(field: str, value: Any) -> Any:
     if field in ("export_every", "queue_size", "buffer_size"):
         return _parse_int(field, str(value), 1)
     if field == "resume_step":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"resume_step: {value!r} is not allowed; expected an integer step >= 0")
-        return _parse_int(field, str(value), 0)
+        from otel_train.step import coerce_step
+
+        try:
+            step = coerce_step(value, "resume_step")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return _parse_int(field, str(step), 0)
     if field in ("export_interval_s", "shutdown_timeout_s", "system_interval_s", "drain_timeout_s"):
         return _parse_positive_float(field, str(value))
     if field == "export_nice":

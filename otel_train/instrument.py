@@ -105,7 +105,7 @@ class LogBuffer(_Bounded):
             if type(value) is not float:  # rare: tensors (and ints, arrays) take the slow path
                 if self.strict:
                     self._check_sync(mapping)
-                mapping = _detached(mapping)
+                mapping = _snapshot(mapping)
                 break
         self._items.append((next(self._seq), step, mapping, _time_ns() if time_ns is None else time_ns))
 
@@ -139,22 +139,67 @@ def _sync_cost(value: Any) -> str | None:
     return None
 
 
-def _detached(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
-    """`mapping` with tensors that require grad detached (no copy, no sync).
+def _snapshot(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`mapping` with every value fixed as it is now, so that mutating it after `ot.log` (an LR tensor the
+    scheduler fills, a loss scale halved, an accumulator zeroed, a parameter the optimizer steps) does not
+    change what is exported. The training thread never waits for a device:
 
-    A kept tensor with `grad_fn` would keep its autograd graph (and, before `backward()`, the
-    activations it saved) alive until the next collection; `detach()` shares the storage and
-    costs under a microsecond.
+    - a CPU tensor of one element is read now (`.item()` on the CPU is no device sync), as is a NumPy array;
+    - the device scalars of one call are copied on their device into new memory, one `torch.stack` per
+      device and dtype (enqueued on the current stream, no host sync); the export thread reads them per
+      window, as before;
+    - anything else is kept as it is (tensors detached, so no autograd graph stays alive).
     """
-    out = None
+    out: dict[str, Any] | None = None
+    on_device: dict[tuple[Any, Any], list[tuple[str, Any]]] | None = None
+    torch = sys.modules.get("torch")
+    tensor_type = getattr(torch, "Tensor", None) if torch is not None else None
     for key, value in mapping.items():
         if type(value) in _PLAIN:
             continue
-        if getattr(value, "requires_grad", False) is True:
+        if tensor_type is not None and isinstance(value, tensor_type):
             if out is None:
                 out = dict(mapping)
-            out[key] = value.detach()
+            try:
+                if value.numel() != 1:
+                    out[key] = value.detach()  # not a scalar: refused on the export thread, as before
+                elif value.device.type == "cpu":
+                    out[key] = value.item()
+                else:
+                    if on_device is None:
+                        on_device = {}
+                    on_device.setdefault((value.device, value.dtype), []).append((key, value))
+            except Exception:  # an exotic tensor (meta, a subclass): leave it to the export thread
+                out[key] = value.detach() if hasattr(value, "detach") else value
+        elif type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":  # mutable, unlike np.float32
+            if out is None:
+                out = dict(mapping)
+            out[key] = _read_array(value)
+    if on_device:
+        _copy_on_device(on_device, out)  # type: ignore[arg-type]  # `out` was made with the first tensor
     return mapping if out is None else out
+
+
+def _read_array(value: Any) -> Any:
+    """A NumPy array's one element now (its float), or the array as is (not a scalar: refused later)."""
+    try:
+        return value.item() if value.size == 1 else value
+    except (TypeError, ValueError):
+        return value
+
+
+def _copy_on_device(groups: dict[tuple[Any, Any], list[tuple[str, Any]]], out: dict[str, Any]) -> None:
+    """Copy each group of device scalars into one new tensor (one kernel) and give each key its element."""
+    import torch
+
+    with torch.no_grad():
+        for items in groups.values():
+            try:
+                copies = torch.stack([t.detach().reshape(()) for _, t in items]).unbind(0)
+            except Exception:  # never into the training loop: the (uncopied) values still export
+                copies = tuple(t.detach() for _, t in items)
+            for (key, _), copy in zip(items, copies):
+                out[key] = copy
 
 
 class SpanRecord:

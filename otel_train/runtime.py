@@ -36,7 +36,9 @@ from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import (
     _current,
     check_log_step,
+    coerce_step,
     current_step,
+    set_refused_step_hook,
     set_step_end_hook,
     set_step_order,
     step_end_hook,
@@ -175,6 +177,10 @@ class Session:
         self._append = self.log_buffer.append
         set_step_order(settings.step_order, resume=settings.resume_step is not None)
         self._check_step = settings.step_order == "raise"
+        #: Values of `ot.log` calls whose step was refused (2.5, NaN, "3"): never written, counted here.
+        self.refused_step_values = 0
+        self._warned_step = False
+        set_refused_step_hook(self.refuse_step)
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_hook = self.reader.step_end_hook()
         set_step_end_hook(self._step_hook)
@@ -241,13 +247,29 @@ class Session:
             step = _current.get()
             if step is None:
                 step = current_step() or 0
-        elif self._check_step:
-            check_log_step(step)  # OTEL_TRAIN_STEP_ORDER=raise: API misuse, raised where it happens
+        else:
+            if type(step) is not int:
+                try:
+                    step = coerce_step(step, "otel_train.log(step=)")
+                except ValueError as err:  # never into the loop: counted, warned once, the values go nowhere
+                    self.refuse_step(err, len(mapping) if isinstance(mapping, Mapping) else 0)
+                    return
+            if self._check_step:
+                check_log_step(step)  # OTEL_TRAIN_STEP_ORDER=raise: API misuse, raised where it happens
         try:
             self._append(step, dict(mapping))
         except (TypeError, ValueError):
             _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped",
                             type(mapping).__name__)
+
+    def refuse_step(self, err: ValueError, values: int = 0) -> None:
+        """A step that is no step, given after `init()`: counted (with the `values` of its call, which go
+        nowhere) and warned once; never raised into the training loop."""
+        self.refused_step_values += values
+        if not self._warned_step:
+            self._warned_step = True
+            _logger.warning("%s (warned once; an `ot.log` with such a step is not written, an `ot.step` or "
+                            "`ot.steps` with one continues after the latest step)", err)
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
         return self._scope_class(self.span_buffer, name, attributes, record_context)
@@ -299,6 +321,7 @@ class Session:
             self._closed = True
         if step_end_hook() is self._step_hook:
             set_step_end_hook(None)
+        set_refused_step_hook(None)
         if os.environ.get(cfg.OTEL_TRAIN_WORKER_ADDRESS) == (self._worker_address or "none"):
             del os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS]
         set_step_order("warn")

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from otel_train import semconv
 from otel_train.errors import StepOrderError
@@ -23,6 +25,7 @@ __all__ = [
     "StepEnd",
     "add_step_end_listener",
     "check_log_step",
+    "coerce_step",
     "current_step",
     "remove_step_end_listener",
     "set_step_end_hook",
@@ -41,6 +44,71 @@ _T = TypeVar("_T")
 
 _current: contextvars.ContextVar[int | None] = contextvars.ContextVar("otel_train_step", default=None)
 _clock = time.perf_counter_ns  # bound once: a step boundary is on the training thread's hot path
+
+
+def coerce_step(value: Any, where: str) -> int:
+    """`value` as a step: what every entry point that takes a step accepts (`ot.step`, `ot.steps(start=)`,
+    `ot.log(step=)`, `ot.resume`, `init(resume_step=)`, child processes, the integrations).
+
+    Accepted: anything `operator.index` takes (`int`, NumPy integers, integer 0-d tensors and arrays) and
+    numbers with an integral value (``61.0``, a float tensor holding 3.0). Refused: ``True``/``False``
+    (a step is never a flag), fractions (2.5), NaN, ±inf, strings and everything else.
+
+    Args:
+        value: The step given.
+        where: The call it was given to, for the message (e.g. ``"otel_train.log(step=)"``).
+
+    Raises:
+        ValueError: `value` is not a step; the one-line message names it and what is allowed.
+
+    Example:
+        >>> import numpy as np
+        >>> coerce_step(np.int64(3), "ot.step"), coerce_step(61.0, "ot.step")
+        (3, 61)
+        >>> coerce_step(2.5, "ot.step")
+        Traceback (most recent call last):
+        ...
+        ValueError: ot.step: 2.5 is not a step; expected an integer (or a number with an integral value, e.g. 3.0)
+    """
+    if type(value) is int:  # the common case first: one type check
+        return value
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+        try:
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
+            number = math.nan
+        if math.isfinite(number) and number.is_integer():
+            return int(number)
+    shown = repr(value)
+    raise ValueError(f"{where}: {shown[:80]} is not a step; expected an integer (or a number with an integral "
+                     "value, e.g. 3.0)")
+
+
+#: Set by the runtime while a session runs: reports a refused step (warned once, counted) instead of raising,
+#: since after `init()` nothing of ours raises into the training loop.
+_refuse_hook: Callable[[ValueError], None] | None = None
+
+
+def set_refused_step_hook(hook: Callable[[ValueError], None] | None) -> None:
+    """Install (or, with ``None``, remove) the running session's handler of refused steps."""
+    global _refuse_hook
+    _refuse_hook = hook
+
+
+def _coerce_or_none(value: Any, where: str) -> int | None:
+    """`coerce_step`, but after `init()` a refused step is reported to the session and gives None."""
+    try:
+        return coerce_step(value, where)
+    except ValueError as err:
+        hook = _refuse_hook
+        if hook is None:
+            raise
+        hook(err)
+        return None
 
 
 class _ProcessState:
@@ -168,10 +236,13 @@ class step:
     """Mark a block of code as one training step.
 
     Args:
-        i: The step number; ``None`` means the previous step + 1 (0 for the first).
+        i: The step number (see `coerce_step`: NumPy integers, ``3.0`` and integer tensors are taken);
+            ``None`` means the previous step + 1 (0 for the first).
         samples: Samples processed in this step; when given, `train.throughput` is recorded.
 
     Raises:
+        ValueError: before `init()`, `i` is not a step (2.5, NaN, a string). After `init()` such a step is
+            warned about once, counted, and the block becomes the next step.
         StepOrderError: on entering, under ``OTEL_TRAIN_STEP_ORDER=raise``, when `i` is below the latest
             step entered (a resumed run declares its restart with `init(resume_step=)`).
 
@@ -185,10 +256,11 @@ class step:
     __slots__ = ("_samples", "_start_ns", "_step", "_token")
 
     def __init__(self, i: int | None = None, *, samples: int | None = None) -> None:
+        if i is not None and type(i) is not int:
+            # Not a step (2.5, "3"): raised before init(); after it, warned once and the block is the next step
+            i = _coerce_or_none(i, "otel_train.step")
         if i is None:
             i = 0 if _state.latest is None else _state.latest + 1
-        elif not isinstance(i, int):
-            i = int(i)
         self._step = i
         self._samples = samples
         self._token: contextvars.Token[int | None] | None = None
@@ -246,15 +318,28 @@ class step:
                     _logger.exception("step-end listener %r failed", listener)
 
 
-def steps(iterable: Iterable[_T], start: int = 0) -> Iterator[_T]:
+def steps(iterable: Iterable[_T], start: int | None = None) -> Iterator[_T]:
     """Iterate `iterable`, running the body of each iteration inside `step(start + k)`.
+
+    Without `start`, the steps continue after the latest step entered (0 for the first), like `step()`:
+    an epoch loop ``for epoch in ...: for batch in ot.steps(loader)`` never goes back to step 0.
+
+    Raises:
+        ValueError: before `init()`, `start` is not a step (see `coerce_step`); after it, such a start is
+            warned about once, counted, and the steps continue after the latest.
 
     Example:
         >>> import otel_train as ot
         >>> [ot.current_step() for _ in ot.steps("ab", start=3)]
         [3, 4]
+        >>> with ot.step(9):
+        ...     pass
+        >>> [ot.current_step() for _ in ot.steps("ab")]
+        [10, 11]
     """
-    i = start
+    i = None if start is None else _coerce_or_none(start, "otel_train.steps(start=)")
+    if i is None:
+        i = 0 if _state.latest is None else _state.latest + 1
     for item in iterable:
         with step(i):
             yield item

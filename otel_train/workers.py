@@ -34,6 +34,7 @@ from typing import Any
 from otel_train._internal.values import to_float, valid_name
 from otel_train.exporters.base import Window
 from otel_train.records import MetricRow, RunInfo, SpanRow
+from otel_train.step import coerce_step
 
 __all__ = ["WorkerClient", "WorkerListener", "client_from_env"]
 
@@ -43,6 +44,16 @@ _SEND_EVERY_S = 0.2
 _CONNECT_TIMEOUT_S = 2.0
 _SEND_TIMEOUT_S = 5.0  # a stalled exporter process: give up and drop, never block the worker's exit for long
 _MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropped (counted)
+
+
+_warned_step = False
+
+
+def _warn_step_once(err: ValueError) -> None:
+    global _warned_step
+    if not _warned_step:
+        _warned_step = True
+        _logger.warning("%s (warned once; such values are not written)", err)
 
 
 def _send(sock: socket.socket, obj: Any) -> None:
@@ -227,7 +238,14 @@ class WorkerClient:
         if not self._usable():
             return
         t = time.time_ns()
-        s = -1 if step is None else int(step)  # -1: the exporter process stamps the run's latest step
+        s = -1  # -1: the exporter process stamps the run's latest step
+        if step is not None:
+            try:
+                s = coerce_step(step, "otel_train.log(step=) in a child process")
+            except ValueError as err:  # never raised into the child's loop: warned once, its values go nowhere
+                self.dropped += len(mapping)
+                _warn_step_once(err)
+                return
         points = []
         for key, value in mapping.items():
             v = to_float(value)  # the same rules as `ot.log` in the training process
