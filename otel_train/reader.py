@@ -330,6 +330,7 @@ class StepAlignedMetricReader(MetricReader):
         self._steps_since = 0
         self._sdk_recorded = True  # stays True unless the SDK's measurements are watched
         self._sdk_watched = False
+        self._sdk_storage: Any = None  # the SDK's storage of this reader (emptied in a forked child)
         self._collector_ident = 0
         self._next_wake_s = 0.0
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
@@ -425,19 +426,29 @@ class StepAlignedMetricReader(MetricReader):
         self._watch_sdk_measurements(meter_provider)
 
     def _watch_sdk_measurements(self, meter_provider: Any) -> None:
-        """Flag SDK measurements recorded off the collector thread, so that the step they were recorded
-        in ends with a collection. Reaches into the SDK's measurement storage; where that is not
-        found, every `export_every`-th step end collects, as if something were always recorded."""
+        """Stamp every SDK measurement recorded without `train.step` with the step it is recorded in, and flag
+        measurements recorded off the collector thread, so that a step with one ends with a collection (keeping
+        the per-step attribute sets within the cardinality limit). Reaches into the SDK's measurement storage;
+        where that is not found, points get the step that ends their window, and every `export_every`-th step
+        end collects, as if something were always recorded."""
         storages = getattr(getattr(meter_provider, "_measurement_consumer", None), "_reader_storages", None)
         storage: Any = storages.get(self) if isinstance(storages, dict) else None
         consume = getattr(storage, "consume_measurement", None)
         if storage is None or consume is None:
             return
+        self._sdk_storage = storage
 
-        def consume_measurement(*args: Any, **kwargs: Any) -> None:
-            if threading.get_ident() != self._collector_ident:  # observable callbacks run in collection
+        def consume_measurement(measurement: Any, *args: Any, **kwargs: Any) -> None:
+            # Observable callbacks run in the collection (collector thread): those points get the step that
+            # ends the window (`_stamp`). DELTA temporality frees each per-step attribute set at collection.
+            if threading.get_ident() != self._collector_ident:
                 self._sdk_recorded = True
-            consume(*args, **kwargs)
+                attrs = measurement.attributes
+                if not attrs or STEP_ATTRIBUTE not in attrs:
+                    step = current_step()
+                    if step is not None:
+                        measurement = _with_step(measurement, step)
+            consume(measurement, *args, **kwargs)
 
         storage.consume_measurement = consume_measurement
         self._sdk_watched = True
@@ -675,8 +686,19 @@ def _has_points(md: MetricsData | None) -> bool:
     return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
 
 
+def _with_step(measurement: Any, step: int) -> Any:
+    """A copy of an SDK `Measurement` with `train.step` added to its attributes. The frozen dataclass is copied
+    field by field, not rebuilt: its `__post_init__` would clean the attributes again, which they already are."""
+    stamped = object.__new__(type(measurement))
+    fields = stamped.__dict__
+    fields.update(measurement.__dict__)
+    attrs = measurement.attributes
+    fields["attributes"] = {**attrs, STEP_ATTRIBUTE: step} if attrs else {STEP_ATTRIBUTE: step}
+    return stamped
+
+
 def _stamp(metric: Metric, step: int) -> Metric:
-    """Give every point without `train.step` the step that ended the window."""
+    """Give every point without `train.step` (observable instruments' points) the step that ended the window."""
     data: Any = metric.data  # a union of point containers, each with `data_points`
     points = getattr(data, "data_points", None)
     if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):
