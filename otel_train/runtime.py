@@ -227,13 +227,10 @@ class Session:
         return built
 
     def _install_globals(self) -> None:
-        from opentelemetry import metrics, trace
+        from otel_train._internal import global_providers
 
-        # The OTel API allows setting each global once per process; later sessions keep their own.
-        if type(metrics.get_meter_provider()).__name__.startswith(("_Proxy", "NoOp")):
-            metrics.set_meter_provider(self.meter_provider)
-        if type(trace.get_tracer_provider()).__name__.startswith(("Proxy", "NoOp")):
-            trace.set_tracer_provider(self.tracer_provider)
+        # OTel's globals are set once per process: ours are set once and follow each session (`point_to`).
+        global_providers.install(self.meter_provider, self.tracer_provider)
 
     # -- hot path ---------------------------------------------------------------------------
     def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
@@ -316,6 +313,9 @@ class Session:
             if self.sampler is not None:
                 self.sampler.stop()  # its last step goes out with the final flush
             self.reader.shutdown(timeout_s * 1000)
+            from otel_train._internal import global_providers
+
+            global_providers.release(self.meter_provider, self.tracer_provider)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
