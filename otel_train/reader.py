@@ -342,6 +342,8 @@ class StepAlignedMetricReader(MetricReader):
         self.windows = 0
         self.points = 0
         self._phases = PhaseTimer() if phases and export_metrics else None
+        #: Whether a forked child keeps exporting (its own data only) or exports nothing (a session's child).
+        self.export_in_forked_child = True
         self._start_collector()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -357,10 +359,33 @@ class StepAlignedMetricReader(MetricReader):
     def _after_fork(self) -> None:
         if self._shutdown:
             return
+        # A forked child never exports its parent's rows: what the parent had recorded and not yet exported
+        # (buffers, the SDK's aggregations; the export queues restart empty) stays the parent's.
+        self.log_buffer.drain()
+        self.span_buffer.drain()
+        self._empty_sdk_storage()
         self._collect_lock = threading.Lock()
+        if not self.export_in_forked_child:  # a session's child (closed there): it exports nothing
+            self._shutdown = self._stop = True
+            return
         self._start_collector()
         for w in self._workers:
             w.restart_after_fork()
+
+    def _empty_sdk_storage(self) -> None:
+        """Drop the SDK's pending aggregations of this reader, in a forked child (one thread: no lock is
+        taken; locks a parent's thread held at the fork are replaced, as the child would wait on them forever)."""
+        storage = self._sdk_storage
+        if storage is None:
+            return
+        try:
+            storage._lock = threading.RLock()
+            for matches in storage._instrument_view_instrument_matches.values():
+                for match in matches:
+                    match._lock = threading.Lock()
+                    match._attributes_aggregation = {}
+        except AttributeError:  # another SDK version: its layout is unknown, keep what it has
+            _logger.debug("cannot empty the SDK's storage after fork", exc_info=True)
 
     def _collector_loop(self) -> None:
         self._collector_ident = threading.get_ident()

@@ -178,6 +178,7 @@ class Session:
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_hook = self.reader.step_end_hook()
         set_step_end_hook(self._step_hook)
+        self.reader.export_in_forked_child = False  # a forked child logs through `workers`, never through these
         self.forked = False
         self.worker: Any = None
         self._worker_address = self.export_process.worker_address if self.export_process is not None else None
@@ -198,6 +199,9 @@ class Session:
             self.worker = self._worker_class(self._worker_address)
         self._closed = True
         self.forked = True
+        if step_end_hook() is self._step_hook:  # the reader exports nothing here: nothing to buffer for it
+            set_step_end_hook(None)
+        self._lock = threading.Lock()
 
     def export_progress(self, timeout_s: float = 5.0) -> Any:
         """The exporter process's progress (`otel_train.delivery.Progress`: windows spooled, per backend
