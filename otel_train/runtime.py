@@ -462,6 +462,22 @@ def _at_exit() -> None:
     _shutdown_active()
 
 
+def _before_exit_hooks() -> None:
+    """At interpreter exit, before any `atexit` hook (`threading._register_atexit`): a backend client running in
+    this process registers its own `atexit` teardown when it starts, after ours, so it would run first (atexit
+    is last in, first out) and lose what is still to be written (W&B's service teardown). While a thread of the
+    user's still runs (the interpreter waits for it next), only flush: the `atexit` hook shuts down after it."""
+    try:
+        others = [t for t in threading.enumerate()
+                  if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+        if others:
+            _flush_active()
+        else:
+            _at_exit()
+    except Exception:  # never let the exit fail because of us
+        _logger.warning("otel-train: hand-off at exit failed", exc_info=True)
+
+
 def _record_truncated(scopes: list[Any]) -> None:
     """Record the scopes still open as spans ended now, flagged `otel_train.truncated` (a scope is
     its own span record: it is ended here as its exit would end it)."""
@@ -541,6 +557,12 @@ def _install_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(_at_exit)
+    register_early = getattr(threading, "_register_atexit", None)  # CPython >= 3.9: before every atexit hook
+    if register_early is not None:
+        try:
+            register_early(_before_exit_hooks)
+        except RuntimeError:  # the interpreter is already shutting down
+            pass
     if threading.current_thread() is not threading.main_thread():
         _logger.debug("init() outside the main thread: no signal handlers installed")
         return
