@@ -54,7 +54,7 @@ def _round(variant: str, hook: Any, session: Any, steps: int, first: int, counte
     session.reader._sdk_storage.consume_measurement = hook
     clock = time.perf_counter_ns
     spent = 0
-    for k in ot.steps(range(first, first + steps)):
+    for k in ot.steps(range(first, first + steps), start=first):
         attrs = {"train.step": k} if variant == "explicit" else None
         t0 = clock()
         for _ in range(RECORDS):
