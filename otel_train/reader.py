@@ -367,6 +367,8 @@ class StepAlignedMetricReader(MetricReader):
         self._collect_lock = threading.Lock()
         if not self.export_in_forked_child:  # a session's child (closed there): it exports nothing
             self._shutdown = self._stop = True
+            if self._sdk_storage is not None:  # nor keeps what raw OTel instruments record there
+                self._sdk_storage.consume_measurement = _discard
             return
         self._start_collector()
         for w in self._workers:
@@ -709,6 +711,10 @@ def _wants_spans(exporter: Any) -> bool:
 
 def _has_points(md: MetricsData | None) -> bool:
     return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
+
+
+def _discard(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _with_step(measurement: Any, step: int) -> Any:
