@@ -104,26 +104,39 @@ _IN_FLUSH = textwrap.dedent("""
 
     ot.init(exporters=["jsonl", Slow()], dir=sys.argv[1], run_id="f", run_name="f", export_every=1000,
             export_interval_s=3600)
-    for s in range(1000):
-        with ot.step(s):
-            ot.log({"loss": 1.0 / (s + 1), "acc": s * 0.5})
-            if s == 10:
-                threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGTERM)).start()
-                ot.flush()
+    try:
+        for s in range(1000):
+            with ot.step(s):
+                ot.log({"loss": 1.0 / (s + 1), "acc": s * 0.5})
+                if s == 10:
+                    threading.Timer(0.1, os.kill, (os.getpid(), getattr(signal, sys.argv[3]))).start()
+                    ot.flush()
+    except KeyboardInterrupt as err:  # SIGINT: raised in the loop's own line, or inside `flush()`?
+        tb, names = err.__traceback__, []
+        while tb is not None:
+            names.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        print("raised through", " > ".join(names), flush=True)
+        sys.exit(130)
 """)
 
 
-@pytest.mark.parametrize("write_s", [0.5, 2.5])
-def test_a_signal_inside_otel_trains_own_waiting_is_handled_once_the_loop_leaves_it(tmp_path: Path,
+@pytest.mark.parametrize(("sig", "write_s"), [("SIGTERM", 0.5), ("SIGTERM", 2.5), ("SIGINT", 0.5)])
+def test_a_signal_inside_otel_trains_own_waiting_is_handled_once_the_loop_leaves_it(tmp_path: Path, sig: str,
                                                                                    write_s: float) -> None:
     """SIGTERM while the loop waits inside `ot.flush()` (threading's and otel-train's code, which may hold a lock
     the hand-off needs): it is acted on at the loop's next line of its own code, as the default action would; when
     the loop stays inside longer than 1 s (a 2.5 s backend write), the hand-off runs without it and the process
-    then ends by the signal all the same."""
-    proc = subprocess.run([sys.executable, "-c", _IN_FLUSH, str(tmp_path), str(write_s)], capture_output=True,
-                          text=True,
-                          timeout=120, check=False, env={**os.environ, "OTEL_TRAIN_EXPORT_PROCESS": "off"})
-    assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
+    then ends by the signal all the same. SIGINT's `KeyboardInterrupt` is raised in the loop's own line."""
+    proc = subprocess.run([sys.executable, "-c", _IN_FLUSH, str(tmp_path), str(write_s), sig], capture_output=True,
+                          text=True, timeout=120, check=False, env={**os.environ, "OTEL_TRAIN_EXPORT_PROCESS": "off"})
+    if sig == "SIGINT":
+        # raised from the trace hook on the loop's line (`local`), not from inside `flush()`'s wait
+        assert proc.returncode == 130, proc.stderr[-3000:]
+        assert proc.stdout.startswith("raised through <module> > local > "), proc.stdout
+        assert "flush" not in proc.stdout and "wait" not in proc.stdout, proc.stdout
+    else:
+        assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     from faultkit import jsonl_points
 
