@@ -331,6 +331,7 @@ class StepAlignedMetricReader(MetricReader):
         self._sdk_recorded = True  # stays True unless the SDK's measurements are watched
         self._sdk_watched = False
         self._sdk_storage: Any = None  # the SDK's storage of this reader (emptied in a forked child)
+        self._stamped_steps = 0  # distinct steps raw OTel points were stamped with since the last collection
         self._collector_ident = 0
         self._next_wake_s = 0.0
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
@@ -465,6 +466,12 @@ class StepAlignedMetricReader(MetricReader):
             return
         self._sdk_storage = storage
 
+        # Each stamped step is one more attribute set per series until the next collection: past half the
+        # cardinality limit in steps (a collector starved that long), points take the window's step instead of
+        # overflowing the SDK's limit (warned once).
+        max_steps = (_SERIES_PER_STEP * self.export_every) // 2
+        last: list[int | None] = [None]  # the step stamped last
+
         def consume_measurement(measurement: Any, *args: Any, **kwargs: Any) -> None:
             # Observable callbacks run in the collection (collector thread): those points get the step that
             # ends the window (`_stamp`). DELTA temporality frees each per-step attribute set at collection.
@@ -474,7 +481,15 @@ class StepAlignedMetricReader(MetricReader):
                 if not attrs or STEP_ATTRIBUTE not in attrs:
                     step = current_step()
                     if step is not None:
-                        measurement = _with_step(measurement, step)
+                        if step != last[0]:
+                            last[0] = step
+                            self._stamped_steps += 1
+                        if self._stamped_steps <= max_steps:
+                            measurement = _with_step(measurement, step)
+                        else:
+                            self._log.warning("stamp", "the collector fell %d steps behind: raw OTel points without "
+                                              "`train.step` take the step that ends their window until it catches "
+                                              "up (warned once)", max_steps)
             consume(measurement, *args, **kwargs)
 
         storage.consume_measurement = consume_measurement
@@ -485,6 +500,7 @@ class StepAlignedMetricReader(MetricReader):
         with self._collect_lock:
             if self._sdk_watched:  # before collecting: what is recorded from here on wakes the next step end
                 self._sdk_recorded = False
+                self._stamped_steps = 0
             try:
                 # The SDK's collect callback directly: `collect()` skips `_receive_metrics` when the
                 # SDK has no instruments, but the `ot.log` / span buffers still need draining.

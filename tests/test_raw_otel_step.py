@@ -90,3 +90,23 @@ def test_an_explicit_step_attribute_is_kept(run_dir: Path) -> None:
     assert ot.flush(timeout_s=30)
     got: list[tuple[Any, ...]] = [(r.tag, r.step, r.value) for r in mem.metrics if r.name == "eval/acc"]
     assert sorted(got) == [("eval/acc", 3, 0.5), ("eval/acc{split=val}", 7, 0.75)]
+
+
+def test_a_starved_collector_never_overflows_the_sdks_limit() -> None:
+    """Past half the cardinality limit in uncollected steps, points take the window's step instead of creating
+    more per-step attribute sets (the SDK would fold them into an `otel.metric.overflow` series)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from otel_train.reader import StepAlignedMetricReader
+
+    mem = InMemoryRowExporter()
+    reader = StepAlignedMetricReader([mem], export_every=1, export_interval_s=3600)
+    provider = MeterProvider(metric_readers=[reader])
+    counter = provider.get_meter("t").create_counter("c")
+    for k in range(1005):  # nothing collects meanwhile: no session, no interval
+        with ot.step(k):
+            counter.add(1)
+    assert reader.force_flush()
+    got = [(r.tag, r.step, r.value) for r in mem.metrics if r.name == "c"]
+    assert got == [("c", k, float(k + 1)) for k in range(1000)] + [("c", 1004, 1005.0)]
+    provider.shutdown()
