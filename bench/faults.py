@@ -39,9 +39,14 @@ def signals(reps: int) -> None:
         before = sum(r["reported_at_signal"] + 1 for r in results)
         landed = sum(min(len({p[1] for p in r["jsonl"]}), r["reported_at_signal"] + 1) for r in results)
         landed_tb = sum(min(len({p[1] for p in r["tb"]}), r["reported_at_signal"] + 1) for r in results)
+        # Steps the loop finished after the parent saw step `reported_at_signal` and signalled (pipe latency only,
+        # when the loop stops at the signal), and of all steps it finished, those that did not land.
+        ran_on = sum(r["last_reported"] - r["reported_at_signal"] for r in results)
+        lost = sum(max(0, r["last_reported"] + 1 - len({p[1] for p in r["jsonl"]})) for r in results)
         print(f"{sig}: {reps} reps, exit after signal median {statistics.median(exits) * 1000:.0f} ms, "
               f"max {max(exits) * 1000:.0f} ms; steps logged before the signal that landed: "
-              f"JSONL {100 * landed / before:.1f} %, TensorBoard {100 * landed_tb / before:.1f} % ({before} steps)")
+              f"JSONL {100 * landed / before:.1f} %, TensorBoard {100 * landed_tb / before:.1f} % ({before} steps); "
+              f"steps finished after it: {ran_on}, finished steps missing from JSONL: {lost}")
 
 
 def kill9(reps: int) -> None:

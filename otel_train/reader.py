@@ -330,6 +330,8 @@ class StepAlignedMetricReader(MetricReader):
         self._steps_since = 0
         self._sdk_recorded = True  # stays True unless the SDK's measurements are watched
         self._sdk_watched = False
+        self._sdk_storage: Any = None  # the SDK's storage of this reader (emptied in a forked child)
+        self._stamped_steps = 0  # distinct steps raw OTel points were stamped with since the last collection
         self._collector_ident = 0
         self._next_wake_s = 0.0
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
@@ -341,6 +343,8 @@ class StepAlignedMetricReader(MetricReader):
         self.windows = 0
         self.points = 0
         self._phases = PhaseTimer() if phases and export_metrics else None
+        #: Whether a forked child keeps exporting (its own data only) or exports nothing (a session's child).
+        self.export_in_forked_child = True
         self._start_collector()
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
@@ -356,10 +360,35 @@ class StepAlignedMetricReader(MetricReader):
     def _after_fork(self) -> None:
         if self._shutdown:
             return
+        # A forked child never exports its parent's rows: what the parent had recorded and not yet exported
+        # (buffers, the SDK's aggregations; the export queues restart empty) stays the parent's.
+        self.log_buffer.drain()
+        self.span_buffer.drain()
+        self._empty_sdk_storage()
         self._collect_lock = threading.Lock()
+        if not self.export_in_forked_child:  # a session's child (closed there): it exports nothing
+            self._shutdown = self._stop = True
+            if self._sdk_storage is not None:  # nor keeps what raw OTel instruments record there
+                self._sdk_storage.consume_measurement = _discard
+            return
         self._start_collector()
         for w in self._workers:
             w.restart_after_fork()
+
+    def _empty_sdk_storage(self) -> None:
+        """Drop the SDK's pending aggregations of this reader, in a forked child (one thread: no lock is
+        taken; locks a parent's thread held at the fork are replaced, as the child would wait on them forever)."""
+        storage = self._sdk_storage
+        if storage is None:
+            return
+        try:
+            storage._lock = threading.RLock()
+            for matches in storage._instrument_view_instrument_matches.values():
+                for match in matches:
+                    match._lock = threading.Lock()
+                    match._attributes_aggregation = {}
+        except AttributeError:  # another SDK version: its layout is unknown, keep what it has
+            _logger.debug("cannot empty the SDK's storage after fork", exc_info=True)
 
     def _collector_loop(self) -> None:
         self._collector_ident = threading.get_ident()
@@ -425,19 +454,43 @@ class StepAlignedMetricReader(MetricReader):
         self._watch_sdk_measurements(meter_provider)
 
     def _watch_sdk_measurements(self, meter_provider: Any) -> None:
-        """Flag SDK measurements recorded off the collector thread, so that the step they were recorded
-        in ends with a collection. Reaches into the SDK's measurement storage; where that is not
-        found, every `export_every`-th step end collects, as if something were always recorded."""
+        """Stamp every SDK measurement recorded without `train.step` with the step it is recorded in, and flag
+        measurements recorded off the collector thread, so that a step with one ends with a collection (keeping
+        the per-step attribute sets within the cardinality limit). Reaches into the SDK's measurement storage;
+        where that is not found, points get the step that ends their window, and every `export_every`-th step
+        end collects, as if something were always recorded."""
         storages = getattr(getattr(meter_provider, "_measurement_consumer", None), "_reader_storages", None)
         storage: Any = storages.get(self) if isinstance(storages, dict) else None
         consume = getattr(storage, "consume_measurement", None)
         if storage is None or consume is None:
             return
+        self._sdk_storage = storage
 
-        def consume_measurement(*args: Any, **kwargs: Any) -> None:
-            if threading.get_ident() != self._collector_ident:  # observable callbacks run in collection
+        # Each stamped step is one more attribute set per series until the next collection: past half the
+        # cardinality limit in steps (a collector starved that long), points take the window's step instead of
+        # overflowing the SDK's limit (warned once).
+        max_steps = (_SERIES_PER_STEP * self.export_every) // 2
+        last: list[int | None] = [None]  # the step stamped last
+
+        def consume_measurement(measurement: Any, *args: Any, **kwargs: Any) -> None:
+            # Observable callbacks run in the collection (collector thread): those points get the step that
+            # ends the window (`_stamp`). DELTA temporality frees each per-step attribute set at collection.
+            if threading.get_ident() != self._collector_ident:
                 self._sdk_recorded = True
-            consume(*args, **kwargs)
+                attrs = measurement.attributes
+                if not attrs or STEP_ATTRIBUTE not in attrs:
+                    step = current_step()
+                    if step is not None:
+                        if step != last[0]:
+                            last[0] = step
+                            self._stamped_steps += 1
+                        if self._stamped_steps <= max_steps:
+                            measurement = _with_step(measurement, step)
+                        else:
+                            self._log.warning("stamp", "the collector fell %d steps behind: raw OTel points without "
+                                              "`train.step` take the step that ends their window until it catches "
+                                              "up (warned once)", max_steps)
+            consume(measurement, *args, **kwargs)
 
         storage.consume_measurement = consume_measurement
         self._sdk_watched = True
@@ -447,6 +500,7 @@ class StepAlignedMetricReader(MetricReader):
         with self._collect_lock:
             if self._sdk_watched:  # before collecting: what is recorded from here on wakes the next step end
                 self._sdk_recorded = False
+                self._stamped_steps = 0
             try:
                 # The SDK's collect callback directly: `collect()` skips `_receive_metrics` when the
                 # SDK has no instruments, but the `ot.log` / span buffers still need draining.
@@ -675,8 +729,23 @@ def _has_points(md: MetricsData | None) -> bool:
     return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
 
 
+def _discard(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _with_step(measurement: Any, step: int) -> Any:
+    """A copy of an SDK `Measurement` with `train.step` added to its attributes. The frozen dataclass is copied
+    field by field, not rebuilt: its `__post_init__` would clean the attributes again, which they already are."""
+    stamped = object.__new__(type(measurement))
+    fields = stamped.__dict__
+    fields.update(measurement.__dict__)
+    attrs = measurement.attributes
+    fields["attributes"] = {**attrs, STEP_ATTRIBUTE: step} if attrs else {STEP_ATTRIBUTE: step}
+    return stamped
+
+
 def _stamp(metric: Metric, step: int) -> Metric:
-    """Give every point without `train.step` the step that ended the window."""
+    """Give every point without `train.step` (observable instruments' points) the step that ended the window."""
     data: Any = metric.data  # a union of point containers, each with `data_points`
     points = getattr(data, "data_points", None)
     if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):

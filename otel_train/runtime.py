@@ -184,6 +184,7 @@ class Session:
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_hook = self.reader.step_end_hook()
         set_step_end_hook(self._step_hook)
+        self.reader.export_in_forked_child = False  # a forked child logs through `workers`, never through these
         self.forked = False
         self.worker: Any = None
         self._worker_address = self.export_process.worker_address if self.export_process is not None else None
@@ -204,6 +205,9 @@ class Session:
             self.worker = self._worker_class(self._worker_address)
         self._closed = True
         self.forked = True
+        if step_end_hook() is self._step_hook:  # the reader exports nothing here: nothing to buffer for it
+            set_step_end_hook(None)
+        self._lock = threading.Lock()
 
     def export_progress(self, timeout_s: float = 5.0) -> Any:
         """The exporter process's progress (`otel_train.delivery.Progress`: windows spooled, per backend
@@ -233,13 +237,10 @@ class Session:
         return built
 
     def _install_globals(self) -> None:
-        from opentelemetry import metrics, trace
+        from otel_train._internal import global_providers
 
-        # The OTel API allows setting each global once per process; later sessions keep their own.
-        if type(metrics.get_meter_provider()).__name__.startswith(("_Proxy", "NoOp")):
-            metrics.set_meter_provider(self.meter_provider)
-        if type(trace.get_tracer_provider()).__name__.startswith(("Proxy", "NoOp")):
-            trace.set_tracer_provider(self.tracer_provider)
+        # OTel's globals are set once per process: ours are set once and follow each session (`point_to`).
+        global_providers.install(self.meter_provider, self.tracer_provider)
 
     # -- hot path ---------------------------------------------------------------------------
     def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
@@ -339,6 +340,9 @@ class Session:
             if self.sampler is not None:
                 self.sampler.stop()  # its last step goes out with the final flush
             self.reader.shutdown(timeout_s * 1000)
+            from otel_train._internal import global_providers
+
+            global_providers.release(self.meter_provider, self.tracer_provider)
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
@@ -481,6 +485,22 @@ def _at_exit() -> None:
     _shutdown_active()
 
 
+def _before_exit_hooks() -> None:
+    """At interpreter exit, before any `atexit` hook (`threading._register_atexit`): a backend client running in
+    this process registers its own `atexit` teardown when it starts, after ours, so it would run first (atexit
+    is last in, first out) and lose what is still to be written (W&B's service teardown). While a thread of the
+    user's still runs (the interpreter waits for it next), only flush: the `atexit` hook shuts down after it."""
+    try:
+        others = [t for t in threading.enumerate()
+                  if t is not threading.current_thread() and not t.daemon and t.is_alive()]
+        if others:
+            _flush_active()
+        else:
+            _at_exit()
+    except Exception:  # never let the exit fail because of us
+        _logger.warning("otel-train: hand-off at exit failed", exc_info=True)
+
+
 def _record_truncated(scopes: list[Any]) -> None:
     """Record the scopes still open as spans ended now, flagged `otel_train.truncated` (a scope is
     its own span record: it is ended here as its exit would end it)."""
@@ -498,13 +518,25 @@ def _record_truncated(scopes: list[Any]) -> None:
         session.span_buffer.append(scope)
 
 
+#: How long a signal that interrupted otel-train's own (or OTel's, `threading`'s, `logging`'s) code waits for the
+#: loop to reach the next line of its own code; past it, the hand-off runs without holding the loop.
+_SAFE_POINT_WAIT_S = 1.0
+#: Set once a signal has been acted on from a safe point (the watchdog stands down).
+_handled = threading.Event()
+_deferred: set[int] = set()  # signals waiting for the loop's next line
+
+
 def _end_process(signum: int, scopes: list[Any]) -> None:
+    """Hand off (open spans recorded as truncated, every session shut down) and end the process by `signum`,
+    whose disposition is the default again: same exit status as without us."""
     try:
         _record_truncated(scopes)
         _shutdown_active()
     except Exception:
         _logger.warning("otel-train: hand-off on signal %d failed", signum, exc_info=True)
-    os.kill(os.getpid(), signum)  # the default action, now restored: same exit status as without us
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)  # the signal is blocked in this thread (e.g. by the user's `pthread_sigmask`): end anyway
+    os._exit(128 + signum)
 
 
 def _flush_active() -> None:
@@ -514,42 +546,131 @@ def _flush_active() -> None:
 
 
 _LOCKING_CODE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(threading.__file__) + os.sep + "threading",
-                 os.sep + "opentelemetry" + os.sep)
+                 os.path.dirname(logging.__file__) + os.sep)
 
 
 def _interrupted_locking_code(frame: Any) -> bool:
-    """Whether the signal interrupted our own code, OTel's or `threading` (which may hold a lock the
-    flush needs, e.g. inside the reader's wake-up `Event.set`), rather than the user's."""
+    """Whether the signal interrupted our own code, OTel's, `threading`'s, `logging`'s or an import (which may hold
+    a lock the hand-off needs, e.g. inside the reader's wake-up `Event.set`), rather than the user's."""
     code_file = getattr(getattr(frame, "f_code", None), "co_filename", "")
-    return code_file.startswith(_LOCKING_CODE[:2]) or _LOCKING_CODE[2] in code_file
+    return (code_file.startswith(_LOCKING_CODE) or os.sep + "opentelemetry" + os.sep in code_file
+            or code_file.startswith("<frozen importlib"))
+
+
+def _defer_to_next_line(signum: int, frame: Any) -> None:
+    """The signal interrupted locking code: act on it at the next line the main thread runs in the nearest caller
+    that is not (the user's loop), through that frame's trace hook; the loop runs no line of its own before. A
+    watchdog hands off without the loop if it does not get there within `_SAFE_POINT_WAIT_S` (say, it waits in a
+    long `flush()`), then lets the next delivery act at once."""
+    if signum in _deferred:
+        return
+    user = frame
+    while user is not None and _interrupted_locking_code(user):
+        user = user.f_back
+    _deferred.add(signum)
+    _handled.clear()
+    if user is not None:
+        _trace_next_line(user, lambda: _on_signal(signum, user))
+    main = threading.main_thread().ident
+
+    def watchdog() -> None:
+        if _handled.wait(_SAFE_POINT_WAIT_S):
+            return
+        ends = _previous_handlers.get(signum, signal.SIG_DFL) in (signal.SIG_DFL, None)
+        try:
+            _shutdown_active() if ends else _flush_active()
+        except Exception:
+            _logger.warning("otel-train: hand-off on signal %d failed", signum, exc_info=True)
+        _handed_off.add(signum)
+        signal.pthread_kill(main, signum)  # type: ignore[arg-type]
+        if ends and not _handled.wait(1.0):  # the main thread never runs Python again: end the process anyway
+            os._exit(128 + signum)
+
+    threading.Thread(target=watchdog, name="otel-train-signal-watchdog", daemon=True).start()
+
+
+def _trace_next_line(frame: Any, act: Any) -> None:
+    """Call `act` (on the main thread) at the next line or return event of `frame`, through its `f_trace`, chaining
+    a tracer already there (a debugger, coverage) and removing ours once it ran."""
+    previous_global = sys.gettrace()
+    previous_local, previous_lines = frame.f_trace, frame.f_trace_lines
+
+    def local(f: Any, event: Any, arg: Any) -> Any:
+        if f is frame and event in ("line", "return"):
+            f.f_trace, f.f_trace_lines = previous_local, previous_lines
+            if sys.gettrace() is untraced:
+                sys.settrace(previous_global)
+            act()
+        return previous_local(f, event, arg) if previous_local is not None else None
+
+    def untraced(f: Any, event: Any, arg: Any) -> Any:  # tracing on for this thread; new frames are not traced
+        return None
+
+    frame.f_trace_lines = True
+    frame.f_trace = local
+    if previous_global is None:
+        sys.settrace(untraced)
+
+
+#: Signals whose hand-off the watchdog has done: the next delivery acts at once, wherever the loop is.
+_handed_off: set[int] = set()
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    """Hand off on a signal. The work runs on a thread of its own: a signal handler runs inside
-    whatever the training thread was doing, possibly holding a lock that flushing needs."""
+    """Hand off on a signal, then behave as the handler before ours would (or the default action).
+
+    The hand-off runs on a thread of its own while the main thread (the training loop) waits in this handler,
+    at most `OTEL_TRAIN_SHUTDOWN_TIMEOUT_S`: no step starts after the signal, and nothing of the loop runs
+    while the hand-off collects. A handler runs inside whatever the loop was doing: when that is code that may
+    hold a lock the hand-off needs (ours, OTel's, `threading`'s), it acts at the loop's next line instead.
+    """
     global _handoff, _preempted_by
     name = signal.Signals(signum).name
     if name in _PREEMPTION_SIGNALS and _preempted_by is None:
         _preempted_by = name
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
     # Called by a handler installed after ours that chains to it (Lightning composes handlers this way):
-    # that handler decides whether the process ends, so we only flush.
-    chained = signal.getsignal(signum) is not _on_signal
-    if previous in (signal.SIG_DFL, None) and not chained:
-        # The default action ends the process: flush and close everything (open spans recorded as
-        # truncated), then end it by the same signal. A second signal meanwhile ends it at once.
+    # that handler decides whether the process ends, so we only flush (never delivering it again: the
+    # framework's handler would run twice).
+    if signal.getsignal(signum) is not _on_signal:
+        budget_s = _shutdown_budget_s()
+        _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
+        _handoff.start()
+        if not _interrupted_locking_code(frame):  # else the flush would wait for the locks the loop holds
+            _handoff.join(budget_s)
+        return
+    if signum in _handed_off:  # the loop never left locking code: the hand-off ran, act now
+        _handed_off.discard(signum)
+        _deferred.discard(signum)
+        _handled.set()
+        if previous in (signal.SIG_DFL, None):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        elif callable(previous) and previous is not _on_signal:
+            previous(signum, frame)
+        return
+    if _interrupted_locking_code(frame):
+        _defer_to_next_line(signum, frame)
+        return
+    _deferred.discard(signum)
+    _handled.set()
+    if previous in (signal.SIG_DFL, None):
+        # The default action ends the process: a second signal meanwhile ends it at once. Open spans are
+        # recorded as truncated; the process ends by the same signal, from this handler: no step runs after it.
         signal.signal(signum, signal.SIG_DFL)
+        budget_s = _shutdown_budget_s()  # before the hand-off closes the sessions it is computed from
         _handoff = threading.Thread(target=_end_process, args=(signum, open_span_scopes()), name="otel-train-signal",
                                     daemon=True)
         _handoff.start()
+        _handoff.join(budget_s + 1.0)
+        os.kill(os.getpid(), signum)  # the hand-off overran its deadline: end now
         return
-    # A handler of the user's or a framework's (Lightning's SLURM requeue, a checkpoint hook) runs next and
-    # decides whether the process ends: flush first, waiting at most the deadline (should the interrupted
-    # code hold a lock the flush needs, the wait ends at the deadline, never later).
+    # A handler of the user's (a SLURM requeue handler, a checkpoint hook) or SIGINT's `KeyboardInterrupt`
+    # runs next and decides whether the process ends: flush first, waiting at most the deadline.
+    budget_s = _shutdown_budget_s()
     _handoff = threading.Thread(target=_flush_active, name="otel-train-signal", daemon=True)
     _handoff.start()
-    if not _interrupted_locking_code(frame):  # else the flush waits for the locks the loop holds: go on
-        _handoff.join(_shutdown_budget_s())
+    _handoff.join(budget_s)
     if callable(previous) and previous is not _on_signal:
         previous(signum, frame)
 
@@ -560,6 +681,12 @@ def _install_hooks() -> None:
         return
     _hooks_installed = True
     atexit.register(_at_exit)
+    register_early = getattr(threading, "_register_atexit", None)  # CPython >= 3.9: before every atexit hook
+    if register_early is not None:
+        try:
+            register_early(_before_exit_hooks)
+        except RuntimeError:  # the interpreter is already shutting down
+            pass
     if threading.current_thread() is not threading.main_thread():
         _logger.debug("init() outside the main thread: no signal handlers installed")
         return

@@ -301,3 +301,38 @@ def test_spans_only_on_ranks_that_do_not_export_metrics(run_dir: Path, monkeypat
     ot.flush()
     assert mem.metrics == []
     assert [(s.name, s.run.rank) for s in mem.spans] == [("forward", 1)]
+
+
+def test_forked_child_of_a_plain_reader_exports_only_its_own_points() -> None:
+    """A reader in the user's own MeterProvider keeps working in a forked child (OTel's readers do), but starts
+    empty there: what the parent recorded and had not collected is never exported by the child."""
+    import json
+    import os
+
+    mem = InMemoryRowExporter()
+    buffer = LogBuffer(1000)
+    reader = StepAlignedMetricReader([mem], export_interval_s=3600, log_buffer=buffer)
+    provider = MeterProvider(metric_readers=[reader])
+    gauge = provider.get_meter("t").create_gauge("g")
+    gauge.set(1.0, {"train.step": 1})  # pending in the SDK's aggregation
+    buffer.append(1, {"logged": 1.0})  # pending in the log buffer
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            gauge.set(2.0, {"train.step": 2})
+            reader.force_flush()
+            os.write(w, json.dumps(sorted([m.tag, m.step, m.value] for m in mem.metrics)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        child = json.loads(pipe.read())
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert child == [["g", 2, 2.0]]
+    assert reader.force_flush()
+    assert sorted((m.tag, m.step, m.value) for m in mem.metrics) == [("g", 1, 1.0), ("logged", 1, 1.0)]
+    provider.shutdown()

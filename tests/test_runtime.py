@@ -232,3 +232,49 @@ def test_init_rank_keywords_override_the_launcher_env(tmp_path: Path, monkeypatc
         assert session.export_metrics is False
     finally:
         ot.shutdown()
+
+
+_GLOBALS = textwrap.dedent(
+    """
+    import json, sys
+    from opentelemetry import metrics, trace
+    import otel_train as ot
+    from otel_train.testing import InMemoryRowExporter
+
+    early_meter = metrics.get_meter("lib")  # a library's module-level meter and tracer, taken before init
+    early_tracer = trace.get_tracer("lib")
+    out = {}
+    for n in (1, 2):
+        mem = InMemoryRowExporter()
+        ot.init(exporters=[mem], dir=sys.argv[1], run_id=f"s{n}", export_interval_s=3600)
+        if n == 1:
+            seen = early_meter.create_counter("seen")  # created in session 1, used in both
+        with ot.step(n):
+            seen.add(n)
+            metrics.get_meter("app").create_counter("calls").add(10 * n)
+            with early_tracer.start_as_current_span(f"early{n}"):
+                pass
+            with trace.get_tracer("app").start_as_current_span(f"span{n}"):
+                pass
+        ot.shutdown()
+        out[n] = {"metrics": sorted([r.tag, r.step, r.value] for r in mem.metrics if r.name in ("seen", "calls")),
+                  "spans": sorted([s.name, s.step] for s in mem.spans)}
+    seen.add(100)  # between sessions: goes nowhere, raises nothing
+    print(json.dumps(out))
+    """
+)
+
+
+def test_global_otel_meter_and_tracer_follow_a_new_session(tmp_path: Path) -> None:
+    """`shutdown()` then `init()`: OTel's global meter and tracer, and instruments created in the first session,
+    reach the second session's providers (OTel sets its globals once per process)."""
+    import json
+
+    script = tmp_path / "globals.py"
+    script.write_text(_GLOBALS)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.splitlines()[-1])
+    assert out["1"] == {"metrics": [["calls", 1, 10.0], ["seen", 1, 1.0]], "spans": [["early1", 1], ["span1", 1]]}
+    assert out["2"] == {"metrics": [["calls", 2, 20.0], ["seen", 2, 2.0]], "spans": [["early2", 2], ["span2", 2]]}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from faultkit import SERIES, expected, jsonl_points, jsonl_spans, tb_points, value
 
@@ -66,3 +67,77 @@ def test_fork_in_the_middle_of_a_step(tmp_path: Path) -> None:
     child_spans = [sp for sp in spans if sp["name"] == "child_work"]
     assert sorted(sp["thread_name"] for sp in child_spans) == sorted(f"worker {p} (pid {p})" for p in children.values())
     assert all(sp["step"] is None and sp["attributes"] == {"worker": sp["thread_id"]} for sp in child_spans)
+
+
+def _pending_then_fork(tmp_path: Path, start_child: Any) -> list[tuple[str, int, float]]:
+    """20 steps logged and left uncollected (no window yet), then a child forked: the child collects, records a raw
+    OTel counter and flushes what its reader holds; the parent then logs 5 more steps and shuts down."""
+    from otel_train.exporters.jsonl import JsonlExporter
+    from otel_train.records import ExporterOptions
+
+    obj = JsonlExporter(ExporterOptions(directory=tmp_path / "object"))  # an exporter object passed to init
+    session = ot.init(exporters=["jsonl", obj], dir=tmp_path, run_id="pend", run_name="pend", export_every=10_000,
+                      export_interval_s=3600)
+    counter = ot.get_meter().create_counter("raw")
+    for s in range(20):
+        with ot.step(s):
+            ot.log({tag: value(tag, s) for tag in SERIES})
+            counter.add(1)
+    start_child(session, counter)
+    for s in range(20, 25):
+        with ot.step(s):
+            ot.log({tag: value(tag, s) for tag in SERIES})
+    ot.shutdown()
+    return jsonl_points(tmp_path, "pend") + [(f"object:{t}", s, v) for t, s, v in jsonl_points(tmp_path / "object",
+                                                                                                "pend")]
+
+
+def _in_child(session: Any, counter: Any) -> None:
+    session.reader.force_flush(10_000)  # what its interval or a step end would do later in a long-lived child
+    counter.add(5)
+    session.reader.force_flush(10_000)
+
+
+def _check_parent_rows_once(points: list[tuple[str, int, float]], tmp_path: Path) -> None:
+    ours = [(t, s, v) for t, s, v in points if not t.startswith("object:")]
+    objs = [(t.removeprefix("object:"), s, v) for t, s, v in points if t.startswith("object:")]
+    for landed in (ours, objs):
+        assert sorted(landed) == sorted(expected(range(25))), "a step written twice or missing"
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    raw = [(r["step"], r["value"]) for r in read_jsonl(jsonl_path(tmp_path, "pend", 0)) if r.get("name") == "raw"]
+    assert raw == [(s, float(s + 1)) for s in range(20)]  # the parent's counter, once per step; none of the child's
+
+
+def test_forked_child_never_exports_the_parents_pending_rows(tmp_path: Path, monkeypatch: Any) -> None:
+    """In-process backends (`OTEL_TRAIN_EXPORT_PROCESS=off`) and an exporter object: a child forked while 20
+    steps wait uncollected starts with empty buffers, and exports nothing through the parent's backends."""
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "off")
+
+    def fork(session: Any, counter: Any) -> None:
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                _in_child(session, counter)
+                code = 0
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+    _check_parent_rows_once(_pending_then_fork(tmp_path, fork), tmp_path)
+
+
+def test_multiprocessing_fork_child_never_exports_the_parents_pending_rows(tmp_path: Path, monkeypatch: Any) -> None:
+    import multiprocessing
+
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "off")
+
+    def start(session: Any, counter: Any) -> None:
+        proc = multiprocessing.get_context("fork").Process(target=_in_child, args=(session, counter))
+        proc.start()
+        proc.join(timeout=60)
+        assert proc.exitcode == 0
+
+    _check_parent_rows_once(_pending_then_fork(tmp_path, start), tmp_path)
