@@ -143,13 +143,20 @@ def test_otel_sdk_path_with_counter_totals(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_keys_map_deterministically() -> None:
-    from otel_train.exporters.mlflow import mlflow_key
+    """Keys MLflow accepts stay; others are mapped plus a hash of the key; the attribute suffix is mapped."""
+    from otel_train.exporters.mlflow import mlflow_key, mlflow_name
+    from otel_train.names import key_hash
 
-    assert mlflow_key("a/b{x=1,y=z w}") == "a/b__x-1__y-z w"
-    assert mlflow_key("/odd//name:{k=@}") == "odd/name___k-_"
-    assert mlflow_key("../x") == "__/x"
-    long = mlflow_key("x" * 300)
-    assert len(long) == 250 and long == mlflow_key("x" * 300) != mlflow_key("x" * 301)
+    assert [mlflow_name(k) for k in ("train/loss", "épochs/loss", "a b:c-d.e_f")] == [
+        "train/loss", "épochs/loss", "a b:c-d.e_f"]
+    assert mlflow_name("val/mAP@0.5") == f"val/mAP_0.5_{key_hash('val/mAP@0.5')}"
+    assert mlflow_name("Loss (val)") == f"Loss _val__{key_hash('Loss (val)')}"
+    assert mlflow_name("val/mAP#0.5") != mlflow_name("val/mAP@0.5")  # never one name for two keys
+    assert mlflow_name("../x") == f"__/x_{key_hash('../x')}" and mlflow_name("a//b/") == f"a/b_{key_hash('a//b/')}"
+    assert mlflow_key("a/b", {"x": 1, "y": "z w"}) == "a/b__x-1__y-z w"
+    assert mlflow_key("odd", {"k": "@/.."}) == "odd__k-_/__"
+    long = mlflow_name("x" * 300)
+    assert len(long) == 250 and long == mlflow_name("x" * 300) != mlflow_name("x" * 301)
 
 
 def test_missing_mlflow_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
