@@ -264,9 +264,9 @@ class MLflowExporter(RowExporter):
             uri = self.tracking_uri
             if self._default_store is not None:
                 self._default_store.mkdir(parents=True, exist_ok=True)
-            client = MlflowClient(tracking_uri=uri)
             with _store_lock(uri):  # one process at a time creates / migrates the store and the experiment
-                client.search_experiments(max_results=1)  # opens the store: MLflow creates or migrates it here
+                client = MlflowClient(tracking_uri=uri)  # opens the store: MLflow creates or migrates it here
+                client.search_experiments(max_results=1)  # (and here, in MLflow versions that open it lazily)
                 self._experiment(client)
             self._client = client
         return self._client
