@@ -158,6 +158,7 @@ class MLflowExporter(RowExporter):
         self.preload()
         super().__init__(options)
         self._client: MlflowClient | None = None
+        self._uri = ""
         self._default_store: Path | None = None
         self._experiment_id: str | None = None
         self._runs: dict[str, str] = {}  # train.run.id -> MLflow run id
@@ -261,7 +262,7 @@ class MLflowExporter(RowExporter):
         if self._client is None:
             from mlflow.tracking import MlflowClient
 
-            uri = self.tracking_uri
+            uri = self._uri = self.tracking_uri
             if self._default_store is not None:
                 self._default_store.mkdir(parents=True, exist_ok=True)
             with _store_lock(uri):  # one process at a time creates / migrates the store and the experiment
@@ -308,22 +309,24 @@ class MLflowExporter(RowExporter):
             return mlflow_id
         client = self._get_client()
         experiment_id = self._experiment(client)
-        found = self._find(client, experiment_id, info.run_id)
         params = hparams_for(self.options, info)
-        if found:
-            run = found[0]
-            if run.info.status != "RUNNING":
-                client.update_run(run.info.run_id, status="RUNNING")
-        else:
-            tags = {RUN_ID: info.run_id}
-            if params.get(CONFIG_HASH):
-                tags[CONFIG_HASH] = str(params[CONFIG_HASH])
-            created = client.create_run(experiment_id, run_name=info.run_name, tags=tags)
-            # Another process may have created it at the same moment: everyone keeps the oldest.
+        with _store_lock(self._uri):  # a local store: one process at a time finds or creates the run
             found = self._find(client, experiment_id, info.run_id)
-            run = found[0] if found else created
-            if run.info.run_id != created.info.run_id:
-                client.delete_run(created.info.run_id)
+            if found:
+                run = found[0]
+                if run.info.status != "RUNNING":
+                    client.update_run(run.info.run_id, status="RUNNING")
+            else:
+                tags = {RUN_ID: info.run_id}
+                if params.get(CONFIG_HASH):
+                    tags[CONFIG_HASH] = str(params[CONFIG_HASH])
+                created = client.create_run(experiment_id, run_name=info.run_name, tags=tags)
+                # A store without our lock (a server): another process may have created it at the same
+                # moment; everyone keeps the oldest.
+                found = self._find(client, experiment_id, info.run_id)
+                run = found[0] if found else created
+                if run.info.run_id != created.info.run_id:
+                    client.delete_run(created.info.run_id)
         mlflow_id = str(run.info.run_id)
         self._runs[info.run_id] = mlflow_id
         self._tags[mlflow_id] = dict(run.data.tags)
@@ -381,7 +384,7 @@ def _store_lock(uri: str) -> Iterator[None]:
         import fcntl
     except ImportError:  # Windows: no advisory locks here
         path = ""
-    if not path or path == ":memory:":
+    if not path or path == ":memory:" or not os.path.isdir(os.path.dirname(path) or "."):
         yield
         return
     with open(path + ".lock", "a") as handle:
