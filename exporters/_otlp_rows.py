@@ -10,7 +10,8 @@ there only rows exist. What each row becomes on the wire:
 * histograms -> Histogram points, DELTA (their ``name/count`` ... scalar rows are not sent again);
 * spans -> `ReadableSpan`s with their ids, parent, times, status, attributes, events, kind and links.
 
-Every point carries ``train.step``; every request carries the run's Resource, built as the training
+Names: a key that breaks OTel's instrument-name rule goes under `otel_train.names.otlp_name` with the key in the
+metric's description, which `otel-train sink` reads back. Every point carries ``train.step``; every request carries the run's Resource, built as the training
 process builds it (`Resource.create` of the run's attributes, so ``OTEL_RESOURCE_ATTRIBUTES`` too).
 Requests hold at most `MAX_POINTS` points or spans.
 """
@@ -37,6 +38,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
 from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
 from otel_train.semconv import THREAD_ID, THREAD_NAME
 from otel_train.semconv import TRAIN_STEP as STEP_ATTRIBUTE
@@ -98,7 +100,9 @@ class RowsToOTLP:
                 data = Histogram(points, AggregationTemporality.DELTA)
             else:
                 data = Sum(points, AggregationTemporality.DELTA, is_monotonic=shape == "counter")
-            by_run.setdefault(run, []).append(Metric(name, None, None, data))
+            wire = otlp_name(name)
+            description = None if wire == name else KEY_DESCRIPTION_PREFIX + name
+            by_run.setdefault(run, []).append(Metric(wire, description, None, data))
         return MetricsData([ResourceMetrics(self.resource(run), [ScopeMetrics(_SCOPE, metrics, "")], "")
                             for run, metrics in by_run.items()])
 

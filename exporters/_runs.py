@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, RunInfo, config_hash, series_tag
 from otel_train.records import run_folder as records_run_folder
+from otel_train.semconv import display_name
 
 __all__ = [
     "StepGate",
@@ -27,6 +28,7 @@ __all__ = [
     "rank_tag",
     "run_folder",
     "safe_name",
+    "series_name",
     "wanted",
 ]
 
@@ -59,16 +61,31 @@ def wanted(options: ExporterOptions, run: RunInfo) -> bool:
     return run.rank == 0 or options.ranks == "all"
 
 
+def series_name(tag: str, name: str) -> str:
+    """The name part of `tag`: `name`, or its display name where routing showed it so (`train/step_duration_s`).
+
+    Example:
+        >>> series_name("train/step_duration_s", "train.step.duration_s"), series_name("a{k=v}", "a")
+        ('train/step_duration_s', 'a')
+    """
+    shown = display_name(name)
+    return shown if shown != name and tag.startswith(shown) else name
+
+
 def rank_tag(tag: str, name: str, attributes: Mapping[str, Any], rank: int) -> str:
     """`tag` for rank 0; for rank N > 0 the same series with `rank=N` added to its suffix.
+
+    The name part stays as rank 0 shows it (a built-in series under its display name on every rank).
 
     Example:
         >>> rank_tag("eval/acc{split=val}", "eval/acc", {"split": "val"}, 2)
         'eval/acc{rank=2,split=val}'
+        >>> rank_tag("train/step_duration_s", "train.step.duration_s", {}, 1)
+        'train/step_duration_s{rank=1}'
     """
     if rank == 0:
         return tag
-    return series_tag(name, {**attributes, RANK_SUFFIX_KEY: rank})
+    return series_tag(series_name(tag, name), {**attributes, RANK_SUFFIX_KEY: rank})
 
 
 def by_step(rows: Iterable[_RowT]) -> Iterator[tuple[int, list[_RowT]]]:

@@ -7,15 +7,22 @@
 - Run identity: the run carries the tag `train.run.id`; a later process with the same run id (a restarted
   job, another rank) finds it and continues it. Two processes creating it at once both keep the oldest
   such run and delete the other, so they agree without talking.
-- Keys: MLflow allows only letters, digits, ``_ - . / space`` in metric and param keys, so the series
-  suffix is mapped deterministically: ``{`` -> ``__``, ``,`` -> ``__``, ``=`` -> ``-``, ``}`` dropped;
-  any other character -> ``_`` (``eval/acc{split=val}`` -> ``eval/acc__split-val``).
+- Keys: MLflow allows only letters (any script), digits, ``_ - . / space`` and ``:`` (not on Windows) in
+  metric and param keys, and no empty, ``.`` or ``..`` path segment. A key it accepts is used as is; any other
+  is mapped by `mlflow_name`, a pure function of the key (the same on every rank and run): each other
+  character -> ``_``, empty segments dropped, ``.``/``..`` segments -> ``_``/``__``, then ``_`` plus a hash of
+  the key, so two keys never share a name (``val/mAP@0.5`` -> ``val/mAP_0.5_909d36``). The series suffix
+  of extra attributes is mapped too: ``{`` -> ``__``, ``,`` -> ``__``, ``=`` -> ``-``, ``}`` dropped
+  (``eval/acc{split=val}`` -> ``eval/acc__split-val``).
 - Steps: ``step`` is `train.step`. A resumed run records the last step of each rank in the tag
-  ``otel_train.last_step[.rankN]``; rows at or below it are dropped and counted, so no step is written twice.
+  ``otel_train.last_step[.rankN]`` (the highest step stored: a late row never lowers it); rows at or below
+  it are dropped and counted, so no step is written twice.
   MLflow cannot delete points, so a resume (`OTEL_TRAIN_RESUME_STEP` = N) is recorded in the tag
   ``otel_train.resume_step[.rankN]``; steps the run already holds keep the earlier attempt's values.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes into the same run with ``{rank=N}`` in its keys
-  (``train/loss__rank-1``); MLflow runs can be shared by processes.
+  (``train/loss__rank-1``, ``train/step_duration_s__rank-1``); MLflow runs can be shared by processes.
+  Processes opening the default store at once take turns (a file lock ``mlflow.db.lock`` beside it) while
+  MLflow creates or migrates it and the experiment is found or created.
 - Preemption: a run that ended on SIGTERM or SIGUSR1 gets the tag ``otel_train.preempted`` = the signal's
   name and ends with status KILLED (else FINISHED).
 - Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.
@@ -23,25 +30,29 @@
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import functools
 import logging
 import os
+import posixpath
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_train.exporters._runs import (
+    RANK_SUFFIX_KEY,
     StepGate,
     bounded,
     by_step,
     flatten,
     hparams_for,
-    rank_tag,
+    series_name,
     wanted,
 )
 from otel_train.exporters.base import RowExporter
+from otel_train.names import key_hash
 from otel_train.records import (
     CONFIG_HASH,
     PREEMPTED,
@@ -50,12 +61,13 @@ from otel_train.records import (
     HistogramRow,
     MetricRow,
     RunInfo,
+    series_tag,
 )
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-__all__ = ["LAST_STEP_TAG", "PREEMPTED_TAG", "RESUME_STEP_TAG", "MLflowExporter", "mlflow_key"]
+__all__ = ["LAST_STEP_TAG", "PREEMPTED_TAG", "RESUME_STEP_TAG", "MLflowExporter", "mlflow_key", "mlflow_name"]
 
 _logger = logging.getLogger(__name__)
 
@@ -67,26 +79,55 @@ _MAX_PARAM_VALUE = 6000
 _METRICS_PER_BATCH = 1000
 _PARAMS_PER_BATCH = 100
 _SUFFIX_MAP = str.maketrans({"{": "__", ",": "__", "=": "-", "}": ""})
-_DISALLOWED = re.compile(r"[^/\w.\- ]")
+_ALLOWED = r"/\w.\- " if os.name == "nt" else r"/\w.\- :"  # MLflow's own rule (no `:` on Windows)
+_DISALLOWED = re.compile(f"[^{_ALLOWED}]")
+_KEY = re.compile(f"[{_ALLOWED}]+\\Z")
 
 
-def mlflow_key(tag: str) -> str:
-    """A metric/param key MLflow accepts, mapped deterministically from a series tag.
+@functools.lru_cache(maxsize=4096)
+def mlflow_name(key: str) -> str:
+    """The MLflow metric/param key of `key`: itself when MLflow accepts it, else mapped plus a hash of `key`.
 
     Example:
-        >>> mlflow_key("eval/acc{fold=1,split=val}")
+        >>> mlflow_name("train/loss"), mlflow_name("épochs/loss"), mlflow_name("val/mAP@0.5")
+        ('train/loss', 'épochs/loss', 'val/mAP_0.5_909d36')
+        >>> mlflow_name("Loss (val)")
+        'Loss _val__47840d'
+    """
+    if _KEY.match(key) and len(key) <= _MAX_KEY and not path_not_unique(key):
+        return key
+    mapped = _DISALLOWED.sub("_", key)
+    # MLflow treats keys as paths: no empty, `.` or `..` segments, no leading `/`.
+    parts = [p if p not in (".", "..") else p.replace(".", "_") for p in mapped.split("/") if p]
+    suffix = "_" + key_hash(key)
+    return "/".join(parts)[:_MAX_KEY - len(suffix)] + suffix
+
+
+def mlflow_key(name: str, attributes: Mapping[str, Any] | None = None) -> str:
+    """The MLflow key of series `name` with `attributes`: `mlflow_name`, then the suffix of the extra attributes.
+
+    Example:
+        >>> mlflow_key("eval/acc", {"fold": 1, "split": "val"})
         'eval/acc__fold-1__split-val'
-        >>> mlflow_key("loss{rank=2}")
+        >>> mlflow_key("loss", {"rank": 2})
         'loss__rank-2'
     """
-    key = _DISALLOWED.sub("_", tag.translate(_SUFFIX_MAP))
-    # MLflow treats keys as paths: no empty, `.` or `..` segments, no leading `/`.
-    parts = [p if p not in (".", "..") else p.replace(".", "_") for p in key.split("/") if p]
-    key = "/".join(parts) or "_"
+    base = mlflow_name(name)
+    suffix = series_tag("", attributes)
+    if not suffix:
+        return base
+    key = base + _DISALLOWED.sub("_", suffix.translate(_SUFFIX_MAP))
+    key = "/".join(p if p not in (".", "..") else p.replace(".", "_") for p in key.split("/") if p)
     if len(key) > _MAX_KEY:
-        digest = hashlib.sha256(tag.encode()).hexdigest()[:8]
+        digest = key_hash(name + suffix, 8)
         key = f"{key[:_MAX_KEY - 9]}-{digest}"
     return key
+
+
+def path_not_unique(key: str) -> bool:
+    """MLflow's path rule: `key` must be its own normal form (no ``//``, ``/`` at either end, ``.`` segments)."""
+    norm = posixpath.normpath(key)
+    return norm != key or norm == "." or norm.startswith(("..", "/"))
 
 
 def _last_step_tag(rank: int) -> str:
@@ -117,12 +158,15 @@ class MLflowExporter(RowExporter):
         self.preload()
         super().__init__(options)
         self._client: MlflowClient | None = None
+        self._uri = ""
         self._default_store: Path | None = None
         self._experiment_id: str | None = None
         self._runs: dict[str, str] = {}  # train.run.id -> MLflow run id
         self._tags: dict[str, dict[str, str]] = {}  # MLflow run id -> its tags when found
         self._gate = StepGate("mlflow", monotonic=False)
         self._floored: set[tuple[str, int]] = set()
+        self._last_stored: dict[tuple[str, int], int] = {}  # (MLflow run, rank) -> highest step its tag claims
+        self._keys: dict[tuple[str, str, int], str] = {}  # row's series -> MLflow key
         self._end_status = "FINISHED"  # KILLED once the run was preempted
 
     @property
@@ -165,14 +209,36 @@ class MLflowExporter(RowExporter):
                     if not self._gate.admit((mlflow_id, rank), step):
                         continue
                     last[rank] = max(step, last.get(rank, step))
-                    key = mlflow_key(rank_tag(row.tag, row.name, row.attributes, rank))
+                    key = self._key(row)
                     stamp = row.time_unix_nano // 1_000_000 or int(time.time() * 1000)
                     metrics.append(Metric(key, row.value, stamp, step))
-            tags = [RunTag(_last_step_tag(rank), str(step)) for rank, step in sorted(last.items())]
+            tags = []
+            for rank, step in sorted(last.items()):
+                # The highest step stored, never lowered by a late row (a restarted job reads it as its floor).
+                claimed = self._last_stored.get((mlflow_id, rank), -1)
+                if step > claimed:
+                    tags.append(RunTag(_last_step_tag(rank), str(step)))
             chunks = list(bounded(metrics, _METRICS_PER_BATCH)) or [[]]
             for i, chunk in enumerate(chunks):
                 # The last-step tags go with the last chunk: they claim only what is stored.
                 client.log_batch(mlflow_id, metrics=list(chunk), tags=tags if i == len(chunks) - 1 else [])
+            for rank, step in last.items():
+                if step > self._last_stored.get((mlflow_id, rank), -1):
+                    self._last_stored[(mlflow_id, rank)] = step
+
+    def _key(self, row: MetricRow) -> str:
+        """The row's MLflow key: `mlflow_key` of the name rank 0 shows, with ``rank=N`` for rank N > 0."""
+        ident = (row.tag, row.name, row.run.rank)  # the tag holds the attributes' suffix
+        key = self._keys.get(ident)
+        if key is None:
+            attributes = dict(row.attributes)
+            if row.run.rank:
+                attributes[RANK_SUFFIX_KEY] = row.run.rank
+            key = mlflow_key(series_name(row.tag, row.name), attributes)
+            if len(self._keys) >= 65_536:  # unbounded series sets must not grow memory
+                self._keys.clear()
+            self._keys[ident] = key
+        return key
 
     def mark_preempted(self, cause: str) -> None:
         """Tag ``otel_train.preempted`` = `cause` on every run written; `close` ends them as KILLED."""
@@ -196,10 +262,14 @@ class MLflowExporter(RowExporter):
         if self._client is None:
             from mlflow.tracking import MlflowClient
 
-            uri = self.tracking_uri
+            uri = self._uri = self.tracking_uri
             if self._default_store is not None:
                 self._default_store.mkdir(parents=True, exist_ok=True)
-            self._client = MlflowClient(tracking_uri=uri)
+            with _store_lock(uri):  # one process at a time creates / migrates the store and the experiment
+                client = MlflowClient(tracking_uri=uri)  # opens the store: MLflow creates or migrates it here
+                client.search_experiments(max_results=1)  # (and here, in MLflow versions that open it lazily)
+                self._experiment(client)
+            self._client = client
         return self._client
 
     def _experiment(self, client: MlflowClient) -> str:
@@ -216,7 +286,13 @@ class MLflowExporter(RowExporter):
                     artifacts = None
                     if self._default_store is not None:
                         artifacts = (self._default_store / "artifacts").as_uri()
-                    self._experiment_id = client.create_experiment(name, artifact_location=artifacts)
+                    try:
+                        self._experiment_id = client.create_experiment(name, artifact_location=artifacts)
+                    except Exception:  # created by another process meanwhile (a store without our lock)
+                        found = client.get_experiment_by_name(name)
+                        if found is None:
+                            raise
+                        self._experiment_id = found.experiment_id
         return self._experiment_id
 
     def _find(self, client: MlflowClient, experiment_id: str, run_id: str) -> list[Any]:
@@ -233,22 +309,24 @@ class MLflowExporter(RowExporter):
             return mlflow_id
         client = self._get_client()
         experiment_id = self._experiment(client)
-        found = self._find(client, experiment_id, info.run_id)
         params = hparams_for(self.options, info)
-        if found:
-            run = found[0]
-            if run.info.status != "RUNNING":
-                client.update_run(run.info.run_id, status="RUNNING")
-        else:
-            tags = {RUN_ID: info.run_id}
-            if params.get(CONFIG_HASH):
-                tags[CONFIG_HASH] = str(params[CONFIG_HASH])
-            created = client.create_run(experiment_id, run_name=info.run_name, tags=tags)
-            # Another process may have created it at the same moment: everyone keeps the oldest.
+        with _store_lock(self._uri):  # a local store: one process at a time finds or creates the run
             found = self._find(client, experiment_id, info.run_id)
-            run = found[0] if found else created
-            if run.info.run_id != created.info.run_id:
-                client.delete_run(created.info.run_id)
+            if found:
+                run = found[0]
+                if run.info.status != "RUNNING":
+                    client.update_run(run.info.run_id, status="RUNNING")
+            else:
+                tags = {RUN_ID: info.run_id}
+                if params.get(CONFIG_HASH):
+                    tags[CONFIG_HASH] = str(params[CONFIG_HASH])
+                created = client.create_run(experiment_id, run_name=info.run_name, tags=tags)
+                # A store without our lock (a server): another process may have created it at the same
+                # moment; everyone keeps the oldest.
+                found = self._find(client, experiment_id, info.run_id)
+                run = found[0] if found else created
+                if run.info.run_id != created.info.run_id:
+                    client.delete_run(created.info.run_id)
         mlflow_id = str(run.info.run_id)
         self._runs[info.run_id] = mlflow_id
         self._tags[mlflow_id] = dict(run.data.tags)
@@ -273,16 +351,18 @@ class MLflowExporter(RowExporter):
         held = self._tags.get(mlflow_id, {}).get(_last_step_tag(rank))
         if held is not None:
             try:
-                self._gate.set_floor((mlflow_id, rank), int(held))
+                step = int(held)
             except ValueError:
-                pass
+                return
+            self._gate.set_floor((mlflow_id, rank), step)
+            self._last_stored[(mlflow_id, rank)] = step
 
     def _log_params(self, client: MlflowClient, mlflow_id: str, params: dict[str, Any], held: dict[str, str]) -> None:
         from mlflow.entities import Param
 
         new: list[Any] = []
         for key, value in flatten(params).items():
-            k, v = mlflow_key(key), str(value)[:_MAX_PARAM_VALUE]
+            k, v = mlflow_name(key), str(value)[:_MAX_PARAM_VALUE]
             if k not in held:
                 new.append(Param(k, v))
             elif held[k] != v:  # params are immutable in MLflow: keep the first, say so once
@@ -290,3 +370,26 @@ class MLflowExporter(RowExporter):
                                   mlflow_id, k, held[k], v)
         for chunk in bounded(new, _PARAMS_PER_BATCH):
             client.log_batch(mlflow_id, params=list(chunk))
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """An exclusive lock on ``<db>.lock`` beside a local SQLite store (no-op for other stores, or no `fcntl`).
+
+    MLflow creates and migrates a SQLite store on first use with no lock of its own: two processes doing it
+    at once fail ("Online migration expected to match one row") or leave a store no client opens.
+    """
+    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks here
+        path = ""
+    if not path or path == ":memory:" or not os.path.isdir(os.path.dirname(path) or "."):
+        yield
+        return
+    with open(path + ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -41,6 +41,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
 from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
 from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
 from otel_train.phases import PhaseTimer
 from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
@@ -583,8 +584,7 @@ class StepAlignedMetricReader(MetricReader):
                 self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
                                   "skipped (warned once per key)", key, type(raw).__name__)
             elif not valid_name(key):
-                self._log.warning(f"name:{key}", "otel_train.log: key %r is not a valid OTel instrument name "
-                                  "(a letter, then up to 254 of letters, digits, `_ . / -`); skipped "
+                self._log.warning(f"name:{key!r}", "otel_train.log: key %r is not a non-empty string; skipped "
                                   "(warned once per key)", key)
             else:
                 out[idx] = (key, step, value, t)
@@ -611,7 +611,7 @@ class StepAlignedMetricReader(MetricReader):
         by_key: dict[str, list[NumberDataPoint]] = {}
         for key, s, v, t in points:
             by_key.setdefault(key, []).append(NumberDataPoint({STEP_ATTRIBUTE: s}, t, t, v))
-        ours = ScopeMetrics(_SCOPE, [Metric(k, "", "", Gauge(p)) for k, p in by_key.items()], "")
+        ours = ScopeMetrics(_SCOPE, [_otel_metric(k, Gauge(p)) for k, p in by_key.items()], "")
         resource_metrics = []
         if sdk is not None:
             for rm in sdk.resource_metrics:
@@ -782,3 +782,10 @@ def _readable_span(rec: SpanRecord, resource: Resource) -> ReadableSpan:
     status = Status(StatusCode.ERROR, rec.error) if rec.error else Status(StatusCode.UNSET)
     return ReadableSpan(rec.name, ctx, parent, resource, _span_attributes(rec), status=status,
                         start_time=rec.start_ns, end_time=rec.end_ns, instrumentation_scope=_SCOPE)
+
+
+def _otel_metric(key: str, data: Gauge) -> Metric:
+    """An `ot.log` key as an OTel metric: under its instrument name, the key itself in the description
+    where it had to be mapped (`otel_train.names.otlp_name`)."""
+    name = otlp_name(key)
+    return Metric(name, "" if name == key else KEY_DESCRIPTION_PREFIX + key, "", data)

@@ -8,7 +8,9 @@ Naming rule: on the wire (OTLP, the sink's input, JSONL, Chrome trace) every nam
 defines is an OTel-style dotted name (``train.step.duration_s``). Dashboards group series by the
 part before the first ``/``, so the backends that do (TensorBoard, W&B, ClearML, MLflow, Trackio)
 show the built-in series under their `display_name` (``train/step_duration_s``), in the same
-``train`` section as the user's ``train/loss``. User names are never rewritten.
+``train`` section as the user's ``train/loss``. User names are never rewritten, except where a backend requires
+it (MLflow's character set, the OTel instrument-name rule on the wire: `otel_train.names`).
+Every rank shows a series under the same name (a rank N > 0 sharing a run adds only its ``{rank=N}`` suffix).
 
 This module imports nothing of ours: it sits at the bottom of the dependency order.
 """

@@ -250,7 +250,8 @@ class WorkerClient:
         for key, value in mapping.items():
             v = to_float(value)  # the same rules as `ot.log` in the training process
             if v is None or not valid_name(key):
-                _logger.warning("otel_train.log in a child process: %r is not a metric name with a number; skipped",
+                _logger.warning("otel_train.log in a child process: %r is not a non-empty string key with a number; "
+                                "skipped",
                                 key)
                 continue
             points.append((key, s, v, t))

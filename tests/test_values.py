@@ -53,15 +53,10 @@ def test_to_floats_one_host_copy_per_device(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == {"item": 0, "stack": 1}
 
 
-def test_valid_name_is_memoised_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert V.valid_name("train/loss") and V.valid_name("a.b-c_d/e")
-    assert not V.valid_name("1loss") and not V.valid_name("") and not V.valid_name(3)
-    assert not V.valid_name("x" * 256) and V.valid_name("x" * 255)
-    assert V._VALID["train/loss"] is True and V._VALID["1loss"] is False
-    monkeypatch.setattr(V, "_VALID_MAX", 10)
-    for i in range(25):
-        assert V.valid_name(f"k{i}")
-    assert len(V._VALID) <= 10  # a key per id must not grow memory without bound
+def test_every_non_empty_string_is_a_key() -> None:
+    for key in ("train/loss", "val/mAP@0.5", "Loss (val)", "épochs/loss", "1loss", "x" * 1000, " "):
+        assert V.valid_name(key), key
+    assert not V.valid_name("") and not V.valid_name(3) and not V.valid_name(None) and not V.valid_name(b"k")
 
 
 def test_log_buffer_detaches_tensors_that_require_grad() -> None:

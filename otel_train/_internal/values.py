@@ -9,30 +9,15 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["to_float", "to_floats", "valid_name"]
 
-# OTel instrument name syntax.
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_./\-]{0,254}\Z")
-
-
-_VALID: dict[str, bool] = {}  # memo: the same few keys come every step
-_VALID_MAX = 65_536
-
-
 def valid_name(key: Any) -> bool:
-    """Whether `key` is a valid OTel instrument name (memoised: called for every logged value)."""
-    ok = _VALID.get(key) if type(key) is str else None
-    if ok is None:
-        ok = isinstance(key, str) and _NAME.match(key) is not None
-        if type(key) is str:
-            if len(_VALID) >= _VALID_MAX:  # unbounded key sets (ids in names) must not grow memory
-                _VALID.clear()
-            _VALID[key] = ok
-    return ok
+    """Whether `key` can be a metric key: any non-empty string (each backend maps it as it must,
+    see `otel_train.names`)."""
+    return isinstance(key, str) and key != ""
 
 
 def to_float(value: Any) -> float | None:

@@ -17,6 +17,7 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from otel_train.names import key_from_description
 from otel_train.records import RUN_ID, HistogramRow, MetricRow, RunInfo, SpanRow, series_tag
 from otel_train.sink.otlp import (
     BAD_STEP,
@@ -316,6 +317,8 @@ def _named_metrics(scope_metrics: Any) -> Iterator[tuple[str, str | None, Any]]:
             name = metric.name
             if not name:
                 raise DecodeError("a metric has an empty name")
+            if metric.description:  # the key as logged, when `otlp` had to map it (`otel_train.names`)
+                name = key_from_description(name, metric.description)
             yield name, metric.WhichOneof("data"), metric
 
 

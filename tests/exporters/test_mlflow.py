@@ -110,6 +110,32 @@ def test_resumed_job_continues_the_same_run(store: dict[str, Any], tmp_path: Pat
         (0, 1.0), (1, 0.5), (2, 0.25), (3, 0.125), (4, 14.0), (5, 15.0)]
 
 
+def test_last_step_tag_never_goes_backwards_and_a_restart_writes_no_step_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A late row (step 4 after step 9) must not lower `otel_train.last_step`: a restarted job reads it as the
+    highest step stored and must not write steps 5..9 again."""
+    from mlflow.tracking import MlflowClient
+
+    from otel_train.exporters.mlflow import MLflowExporter
+
+    isolated_mlflow_env(monkeypatch, tmp_path)
+    options = ExporterOptions(directory=tmp_path / "runs", project="late")
+    run = RunInfo("late-run", "late")
+    first = MLflowExporter(options)
+    assert first.export_window(Window(metrics=[row(run, s, "train/loss", float(s)) for s in (0, 1, 2, 3, 5, 6, 7, 8, 9)]))
+    assert first.export_window(Window(metrics=[row(run, 4, "train/loss", 4.0)]))  # late: after step 9
+    uri, rid = first.tracking_uri, first.run_ids["late-run"]
+    first.shutdown()
+    assert MlflowClient(uri).get_run(rid).data.tags["otel_train.last_step"] == "9"
+
+    restarted = MLflowExporter(options)  # the job restarts from a checkpoint at step 4
+    assert restarted.export_window(Window(metrics=[row(run, s, "train/loss", 100.0 + s) for s in range(4, 13)]))
+    restarted.shutdown()
+    assert restarted.steps_dropped == 6  # steps 4..9 are held already
+    assert history(uri, rid, "train/loss") == [(s, float(s)) for s in range(10)] + [(s, 100.0 + s) for s in (10, 11, 12)]
+    assert MlflowClient(uri).get_run(rid).data.tags["otel_train.last_step"] == "12"
+
+
 def test_otel_sdk_path_with_counter_totals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain OTel: MeterProvider + reader -> `exporter.export(MetricsData)`; counters as running totals."""
     from mlflow.tracking import MlflowClient
@@ -143,13 +169,20 @@ def test_otel_sdk_path_with_counter_totals(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_keys_map_deterministically() -> None:
-    from otel_train.exporters.mlflow import mlflow_key
+    """Keys MLflow accepts stay; others are mapped plus a hash of the key; the attribute suffix is mapped."""
+    from otel_train.exporters.mlflow import mlflow_key, mlflow_name
+    from otel_train.names import key_hash
 
-    assert mlflow_key("a/b{x=1,y=z w}") == "a/b__x-1__y-z w"
-    assert mlflow_key("/odd//name:{k=@}") == "odd/name___k-_"
-    assert mlflow_key("../x") == "__/x"
-    long = mlflow_key("x" * 300)
-    assert len(long) == 250 and long == mlflow_key("x" * 300) != mlflow_key("x" * 301)
+    assert [mlflow_name(k) for k in ("train/loss", "épochs/loss", "a b:c-d.e_f")] == [
+        "train/loss", "épochs/loss", "a b:c-d.e_f"]
+    assert mlflow_name("val/mAP@0.5") == f"val/mAP_0.5_{key_hash('val/mAP@0.5')}"
+    assert mlflow_name("Loss (val)") == f"Loss _val__{key_hash('Loss (val)')}"
+    assert mlflow_name("val/mAP#0.5") != mlflow_name("val/mAP@0.5")  # never one name for two keys
+    assert mlflow_name("../x") == f"__/x_{key_hash('../x')}" and mlflow_name("a//b/") == f"a/b_{key_hash('a//b/')}"
+    assert mlflow_key("a/b", {"x": 1, "y": "z w"}) == "a/b__x-1__y-z w"
+    assert mlflow_key("odd", {"k": "@/.."}) == "odd__k-_/__"
+    long = mlflow_name("x" * 300)
+    assert len(long) == 250 and long == mlflow_name("x" * 300) != mlflow_name("x" * 301)
 
 
 def test_missing_mlflow_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
