@@ -179,7 +179,7 @@ def _verify(args: argparse.Namespace, tmp: Path) -> int:
            if r.get("type") == "metric" and r["name"] in KEYS]
     got.sort(key=lambda r: (r[1], KEYS.index(r[0])))
     expected.sort(key=lambda r: (r[1], KEYS.index(r[0])))
-    missing = sorted(set(r[:2] for r in expected) - set(r[:2] for r in got))
+    missing = sorted({r[:2] for r in expected} - {r[:2] for r in got})
     wrong = sum(1 for a, b in zip(got, expected) if a[:2] != b[:2] or abs(a[2] - b[2]) > 1e-6 * max(1.0, abs(b[2])))
     ok = len(got) == len(expected) and wrong == 0
     if missing:
