@@ -216,6 +216,16 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     def flush(self) -> None:
         """Make everything written so far durable / visible."""
 
+    def durable_step(self) -> int | None:
+        """How far this backend's own store holds what it was handed, after `flush`: None when it holds
+        everything (the default: writes are synchronous), else the highest step it holds for sure (a client
+        that writes its store on its own schedule). Delivery moves the backend's cursor only that far."""
+        return None
+
+    def settle(self) -> None:
+        """Make everything handed so far final now (an explicit flush, the close), where the backend holds
+        rows back (W&B keeps the last step open). Default: nothing. Isolated like `flush`."""
+
     def close(self) -> None:
         """Release the backend (close files, finish the run). Called once."""
 
@@ -448,6 +458,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                 self.close()
             except Exception as err:
                 _logger.error("exporter `%s` close failed: %s", self.name, err)
+
+    @property
+    def unwritten_windows(self) -> int:
+        """Windows accepted and not written yet (waiting for a retry)."""
+        return len(self._pending)
 
     def __enter__(self) -> RowExporter:
         return self
