@@ -222,9 +222,6 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         that writes its store on its own schedule). Delivery moves the backend's cursor only that far."""
         return None
 
-    def settle(self) -> None:
-        """Make everything handed so far final now (an explicit flush, the close), where the backend holds
-        rows back (W&B keeps the last step open). Default: nothing. Isolated like `flush`."""
 
     def close(self) -> None:
         """Release the backend (close files, finish the run). Called once."""

@@ -19,10 +19,10 @@
 - Durability: W&B's service process writes the run's ``.wandb`` file on its own schedule (otel-train asks it to
   every 0.25 s) and keeps the step logged last open until a later one arrives. The exporter reads its own
   run file back and reports the last step it holds (`durable_step`), so delivery's cursor never claims a
-  step the file lacks: after a `kill -9` of the whole job, `otel-train replay` writes the rest, once. An
-  explicit flush and the close commit the open step and wait (up to 10 s) until the file holds it; a
-  value for that step arriving later is dropped and counted, like any older step. The resume marker
-  (``otel-train-<id>.last-step``) also holds only steps the file has.
+  step the file lacks: after a `kill -9` of the whole job, `otel-train replay` writes the rest, once (a
+  resumed run reads the steps the earlier attempts' files hold, and drops those rows). The open step is
+  in the file after `finish`, at the close. The resume marker (``otel-train-<id>.last-step``) also holds
+  only steps the file has.
 - Preemption: a run that ended on SIGTERM or SIGUSR1 gets `run.mark_preempting()` and the summary
   field ``otel_train.preempted`` = the signal's name.
 - Settings: `WANDB_PROJECT` (default: the otel-train project), `WANDB_ENTITY`, `WANDB_MODE`,
@@ -64,7 +64,6 @@ PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
 _FILE_FLUSH_S = 0.25  # how often W&B's service writes the run file (its default, 15 s, is what a kill loses)
-_SETTLE_WAIT_S = 10.0  # how long an explicit flush waits for the run file to hold every step
 
 
 def wandb_run_id(run: RunInfo) -> str:
@@ -111,13 +110,11 @@ class WandbExporter(RowExporter):
         self._gate = StepGate("wandb", monotonic=True)
         self._files: dict[tuple[str, int], _RunFile] = {}
         self._floor: dict[tuple[str, int], int] = {}  # steps earlier attempts hold
-        self._settled: dict[tuple[str, int], int] = {}  # the step committed by `settle`
-        self._late = 0
 
     @property
     def steps_dropped(self) -> int:
-        """Rows' steps dropped because W&B already held a later (or the same, resumed or settled) step."""
-        return int(self._gate.dropped) + self._late
+        """Rows' steps dropped because W&B already held a later (or the same, resumed) step."""
+        return int(self._gate.dropped)
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
@@ -131,12 +128,6 @@ class WandbExporter(RowExporter):
         for key, (run_info, run_rows) in per_run.items():
             run = self._run(key, run_info)
             for step, step_rows in by_step(run_rows):
-                if step <= self._settled.get(key, -1):  # committed by an explicit flush: W&B would drop it
-                    self._late += 1
-                    self._log.warning("settled", "wandb: dropping rows for step %d that arrived after a flush "
-                                      "committed it; counted in `steps_dropped`, warned once", step)
-                    self.mark_written(step_rows)
-                    continue
                 if not self._gate.admit(key, step):
                     self.mark_written(step_rows)
                     continue
@@ -146,7 +137,7 @@ class WandbExporter(RowExporter):
     def durable_step(self) -> int | None:
         """The last step the run file holds, where a run has steps it does not hold yet (else None)."""
         behind = []
-        for key in self._runs:
+        for key in self._files:  # also after `close`: a run whose finish failed is not all in its file
             held = self._held(key)
             if held is not None and self._gate.last(key) > held:
                 behind.append(held)
@@ -158,24 +149,6 @@ class WandbExporter(RowExporter):
             held = self._held(key)
             if held is not None:
                 self._write_marker(key, held)
-
-    def settle(self) -> None:
-        """Commit each run's open step and wait (bounded) until its run file holds every step logged."""
-        with self._lock:
-            waiting = []
-            for key, run in self._runs.items():
-                last = self._gate.last(key)
-                held = self._held(key)
-                if held is None or last <= held:
-                    continue
-                if self._settled.get(key, -1) < last:
-                    run.log({}, step=last, commit=True)
-                    self._settled[key] = last
-                waiting.append((key, last))
-            deadline = time.monotonic() + _SETTLE_WAIT_S
-            for key, last in waiting:
-                while _below(self._held(key), last) and time.monotonic() < deadline:
-                    time.sleep(0.02)
 
     def mark_preempted(self, cause: str) -> None:
         """W&B's own preemption mark (`run.mark_preempting()`: online, the run shows as preempted

@@ -9,8 +9,9 @@ whatever it has not made durable is fed again from the spool after a crash or by
 a backend that appends to its own files (`RowExporter.kill_safe_writes`) also records after every
 write how far its writes reached the OS (`Spool.advance`), so a killed process writes nothing twice.
 A backend whose client writes its store on its own schedule (W&B's service process) says how far its
-store holds the data (`RowExporter.durable_step`): its cursor moves only over the windows up to that step,
-and an explicit flush or the close first asks it to make everything final (`RowExporter.settle`).
+store holds the data (`RowExporter.durable_step`): its cursor moves only over the windows up to that step
+(an explicit flush still succeeds once such a backend has everything and flushed: the spool keeps the rest
+until its store holds it).
 The single entry into a backend is `RowExporter.export_window`.
 
 A child process's window (a DataLoader worker's values, `submit_side`) is not spooled; it is handed to each
@@ -107,6 +108,7 @@ class _Backend:
         self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
         self._flushes_asked = 0
         self._flushes_done = 0
+        self._flushed_handed = 0  # windows handed when the last asked-for flush succeeded
         self.exports = 0  # export_window calls, and the seconds they took (self-telemetry)
         self.export_s = 0.0
         self.rows = 0  # rows (points and spans) handed to the backend
@@ -163,7 +165,8 @@ class _Backend:
         with self._cv:
             self._cv.wait_for(lambda: self.acked >= seq or self._flushes_done >= ticket,
                               timeout=max(0.0, deadline - time.monotonic()))
-            return self.acked >= seq
+            # A backend whose store lags (`durable_step`) has it all once flushed; the spool keeps the rest.
+            return self.acked >= seq or (self._flushes_done >= ticket and self._flushed_handed >= seq)
 
     def stop(self) -> None:
         with self._cv:
@@ -196,11 +199,12 @@ class _Backend:
             # Without a spool there is no cursor to keep fresh: flush only when asked.
             due = (self.spool is not None and self.handed > self.acked
                    and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S)
-            if flush or due:
-                self._flush(settle=flush)
+            flushed = self._flush() if flush or due else False
             if flush:
                 with self._cv:
                     self._flushes_done = max(self._flushes_done, asked)
+                    if flushed:
+                        self._flushed_handed = self.handed
                     self._cv.notify_all()
             if stop:
                 with self._cv:
@@ -307,18 +311,16 @@ class _Backend:
         self.rows += _rows(window)
         return ok is not False
 
-    def _flush(self, settle: bool = False) -> None:
+    def _flush(self) -> bool:
         self._last_flush = time.monotonic()
         try:
-            settle_hook = getattr(self.exporter, "settle", None) if settle else None
-            if settle_hook is not None:  # asked for (a flush, the close): a backend holding rows back makes them final
-                settle_hook()
             ok = self.exporter.force_flush()
         except Exception as err:
             self._log.error("flush", "exporter `%s` flush raised %s: %s", self.name, type(err).__name__, err)
             ok = False
         if ok:
             self._acknowledge()
+        return bool(ok)
 
     def _acknowledge(self) -> None:
         """Move the cursor over what the backend's store holds: every window handed, or, for a backend that
