@@ -89,7 +89,7 @@ LOSS_CAUSES: dict[str, str] = {
     "gave_up": "given up after retries",
 }
 _NUMBERS = (float, int)
-_DOWN_AFTER = 8  # rows failing in a row, none landing, after which a backend counts as down
+_DOWN_AFTER = 4  # rows failing (twice each), none landing, after which a backend counts as down
 
 
 class Window:
@@ -361,9 +361,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         return [r for i, r in enumerate(rows) if i not in skip]
 
     def _one_row_at_a_time(self, window: Window) -> Window | None:
-        """After a failed write: each row not landed yet as a write of its own. A row that fails while a
-        later one lands is refused by the backend (lost); the rows failing after the last one that landed
-        are returned for a retry (None: nothing is left)."""
+        """After a failed write: each row not landed yet as a write of its own (tried twice). When some row
+        lands, the backend is up: a row that failed alone is one it refuses (lost, counted, warned once).
+        When none lands, it is down: the rows from the first failure on are returned for a retry (None:
+        nothing is left)."""
         singles: list[Window] = []
         if self.handles_metrics:
             singles += [Window([r]) for r in window.metrics if id(r) not in self._landed_ids]
@@ -371,23 +372,30 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         if self.handles_spans:
             singles += [Window(spans=[s]) for s in window.spans if id(s) not in self._landed_ids]
         failed: list[tuple[Window, Exception]] = []
+        landed = False
         for single in singles:
-            try:
-                self._write_window(single)
-            except Exception as err:
-                failed.append((single, err))
-                if len(failed) >= _DOWN_AFTER:  # none of these landed: the backend is down, not refusing
+            error: Exception | None = None
+            for _ in range(2):  # a row that fails twice in a row, alone
+                try:
+                    self._write_window(single)
+                except Exception as err:
+                    error = err
+                    continue
+                landed, error = True, None
+                break
+            if error is not None:
+                failed.append((single, error))
+                if not landed and len(failed) >= _DOWN_AFTER:
                     break
-                continue
-            for refused, why in failed:  # a later row landed: these were the backend refusing a row
-                self._lose(_only_row(refused), "refused", why)
-            failed = []
         if not failed:
             return None
-        first = singles.index(failed[0][0])
-        rest = [_only_row(w) for w in singles[first:]]
-        return Window([r for r in rest if isinstance(r, MetricRow)], [r for r in rest if isinstance(r, HistogramRow)],
-                      [r for r in rest if isinstance(r, SpanRow)])
+        if not landed:
+            rest = [_only_row(w) for w in singles[singles.index(failed[0][0]):]]
+            return Window([r for r in rest if isinstance(r, MetricRow)],
+                          [r for r in rest if isinstance(r, HistogramRow)], [r for r in rest if isinstance(r, SpanRow)])
+        for single, why in failed:
+            self._lose(_only_row(single), "refused", why)
+        return None
 
     def _lose(self, row: Any, cause: str, err: Exception | None) -> None:
         self.rows_lost[cause] = self.rows_lost.get(cause, 0) + 1
@@ -471,4 +479,5 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
 
 
 def _only_row(window: Window) -> MetricRow | HistogramRow | SpanRow:
-    return (list(window.metrics) or list(window.histograms) or list(window.spans))[0]
+    rows: list[MetricRow | HistogramRow | SpanRow] = [*window.metrics, *window.histograms, *window.spans]
+    return rows[0]

@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -357,10 +356,12 @@ class _RunFile:
                 continue
             payload = self._pending + chunk if kind == 4 else chunk
             self._pending = b""
-            record = pb.Record()
+            record = pb.Record()  # type: ignore[attr-defined]
             try:
                 record.ParseFromString(payload)
-            except Exception:
+            except Exception:  # a record this W&B version cannot read: not a history step
+                record = None
+            if record is None:
                 continue
             if record.WhichOneof("record_type") == "history":
                 for item in record.history.item:
