@@ -9,9 +9,9 @@ One bad row never costs a window, and a retried window never writes a row twice:
 
 - Before a write, every row is checked (`row_problem`: the generic checks, plus the backend's own); a row
   it refuses is skipped, counted in `rows_lost` by cause, and warned about once per series.
-- A write that raises is followed at once by one row at a time (each row its own write): a row that
-  fails while a later one succeeds is the backend refusing that row (skipped, counted, warned once);
-  when none succeeds the backend is down and the rest of the window is retried with backoff.
+- A write that raises is followed at once by one row at a time (each row its own write, tried twice): a
+  row that fails alone while others land is one the backend refuses (skipped, counted, warned once);
+  when none lands the backend is down and the rest of the window is retried with backoff.
 - Rows a write has landed are never handed to the backend again: a backend whose window write is not
   all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
 """
@@ -135,6 +135,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     #: Failed windows kept for retry before the oldest is dropped, tries of one window before it is dropped
     #: (0: never), and the waits between tries: a backend whose failures are outages (a collector) keeps more.
     max_pending_windows: int = 64
+    #: After a failed write, try its rows one at a time to find one the backend refuses (see the module
+    #: docstring). None: when `max_attempts` is non-zero; a backend whose failures are outages (retried for
+    #: as long as it takes, e.g. a collector that is down) would only pay a timeout per row.
+    isolate_rows: bool | None = None
     max_attempts: int = 8
     backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 15.0, 60.0)
 
@@ -222,7 +226,6 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         that writes its store on its own schedule). Delivery moves the backend's cursor only that far."""
         return None
 
-
     def close(self) -> None:
         """Release the backend (close files, finish the run). Called once."""
 
@@ -299,7 +302,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             except Exception as err:  # isolate the backend: find a refused row, else retry later
                 self.failures += 1
                 self._attempts += 1
-                rest = self._one_row_at_a_time(window)
+                isolate = self.isolate_rows if self.isolate_rows is not None else bool(self.max_attempts)
+                rest = self._one_row_at_a_time(window) if isolate else window
                 if rest is None:
                     self._done_with_head()
                     continue
@@ -379,6 +383,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                 try:
                     self._write_window(single)
                 except Exception as err:
+                    self.failures += 1
                     error = err
                     continue
                 landed, error = True, None
