@@ -127,10 +127,11 @@ class WandbExporter(RowExporter):
         for key, (run_info, run_rows) in per_run.items():
             run = self._run(key, run_info)
             for step, step_rows in by_step(run_rows):
-                if not self._gate.admit(key, step):
+                payload = self._payload(step_rows)
+                if not payload or not self._gate.admit(key, step):  # nothing W&B can draw, or a step it cannot take
                     self.mark_written(step_rows)
                     continue
-                run.log(self._payload(step_rows), step=step)
+                run.log(payload, step=step)
                 self.mark_written(step_rows)  # a retry after a later step's failure does not log it again
 
     def durable_step(self) -> int | None:
@@ -235,7 +236,7 @@ class WandbExporter(RowExporter):
     def _held(self, key: tuple[str, int]) -> int | None:
         """The highest step run `key` holds durably (its file, or the earlier attempts); None: unknown."""
         store = self._files.get(key)
-        if store is None:
+        if store is None or not store.path.exists():  # no transaction log (disabled mode, W&B's own setting)
             return None
         return max(store.last_step(), self._floor.get(key, -1))
 
