@@ -13,8 +13,6 @@
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the same run, and the run's
   group is `train.run.id`.
 - Hyperparameters: the run config (with `train.config.hash`). Histograms: `trackio.Histogram`.
-- Durability: Trackio writes its queue from a thread of its own; `flush` writes it at once (local store), so
-  the exporter process's cursor never claims a row only Trackio's queue held.
 - Preemption: a run whose process ended on SIGTERM or SIGUSR1 gets a WARN alert titled ``preempted``
   (Trackio versions without alerts: the config key ``otel_train.preempted``, best effort).
 - Trackio keeps its current run in a context variable; the run is opened in a context of its own, so
@@ -102,16 +100,6 @@ class TrackioExporter(RowExporter):
                 if data:
                     run.log(data, step=step)
                 self.mark_written(step_rows)  # a retry after a later step's failure does not log it again
-
-    def flush(self) -> None:
-        """Write Trackio's queue to its database now. Trackio queues `log` calls and writes them from a thread of
-        its own every half second, so without this delivery's cursor could claim rows a `kill -9` loses."""
-        for run in self._runs.values():
-            write_queue = getattr(run, "_flush_queues_inline", None)  # Trackio's local writer, same lock as its thread
-            lock = getattr(run, "_client_lock", None)
-            if callable(write_queue) and lock is not None and getattr(run, "_is_local", False):
-                with lock:
-                    write_queue()
 
     def mark_preempted(self, cause: str) -> None:
         """A Trackio alert (level WARN, title ``preempted``) on every run written, where the installed
