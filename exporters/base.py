@@ -4,6 +4,16 @@ It is a real OTel `MetricExporter` *and* `SpanExporter`, so a backend can be plu
 OTel SDK pipeline; and it takes pre-converted rows from the step-aligned reader, so one
 conversion serves every backend. It isolates the backend: an exception from a write is counted,
 logged at most once a minute, and the batch is retried with backoff (bounded); it never propagates.
+
+One bad row never costs a window, and a retried window never writes a row twice:
+
+- Before a write, every row is checked (`row_problem`: the generic checks, plus the backend's own); a row
+  it refuses is skipped, counted in `rows_lost` by cause, and warned about once per series.
+- A write that raises is followed at once by one row at a time (each row its own write, tried twice): a
+  row that fails alone while others land is one the backend refuses (skipped, counted, warned once);
+  when none lands the backend is down and the rest of the window is retried with backoff.
+- Rows a write has landed are never handed to the backend again: a backend whose window write is not
+  all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ if TYPE_CHECKING:
 
     from opentelemetry.sdk.trace import ReadableSpan
 
-__all__ = ["DELTA_TEMPORALITY", "RowExporter", "Window"]
+__all__ = ["DELTA_TEMPORALITY", "LOSS_CAUSES", "RowExporter", "Window"]
 
 _logger = logging.getLogger(__name__)
 
@@ -69,6 +79,17 @@ DELTA_TEMPORALITY: dict[type, AggregationTemporality] = {
                  _SyncGauge)
     if kind is not None
 }
+
+
+#: Why a backend did not write a row (`RowExporter.rows_lost`), as the shutdown summary words it.
+LOSS_CAUSES: dict[str, str] = {
+    "bad_step": "bad step",
+    "bad_value": "bad value",
+    "refused": "refused by the backend",
+    "gave_up": "given up after retries",
+}
+_NUMBERS = (float, int)
+_DOWN_AFTER = 4  # rows failing (twice each), none landing, after which a backend counts as down
 
 
 class Window:
@@ -114,6 +135,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     #: Failed windows kept for retry before the oldest is dropped, tries of one window before it is dropped
     #: (0: never), and the waits between tries: a backend whose failures are outages (a collector) keeps more.
     max_pending_windows: int = 64
+    #: After a failed write, try its rows one at a time to find one the backend refuses (see the module
+    #: docstring). None: when `max_attempts` is non-zero; a backend whose failures are outages (retried for
+    #: as long as it takes, e.g. a collector that is down) would only pay a timeout per row.
+    isolate_rows: bool | None = None
     max_attempts: int = 8
     backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 15.0, 60.0)
 
@@ -133,6 +158,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self._log = LogOnce(_logger, interval_s=60.0)
         self.failures = 0
         self.dropped_windows = 0
+        #: Rows (metric, histogram, span) this backend did not write, by cause (keys of `LOSS_CAUSES`).
+        self.rows_lost: dict[str, int] = {}
+        self._warned_series: set[tuple[str, str]] = set()
+        # ids of the head pending window's rows the backend has landed (a retry skips them).
+        self._landed_ids: set[int] = set()
         self._preempted: str | None = None
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters, applied in `export_window`.
         self.step_order = StepOrder(self.options.step_order, self.name)
@@ -156,6 +186,22 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             raise ModuleNotFoundError(f"{cls.__name__} needs {cls.client_module}: "
                                       f"pip install 'otel-train[{cls.client_module}]'", name=cls.client_module) from err
 
+    def row_problem(self, row: MetricRow | HistogramRow) -> str | None:
+        """Why this backend cannot write `row` (a `LOSS_CAUSES` key), or None. Called for every metric and
+        histogram row before a write; a backend that refuses more (a name, a range) extends it."""
+        if type(row.step) is not int:
+            return "bad_step"
+        if isinstance(row, MetricRow) and (type(row.value) not in _NUMBERS
+                                           and not isinstance(row.value, _NUMBERS)):
+            return "bad_value"
+        return None
+
+    def mark_written(self, rows: Sequence[MetricRow | HistogramRow | SpanRow]) -> None:
+        """Record that `rows` (of the window being written) landed: if a later part of the write raises,
+        the retry does not hand them to the backend again. Backends whose window write is one
+        all-or-nothing append need not call it."""
+        self._landed_ids.update(map(id, rows))
+
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         """Write one window's scalar rows (and full histograms). Runs on the export thread."""
 
@@ -173,6 +219,12 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
 
     def flush(self) -> None:
         """Make everything written so far durable / visible."""
+
+    def durable_step(self) -> int | None:
+        """How far this backend's own store holds what it was handed, after `flush`: None when it holds
+        everything (the default: writes are synchronous), else the highest step it holds for sure (a client
+        that writes its store on its own schedule). Delivery moves the backend's cursor only that far."""
+        return None
 
     def close(self) -> None:
         """Release the backend (close files, finish the run). Called once."""
@@ -203,8 +255,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                     window = self._in_step_order(window)
                 self._pending.append(window)
                 while len(self._pending) > self.max_pending_windows:
-                    self._pending.popleft()
-                    self.dropped_windows += 1
+                    if len(self._pending) > 1 and self._landed_ids:  # the head is partly written: drop the next
+                        self._lose_window(self._pending[1], "gave_up")
+                        del self._pending[1]
+                    else:
+                        self._lose_window(self._pending.popleft(), "gave_up")
             return self._drain(force=False)
 
     def resume(self, run: RunInfo, step: int) -> bool:
@@ -243,18 +298,20 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         while self._pending:
             window = self._pending[0]
             try:
-                if self.handles_metrics and (window.metrics or window.histograms):
-                    self.write_metrics(window.metrics, window.histograms)
-                if self.handles_spans and window.spans:
-                    self.write_spans(window.spans)
-            except Exception as err:  # isolate the backend: count, log rarely, retry later
+                self._write_window(window)
+            except Exception as err:  # isolate the backend: find a refused row, else retry later
                 self.failures += 1
                 self._attempts += 1
+                isolate = self.isolate_rows if self.isolate_rows is not None else bool(self.max_attempts)
+                rest = self._one_row_at_a_time(window) if isolate else window
+                if rest is None:
+                    self._done_with_head()
+                    continue
+                self._pending[0] = rest
                 if self.max_attempts and self._attempts >= self.max_attempts:
                     # A window the backend rejects every time must not hold back every later one.
-                    self._pending.popleft()
-                    self.dropped_windows += 1
-                    self._attempts = 0
+                    self._done_with_head()
+                    self._lose_window(rest, "gave_up")
                     self._log.error(
                         "poison",
                         "exporter `%s` rejected one window %d times (%s: %s); dropped it and moved on "
@@ -271,9 +328,95 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
                     self.name, type(err).__name__, err, self.failures, delay,
                 )
                 return False
-            self._pending.popleft()
-            self._attempts = 0
+            self._done_with_head()
         return True
+
+    def _done_with_head(self) -> None:
+        self._pending.popleft()
+        self._landed_ids.clear()
+        self._attempts = 0
+
+    def _write_window(self, window: Window) -> None:
+        """Hand the rows of `window` not landed yet to the backend; the rows it cannot take are lost here."""
+        landed = self._landed_ids
+        metrics, histograms, spans = window.metrics, window.histograms, window.spans
+        if landed:
+            metrics = [r for r in metrics if id(r) not in landed]
+            histograms = [h for h in histograms if id(h) not in landed]
+            spans = [s for s in spans if id(s) not in landed]
+        if self.handles_metrics and (metrics or histograms):
+            metrics, histograms = self._writable(metrics), self._writable(histograms)
+            if metrics or histograms:
+                self.write_metrics(metrics, histograms)
+                self.mark_written(metrics)
+                self.mark_written(histograms)
+        if self.handles_spans and spans:
+            self.write_spans(spans)
+            self.mark_written(spans)
+
+    def _writable(self, rows: Sequence[Any]) -> Sequence[Any]:
+        problem = self.row_problem
+        bad = [i for i, r in enumerate(rows) if problem(r) is not None]
+        if not bad:
+            return rows
+        for i in bad:
+            self._lose(rows[i], problem(rows[i]) or "refused", None)
+        skip = set(bad)
+        return [r for i, r in enumerate(rows) if i not in skip]
+
+    def _one_row_at_a_time(self, window: Window) -> Window | None:
+        """After a failed write: each row not landed yet as a write of its own (tried twice). When some row
+        lands, the backend is up: a row that failed alone is one it refuses (lost, counted, warned once).
+        When none lands, it is down: the rows from the first failure on are returned for a retry (None:
+        nothing is left)."""
+        singles: list[Window] = []
+        if self.handles_metrics:
+            singles += [Window([r]) for r in window.metrics if id(r) not in self._landed_ids]
+            singles += [Window((), [h]) for h in window.histograms if id(h) not in self._landed_ids]
+        if self.handles_spans:
+            singles += [Window(spans=[s]) for s in window.spans if id(s) not in self._landed_ids]
+        failed: list[tuple[Window, Exception]] = []
+        landed = False
+        for single in singles:
+            error: Exception | None = None
+            for _ in range(2):  # a row that fails twice in a row, alone
+                try:
+                    self._write_window(single)
+                except Exception as err:
+                    self.failures += 1
+                    error = err
+                    continue
+                landed, error = True, None
+                break
+            if error is not None:
+                failed.append((single, error))
+                if not landed and len(failed) >= _DOWN_AFTER:
+                    break
+        if not failed:
+            return None
+        if not landed:
+            rest = [_only_row(w) for w in singles[singles.index(failed[0][0]):]]
+            return Window([r for r in rest if isinstance(r, MetricRow)],
+                          [r for r in rest if isinstance(r, HistogramRow)], [r for r in rest if isinstance(r, SpanRow)])
+        for single, why in failed:
+            self._lose(_only_row(single), "refused", why)
+        return None
+
+    def _lose(self, row: Any, cause: str, err: Exception | None) -> None:
+        self.rows_lost[cause] = self.rows_lost.get(cause, 0) + 1
+        series = str(getattr(row, "tag", None) or getattr(row, "name", "?"))
+        if (cause, series) in self._warned_series:
+            return
+        self._warned_series.add((cause, series))
+        detail = f" ({type(err).__name__}: {err})" if err is not None else ""
+        _logger.warning("exporter `%s` skipped a row of series `%s` at step %r: %s%s; the rest of its window is "
+                        "written, later rows of this series that fail the same way are counted, not warned "
+                        "about", self.name, series, getattr(row, "step", None), LOSS_CAUSES.get(cause, cause), detail)
+
+    def _lose_window(self, window: Window, cause: str) -> None:
+        self.dropped_windows += 1
+        n = len(window.metrics) + len(window.histograms) + len(window.spans)
+        self.rows_lost[cause] = self.rows_lost.get(cause, 0) + n
 
     # -- MetricExporter / SpanExporter ------------------------------------------------------------
     def export(self, data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:  # type: ignore[override]
@@ -326,6 +469,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             except Exception as err:
                 _logger.error("exporter `%s` close failed: %s", self.name, err)
 
+    @property
+    def unwritten_windows(self) -> int:
+        """Windows accepted and not written yet (waiting for a retry)."""
+        return len(self._pending)
+
     def __enter__(self) -> RowExporter:
         return self
 
@@ -333,3 +481,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.shutdown()
+
+
+def _only_row(window: Window) -> MetricRow | HistogramRow | SpanRow:
+    rows: list[MetricRow | HistogramRow | SpanRow] = [*window.metrics, *window.histograms, *window.spans]
+    return rows[0]

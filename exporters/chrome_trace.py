@@ -117,6 +117,11 @@ def span_event_marks(row: SpanRow, pid: int, tid: int) -> list[dict[str, Any]]:
              "args": {k: json_safe(v) for k, v in attrs.items()}} for name, t, attrs in row.events]
 
 
+def encode_event(event: Mapping[str, Any]) -> bytes:
+    """One event as a line of the array (strict JSON, then ``,``)."""
+    return json.dumps(event, allow_nan=False, separators=(",", ":")).encode() + b",\n"
+
+
 def _fallback_tid(thread_name: str) -> int:
     """A stable small tid for spans recorded without `thread.id` (same name -> same tid)."""
     return 1 + zlib.crc32(thread_name.encode()) % 99_999 if thread_name else 1
@@ -143,14 +148,15 @@ class _RankTrace:
         self.emit({"name": "process_sort_index", "ph": "M", "pid": self.pid, "args": {"sort_index": run.rank}})
 
     def emit(self, event: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(event, allow_nan=False, separators=(",", ":")).encode())
-        self._file.write(b",\n")
+        self._file.write(encode_event(event))
 
-    def thread(self, tid: int, name: str) -> None:
-        if tid not in self._threads:
-            self._threads.add(tid)
-            self.emit({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
-                       "args": {"name": name or f"thread {tid}"}})
+    def emit_all(self, encoded: list[bytes], threads: Mapping[int, str]) -> None:
+        """Append events encoded beforehand (one write), after the names of the threads new to the file."""
+        head = [encode_event({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
+                              "args": {"name": name or f"thread {tid}"}})
+                for tid, name in threads.items() if tid not in self._threads]
+        self._file.write(b"".join(head + encoded))
+        self._threads.update(threads)
 
     def push(self) -> None:
         """Hand the window to the OS: a killed process keeps it (a machine crash needs `sync`)."""
@@ -215,34 +221,43 @@ class ChromeTraceExporter(RowExporter):
         return list(self._paths)
 
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
-        touched: dict[int, _RankTrace] = {}
+        # Each rank's events are encoded in full, then appended in one write (reported with `mark_written`):
+        # a retry after a failure never writes an event twice.
+        per_rank: dict[tuple[str, int], tuple[RunInfo, list[bytes], dict[int, str], list[SpanRow]]] = {}
         steps = self._steps
         for row in rows:
             if steps is not None and row.step not in steps:  # a step-less span is in no selection
                 continue
-            trace = self._trace(row.run)
-            touched[id(trace)] = trace
+            _, encoded, threads, written = per_rank.setdefault((row.run.run_id, row.run.rank),
+                                                               (row.run, [], {}, []))
+            pid = row.run.rank
             tid = row.thread_id or _fallback_tid(row.thread_name)
-            trace.thread(tid, row.thread_name)
-            trace.emit(span_event(row, trace.pid, tid))
-            for mark in span_event_marks(row, trace.pid, tid):
-                trace.emit(mark)
-        for trace in touched.values():
+            threads.setdefault(tid, row.thread_name)
+            encoded.append(encode_event(span_event(row, pid, tid)))
+            encoded.extend(encode_event(mark) for mark in span_event_marks(row, pid, tid))
+            written.append(row)
+        for run, encoded, threads, written in per_rank.values():
+            trace = self._trace(run)
+            trace.emit_all(encoded, threads)
             trace.push()
+            self.mark_written(written)
 
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
-        touched: dict[int, _RankTrace] = {}
+        per_rank: dict[tuple[str, int], tuple[RunInfo, list[bytes], list[MetricRow]]] = {}
         for row in rows:
             if row.kind == "histogram" or not row.time_unix_nano or not math.isfinite(row.value):
                 continue
             if self._steps is not None and row.step not in self._steps:
                 continue
-            trace = self._trace(row.run)
-            touched[id(trace)] = trace
-            trace.emit({"name": row.tag, "ph": "C", "ts": _us(row.time_unix_nano), "pid": trace.pid,
-                        "args": {"value": row.value}})
-        for trace in touched.values():
+            _, encoded, written = per_rank.setdefault((row.run.run_id, row.run.rank), (row.run, [], []))
+            encoded.append(encode_event({"name": row.tag, "ph": "C", "ts": _us(row.time_unix_nano),
+                                         "pid": row.run.rank, "args": {"value": row.value}}))
+            written.append(row)
+        for run, encoded, written in per_rank.values():
+            trace = self._trace(run)
+            trace.emit_all(encoded, {})
             trace.push()
+            self.mark_written(written)
 
     def mark_preempted(self, cause: str) -> None:
         """A process-wide instant event ``preempted (SIGTERM)`` on each rank's track, at the hand-off."""

@@ -123,6 +123,7 @@ class ClearMLExporter(RowExporter):
                     logger.report_histogram(title, series, values=list(row.bucket_counts), iteration=step,
                                             xlabels=_bucket_labels(row.explicit_bounds), xaxis=row.name,
                                             yaxis="count")
+                self.mark_written((row,))  # one report per row: a retry does not report it again
 
     def flush(self) -> None:
         if self._task is not None:

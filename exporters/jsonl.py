@@ -173,18 +173,25 @@ class JsonlExporter(RowExporter):
         self._write_resume_record(f, run, step)
         f.flush()
 
-    def _write(self, records: list[tuple[RunInfo, dict[str, Any]]]) -> None:
-        touched: dict[int, IO[str]] = {}
-        for run, record in records:
-            f = self._file(run)
-            touched[id(f)] = f
+    def _write(self, records: list[tuple[RunInfo, dict[str, Any]]], rows: Sequence[Any]) -> None:
+        # Every line is encoded before the first is written, and each rank's file gets its lines in one
+        # write (reported with `mark_written`): a retry after a failure never writes a line twice.
+        per_file: dict[tuple[str, int], tuple[RunInfo, list[str], list[Any]]] = {}
+        for (run, record), row in zip(records, rows, strict=True):
             # default=str: an attribute value of an unexpected type must not lose the whole window.
-            f.write(json.dumps(record, default=str, separators=(",", ":")) + "\n")
-        for f in touched.values():
+            line = json.dumps(record, default=str, separators=(",", ":")) + "\n"
+            entry = per_file.setdefault((run.run_id, run.rank), (run, [], []))
+            entry[1].append(line)
+            entry[2].append(row)
+        for run, lines, written in per_file.values():
+            f = self._file(run)
+            f.write("".join(lines))
             f.flush()  # a killed process keeps every finished window
+            self.mark_written(written)
 
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         records: list[tuple[RunInfo, dict[str, Any]]] = []
+        written: list[MetricRow | HistogramRow] = [*rows, *histograms]
         for r in rows:
             records.append((r.run, {
                 "type": "metric", **_run_fields(r.run), "step": r.step, "name": r.name, "tag": r.tag,
@@ -198,10 +205,10 @@ class JsonlExporter(RowExporter):
                 "explicit_bounds": list(h.explicit_bounds), "bucket_counts": list(h.bucket_counts),
                 "time_unix_nano": h.time_unix_nano, "attributes": _attrs(h.attributes),
             }))
-        self._write(records)
+        self._write(records, written)
 
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
-        self._write([(s.run, _span_record(s)) for s in rows])
+        self._write([(s.run, _span_record(s)) for s in rows], rows)
 
     def mark_preempted(self, cause: str) -> None:
         """Append ``{"type": "preempted", "signal": cause}`` to each rank file this run wrote, durably."""

@@ -209,16 +209,20 @@ class TensorBoardExporter(RowExporter):
 
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         # One event per (rank, step): fewer records, same curves. Scalars are encoded from cached
-        # per-tag prefixes (building a protobuf per value cost more than all the rest).
-        grouped: dict[RunInfo, dict[int, tuple[list[bytes], int]]] = {}
+        # per-tag prefixes (building a protobuf per value cost more than all the rest). Each rank's events
+        # are encoded in full before its one append, and the append is reported (`mark_written`): a retry
+        # after a failure never writes a rank's events twice.
+        grouped: dict[RunInfo, tuple[dict[int, tuple[list[bytes], int]], list[MetricRow | HistogramRow]]] = {}
         prefixes = self._value_prefix
         pack = _FLOAT32.pack
         run: RunInfo | None = None
         steps: dict[int, tuple[list[bytes], int]] = {}
+        members: list[MetricRow | HistogramRow] = []
         for row in rows:
             if row.run is not run:  # rows come in long stretches of one rank
                 run = row.run
-                steps = grouped.setdefault(run, {})
+                steps, members = grouped.setdefault(run, ({}, []))
+            members.append(row)
             event = steps.get(row.step)
             if event is None:
                 event = steps[row.step] = ([], row.time_unix_nano)
@@ -229,19 +233,22 @@ class TensorBoardExporter(RowExporter):
                 event[0].append(prefix + pack(math.copysign(math.inf, row.value)))
         Summary = self._summary_pb2.Summary
         for h in histograms:
-            event = grouped.setdefault(h.run, {}).setdefault(h.step, ([], h.time_unix_nano))
+            run_steps, run_members = grouped.setdefault(h.run, ({}, []))
+            run_members.append(h)
+            event = run_steps.setdefault(h.step, ([], h.time_unix_nano))
             event[0].append(Summary(value=[Summary.Value(tag=h.tag, histo=self._histogram(h))]).SerializeToString())
         Event = self._event_pb2.Event
-        writers = set()
-        for run_, events in grouped.items():
-            writer = self._writer(run_)
-            writers.add(writer)
+        for run_, (events, written) in grouped.items():
+            encoded = []
             for step, (values, t) in events.items():
                 summary = b"".join(values)
                 header = Event(wall_time=t / 1e9, step=step).SerializeToString()
-                writer.add(header + self._summary_key + _varint(len(summary)) + summary)
-        for writer in writers:
+                encoded.append(header + self._summary_key + _varint(len(summary)) + summary)
+            writer = self._writer(run_)
+            for record in encoded:
+                writer.add(record)
             writer.flush()
+            self.mark_written(written)
 
     def _histogram(self, h: HistogramRow) -> Any:
         bounds = list(h.explicit_bounds)

@@ -99,6 +99,7 @@ class TrackioExporter(RowExporter):
                             data[key] = hist
                 if data:
                     run.log(data, step=step)
+                self.mark_written(step_rows)  # a retry after a later step's failure does not log it again
 
     def mark_preempted(self, cause: str) -> None:
         """A Trackio alert (level WARN, title ``preempted``) on every run written, where the installed

@@ -16,6 +16,13 @@
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes its own run ``<run id>-rank<N>`` named
   ``<run name>-rank<N>``; every rank's run is in the group `train.run.id`. W&B runs cannot be shared
   by processes, and the sink does the same, so a run looks alike on both paths.
+- Durability: W&B's service process writes the run's ``.wandb`` file on its own schedule (otel-train asks it to
+  every 0.25 s) and keeps the step logged last open until a later one arrives. The exporter reads its own
+  run file back and reports the last step it holds (`durable_step`), so delivery's cursor never claims a
+  step the file lacks: after a `kill -9` of the whole job, `otel-train replay` writes the rest, once (a
+  resumed run reads the steps the earlier attempts' files hold, and drops those rows). The open step is
+  in the file after `finish`, at the close. The resume marker (``otel-train-<id>.last-step``) also holds
+  only steps the file has.
 - Preemption: a run that ended on SIGTERM or SIGUSR1 gets `run.mark_preempting()` and the summary
   field ``otel_train.preempted`` = the signal's name.
 - Settings: `WANDB_PROJECT` (default: the otel-train project), `WANDB_ENTITY`, `WANDB_MODE`,
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +62,7 @@ _logger = logging.getLogger(__name__)
 PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
+_FILE_FLUSH_S = 0.25  # how often W&B's service writes the run file (its default, 15 s, is what a kill loses)
 
 
 def wandb_run_id(run: RunInfo) -> str:
@@ -96,9 +105,10 @@ class WandbExporter(RowExporter):
         self.group = group
         self._runs: dict[tuple[str, int], Run] = {}
         self._markers: dict[tuple[str, int], Path] = {}
-        self._committed: dict[tuple[str, int], int] = {}
         self._marked: dict[tuple[str, int], int] = {}
         self._gate = StepGate("wandb", monotonic=True)
+        self._files: dict[tuple[str, int], _RunFile] = {}
+        self._floor: dict[tuple[str, int], int] = {}  # steps earlier attempts hold
 
     @property
     def steps_dropped(self) -> int:
@@ -117,13 +127,28 @@ class WandbExporter(RowExporter):
         for key, (run_info, run_rows) in per_run.items():
             run = self._run(key, run_info)
             for step, step_rows in by_step(run_rows):
-                previous = self._gate.last(key)
-                if not self._gate.admit(key, step):
+                payload = self._payload(step_rows)
+                if not payload or not self._gate.admit(key, step):  # nothing W&B can draw, or a step it cannot take
+                    self.mark_written(step_rows)
                     continue
-                if step > previous >= 0:
-                    self._committed[key] = previous  # W&B commits a step when a later one arrives
-                run.log(self._payload(step_rows), step=step)
-            self._write_marker(key, self._committed.get(key))
+                run.log(payload, step=step)
+                self.mark_written(step_rows)  # a retry after a later step's failure does not log it again
+
+    def durable_step(self) -> int | None:
+        """The last step the run file holds, where a run has steps it does not hold yet (else None)."""
+        behind = []
+        for key in self._files:  # also after `close`: a run whose finish failed is not all in its file
+            held = self._held(key)
+            if held is not None and self._gate.last(key) > held:
+                behind.append(held)
+        return min(behind) if behind else None
+
+    def flush(self) -> None:
+        """Read how far each run file got, and record it in the resume marker."""
+        for key in self._runs:
+            held = self._held(key)
+            if held is not None:
+                self._write_marker(key, held)
 
     def mark_preempted(self, cause: str) -> None:
         """W&B's own preemption mark (`run.mark_preempting()`: online, the run shows as preempted
@@ -136,7 +161,7 @@ class WandbExporter(RowExporter):
         for key, run in list(self._runs.items()):
             try:
                 run.finish()
-                self._write_marker(key, self._gate.last(key))
+                self._write_marker(key, max(self._held(key) or -1, self._gate.last(key)))
             except Exception as err:  # one failing run must not keep the others open
                 _logger.error("wandb: finishing run %s failed: %s", key[0], err)
         self._runs.clear()
@@ -171,6 +196,8 @@ class WandbExporter(RowExporter):
         settings: dict[str, Any] = {}
         if not env.get("WANDB_CONSOLE"):
             settings["console"] = "off"
+        if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}):
+            settings["x_transaction_log_flush_interval"] = _FILE_FLUSH_S
         resume_step = self.options.resume_step
         rewind = resume_step is not None and _can_rewind(env)
         if rewind:
@@ -195,8 +222,23 @@ class WandbExporter(RowExporter):
             held = resume_step - 1  # W&B dropped the steps >= N
         else:
             held = max(int(run.starting_step or 0) - 1, _read_marker(marker))
+        sync_file = getattr(run.settings, "sync_file", None)
+        if sync_file:
+            self._files[key] = _RunFile(Path(sync_file))
+            if not rewind:  # what earlier attempts' run files hold, read back (a killed one's marker lags)
+                for earlier in Path(sync_file).parent.parent.glob(f"*-{wandb_id}/run-{wandb_id}.wandb"):
+                    if earlier != Path(sync_file):
+                        held = max(held, _RunFile(earlier).last_step())
         self._gate.set_floor(key, held)
+        self._floor[key] = held
         return run
+
+    def _held(self, key: tuple[str, int]) -> int | None:
+        """The highest step run `key` holds durably (its file, or the earlier attempts); None: unknown."""
+        store = self._files.get(key)
+        if store is None or not store.path.exists():  # no transaction log (disabled mode, W&B's own setting)
+            return None
+        return max(store.last_step(), self._floor.get(key, -1))
 
     @staticmethod
     def _payload(step_rows: list[MetricRow | HistogramRow]) -> dict[str, Any]:
@@ -229,6 +271,10 @@ def _can_rewind(env: os._Environ[str] | dict[str, str]) -> bool:
     return mode not in ("offline", "dryrun", "disabled") and "resume_from" in wandb.Settings.model_fields
 
 
+def _below(held: int | None, step: int) -> bool:
+    return held is None or held < step
+
+
 def _read_marker(path: Path) -> int:
     try:
         return int(path.read_text().strip())
@@ -246,3 +292,84 @@ def _histogram(row: HistogramRow) -> Any:
         return None
     counts, edges = bins
     return wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges, dtype=float)))
+
+
+class _RunFile:
+    """Reads a `.wandb` run file as W&B's service appends it: the last history step written so far.
+
+    The file is a LevelDB log of protobuf `Record`s (32 KiB blocks of framed chunks); only complete chunks
+    are read, so a block the service is still writing is read again later from where it stopped.
+    """
+
+    _BLOCK = 32768
+    _HEADER = struct.Struct("<IHB")  # checksum, length, chunk type
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._pending = b""
+        self._last = -1
+
+    def last_step(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return self._last
+        if self._offset == 0:
+            if len(data) < 7:
+                return self._last
+            data, self._offset = data[7:], 7  # ":W&B", magic, version
+        self._parse(data)
+        return self._last
+
+    def _parse(self, data: bytes) -> None:
+        from wandb.proto import wandb_internal_pb2 as pb
+
+        pos = 0
+        size = self._HEADER.size
+        while True:
+            left = self._BLOCK - (self._offset + pos) % self._BLOCK
+            if left < size:  # zero padding at the end of a block
+                if pos + left > len(data):
+                    break
+                pos += left
+                continue
+            if pos + size > len(data):
+                break
+            _, length, kind = self._HEADER.unpack_from(data, pos)
+            if kind == 0 and length == 0:  # the rest of the block is padding
+                if pos + left > len(data):
+                    break
+                pos += left
+                continue
+            end = pos + size + length
+            if end > len(data):
+                break
+            chunk = data[pos + size:end]
+            pos = end
+            if kind == 2:  # FIRST
+                self._pending = chunk
+                continue
+            if kind == 3:  # MIDDLE
+                self._pending += chunk
+                continue
+            payload = self._pending + chunk if kind == 4 else chunk
+            self._pending = b""
+            record = pb.Record()  # type: ignore[attr-defined]
+            try:
+                record.ParseFromString(payload)
+            except Exception:  # a record this W&B version cannot read: not a history step
+                record = None
+            if record is None:
+                continue
+            if record.WhichOneof("record_type") == "history":
+                for item in record.history.item:
+                    if (item.key or "/".join(item.nested_key)) == "_step":
+                        try:
+                            self._last = max(self._last, int(float(item.value_json)))
+                        except ValueError:
+                            pass
+                        break
+        self._offset += pos

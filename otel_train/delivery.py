@@ -8,7 +8,15 @@ merge into one bigger write. A backend's cursor moves only after its `force_flus
 whatever it has not made durable is fed again from the spool after a crash or by `otel-train replay`;
 a backend that appends to its own files (`RowExporter.kill_safe_writes`) also records after every
 write how far its writes reached the OS (`Spool.advance`), so a killed process writes nothing twice.
+A backend whose client writes its store on its own schedule (W&B's service process) says how far its
+store holds the data (`RowExporter.durable_step`): its cursor moves only over the windows up to that step
+(an explicit flush still succeeds once such a backend has everything and flushed: the spool keeps the rest
+until its store holds it).
 The single entry into a backend is `RowExporter.export_window`.
+
+A child process's window (a DataLoader worker's values, `submit_side`) is not spooled; it is handed to each
+backend in stream order, right after the last window queued when it arrived, so its values (stamped with
+that window's step) never reach a backend after later steps (W&B drops writes to earlier steps).
 
 A `Resume` in the stream (`otel_train.framing`) is applied by each backend in order (`RowExporter.resume`)
 and then acknowledged like a window. Windows of the earlier attempt (seq <= its `cut_after`) that a backend
@@ -55,6 +63,8 @@ class Progress:
     steps_order_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Windows the spool could not write ahead (disk full), delivered from memory only.
     spool_failed_appends: int = 0
+    #: Per backend: rows it did not write, by cause (`otel_train.exporters.base.LOSS_CAUSES`; only non-zero).
+    rows_lost: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def behind(self) -> dict[str, int]:
         """Backends that lack windows, with how many steps they are behind."""
@@ -92,15 +102,20 @@ class _Backend:
         self._cv = threading.Condition()
         self._log = LogOnce(_logger, interval_s=60.0)
         self.dropped = 0
+        self.dropped_rows = 0  # rows of the windows dropped from a full queue (no spool)
         self.rows_written = 0  # metric and histogram rows handed to the backend
         self._on_error = on_error
         self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
         self._flushes_asked = 0
         self._flushes_done = 0
+        self._flushed_handed = 0  # windows handed when the last asked-for flush succeeded
         self.exports = 0  # export_window calls, and the seconds they took (self-telemetry)
         self.export_s = 0.0
         self.rows = 0  # rows (points and spans) handed to the backend
-        self._side: deque[Window] = deque(maxlen=queue_windows * 4)  # child-process windows, not spooled
+        # Child-process windows (not spooled), each with the seq of the window it follows in the stream.
+        self._side: deque[tuple[int, Window]] = deque(maxlen=queue_windows * 4)
+        self._handed_max: deque[tuple[int, int]] = deque()  # (seq, highest step handed so far), not yet acked
+        self._max_step_handed = -1
         self.thread = threading.Thread(target=self._run, name=f"{thread_name}-{name}", daemon=True)
         self.thread.start()
 
@@ -113,17 +128,19 @@ class _Backend:
                     self._queue.clear()  # stalled: keep memory bounded, read back from the spool later
                     self._reload = True
                 else:
-                    self._queue.popleft()
+                    _, _, gone = self._queue.popleft()
                     self.dropped += 1
+                    self.dropped_rows += _rows(gone)
                     self._queue.append((seq, step, window))
             else:
                 self._queue.append((seq, step, window))
             self._cv.notify_all()
 
-    def submit_side(self, window: Window) -> None:
-        """Queue a window that is not in the spool (it carries no seq; delivered once, best effort)."""
+    def submit_side(self, window: Window, after_seq: int) -> None:
+        """Queue a window that is not in the spool, to go right after window `after_seq` (delivered once,
+        best effort)."""
         with self._cv:
-            self._side.append(window)
+            self._side.append((after_seq, window))
             self._cv.notify_all()
 
     def wait_room(self, deadline: float) -> bool:
@@ -148,7 +165,8 @@ class _Backend:
         with self._cv:
             self._cv.wait_for(lambda: self.acked >= seq or self._flushes_done >= ticket,
                               timeout=max(0.0, deadline - time.monotonic()))
-            return self.acked >= seq
+            # A backend whose store lags (`durable_step`) has it all once flushed; the spool keeps the rest.
+            return self.acked >= seq or (self._flushes_done >= ticket and self._flushed_handed >= seq)
 
     def stop(self) -> None:
         with self._cv:
@@ -177,17 +195,16 @@ class _Backend:
                     self._cv.notify_all()  # room in the queue for a producer waiting in `wait_room`
             if reload and self.spool is not None:
                 items = self._from_spool() + items
-            self._export(items)
-            if side:
-                self._write(side[0] if len(side) == 1 else _merge(side))
+            self._export(items, side)
             # Without a spool there is no cursor to keep fresh: flush only when asked.
             due = (self.spool is not None and self.handed > self.acked
                    and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S)
-            if flush or due:
-                self._flush()
+            flushed = self._flush() if flush or due else False
             if flush:
                 with self._cv:
                     self._flushes_done = max(self._flushes_done, asked)
+                    if flushed:
+                        self._flushed_handed = self.handed
                     self._cv.notify_all()
             if stop:
                 with self._cv:
@@ -206,13 +223,21 @@ class _Backend:
                 self._log.error("decode", "spool window %d unreadable for `%s` (%s); skipped", seq, self.name, err)
         return out
 
-    def _export(self, items: list[tuple[int, int, Window]]) -> None:
+    def _export(self, items: list[tuple[int, int, Window]], side: list[tuple[int, Window]] | None = None) -> None:
         # The spool and the queue may both hold a window around a reload: each seq goes out once.
         fresh: list[tuple[int, int, Window]] = []
         for item in sorted(items, key=lambda i: i[0]):
             if item[0] > (fresh[-1][0] if fresh else self.handed):
                 fresh.append(item)
+        children = sorted(side or (), key=lambda c: c[0])
         group: list[tuple[int, int, Window]] = []
+
+        def children_after(seq: int) -> None:
+            # A child's window goes right after the window it followed (its rows carry that window's step).
+            while children and children[0][0] <= seq:
+                group.append((seq, -1, children.pop(0)[1]))
+
+        children_after(self.handed)
         for seq, step, window in fresh:
             if isinstance(window, Resume):  # never merged: what came before is written first
                 self._export_windows(group)
@@ -223,6 +248,8 @@ class _Backend:
                 if seq <= cut_after:
                     window = cut_window(window, resume_step)
             group.append((seq, step, window))
+            children_after(seq)
+        group += [(self.handed if not group else group[-1][0], -1, w) for _, w in children]
         self._export_windows(group)
 
     def _apply_resume(self, seq: int, resume: Resume) -> None:
@@ -232,7 +259,7 @@ class _Backend:
             self._log.error("resume", "exporter `%s` resume raised %s: %s", self.name, type(err).__name__, err)
         if self._kill_safe:
             self._advance(seq)
-        self.handed = seq
+        self._hand(seq, -1)
         # Acknowledged at once: a crash before this applies it again, which every backend tolerates
         # (TensorBoard and JSONL then also supersede what was written twice after it).
         self._flush()
@@ -246,11 +273,21 @@ class _Backend:
                 end += 1
             batch = items[start:end]
             ok = self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch]))
-            if ok and self._kill_safe:
-                self._advance(batch[-1][0])
-            self.handed = batch[-1][0]
-            self.handed_step = max(self.handed_step, max(s for _, s, _ in batch))
+            last = max(self.handed, batch[-1][0])
+            if ok and self._kill_safe and last > self.handed:
+                self._advance(last)
+            self._hand(last, max(s for _, s, _ in batch))
             start = end
+
+    def _hand(self, seq: int, step: int) -> None:
+        """Windows up to `seq` (steps up to `step`) were handed to the backend."""
+        self.handed = max(self.handed, seq)
+        self.handed_step = max(self.handed_step, step)
+        self._max_step_handed = max(self._max_step_handed, step)
+        if self._handed_max and self._handed_max[-1][0] == self.handed:
+            self._handed_max[-1] = (self.handed, self._max_step_handed)
+        else:
+            self._handed_max.append((self.handed, self._max_step_handed))
 
     def _advance(self, seq: int) -> None:
         assert self.spool is not None
@@ -274,23 +311,44 @@ class _Backend:
         self.rows += _rows(window)
         return ok is not False
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
         self._last_flush = time.monotonic()
         try:
             ok = self.exporter.force_flush()
         except Exception as err:
             self._log.error("flush", "exporter `%s` flush raised %s: %s", self.name, type(err).__name__, err)
             ok = False
-        if not ok:
+        if ok:
+            self._acknowledge()
+        return bool(ok)
+
+    def _acknowledge(self) -> None:
+        """Move the cursor over what the backend's store holds: every window handed, or, for a backend that
+        says how far its store is (`durable_step`), the windows whose steps are all in it."""
+        seq, step = self.handed, self.handed_step
+        try:
+            hook = getattr(self.exporter, "durable_step", None)
+            durable = hook() if hook is not None else None
+        except Exception as err:
+            self._log.error("durable", "exporter `%s` cannot say what it holds (%s: %s)", self.name,
+                            type(err).__name__, err)
+            return
+        if durable is not None:
+            seq, step = self.acked, self.acked_step
+            while self._handed_max and self._handed_max[0][1] <= durable:
+                seq, step = self._handed_max.popleft()
+        else:
+            self._handed_max.clear()
+        if seq <= self.acked:
             return
         if self.spool is not None:
             try:
-                self.spool.acknowledge(self.name, self.handed)
+                self.spool.acknowledge(self.name, seq)
             except OSError as err:
                 self._log.error("cursor", "cannot save the cursor of `%s`: %s", self.name, err)
         with self._cv:
-            self.acked = self.handed
-            self.acked_step = self.handed_step
+            self.acked = seq
+            self.acked_step = step
             self._cv.notify_all()
 
     def _close(self) -> None:
@@ -298,6 +356,9 @@ class _Backend:
             self.exporter.shutdown()
         except Exception as err:
             _logger.error("exporter `%s` failed to shut down: %s", self.name, err)
+            return
+        if not getattr(self.exporter, "unwritten_windows", 0):
+            self._acknowledge()  # a backend holding data back holds it all once closed
 
 
 def _order_counts(exporter: Any) -> dict[str, int]:
@@ -355,6 +416,7 @@ class Delivery:
         self._cuts = _spooled_cuts(spool, list(backends)) if spool is not None else []
         self._backends = [_Backend(name, ex, spool, queue_windows, on_error, thread_name, self._cuts)
                           for name, ex in backends.items()]
+        self._queued_seq = self._last_seq  # the last window queued to every backend (children follow it)
         #: Called with each decoded window and its max step; returns the window the backends get
         #: (the exporter process adds its self-telemetry rows here; they are not spooled).
         self.annotate: Callable[[Window, int], Window] | None = None
@@ -391,6 +453,7 @@ class Delivery:
                 _logger.debug("self-telemetry failed: %s", err)
         for b in self._backends:
             b.submit(seq, max_step, window)
+        self._queued_seq = seq
 
     def submit_window(self, window: Window, max_step: int, wait_s: float) -> bool:
         """Queue a decoded window for every backend (memory only, no spool), waiting up to `wait_s`
@@ -405,6 +468,7 @@ class Delivery:
             self._last_step = max(self._last_step, max_step)
         for b in self._backends:
             b.submit(seq, max_step, window)
+        self._queued_seq = max(self._queued_seq, seq)
         return True
 
     def backlogged(self) -> bool:
@@ -422,10 +486,12 @@ class Delivery:
         return min((b.rows_written for b in self._backends), default=0)
 
     def submit_side(self, window: Window) -> None:
-        """Hand every backend a window that is not spooled (a child process's data): best effort, once."""
+        """Hand every backend a window that is not spooled (a child process's data): best effort, once, right
+        after the last window queued so far (its rows carry that window's step)."""
         if window:
+            after = self._queued_seq
             for b in self._backends:
-                b.submit_side(window)
+                b.submit_side(window, after)
 
     def backend_stats(self) -> dict[str, dict[str, float]]:
         """Per backend: windows not yet handed to it, export calls and their seconds, rows handed, failures, drops."""
@@ -433,6 +499,17 @@ class Delivery:
                          "failures": getattr(b.exporter, "failures", 0),
                          "dropped": b.dropped + getattr(b.exporter, "dropped_windows", 0), **_order_counts(b.exporter)}
                 for b in self._backends}
+
+    def rows_lost(self) -> dict[str, dict[str, int]]:
+        """Per backend: rows it did not write, by cause (only backends and causes with some)."""
+        out: dict[str, dict[str, int]] = {}
+        for b in self._backends:
+            lost = {cause: n for cause, n in dict(getattr(b.exporter, "rows_lost", {}) or {}).items() if n}
+            if b.dropped_rows:
+                lost["queue_full"] = lost.get("queue_full", 0) + b.dropped_rows
+            if lost:
+                out[b.name] = lost
+        return out
 
     @property
     def spool_failed_appends(self) -> int:
@@ -474,7 +551,7 @@ class Delivery:
                         {n: int(s["dropped"]) for n, s in stats.items()},
                         {n: int(s["backwards"]) for n, s in stats.items()},
                         {n: int(s["order_dropped"]) for n, s in stats.items()},
-                        self.spool_failed_appends)
+                        self.spool_failed_appends, self.rows_lost())
 
     def exporters(self) -> list[Any]:
         return [b.exporter for b in self._backends]

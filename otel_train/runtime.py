@@ -362,6 +362,13 @@ class Session:
             backwards = {ex.name: ex.step_order.backwards for ex in in_process}
             order_dropped = {ex.name: ex.step_order.dropped + int(getattr(ex, "steps_dropped", 0)) for ex in in_process}
             spool_failed = 0
+            reader = self.reader
+            dropped_by = {"values over the log buffer": int(getattr(reader.log_buffer, "dropped", 0)),
+                          "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
+                          "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
+                          - int(reader.span_buffer.dropped)}
+            lost = {ex.name: {k: v for k, v in ex.rows_lost.items() if v}
+                    for ex in in_process if getattr(ex, "rows_lost", None)}
             if self.export_process is not None:  # the exporter process's backends: its last progress report
                 names += list(self.export_process.names)
                 progress = self.export_process.last_progress
@@ -370,10 +377,13 @@ class Session:
                 backwards.update(progress.steps_backwards)
                 order_dropped.update(progress.steps_order_dropped)
                 spool_failed = progress.spool_failed_appends
+                lost.update(progress.rows_lost)
+                dropped_by["windows the exporter process could not take or its backends dropped"] = (
+                    self.export_process.dropped + sum(progress.dropped.values()))
             write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
                                        failures, str(run_folder(self.settings.dir, self.run.run_name)),
                                        steps_backwards=backwards, steps_order_dropped=order_dropped,
-                                       spool_failed_appends=spool_failed))
+                                       spool_failed_appends=spool_failed, dropped_by=dropped_by, rows_lost=lost))
         except Exception:
             _logger.debug("no shutdown summary", exc_info=True)
 

@@ -2,8 +2,12 @@
 
 It says what reached the backends and what did not, so a run that lost data does not look like one
 that did not: ``otel-train: 12,000 points in 200 windows to tensorboard, chrome_trace; 0 dropped;
-run folder otel-train-runs/demo``. The counts come from whoever delivers the windows (today the
-step-aligned reader); this module only formats and writes them.
+run folder otel-train-runs/demo``. Every value that did not reach a backend is in it, by cause: what was
+dropped before any backend saw it (a full buffer or queue, with its unit), and per backend the rows it did not
+write (a bad step or value, a row the backend refused, a window given up after its retries, a full queue,
+a step it cannot store). Rows a routing rule (`OTEL_TRAIN_<BACKEND>_*`) keeps from a backend are not a loss
+and not counted. The counts come from whoever delivers the windows (the step-aligned reader, the exporter
+process); this module only formats and writes them.
 """
 
 from __future__ import annotations
@@ -13,11 +17,25 @@ from collections.abc import Mapping, Sequence
 
 __all__ = ["summary_line", "write_summary"]
 
+#: How a backend's loss causes (`RowExporter.rows_lost`, delivery's ``queue_full``) read in the line.
+_CAUSES = {
+    "bad_step": "bad step",
+    "bad_value": "bad value",
+    "refused": "refused by the backend",
+    "gave_up": "given up after retries",
+    "queue_full": "queue full",
+}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
 
 def summary_line(points: int, windows: int, backends: Sequence[str], dropped: int,
                  failures: Mapping[str, int], run_folder: str | None = None, *,
                  steps_backwards: Mapping[str, int] | None = None, steps_order_dropped: Mapping[str, int] | None = None,
-                 spool_failed_appends: int = 0) -> str:
+                 spool_failed_appends: int = 0, dropped_by: Mapping[str, int] | None = None,
+                 rows_lost: Mapping[str, Mapping[str, int]] | None = None) -> str:
     """Format the shutdown summary.
 
     Args:
@@ -30,6 +48,9 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         steps_backwards: Backend name -> rows whose step went backwards (only non-zero ones are shown).
         steps_order_dropped: Backend name -> rows not written because of their step (shown with the above).
         spool_failed_appends: Windows the spool could not write ahead (disk full); shown when non-zero.
+        dropped_by: What makes up `dropped`: its cause with its unit (``values over the log buffer``) -> count.
+        rows_lost: Backend name -> cause (`otel_train.exporters.base.LOSS_CAUSES`, ``queue_full``) -> rows
+            that backend did not write.
 
     Example:
         >>> summary_line(1200, 4, ["tensorboard", "wandb"], 0, {"wandb": 3}, "runs/demo")
@@ -37,10 +58,19 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         >>> summary_line(10, 2, ["wandb"], 0, {}, steps_backwards={"wandb": 2}, steps_order_dropped={"wandb": 1},
         ...              spool_failed_appends=3)
         'otel-train: 10 points in 2 windows to wandb; 0 dropped; wandb: 2 rows with a step going backwards, 1 not written; 3 windows not written ahead to the spool (disk full?)'
+        >>> summary_line(10, 2, ["jsonl", "wandb"], 3, {}, dropped_by={"values over the log buffer": 3},
+        ...              rows_lost={"wandb": {"bad_value": 2, "refused": 1}})
+        'otel-train: 10 points in 2 windows to jsonl, wandb; 3 dropped (3 values over the log buffer); wandb: 3 rows not written (2 bad value, 1 refused by the backend)'
     """
+    causes = ", ".join(f"{n:,} {cause}" for cause, n in (dropped_by or {}).items() if n)
     parts = [f"otel-train: {points:,} points in {windows:,} windows to {', '.join(backends) or 'no backend'}",
-             f"{dropped:,} dropped"]
+             f"{dropped:,} dropped" + (f" ({causes})" if causes else "")]
     parts += [f"{name}: {n:,} failure{'s' if n != 1 else ''}" for name, n in failures.items() if n]
+    for name, lost in (rows_lost or {}).items():
+        total = sum(lost.values())
+        if total:
+            why = ", ".join(f"{n:,} {_CAUSES.get(cause, cause)}" for cause, n in lost.items() if n)
+            parts.append(f"{name}: {_plural(total, 'row')} not written ({why})")
     backwards, order_dropped = steps_backwards or {}, steps_order_dropped or {}
     for name in dict.fromkeys([*backwards, *order_dropped]):
         went, gone = backwards.get(name, 0), order_dropped.get(name, 0)

@@ -84,4 +84,4 @@ def test_summary_names_the_exporter_process_failures(run_dir: Path, capsys: pyte
     session.export_process.last_progress = Progress(failures={"tensorboard": 0, "jsonl": 3}, dropped={"jsonl": 1})
     session._write_summary()  # what shutdown writes, with a child whose `jsonl` failed 3 times
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "jsonl: 3 failures" in line and "tensorboard:" not in line and "; 1 dropped;" in line
+    assert "jsonl: 3 failures" in line and "tensorboard:" not in line and "; 1 dropped (1 windows the exporter process could not take or its backends dropped);" in line

@@ -159,3 +159,54 @@ def test_without_a_spool_a_failed_write_is_reported_and_a_failed_flush_answers_f
     assert errors and set(errors) == {"bad"}
     bad.fail_times = 0
     d.close(time.monotonic() + 30)
+
+
+class _LaggingStore(InMemoryRowExporter):
+    """A backend whose store holds steps only up to `held` (W&B's service writing its file later)."""
+
+    name = "lagging"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: int | None = -1
+
+    def durable_step(self) -> int | None:
+        return self.held
+
+
+def test_a_cursor_claims_only_what_the_backend_store_holds(tmp_path: Path) -> None:
+    store = _LaggingStore()
+    d = Delivery({"lagging": store}, Spool(tmp_path))
+    for seq in range(1, 11):
+        d.submit(seq, seq - 1, window(seq - 1))
+    store.held = 4
+    assert d.flush(time.monotonic() + 30)  # the backend has it all; its store does not yet
+    assert d.progress().delivered == {"lagging": 5} and d.progress().delivered_step == {"lagging": 4}
+    assert Spool(tmp_path).cursor("lagging") == 5
+    store.held = None  # its store holds everything (W&B: after finish)
+    assert d.close(time.monotonic() + 30)
+    assert Spool(tmp_path).cursor("lagging") == 10
+
+
+def test_a_child_window_goes_right_after_the_window_it_followed(tmp_path: Path) -> None:
+    mem = InMemoryRowExporter()
+    d = Delivery({"mem": mem}, Spool(tmp_path))
+    d.submit(1, 0, window(0))
+    child = decode_window(encode_window(RUN, [("data/item", 0, 7.0, 5)])[0])
+    d.submit_side(child)
+    d.submit(2, 1, window(1))
+    assert d.close(time.monotonic() + 30)
+    assert [(r.tag, r.step) for r in mem.metrics] == [("train/loss", 0), ("data/item", 0), ("train/loss", 1)]
+
+
+def test_progress_has_the_rows_each_backend_did_not_write(tmp_path: Path) -> None:
+    class Picky(InMemoryRowExporter):
+        def row_problem(self, row: Any) -> str | None:
+            return "refused" if row.step == 1 else super().row_problem(row)
+
+    d = Delivery({"picky": Picky(), "mem": InMemoryRowExporter()}, Spool(tmp_path))
+    for seq in range(1, 4):
+        d.submit(seq, seq - 1, window(seq - 1))
+    assert d.flush(time.monotonic() + 30)
+    assert d.progress().rows_lost == {"picky": {"refused": 1}}
+    d.close(time.monotonic() + 30)

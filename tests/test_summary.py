@@ -54,3 +54,53 @@ def test_summary_at_shutdown_on_stderr(tmp_path: Path) -> None:
 def test_no_summary_when_quiet_or_not_rank_zero(tmp_path: Path, env: dict[str, str]) -> None:
     proc = _run(tmp_path, **env)
     assert "otel-train: " not in proc.stderr, proc.stderr
+
+
+def test_summary_line_counts_every_loss_by_cause() -> None:
+    line = summary_line(100, 3, ["jsonl", "wandb"], 5, {},
+                        dropped_by={"values over the log buffer": 4, "spans over the span buffer": 0,
+                                    "windows over an export queue": 1},
+                        rows_lost={"jsonl": {}, "wandb": {"bad_value": 2, "refused": 1, "gave_up": 0}},
+                        steps_order_dropped={"wandb": 3})
+    assert line == ("otel-train: 100 points in 3 windows to jsonl, wandb; 5 dropped (4 values over the log buffer, "
+                    "1 windows over an export queue); wandb: 3 rows not written (2 bad value, 1 refused by the "
+                    "backend); wandb: 0 rows with a step going backwards, 3 not written")
+
+
+_REFUSING = textwrap.dedent(
+    """
+    import sys
+    import otel_train as ot
+    from otel_train.testing import InMemoryRowExporter
+
+    class Refusing(InMemoryRowExporter):
+        name = "picky"
+
+        def write_metrics(self, rows, histograms):
+            if any(r.tag == "odd" for r in rows):
+                raise ValueError("picky refuses `odd`")
+            super().write_metrics(rows, histograms)
+
+    picky = Refusing()
+    ot.init(exporters=[picky], dir=sys.argv[1], run_name="summ")
+    for i in ot.steps(range(4)):
+        ot.log({"train/loss": 1.0 / (i + 1), "odd": float(i)})
+        ot.flush()
+    ot.shutdown()
+    print("landed", sorted(r.step for r in picky.metrics if r.tag == "train/loss"))
+    """
+)
+
+
+def test_summary_counts_the_rows_a_backend_refused(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(_REFUSING)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=clean, capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert "landed [0, 1, 2, 3]" in proc.stdout  # the rest of every window
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("otel-train: "))
+    assert "; 0 dropped; picky: 12 failures; picky: 4 rows not written (4 refused by the backend); " in line, line
+    # 12 failed writes: per window, the window, then the refused row alone, twice
+    warned = [x for x in proc.stderr.splitlines() if "`odd`" in x and "skipped a row" in x]
+    assert len(warned) == 1, proc.stderr  # once for the series, not per row

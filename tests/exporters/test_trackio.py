@@ -128,3 +128,4 @@ def test_missing_trackio_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "trackio", None)
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[trackio\]'"):
         TrackioExporter(ExporterOptions())
+
