@@ -108,14 +108,21 @@ def holder(path: Path) -> dict[str, object]:
 
 
 def try_lock(path: Path) -> int | None:
-    """Take the exclusive claim of the spool folder `path` without waiting: the open fd, or None if held."""
+    """Take the exclusive claim of the spool folder `path` without waiting: the open fd, or None if held.
+
+    Raises:
+        OSError: the folder cannot be created or the file system has no `flock` (some network file systems).
+    """
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         os.close(fd)
         return None
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -130,8 +137,10 @@ def claim_run(directory: str | os.PathLike[str], run_id: str, run_name: str, ran
       wait runs out, take the first free ``<run id>-2``, ``-3``, ... (run id and run name both get the
       suffix, so every backend keeps the two apart), with a warning naming it.
 
+    A file system without `flock` (some network file systems) gets one warning and no lock.
+
     Raises:
-        ConfigError: no free name in `_MAX_SUFFIX` tries, or the folder cannot be locked.
+        ConfigError: no free name in `_MAX_SUFFIX` tries.
     """
     from otel_train.errors import ConfigError
 
@@ -151,8 +160,10 @@ def claim_run(directory: str | os.PathLike[str], run_id: str, run_name: str, ran
                     time.sleep(_WAIT_POLL_S)
                     fd = try_lock(path)
         except OSError as err:
-            raise ConfigError(f"OTEL_TRAIN_DIR: cannot lock the run folder {str(path)!r} ({err}); give a directory "
-                              "on a file system that supports flock") from None
+            _logger.warning("otel-train: cannot lock the run folder %s (%s): another process writing the same run "
+                            "and rank would mix with this one; give each process its own OTEL_TRAIN_RUN_ID",
+                            path, err)
+            return RunClaim(run_id + suffix, run_name + suffix, path, -1)
         if fd is None:
             continue
         _describe(fd, "training")

@@ -225,3 +225,23 @@ def test_rank_1_exports_no_child_values_with_ranks_0(tmp_path: Path) -> None:
     assert [r for r in rank1 if r["type"] != "span"] == []  # rank 1: no metrics, its own or its child's ...
     assert sorted(r["name"] for r in rank1 if r["name"] == "load") == ["load"] * 5  # ... but its spans
 
+
+
+def test_claims_in_one_process(tmp_path: Path, caplog: Any) -> None:
+    import threading
+
+    from otel_train.spool import claim_run, holder, mark_draining
+
+    first = claim_run(tmp_path, "job", "job", 0, wait_s=0)
+    other_rank = claim_run(tmp_path, "job", "job", 1, wait_s=0)  # ranks never contend
+    second = claim_run(tmp_path, "job", "job", 0, wait_s=5)  # the holder trains: no wait, a distinct run
+    assert [(c.run_id, c.run_name) for c in (first, other_rank, second)] == [("job", "job"), ("job", "job"),
+                                                                             ("job-2", "job-2")]
+    assert "writes run 'job-2' instead" in caplog.text
+    assert holder(first.path)["state"] == "training"
+    mark_draining(first.fd)  # the holder only drains now: the next claim waits for it, then takes the run
+    threading.Timer(0.3, first.release).start()
+    third = claim_run(tmp_path, "job", "job", 0, wait_s=60)
+    assert (third.run_id, third.path) == ("job", first.path) and "still drains" in caplog.text
+    for claim in (other_rank, second, third):
+        claim.release()
