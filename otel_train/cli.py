@@ -52,7 +52,7 @@ def _trace_merge(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from otel_train.export_process import replay
 
-    results = replay(args.run_dir, timeout_s=args.timeout)
+    results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every)
     if not results:
         sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
         return 0
@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
                                         "cursor.")
     replay.add_argument("run_dir", type=Path, help="the run folder (OTEL_TRAIN_DIR/<run name>)")
     replay.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the backends (default 600)")
+    replay.add_argument("--stall", type=float, default=60.0,
+                        help="give up on a backend after this many seconds without progress (default 60)")
+    replay.add_argument("--report-every", type=float, default=10.0,
+                        help="seconds between the messages saying what is left per rank and backend (default 10)")
     replay.set_defaults(func=_replay)
 
     try:

@@ -39,7 +39,7 @@ from otel_train.errors import ConfigError
 from otel_train.framing import encode_resume, encode_window
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
 from otel_train.self_metrics import SelfMetrics
-from otel_train.spool import Spool, spool_dir
+from otel_train.spool import Spool, holder, mark_draining, spool_dir, try_lock
 from otel_train.workers import WorkerListener, listen_address
 
 __all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
@@ -52,6 +52,8 @@ _BACKLOG = 4096  # windows kept until the child confirms they are spooled (a res
 _BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
 _ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
 _META = "exporters.pickle"
+#: The exporter process's stdout/stderr, in the rank's spool folder: its messages once the trainer is gone.
+LOG_FILE = "exporter.log"
 _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
          "from otel_train.export_process import _boot; _boot(int(sys.argv[1]))")
 
@@ -92,6 +94,8 @@ class ExportProcess:
         cpus: CPUs the child pins itself to (empty: inherit).
         nice: Niceness the child adds.
         self_metrics: Add otel-train's own health rows to every window (`otel_train.self_metrics`).
+        lock_fd: The run folder's lock (`otel_train.spool.claim_run`): the child inherits it and holds the
+            claim until it has drained (-1: none).
 
     Raises:
         ConfigError: an unknown name, a missing package, or a backend that failed to start in the child.
@@ -99,19 +103,23 @@ class ExportProcess:
 
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
                  drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0,
-                 self_metrics: bool = True) -> None:
+                 self_metrics: bool = True, lock_fd: int = -1) -> None:
         from otel_train.registry import check_available, get_spec
 
         for spec in [get_spec(n) for n in names]:
             check_available(spec)
         self.names = tuple(names)
         self.spool_path = spool_dir(options.directory, run.run_name, run.rank)
+        #: Where the exporter process writes its stdout/stderr (its messages once the trainer is gone).
+        self.log_path = self.spool_path / LOG_FILE
+        self._lock_fd = lock_fd
         self._options = options
         #: Where child processes (DataLoader workers) connect to this run (`otel_train.workers`).
         self.worker_address = listen_address(self.spool_path)
         self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice,
-                        "run": run, "workers": self.worker_address, "self_metrics": self_metrics}
+                        "run": run, "workers": self.worker_address, "self_metrics": self_metrics,
+                        "lock_fd": lock_fd, "export_metrics": _exports_metrics(run, options)}
         self._lock = threading.RLock()  # one sender at a time; held across restarts
         self._backlog: deque[tuple[int, int, bytes]] = deque()
         self._backlog_bytes = 0
@@ -140,11 +148,16 @@ class ExportProcess:
     # -- starting -------------------------------------------------------------------------------
     def _start(self) -> tuple[Connection, subprocess.Popen[bytes], int]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        fds = (theirs.fileno(),) + ((self._lock_fd,) if self._lock_fd >= 0 else ())
         try:
-            proc = subprocess.Popen(  # a fresh interpreter (never a fork), in its own session
-                [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
-                pass_fds=(theirs.fileno(),), start_new_session=True, stdin=subprocess.DEVNULL,
-            )
+            self.spool_path.mkdir(parents=True, exist_ok=True)
+            # Never the trainer's stdout/stderr: a `| tee`, a CI step or `subprocess.run(capture_output=True)`
+            # waits for their EOF, which must come when the trainer exits, not after the drain.
+            with open(self.log_path, "ab") as log:
+                proc = subprocess.Popen(  # a fresh interpreter (never a fork), in its own session
+                    [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
+                    pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                )
         finally:
             theirs.close()
         conn = Connection(ours.detach())
@@ -404,8 +417,10 @@ class _Forward(logging.Handler):
             text = record.getMessage()
             if record.exc_info:
                 text += "\n" + logging.Formatter().formatException(record.exc_info)
-            if not self._reply("log", record.levelno, record.name, text):
-                sys.stderr.write(f"otel-train exporter process: {record.levelname} {text}\n")
+            if not self._reply("log", record.levelno, record.name, text):  # stderr is `LOG_FILE` in the spool
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                sys.stderr.write(f"{stamp} otel-train exporter process (pid {os.getpid()}): {record.levelname} {text}\n")
+                sys.stderr.flush()
         except Exception:
             self.handleError(record)
 
@@ -447,7 +462,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     if config.get("workers"):
         try:
             listener = WorkerListener(config["workers"], config["run"], delivery.submit_side,
-                                      lambda: delivery.last_step)
+                                      lambda: delivery.last_step, metrics=config.get("export_metrics", True))
         except OSError as err:
             _logger.warning("child processes cannot reach this run: listening on %s failed: %s",
                             config["workers"], err)
@@ -492,6 +507,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
                 _preempt(delivery.exporters(), cause)
             break
     # The trainer handed off (or died): never outlive the drain deadline, whatever a backend does.
+    mark_draining(int(config.get("lock_fd", -1)))  # a restarted attempt waits for us instead of mixing in
     if listener is not None:
         listener.close()
     deadline = time.monotonic() + drain_s
@@ -510,6 +526,12 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _exports_metrics(run: RunInfo, options: ExporterOptions) -> bool:
+    """Whether this rank exports metrics (`OTEL_TRAIN_RANKS`, or a backend's `_RANKS=all`), child values included."""
+    routes = options.routes or {}
+    return run.rank == 0 or options.ranks == "all" or any(r.ranks == "all" for r in routes.values())
 
 
 def _preempt(exporters: Sequence[Any], cause: str) -> None:
@@ -549,20 +571,69 @@ def _write_meta(path: Path, config: dict[str, Any]) -> None:
     os.replace(tmp, path / _META)
 
 
-def replay(run_dir: Path, timeout_s: float = 600.0) -> dict[str, Progress]:
+def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
+           report_every_s: float = 10.0) -> dict[str, Progress]:
     """Deliver every spooled window a backend has not acknowledged, for each rank under `run_dir`.
 
-    Idempotent: each backend resumes after its durable cursor, so a second replay writes nothing.
+    Idempotent: each backend resumes after its durable cursor, so a second replay writes nothing. Every
+    `report_every_s` it logs, per rank and backend, how many windows are left; a backend that makes no
+    progress for `stall_s` is given up on (its windows stay in the spool for a later replay), so a backend
+    that cannot deliver costs `stall_s`, not `timeout_s`. A rank whose folder another process is writing
+    (a training or draining exporter process holds its lock) is skipped with a warning.
 
     Returns:
         Spool folder name -> progress after the replay.
     """
     results: dict[str, Progress] = {}
     for meta_file in sorted(Path(run_dir).glob(f"spool/*/{_META}")):
-        meta = pickle.loads(meta_file.read_bytes())  # written by our own exporter process
-        spool = Spool(meta_file.parent)
-        backends = build_backends(meta["names"], meta["options"])
-        delivery = Delivery(backends, spool)
-        delivery.close(time.monotonic() + timeout_s)
-        results[meta_file.parent.name] = delivery.progress()
+        rank_dir = meta_file.parent
+        fd = try_lock(rank_dir)
+        if fd is None:
+            who = holder(rank_dir)
+            _logger.warning("%s: skipped: another process (pid %s on %s, %s) is writing it; replay once it has "
+                            "exited", rank_dir.name, who.get("pid", "?"), who.get("host", "?"),
+                            who.get("state", "state unknown"))
+            continue
+        try:
+            meta = pickle.loads(meta_file.read_bytes())  # written by our own exporter process
+            delivery = Delivery(build_backends(meta["names"], meta["options"]), Spool(rank_dir))
+            results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)
+        finally:
+            os.close(fd)
     return results
+
+
+def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: float,
+                 report_every_s: float) -> Progress:
+    """Wait while some backend still makes progress (see `replay`), saying what is left; then close."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    acked: dict[str, int] = {}
+    moved_at: dict[str, float] = {}
+    given_up: set[str] = set()
+    next_report = start + report_every_s
+    while True:
+        now = time.monotonic()
+        progress = delivery.progress()
+        left = {name: progress.spooled - seq for name, seq in progress.delivered.items() if seq < progress.spooled}
+        for name, n_left in left.items():
+            if acked.get(name) != progress.delivered[name]:
+                acked[name], moved_at[name] = progress.delivered[name], now
+            if name not in given_up and now - moved_at[name] >= stall_s:
+                given_up.add(name)
+                _logger.warning("%s: giving up on `%s`: no progress for %.0f s (%d failure(s)); its %d window(s) "
+                                "left stay in the spool for a later `otel-train replay`", label, name, stall_s,
+                                progress.failures.get(name, 0), n_left)
+        if not left or set(left) <= given_up or now >= deadline:
+            break
+        if now >= next_report:
+            next_report = now + report_every_s
+            waiting = ", ".join(f"`{name}` {n} window(s) left" for name, n in left.items() if name not in given_up)
+            _logger.info("%s: waiting for %s (%.0f s of at most %.0f s)", label, waiting, now - start, timeout_s)
+        time.sleep(0.1)
+    # Given up (or out of time): closing only shuts the backends down, briefly.
+    delivery.close(min(deadline, time.monotonic() + (5.0 if left else timeout_s)))
+    progress = delivery.progress()
+    if progress.behind():
+        _logger.warning("%s: %s", label, progress.summary())
+    return progress

@@ -130,18 +130,21 @@ class Session:
         directory = _check_dir(settings.dir)
         options = ExporterOptions.from_settings(settings, directory=directory)
         local, remote = _placement(settings)
+        self.run_claim = _claim(directory, self.run, settings.drain_timeout_s)
+        self.run = dataclasses.replace(self.run, run_id=self.run_claim.run_id, run_name=self.run_claim.run_name)
         self.export_process = None
-        if remote:
-            from otel_train.export_process import ExportProcess
-
-            self.export_process = ExportProcess(remote, options, self.run, drain_timeout_s=settings.drain_timeout_s,
-                                                cpus=settings.export_cpus, nice=settings.export_nice,
-                                                self_metrics=settings.self_metrics)
         try:
+            if remote:
+                from otel_train.export_process import ExportProcess
+
+                self.export_process = ExportProcess(
+                    remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
+                    nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd)
             self.exporters = self._build_exporters(local, options) + list(instances)
         except BaseException:
             if self.export_process is not None:
                 self.export_process.close(time.monotonic() + 1.0)
+            self.run_claim.release()
             raise
         # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
         self.resource = Resource.create(self.run.resource_attributes())
@@ -347,6 +350,7 @@ class Session:
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
             _logger.warning("shutdown did not complete cleanly", exc_info=True)
+        self.run_claim.release()  # an exporter process still draining keeps the run folder's lock until it is done
         if self.run.rank == 0 and not self.settings.quiet:
             self._write_summary()
 
@@ -409,6 +413,14 @@ class Session:
     def step_order_counts(self) -> dict[str, dict[str, int]]:
         """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
         return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
+
+
+def _claim(directory: Path, run: RunInfo, drain_timeout_s: float) -> Any:
+    """Become the one writer of this rank's run folder, or of a distinct run (`otel_train.spool.claim_run`)."""
+    from otel_train.spool import claim_run
+
+    # An earlier attempt's exporter process drains for at most its drain timeout (+ its watchdog's grace).
+    return claim_run(directory, run.run_id, run.run_name, run.rank, wait_s=drain_timeout_s + 5.0)
 
 
 def _is_builtin(target: str) -> bool:

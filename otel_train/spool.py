@@ -19,12 +19,16 @@ a crash before a backend made it durable loses it, and `otel-train replay` canno
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import logging
 import os
+import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +36,7 @@ from pathlib import Path
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.records import run_folder
 
-__all__ = ["Spool", "spool_dir"]
+__all__ = ["RunClaim", "Spool", "claim_run", "holder", "spool_dir", "try_lock"]
 
 _HEADER = struct.Struct("<qqII")  # seq, max step, payload length, crc32 of the payload
 _WRITTEN = struct.Struct("<qI")  # seq, crc32 of the seq's bytes
@@ -43,6 +47,135 @@ _logger = logging.getLogger("otel_train")
 def spool_dir(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
     """Where rank `rank` of run `run_name` spools its windows."""
     return run_folder(directory, run_name) / "spool" / f"rank{rank}"
+
+
+#: The lock file in a rank's spool folder: whoever holds an exclusive `flock` on it is the rank's one writer.
+LOCK_FILE = "writer.lock"
+_MAX_SUFFIX = 100
+_WAIT_POLL_S = 0.05
+
+
+class RunClaim:
+    """The exclusive claim of one rank of one run folder (see `claim_run`).
+
+    The lock is an `flock` on ``writer.lock``: it belongs to the open file, so the exporter process that
+    inherits `fd` keeps the claim after the training process has gone, until it has drained; the kernel
+    drops it when the last holder exits, also after a ``kill -9``.
+    """
+
+    def __init__(self, run_id: str, run_name: str, path: Path, fd: int) -> None:
+        self.run_id = run_id
+        self.run_name = run_name
+        #: The rank's spool folder.
+        self.path = path
+        self.fd = fd
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        # A forked child (a DataLoader worker) must not keep the claim alive after the run is done.
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def release(self) -> None:
+        """Close this process's handle (an exporter process holding the same lock keeps it)."""
+        self._forget()
+
+
+def _describe(fd: int, state: str) -> None:
+    """Record who holds the claim and whether it is still training or only draining (read by contenders)."""
+    info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "state": state}).encode()
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+
+
+def mark_draining(fd: int) -> None:
+    """The training process is gone (or handed off): the holder only drains now; a restart may wait for it."""
+    if fd >= 0:
+        _describe(fd, "draining")
+
+
+def holder(path: Path) -> dict[str, object]:
+    """Who holds the claim of the spool folder `path`, as last recorded (empty if unknown)."""
+    try:
+        data = json.loads((path / LOCK_FILE).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def try_lock(path: Path) -> int | None:
+    """Take the exclusive claim of the spool folder `path` without waiting: the open fd, or None if held.
+
+    Raises:
+        OSError: the folder cannot be created or the file system has no `flock` (some network file systems).
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def claim_run(directory: str | os.PathLike[str], run_id: str, run_name: str, rank: int, *,
+              wait_s: float) -> RunClaim:
+    """Become the one writer of rank `rank` of the run, or of a distinct run when another process writes it.
+
+    A run folder has one writer per rank at a time. When another process already holds it:
+    - if that holder only drains (an earlier attempt's exporter process after its training process ended,
+      e.g. a torchrun elastic restart), wait up to `wait_s` for it to finish, then continue the same run;
+    - otherwise (another training process with the same run id: two seeds in one allocation), or when the
+      wait runs out, take the first free ``<run id>-2``, ``-3``, ... (run id and run name both get the
+      suffix, so every backend keeps the two apart), with a warning naming it.
+
+    A file system without `flock` (some network file systems) gets one warning and no lock.
+
+    Raises:
+        ConfigError: no free name in `_MAX_SUFFIX` tries.
+    """
+    from otel_train.errors import ConfigError
+
+    first = spool_dir(directory, run_name, rank)
+    for n in range(1, _MAX_SUFFIX + 1):
+        suffix = "" if n == 1 else f"-{n}"
+        path = spool_dir(directory, run_name + suffix, rank)
+        try:
+            fd = try_lock(path)
+            if fd is None and holder(path).get("state") == "draining" and wait_s > 0:
+                who = holder(path)
+                _logger.warning("otel-train: the exporter process (pid %s on %s) of an earlier attempt still drains "
+                                "%s; waiting up to %.0f s for it before this attempt writes there",
+                                who.get("pid"), who.get("host"), path, wait_s)
+                deadline = time.monotonic() + wait_s
+                while fd is None and time.monotonic() < deadline:
+                    time.sleep(_WAIT_POLL_S)
+                    fd = try_lock(path)
+        except OSError as err:
+            _logger.warning("otel-train: cannot lock the run folder %s (%s): another process writing the same run "
+                            "and rank would mix with this one; give each process its own OTEL_TRAIN_RUN_ID",
+                            path, err)
+            return RunClaim(run_id + suffix, run_name + suffix, path, -1)
+        if fd is None:
+            continue
+        _describe(fd, "training")
+        if n > 1:
+            who = holder(first)
+            _logger.warning("otel-train: run %r rank %d is already written by another process (pid %s on %s); "
+                            "this process writes run %r instead (set a distinct OTEL_TRAIN_RUN_ID per process "
+                            "to choose the names)", run_id, rank, who.get("pid", "?"), who.get("host", "?"),
+                            run_id + suffix)
+        return RunClaim(run_id + suffix, run_name + suffix, path, fd)
+    raise ConfigError(f"OTEL_TRAIN_RUN_ID: {run_id!r} rank {rank} and its {_MAX_SUFFIX - 1} suffixed names are all "
+                      "being written by other processes; set a distinct OTEL_TRAIN_RUN_ID")
 
 
 class Spool:

@@ -86,10 +86,13 @@ class WorkerListener:
         run: The run every child row belongs to (the trainer's rank and pid track).
         submit: Takes a `Window` of child rows (`Delivery.submit_side`).
         last_step: The run's latest step, for values logged without one.
+        metrics: Whether this rank exports metrics (`OTEL_TRAIN_RANKS`); if not, children's values are dropped
+            here like the trainer's own (their spans are kept).
     """
 
-    def __init__(self, address: str, run: RunInfo, submit: Any, last_step: Any) -> None:
+    def __init__(self, address: str, run: RunInfo, submit: Any, last_step: Any, *, metrics: bool = True) -> None:
         self.address = address
+        self._metrics = metrics
         self._run = run
         self._submit = submit
         self._last_step = last_step
@@ -136,7 +139,7 @@ class WorkerListener:
         run, attrs = self._run, {"worker": worker}
         last = max(0, int(self._last_step()))
         rows = [MetricRow(run, s if s >= 0 else last, key, f"{key}{{worker={worker}}}", v, "gauge", t, attrs)
-                for key, s, v, t in points]
+                for key, s, v, t in points] if self._metrics else []
         track = f"worker {worker} (pid {pid})"
         span_rows = [SpanRow(run, name, trace_id, span_id, parent, start, end, pid, track, step,
                              {**attributes, "worker": worker}, error, message)

@@ -66,6 +66,8 @@ FAKE_WANDB = textwrap.dedent("""
         def log(self, data, step):
             if os.environ.get("FAKE_WANDB") == "hang":
                 time.sleep(3600)
+            if os.environ.get("FAKE_WANDB") == "fail":
+                raise RuntimeError("W&B is down")
             with open(os.path.join(os.environ["FAKE_WANDB_DIR"], "logged.jsonl"), "a") as f:
                 f.write(json.dumps({"step": step, **data}) + "\\n")
         def finish(self):
@@ -326,3 +328,34 @@ def test_config_reported_after_init_reaches_a_backend_in_the_exporter_process(
     run = read_run(wandb_files(directory, "cfg", "cfg")[0])
     assert run["config"]["lr"] == 0.1 and run["config"]["batch_size"] == 32
     assert sorted(run["history"]) == [0, 1, 2]
+
+
+def test_replay_says_what_is_left_and_gives_up_on_a_backend_that_always_fails(tmp_path: Path) -> None:
+    directory, run = tmp_path / "runs", "stuck"
+    cfg = {"exporters": ["wandb", "jsonl"], "dir": str(directory), "run": run, "steps": 20,
+           "kw": {"shutdown_timeout_s": 1}}
+    children = []
+    for rank in (0, 1):  # two ranks whose W&B hung: its windows wait in each rank's spool
+        env = _env(tmp_path, **_fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="1",
+                   OTEL_TRAIN_RANKS="all", RANK=str(rank), WORLD_SIZE="2")
+        proc = _start(tmp_path, cfg, env)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        children.append(int(out.split()[1]))
+    assert all(_wait_gone(child, 30) for child in children)
+    replay_env = _env(tmp_path, **_fake_wandb_env(tmp_path, "fail"))
+    done = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / run), "--stall", "2",
+                           "--report-every", "0.5"], env=replay_env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 1, done.stderr[-3000:]
+    for rank in (0, 1):  # per rank and backend: what it waits for, then that it gave up on it (not the timeout)
+        assert f"rank{rank}: waiting for `wandb` " in done.stderr, done.stderr[-3000:]
+        assert f"rank{rank}: giving up on `wandb`: no progress for 2 s" in done.stderr, done.stderr[-3000:]
+        assert f"rank{rank}: `wandb` behind by" in done.stdout
+    assert "window(s) left" in done.stderr
+    # Nothing was acknowledged for W&B: its windows stay in each rank's spool for a later replay.
+    from otel_train.spool import Spool, spool_dir
+
+    for rank in (0, 1):
+        spool = Spool(spool_dir(directory, run, rank))
+        assert spool.cursor("wandb") == 0 < spool.last_seq and spool.cursor("jsonl") == spool.last_seq

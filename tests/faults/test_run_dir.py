@@ -1,0 +1,247 @@
+"""One writer per rank of a run folder; the exporter process frees the terminal; rank gating of child values.
+
+Real training processes (subprocesses) with the real TensorBoard/JSONL backends, read back as lists of
+(step, value), so a value written twice or at the wrong run fails the test. A hanging W&B stand-in (imported
+from disk by the exporter process) keeps an exporter process draining where a test needs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+from otel_train.spool import spool_dir
+
+# One seed of a training job: init, wait until every other writer has init'ed too, then log 300 steps.
+SEED = textwrap.dedent("""
+    import json, os, sys, time
+    import otel_train as ot
+    cfg = json.loads(sys.argv[1])
+    session = ot.init(exporters=cfg["exporters"], dir=cfg["dir"], run_id=cfg["run"], **cfg.get("kw", {}))
+    print("RUN", session.run.run_id, flush=True)
+    if session.export_process is not None:
+        print("CHILD", session.export_process.pid, flush=True)
+    open(cfg["ready"], "w").close()
+    while not all(os.path.exists(p) for p in cfg["all_ready"]):
+        time.sleep(0.01)
+    for step in range(cfg["start"], cfg["start"] + cfg["steps"]):
+        with ot.step(step):
+            with ot.span("fwd"):
+                ot.log({"loss": cfg["seed"] * 1000 + step})
+    ot.shutdown()
+""")
+
+# A W&B stand-in for the exporter process: records each `log`, or hangs in it (a backend that cannot drain).
+FAKE_WANDB = textwrap.dedent("""
+    import json, os, time, types
+    Settings = dict
+
+    class _Run:
+        starting_step = 0
+        def __init__(self):
+            self.settings = types.SimpleNamespace(wandb_dir=os.environ["FAKE_WANDB_DIR"])
+        def log(self, data, step):
+            if os.environ.get("FAKE_WANDB") == "hang":
+                time.sleep(3600)
+            with open(os.path.join(os.environ["FAKE_WANDB_DIR"], "logged.jsonl"), "a") as f:
+                f.write(json.dumps({"step": step, **data}) + "\\n")
+        def finish(self):
+            pass
+
+    def init(settings=None, **kwargs):
+        return _Run()
+""")
+
+
+def _env(root: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "WANDB_", "RANK", "WORLD_SIZE"))}
+    env.update(HOME=str(root / "home"), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def _fake_wandb(root: Path, mode: str) -> dict[str, str]:
+    (root / "fakes" / "wandb").mkdir(parents=True, exist_ok=True)
+    (root / "fakes" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
+    (root / "wandb-out").mkdir(exist_ok=True)
+    return {"PYTHONPATH": str(root / "fakes"), "FAKE_WANDB": mode, "FAKE_WANDB_DIR": str(root / "wandb-out")}
+
+
+def _seed(root: Path, name: str, cfg: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
+    script = root / "seed.py"
+    script.write_text(SEED)
+    cfg = {"ready": str(root / f"{name}.ready"), "all_ready": [str(root / f"{name}.ready")], "start": 0, **cfg}
+    return subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (an exited process its new parent has not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pid: int, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while _alive(pid) and time.monotonic() < end:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _jsonl(directory: Path, run: str, rank: int = 0, name: str = "loss") -> list[tuple[int, float]]:
+    path = jsonl_path(directory, run, rank)
+    if not path.exists():
+        return []
+    return [(r["step"], r["value"]) for r in read_jsonl(path) if r["type"] == "metric" and r["name"] == name]
+
+
+def _tb(run_dir: Path, prefix: str = "loss") -> list[tuple[int, float]]:
+    """TensorBoard's points of the tag `prefix`, or of every tag ``prefix{...}`` (a child's series)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t == prefix or t.startswith(prefix + "{")]
+    return [(e.step, e.value) for tag in tags for e in acc.Scalars(tag)]
+
+
+def test_two_writers_with_one_run_id_get_distinct_runs(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    ready = [str(tmp_path / f"seed{s}.ready") for s in (1, 2)]
+    procs = {seed: _seed(tmp_path, f"seed{seed}", {"exporters": "tensorboard,chrome_trace,jsonl", "dir": str(directory),
+                                                   "run": "same", "seed": seed, "steps": 300,
+                                                   "ready": ready[seed - 1], "all_ready": ready}, _env(tmp_path))
+             for seed in (1, 2)}
+    runs = {}
+    for seed, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        runs[seed] = out.split("RUN ", 1)[1].split()[0]
+        if runs[seed] != "same":  # the second writer says which run it writes instead
+            assert "run 'same' rank 0 is already written by another process" in err, err[-3000:]
+            assert "writes run 'same-2' instead" in err, err[-3000:]
+    assert sorted(runs.values()) == ["same", "same-2"]
+    for seed, run in runs.items():  # each writer's steps exactly once, in its own run, nothing of the other's
+        want = [(step, float(seed * 1000 + step)) for step in range(300)]
+        assert _jsonl(directory, run) == want
+        assert sorted(_tb(directory / run)) == want
+        spans = [r for r in read_jsonl(jsonl_path(directory, run, 0)) if r["type"] == "span" and r["name"] == "fwd"]
+        assert sorted(r["step"] for r in spans) == list(range(300))
+
+
+def test_elastic_restart_waits_for_the_draining_exporter_process_then_continues_the_run(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    base = {"exporters": "wandb,jsonl", "dir": str(directory), "run": "el", "seed": 0, "steps": 20,
+            "kw": {"shutdown_timeout_s": 1}}
+    # Attempt 1: W&B hangs, so its exporter process keeps draining (4 s) after the training process ends.
+    first = _seed(tmp_path, "a1", base, _env(tmp_path, **_fake_wandb(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="4"))
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err[-3000:]
+    draining = int(out.split("CHILD ", 1)[1].split()[0])
+    assert _alive(draining)
+    # Attempt 2 (torchrun restarted the job): same run id, W&B healthy now, steps 20..39.
+    second = _seed(tmp_path, "a2", {**base, "start": 20}, _env(tmp_path, **_fake_wandb(tmp_path, "record")))
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err[-3000:]
+    assert "still drains" in err and "waiting up to" in err, err[-3000:]
+    assert out.split("RUN ", 1)[1].split()[0] == "el"  # the same run, continued, not a mix and not a new run
+    assert not _alive(draining)
+    want = [(step, float(step)) for step in range(40)]
+    assert _jsonl(directory, "el") == want
+    # What attempt 1's W&B never got was left in the spool; attempt 2's exporter process delivered it once.
+    logged = [json.loads(x) for x in (tmp_path / "wandb-out" / "logged.jsonl").read_text().splitlines()]
+    assert sorted((e["step"], e["loss"]) for e in logged if "loss" in e) == want
+
+
+def test_captured_output_ends_when_the_training_process_exits(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    script = tmp_path / "seed.py"
+    script.write_text(SEED)
+    cfg = {"exporters": "wandb,jsonl", "dir": str(directory), "run": "tee", "seed": 0, "start": 0, "steps": 10,
+           "kw": {"shutdown_timeout_s": 1}, "ready": str(tmp_path / "r"), "all_ready": [str(tmp_path / "r")]}
+    env = _env(tmp_path, **_fake_wandb(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="8")
+    done = subprocess.run([sys.executable, str(script), json.dumps(cfg)], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # While the trainer lived, the exporter process's messages reached its logging (stderr) as before ...
+    assert "shutdown timed out; data is durable in the spool" in done.stderr
+    child = int(done.stdout.split("CHILD ", 1)[1].split()[0])
+    # ... and `capture_output` did not wait for the draining exporter process: it still runs.
+    assert _alive(child)
+    assert _wait_gone(child, 60)
+    log = (spool_dir(directory, "tee", 0) / "exporter.log").read_text()
+    assert "drain deadline reached" in log and "`wandb` behind by" in log, log
+    assert _jsonl(directory, "tee") == [(step, float(step)) for step in range(10)]
+
+
+WORKER_RANKS = textwrap.dedent("""
+    import multiprocessing, os, sys
+    import otel_train as ot
+
+    def child(rank):
+        for i in range(5):
+            with ot.span("load"):
+                ot.log({"data/item": rank * 100 + i}, step=i)
+        ot.flush()
+
+    if __name__ == "__main__":
+        ot.init(exporters="tensorboard,chrome_trace,jsonl", dir=sys.argv[1], run_id="ranks")
+        rank = int(os.environ["RANK"])
+        proc = multiprocessing.get_context("spawn").Process(target=child, args=(rank,))
+        proc.start()
+        proc.join()
+        for step in range(5):
+            with ot.step(step):
+                ot.log({"loss": rank * 100 + step})
+        ot.shutdown()
+""")
+
+
+def test_rank_1_exports_no_child_values_with_ranks_0(tmp_path: Path) -> None:
+    directory = tmp_path / "runs"
+    script = tmp_path / "ranks.py"
+    script.write_text(WORKER_RANKS)
+    procs = [subprocess.Popen([sys.executable, str(script), str(directory)], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=_env(tmp_path, RANK=str(rank), WORLD_SIZE="2"))
+             for rank in (0, 1)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+    worker_rows = [(i, float(i)) for i in range(5)]  # rank 0's child values only
+    assert _tb(directory / "ranks", "data/item") == worker_rows
+    assert _jsonl(directory, "ranks", 0, "data/item") == worker_rows
+    assert _tb(directory / "ranks") == [(step, float(step)) for step in range(5)]
+    rank1 = list(read_jsonl(jsonl_path(directory, "ranks", 1)))
+    assert [r for r in rank1 if r["type"] != "span"] == []  # rank 1: no metrics, its own or its child's ...
+    assert sorted(r["name"] for r in rank1 if r["name"] == "load") == ["load"] * 5  # ... but its spans
+
+
+
+def test_claims_in_one_process(tmp_path: Path, caplog: Any) -> None:
+    import threading
+
+    from otel_train.spool import claim_run, holder, mark_draining
+
+    first = claim_run(tmp_path, "job", "job", 0, wait_s=0)
+    other_rank = claim_run(tmp_path, "job", "job", 1, wait_s=0)  # ranks never contend
+    second = claim_run(tmp_path, "job", "job", 0, wait_s=5)  # the holder trains: no wait, a distinct run
+    assert [(c.run_id, c.run_name) for c in (first, other_rank, second)] == [("job", "job"), ("job", "job"),
+                                                                             ("job-2", "job-2")]
+    assert "writes run 'job-2' instead" in caplog.text
+    assert holder(first.path)["state"] == "training"
+    mark_draining(first.fd)  # the holder only drains now: the next claim waits for it, then takes the run
+    threading.Timer(0.3, first.release).start()
+    third = claim_run(tmp_path, "job", "job", 0, wait_s=60)
+    assert (third.run_id, third.path) == ("job", first.path) and "still drains" in caplog.text
+    for claim in (other_rank, second, third):
+        claim.release()
