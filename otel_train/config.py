@@ -576,6 +576,16 @@ OTEL_TRAIN_SINK_MAX_BODY_BYTES = "OTEL_TRAIN_SINK_MAX_BODY_BYTES"
 """Largest request body / gRPC message accepted, in bytes (int >= 1024). Default 16 MiB."""
 OTEL_TRAIN_SINK_STATUS_INTERVAL_S = "OTEL_TRAIN_SINK_STATUS_INTERVAL_S"
 """Seconds between the sink's status log lines (float > 0). Default 10."""
+OTEL_TRAIN_SINK_SPOOL_DIR = "OTEL_TRAIN_SINK_SPOOL_DIR"
+"""Where the sink holds each run's windows while its backends are behind. Default ``<OTEL_TRAIN_DIR>/.sink-spool``."""
+OTEL_TRAIN_SINK_SPOOL_RUN_MB = "OTEL_TRAIN_SINK_SPOOL_RUN_MB"
+"""MiB one run may hold for its backends before the sink refuses its requests (int >= 0; 0: no spool). Default 1024."""
+OTEL_TRAIN_SINK_SPOOL_TOTAL_MB = "OTEL_TRAIN_SINK_SPOOL_TOTAL_MB"
+"""MiB all runs together may hold before the sink refuses requests of runs that hold any (int >= 1). Default 8192."""
+OTEL_TRAIN_SINK_QUEUE_WINDOWS = "OTEL_TRAIN_SINK_QUEUE_WINDOWS"
+"""Requests held in memory per run and backend (int >= 1); without a spool, more are refused. Default 256."""
+OTEL_TRAIN_SINK_RETRY_AFTER_S = "OTEL_TRAIN_SINK_RETRY_AFTER_S"
+"""Seconds a refused sender is told to wait (HTTP Retry-After, gRPC RetryInfo; float > 0). Default 1."""
 
 SINK_AGGREGATES_ALLOWED = ("mean", "min", "max")
 
@@ -594,6 +604,11 @@ class SinkSettings:
     status_interval_s: float = 10.0
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    spool_dir: Path | None = None
+    spool_run_mb: int = 1024
+    spool_total_mb: int = 8192
+    queue_windows: int = 256
+    retry_after_s: float = 1.0
 
 
 def _parse_host_port(name: str, raw: str) -> str:
@@ -620,6 +635,11 @@ _SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "aggregate_timeout_s": (OTEL_TRAIN_SINK_AGGREGATE_TIMEOUT_S, _parse_positive_float),
     "max_body_bytes": (OTEL_TRAIN_SINK_MAX_BODY_BYTES, lambda n, r: _parse_int(n, r, 1024)),
     "status_interval_s": (OTEL_TRAIN_SINK_STATUS_INTERVAL_S, _parse_positive_float),
+    "spool_dir": (OTEL_TRAIN_SINK_SPOOL_DIR, lambda n, r: Path(_parse_text(n, r)).expanduser()),
+    "spool_run_mb": (OTEL_TRAIN_SINK_SPOOL_RUN_MB, lambda n, r: _parse_int(n, r, 0)),
+    "spool_total_mb": (OTEL_TRAIN_SINK_SPOOL_TOTAL_MB, lambda n, r: _parse_int(n, r, 1)),
+    "queue_windows": (OTEL_TRAIN_SINK_QUEUE_WINDOWS, lambda n, r: _parse_int(n, r, 1)),
+    "retry_after_s": (OTEL_TRAIN_SINK_RETRY_AFTER_S, _parse_positive_float),
 }
 
 

@@ -368,8 +368,10 @@ class Delivery:
     def names(self) -> list[str]:
         return [b.name for b in self._backends]
 
-    def submit(self, seq: int, max_step: int, payload: bytes) -> None:
-        """Spool one encoded window (a seq already spooled is ignored) and queue it for every backend."""
+    def submit(self, seq: int, max_step: int, payload: bytes, window: Window | None = None) -> None:
+        """Spool one encoded window (a seq already spooled is ignored) and queue it for every backend.
+
+        `window`: the decoded `payload` when the caller already holds it (the sink), so it is not decoded again."""
         with self._lock:
             if seq <= self._last_seq:
                 return
@@ -377,11 +379,12 @@ class Delivery:
                 self.spool.append(seq, max_step, payload)
             self._last_seq = seq
             self._last_step = max(self._last_step, max_step)
-        try:
-            window = decode_window(payload)
-        except Exception as err:
-            _logger.error("window %d unreadable (%s); skipped", seq, err)
-            return
+        if window is None:
+            try:
+                window = decode_window(payload)
+            except Exception as err:
+                _logger.error("window %d unreadable (%s); skipped", seq, err)
+                return
         if isinstance(window, Resume):
             self._cuts.append((window.cut_after, window.step))  # before any backend can be handed it
         elif self.annotate is not None:

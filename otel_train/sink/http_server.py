@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
@@ -39,22 +40,24 @@ def _json(code: int, doc: Any, close: bool = False) -> web.Response:
     return resp
 
 
-def _otlp_error(code: int, message: str, protobuf: bool, close: bool = False) -> web.Response:
-    """An OTLP error: a `google.rpc.Status` in the request's encoding."""
+def _otlp_error(code: int, message: str, protobuf: bool, close: bool = False,
+                retry_after_s: float | None = None) -> web.Response:
+    """An OTLP error: a `google.rpc.Status` in the request's encoding (with a ``Retry-After`` header when
+    the sender should retry later: the OTLP/HTTP spec's throttling hint)."""
     from aiohttp import web
 
-    if protobuf:
-        try:
-            from google.rpc import status_pb2
+    from otel_train.sink.otlp import rpc_status
 
-            body = status_pb2.Status(code=_GRPC_CODES.get(code, 2), message=message).SerializeToString()
-            resp = web.Response(status=code, body=body, content_type="application/x-protobuf")
-            if close:
-                resp.force_close()
-            return resp
-        except ImportError:
-            pass
-    return _json(code, {"code": _GRPC_CODES.get(code, 2), "message": message}, close)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    if protobuf:
+        body = rpc_status(_GRPC_CODES.get(code, 2), message, retry_after_s)
+        resp = web.Response(status=code, body=body, content_type="application/x-protobuf", headers=headers)
+    else:
+        resp = web.json_response({"code": _GRPC_CODES.get(code, 2), "message": message}, status=code,
+                                 headers=headers)
+    if close:
+        resp.force_close()
+    return resp
 
 
 class HttpReceiver:
@@ -166,7 +169,7 @@ class HttpReceiver:
             return _otlp_error(413, str(err), protobuf)
         except Overloaded as err:
             sink.count_rejected("overloaded", str(err))
-            return _otlp_error(503, str(err), protobuf)
+            return _otlp_error(503, str(err), protobuf, retry_after_s=err.retry_after_s)
         except Exception as err:  # one bad request must never take the server down
             sink.count_rejected("internal", repr(err))
             _logger.exception("HTTP %s export failed", signal)
