@@ -410,6 +410,10 @@ class Delivery:
             b.submit(seq, max_step, window)
         return True
 
+    def has_room(self) -> bool:
+        """Whether every backend's in-memory queue can take one more window now (`submit_window` would not wait)."""
+        return all(b.queued() < b._queue_windows for b in self._backends)
+
     def backlogged(self) -> bool:
         """Whether some backend's queue is (nearly) full, so that `submit_window` may have to wait."""
         return any(b.queued() >= b._queue_windows - 1 for b in self._backends)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copyreg
 import functools
 import json
 from collections.abc import Mapping
@@ -27,6 +28,13 @@ __all__ = [
 
 #: Shared by rows without extra attributes (read-only).
 NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
+# The sink writes rows ahead to a run's spool (a pickle): read-only attributes go there as plain dicts.
+copyreg.pickle(MappingProxyType, lambda m: (_as_dict, (dict(m),)))
+
+
+def _as_dict(items: dict[str, Any]) -> Any:
+    """Unpickles a spooled read-only mapping (as a plain dict)."""
+    return items
 
 
 class DecodeError(ValueError):

@@ -110,7 +110,7 @@ class _Run:
             if self.held_bytes >= budget_bytes:
                 return f"holds {self.held_bytes:,} bytes its backends have not taken (budget {budget_bytes:,})"
             return None
-        if self.delivery.pending >= self._queue_windows:
+        if not self.delivery.has_room():
             return f"{self.delivery.pending} requests queued for its backends (queue {self._queue_windows})"
         return None
 
@@ -174,10 +174,12 @@ class _Run:
 
 
 def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:
-    """Backend name -> exporter; a name given twice gets a numeric suffix."""
+    """Backend name -> exporter; a name given twice gets a numeric suffix. Names end in `` (sink)``: the
+    spool keeps a file per backend named after it, which must not look like a backend's own file
+    (``written.jsonl`` would be read as a JSONL log by whoever globs the output folder)."""
     out: dict[str, RowExporter] = {}
     for exporter in exporters:
-        name = base = str(getattr(exporter, "name", type(exporter).__name__))
+        name = base = str(getattr(exporter, "name", type(exporter).__name__)) + " (sink)"
         n = 1
         while name in out:
             n += 1
