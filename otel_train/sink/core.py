@@ -131,6 +131,7 @@ class SinkCore:
             "requests": self.router.requests,
             "held_bytes": self.router.held_bytes,
             "aggregate_rows_dropped": self.router.aggregate_dropped,
+            "collisions": self.router.collisions(),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

@@ -168,6 +168,9 @@ class _Run:
             "queued": self.pending,
             "write_errors": self.write_errors,
             "held_bytes": self.held_bytes,
+            "collisions": self.converter.collisions,
+            "collided_series": list(self.converter.collided),
+            "late_points": self.converter.late_points,
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
         }
@@ -301,7 +304,14 @@ class Router:
     def _take(self, state: _Run, part: Decoded) -> None:
         """Apply the run's rules to one admitted part and queue it (the run's lock held)."""
         run_id = state.run_id
-        part.finish(state.converter)
+        ledger = state.converter
+        collisions = ledger.collisions
+        part.finish(ledger)
+        if ledger.collisions and not collisions:
+            _logger.warning("run %r: two senders (service.instance.id, else host and pid) send the same cumulative "
+                            "series (%s), e.g. two processes with one train.run.id and no train.rank; their "
+                            "increases are added up (shown in /health `collisions`)", run_id,
+                            ", ".join(ledger.collided[:3]))
         state.last_seen = time.monotonic()
         state.series.update(part.tags.get(run_id, ()))
         for run, step in part.runs.items():
@@ -393,6 +403,12 @@ class Router:
         deadline = time.monotonic() + timeout_s
         for state in states:
             self._close_run(state, max(1.0, deadline - time.monotonic()))
+
+    def collisions(self) -> dict[str, int]:
+        """Runs (open, or closed and still remembered) with cumulative series sent by two senders."""
+        with self._lock:
+            ledgers = list(self._converters.items())
+        return {run_id: ledger.collisions for run_id, ledger in ledgers if ledger.collisions}
 
     @property
     def runs_open(self) -> int:
