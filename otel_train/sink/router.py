@@ -171,6 +171,7 @@ class _Run:
             "collisions": self.converter.collisions,
             "collided_series": list(self.converter.collided),
             "late_points": self.converter.late_points,
+            "nan_points": self.converter.nan_points,
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
         }

@@ -13,13 +13,16 @@ steps again), each sum as its total since the series' start time. otel-train its
   already applied (an earlier time, or an earlier start time) is late and changes nothing. A point that
   adds nothing to an already-written series is a repeat and is not written again. Two senders on one
   series are counted as a collision (`collisions`, shown in `/health`): their increases add up.
-* **Up-down counters** (non-monotonic sums): DELTA points add up to a running total; CUMULATIVE
-  points are written as their value (a late one, older than the value written, is not).
+* **Up-down counters** (non-monotonic sums) are running totals in both temporalities, like counters
+  (a CUMULATIVE point adds its change since the previous point, which may be negative; only a new
+  start time is a reset), so one program gives the same rows either way. A NaN sum point is counted
+  (`nan_points`) and skipped, never added.
 * **Gauges** (and up-down values, summary quantiles): written once per (series, step, value); a
   re-sent unchanged point is not written again.
 * **Histograms** (explicit and exponential) and **summaries**: CUMULATIVE points become the
   increase since the previous point (count, sum and buckets), the shape DELTA points already have;
-  an unchanged point is a repeat. ``/count`` and ``/sum`` are per collection window either way.
+  an unchanged point is a repeat. ``/count`` and ``/sum`` are per collection window either way;
+  ``/min`` and ``/max`` run since the series' start either way (DELTA ones are combined).
 * **Step-less points** (no ``train.step``) take the run's current step (the highest step any rank of
   the run has reported) when the run has steps, else a per-series sequence number 0, 1, 2, ...; the
   point's own time stays its wall time.
@@ -30,6 +33,7 @@ again at worst; totals are kept apart and bounded by the number of series).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,6 +97,11 @@ def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequen
     return tuple(bounds), tuple(counts)
 
 
+def _combine(pick: Callable[[float, float], float], a: float, b: float) -> float:
+    """`pick` (min or max) of two optional values (NaN: absent)."""
+    return b if math.isnan(a) else a if math.isnan(b) else pick(a, b)
+
+
 class SeriesLedger(MetricsConverter):
     """One run's series state: running totals, previous cumulative points, steps and sequence numbers.
 
@@ -107,6 +116,7 @@ class SeriesLedger(MetricsConverter):
         self._written: dict[tuple[int, str, int], float] = {}  # last value of step-less series
         self._hists: dict[tuple[int, str, str, int],
                           tuple[int, int, float, tuple[float, ...], tuple[int, ...], int]] = {}
+        self._extremes: dict[tuple[int, str, str, int], tuple[float, float]] = {}  # DELTA histograms' min, max
         self._senders: dict[tuple[int, str], str] = {}  # (rank, tag) -> first sender of a cumulative series
         #: Cumulative points of a series from a second sender (two processes on one run and rank).
         self.collisions = 0
@@ -114,6 +124,8 @@ class SeriesLedger(MetricsConverter):
         self.collided: list[str] = []
         #: Cumulative points older than the one already applied (reordered by the network): not applied.
         self.late_points = 0
+        #: Sum points whose value was NaN: not added to the running total.
+        self.nan_points = 0
         self._sequence: dict[tuple[int, str], int] = {}
         self._gauges: dict[int, dict[tuple[str, int], float]] = {}  # by rank: (tag, step) -> value written
         self._gauge_entries = 0
@@ -180,19 +192,15 @@ class SeriesLedger(MetricsConverter):
         """Apply the rule of `mode` to `row` (its value, and its step if step-less); False: not written."""
         rank = row.run.rank
         stepless = row.step == STEPLESS
-        if mode == CUMULATIVE_UPDOWN:
-            key = (rank, sender, row.tag, row.step)
-            prev = self._cumulative.get(key)
-            if self._late(prev, start_unix_nano, row.time_unix_nano):
-                return False
-            self._sender(rank, row.tag, sender)
-            self._remember(self._cumulative, key, (start_unix_nano, row.value, row.time_unix_nano))
+        if mode != GAUGE and math.isnan(row.value):
+            self.nan_points += 1  # a NaN would make the running total NaN for the rest of the run
+            return False
         if mode == DELTA_SUM:
             if stepless:
                 row.step = self.resolve_step(rank, row.tag)
             row.value = self.accumulate(row.run, row.tag, row.value, True)
             return True
-        if mode == CUMULATIVE_COUNTER:
+        if mode in (CUMULATIVE_COUNTER, CUMULATIVE_UPDOWN):
             key = (rank, sender, row.tag, row.step)
             prev = self._cumulative.get(key)
             value = row.value
@@ -200,10 +208,10 @@ class SeriesLedger(MetricsConverter):
             if self._late(prev, start_unix_nano, t):
                 return False
             self._sender(rank, row.tag, sender)
-            if prev is None or prev[0] != start_unix_nano or value < prev[1]:
+            if prev is None or prev[0] != start_unix_nano or (mode == CUMULATIVE_COUNTER and value < prev[1]):
                 increase = value  # a new series or a reset (restarted process): all of it is new
             else:
-                increase = value - prev[1]
+                increase = value - prev[1]  # an up-down counter may go down
                 if increase == 0.0:
                     return False  # a repeat of an unchanged cumulative point
             self._remember(self._cumulative, key, (start_unix_nano, value, t))
@@ -211,7 +219,7 @@ class SeriesLedger(MetricsConverter):
                 row.step = self.resolve_step(rank, row.tag)
             row.value = self.accumulate(row.run, row.tag, increase, True)
             return True
-        # GAUGE / CUMULATIVE_UPDOWN: the value itself, once per (series, step, value)
+        # GAUGE: the value itself, once per (series, step, value)
         if stepless:
             last = self._written.get((rank, row.tag, STEPLESS))
             if last == row.value and self.current_step < 0:
@@ -247,6 +255,15 @@ class SeriesLedger(MetricsConverter):
                 row = HistogramRow(row.run, row.step, row.name, row.tag, row.count - prev[1], row.sum - prev[2],
                                    row.min, row.max, row.explicit_bounds, buckets, row.time_unix_nano,
                                    row.attributes)
+        elif not (math.isnan(row.min) and math.isnan(row.max)):
+            # DELTA min/max are per window, CUMULATIVE ones since the series' start: keep the latter in both
+            # (a window's min cannot be told from cumulative points; a running min can be from DELTA ones).
+            key = (rank, sender, row.tag, row.step)
+            seen = self._extremes.get(key)
+            if seen is not None:
+                row = dataclasses.replace(row, min=_combine(min, seen[0], row.min),
+                                          max=_combine(max, seen[1], row.max))
+            self._remember(self._extremes, key, (row.min, row.max))
         if row.step == STEPLESS:
             row.step = self.resolve_step(rank, row.tag)
         return row

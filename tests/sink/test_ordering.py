@@ -79,3 +79,12 @@ def test_two_senders_on_one_series_add_up_and_are_reported() -> None:
     assert tokens[-1] == (0, 10.0) and len(tokens) == 10
     assert router.collisions() == {"r": 5}
     assert router.summary()["runs"][0]["collided_series"] == ["tokens"]
+
+
+def test_a_nan_increment_is_counted_and_skipped_not_summed() -> None:
+    def delta(value: float, step: int) -> bytes:
+        return metrics_request(_resource(), [OtlpPoint("tokens", value, step=step, kind="sum", time_unix_nano=step)])
+
+    mem, router = _run([delta(1.0, 0), delta(float("nan"), 1), delta(2.0, 2)])
+    assert _series(mem, "tokens") == [(0, 1.0), (2, 3.0)]
+    assert router.summary()["runs"][0]["nan_points"] == 1
