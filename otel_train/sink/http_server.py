@@ -158,6 +158,11 @@ class HttpReceiver:
             return _json(413, {"code": 8, "message": f"body {too_large}"}, close=True)
         if signal is None:
             code, doc = sink.compat.handle("POST", path, parse_qs(request.query_string), body)
+            if code == 503:
+                sink.count_rejected("overloaded", str(doc.get("message", "")))
+                resp = _json(code, doc)
+                resp.headers["Retry-After"] = str(max(1, math.ceil(float(doc.get("retry_after_s", 1)))))
+                return resp
             return _json(code, doc)
         try:
             await sink.ingest_async(signal, body, ctype, request.headers.get("Content-Encoding"))
