@@ -225,3 +225,52 @@ def test_a_stalled_run_does_not_slow_requests_of_other_runs_over_http(tmp_path: 
     assert gates.series("fast", "train/loss") == [(s, 10.0 * s) for s in range(10)]
     health_rejected = sink.rejected.get("overloaded", 0)
     assert health_rejected == sum(1 for c, _ in codes if c == 503)
+
+
+def test_budgets_queue_and_retry_hint_are_settings() -> None:
+    from otel_train.config import load_sink_settings
+    from otel_train.errors import ConfigError
+
+    s = load_sink_settings({"OTEL_TRAIN_SINK_SPOOL_RUN_MB": "64", "OTEL_TRAIN_SINK_SPOOL_TOTAL_MB": "512",
+                            "OTEL_TRAIN_SINK_QUEUE_WINDOWS": "8", "OTEL_TRAIN_SINK_RETRY_AFTER_S": "2.5",
+                            "OTEL_TRAIN_SINK_SPOOL_DIR": "/var/tmp/held"}, queue_windows="16")
+    assert (s.spool_run_mb, s.spool_total_mb, s.queue_windows, s.retry_after_s) == (64, 512, 16, 2.5)
+    assert str(s.spool_dir) == "/var/tmp/held"
+    with pytest.raises(ConfigError, match=r"OTEL_TRAIN_SINK_SPOOL_TOTAL_MB: 0 is too small; expected an integer >= 1"):
+        load_sink_settings({"OTEL_TRAIN_SINK_SPOOL_TOTAL_MB": "0"})
+    with pytest.raises(ConfigError, match=r"--retry-after-s: 'soon' is not a number"):
+        load_sink_settings({}, retry_after_s="soon")
+
+
+def test_grpc_refusal_carries_retry_info(tmp_path: Path) -> None:
+    """The OTel SDKs read the server's wait from a google.rpc.RetryInfo in the UNAVAILABLE status."""
+    import grpc
+    from google.rpc import error_details_pb2, status_pb2
+
+    from otel_train.config import SinkSettings
+    from otel_train.sink import Sink
+
+    gates = Gates()
+    slow = gates.gate("slow")
+    sink = Sink(SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0", queue_windows=1, retry_after_s=1.5),
+                gates.factory()).start()
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{sink.grpc_port}")
+        export = channel.unary_unary("/opentelemetry.proto.collector.metrics.v1.MetricsService/Export")
+        error = None
+        for step in range(4):
+            try:
+                export(_step_request(("slow",), step), timeout=5)
+            except grpc.RpcError as err:
+                error = err
+                break
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+        details = dict(error.trailing_metadata() or ())["grpc-status-details-bin"]
+        status = status_pb2.Status.FromString(details)
+        info = error_details_pb2.RetryInfo()
+        assert status.code == 14 and status.details[0].Unpack(info)
+        assert (info.retry_delay.seconds, info.retry_delay.nanos) == (1, 500_000_000)
+        channel.close()
+    finally:
+        slow.set()
+        sink.stop()
