@@ -48,7 +48,6 @@ __all__ = [
 _DELTA = 1  # AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA in the proto enum
 _STATUS_ERROR = 2  # Status.STATUS_CODE_ERROR
 _SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
-_MAX_RUN_ID_BYTES = 255  # a folder name on every common file system
 
 
 class Decoded:
@@ -467,10 +466,6 @@ def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tu
 def _resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: Decoded) -> RunInfo:
     """The run of one Resource of a request; counts Resources without `train.run.id` by their run."""
     run = runs.run_for(attrs)
-    if "\0" in run.run_id or len(run.run_id.encode("utf-8", "surrogatepass")) > _MAX_RUN_ID_BYTES:
-        # every backend would fail on it (folder names): refused at the door, not accepted and then lost
-        raise DecodeError(f"`{RUN_ID}` must be at most {_MAX_RUN_ID_BYTES} bytes without NUL; got "
-                          f"{run.run_id[:40]!r}{'...' if len(run.run_id) > 40 else ''}")
     out.sender = sender_of(attrs)
     if RUN_ID not in attrs:
         out.unattributed[run.run_id] = out.unattributed.get(run.run_id, 0) + 1

@@ -124,12 +124,3 @@ def test_a_multi_member_gzip_body_is_read_whole() -> None:
         parse_metrics(gzip.compress(b"\0" * 5000) + gzip.compress(b"\0" * 5000), encoding="gzip", limit=8000)
     with pytest.raises(DecodeError, match="truncated"):
         parse_metrics(gzip.compress(first)[:-10], encoding="gzip")
-
-
-@pytest.mark.parametrize("run_id", ["a\0b", "r" * 256])
-def test_a_run_id_no_backend_can_store_is_refused_at_the_door(run_id: str) -> None:
-    from otel_train.sink.decode import DecodeCache, DecodeError, decode_metrics, parse_metrics
-
-    body = metrics_request({"train.run.id": run_id}, [OtlpPoint("loss", 1.0, step=1)])
-    with pytest.raises(DecodeError, match="at most 255 bytes without NUL"):
-        decode_metrics(parse_metrics(body), DecodeCache())
