@@ -134,23 +134,14 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     if enc == "gzip":
         import zlib
 
-        parts: list[bytes] = []
-        size = 0
-        rest = body
-        while rest:  # a gzip body may hold several members (RFC 1952): read them all, within the limit
-            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-            try:
-                part = d.decompress(rest, limit + 1 - size)
-            except zlib.error as err:
-                raise DecodeError(f"invalid gzip body: {err}") from None
-            size += len(part)
-            if size > limit:
-                raise OverflowError(f"decompressed body exceeds {limit} bytes")
-            if not d.eof:
-                raise DecodeError("invalid gzip body: truncated")
-            parts.append(part)
-            rest = d.unused_data
-        return b"".join(parts)
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            out = d.decompress(body, limit + 1)
+        except zlib.error as err:
+            raise DecodeError(f"invalid gzip body: {err}") from None
+        if len(out) > limit:
+            raise OverflowError(f"decompressed body exceeds {limit} bytes")
+        return out
     raise DecodeError(f"unsupported content-encoding {encoding!r}; use gzip or none")
 
 

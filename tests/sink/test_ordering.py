@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-from otel_train.sink.decode import DecodeCache, DecodeError, decode_metrics, parse_metrics
+from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
 from otel_train.sink.router import Router
 from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
 
@@ -107,20 +105,3 @@ def test_a_step_no_backend_can_store_is_refused_alone_and_counted() -> None:
     mem, _ = _run([body])
     assert _series(mem, "loss") == [(3, 1.0), (4, 2.0)]
     assert not mem.histograms
-
-
-def test_a_multi_member_gzip_body_is_read_whole() -> None:
-    """Issue 21, item 8: gzip bodies may be several members (RFC 1952); every member is read."""
-    import gzip
-
-    from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
-
-    first = metrics_request(_resource(), [OtlpPoint("loss", 1.0, step=1)])
-    second = metrics_request(_resource(), [OtlpPoint("loss", 2.0, step=2)])
-    body = gzip.compress(first) + gzip.compress(second)  # one request: protobuf messages concatenate
-    decoded = decode_metrics(parse_metrics(body, encoding="gzip", limit=1 << 20), DecodeCache())
-    assert decoded.points == 2
-    with pytest.raises(OverflowError):
-        parse_metrics(gzip.compress(b"\0" * 5000) + gzip.compress(b"\0" * 5000), encoding="gzip", limit=8000)
-    with pytest.raises(DecodeError, match="truncated"):
-        parse_metrics(gzip.compress(first)[:-10], encoding="gzip")
