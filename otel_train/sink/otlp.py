@@ -177,15 +177,11 @@ def _parse(message: Any, body: bytes, content_type: str | None) -> Any:
             data = json.loads(body)
         except (ValueError, UnicodeDecodeError) as err:
             raise DecodeError(f"invalid JSON: {err}") from None
-        except RecursionError:
-            raise DecodeError("invalid JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise DecodeError("invalid OTLP/JSON: expected an object")
+        _hex_ids_to_base64(data, _ID_KEYS)
         try:
-            _hex_ids_to_base64(data, _ID_KEYS)
             json_format.ParseDict(data, message, ignore_unknown_fields=True)
-        except RecursionError:
-            raise DecodeError("invalid OTLP/JSON: nested too deeply") from None
         except (json_format.ParseError, ValueError, TypeError) as err:
             raise DecodeError(f"invalid OTLP/JSON: {str(err)[:200]}") from None
         return message
