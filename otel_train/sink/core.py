@@ -113,11 +113,7 @@ class SinkCore:
             with self._lock:
                 first = kind not in self.unsupported
                 self.unsupported[kind] = self.unsupported.get(kind, 0) + count
-            if first and kind == "bad_step":
-                _logger.warning("left out %s point(s) whose `train.step` no backend can store (beyond int64 or "
-                                "infinite), the rest of the request is written; counted in /health `unsupported` "
-                                "`bad_step` (warned once)", count)
-            elif first:
+            if first:
                 _logger.warning("received %s metric(s) of OTLP type `%s`, which the sink cannot write; they are "
                                 "counted in /health `unsupported` (warned once per type)", count, kind)
         if n:

@@ -18,7 +18,6 @@ from typing import Any
 
 from otel_train.records import RUN_ID, HistogramRow, MetricRow, RunInfo, SpanRow, series_tag
 from otel_train.sink.otlp import (
-    BAD_STEP,
     NO_EXTRA,
     DecodeError,
     attributes,
@@ -98,10 +97,6 @@ class Decoded:
     @property
     def points(self) -> int:
         return len(self.metrics) + len(self._gauges) + len(self._numbers) + len(self.histograms) + len(self._hists)
-
-    def bad_step(self) -> None:
-        """Count a point left out for its step (shown in `/health` `unsupported`, warned once)."""
-        self.unsupported["bad_step"] = self.unsupported.get("bad_step", 0) + 1
 
     def saw(self, run: RunInfo, step: int) -> None:
         if step > self.runs.get(run, -1):
@@ -252,12 +247,9 @@ def _step(attrs: Mapping[str, Any]) -> int:
     if raw is None:
         return STEPLESS
     try:
-        step = int(raw)
+        return int(raw)
     except (TypeError, ValueError):
         return STEPLESS
-    except OverflowError:
-        return BAD_STEP
-    return step if -(1 << 63) <= step < (1 << 63) else BAD_STEP
 
 
 def _extra(attrs: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -285,9 +277,6 @@ def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: D
     hi = -1
     for p in points:
         row = _one_point(p, name, kind, run)
-        if row.step == BAD_STEP:
-            seen.bad_step()
-            continue
         tags.add(row.tag)
         hi = max(hi, row.step)
         if mode == GAUGE and row.step != STEPLESS:
@@ -360,9 +349,6 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
             if entry is WHOLE:
                 p = number_point(raw)
                 row = _one_point(p, name, row_kind, run)
-                if row.step == BAD_STEP:
-                    out.bad_step()
-                    continue
                 tags.add(row.tag)
                 hi = max(hi, row.step)
                 if mode == GAUGE and row.step != STEPLESS:
@@ -373,9 +359,6 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
             step, extra = entry
             if step is None:
                 step = STEPLESS
-            elif step == BAD_STEP:
-                out.bad_step()
-                continue
             if extra is NO_EXTRA:
                 plain = True
                 tag = name
@@ -418,8 +401,6 @@ def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: D
     elif kind == "summary":
         for p in metric.summary.data_points:  # count and sum are cumulative by the data model
             row = _pending_histogram(out, run, name, p, (), (), True, False)
-            if row is None:
-                continue
             tags = out.tags_of(run)
             for q in p.quantile_values:
                 q_name = f"{name}/p{q.quantile * 100:g}"
@@ -441,12 +422,9 @@ def _has(p: Any, field: str) -> bool:
 
 
 def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tuple[float, ...],
-                       counts: tuple[int, ...], cumulative: bool, buckets: bool) -> HistogramRow | None:
+                       counts: tuple[int, ...], cumulative: bool, buckets: bool) -> HistogramRow:
     attrs = attributes(p.attributes)
     step = _step(attrs)
-    if step == BAD_STEP:
-        out.bad_step()
-        return None
     extra = _extra(attrs)
     total = float(p.sum) if _has(p, "sum") else 0.0
     lo = float(p.min) if _has(p, "min") else math.nan

@@ -13,7 +13,6 @@ from typing import Any
 from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 __all__ = [
-    "BAD_STEP",
     "NO_EXTRA",
     "DecodeError",
     "any_value",
@@ -26,10 +25,6 @@ __all__ = [
     "point_attributes",
     "rpc_status",
 ]
-
-#: The step of a point whose `train.step` no backend can store (beyond int64, infinite): the point is left out.
-BAD_STEP = -(1 << 62) - 1
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 #: Shared by rows without extra attributes (read-only).
 NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
@@ -79,10 +74,6 @@ def point_attributes(kvs: Any) -> tuple[int | None, Mapping[str, Any]]:
                     step = int(any_value(v))
                 except (TypeError, ValueError):
                     step = None
-                except OverflowError:  # an infinite step
-                    step = BAD_STEP
-                if step is not None and not _INT64_MIN <= step <= _INT64_MAX:
-                    step = BAD_STEP  # beyond int64: no backend can store it
         elif key != RANK_ATTRIBUTE:
             extra[key] = any_value(kv.value)
     return step, (extra or NO_EXTRA)

@@ -88,20 +88,3 @@ def test_a_nan_increment_is_counted_and_skipped_not_summed() -> None:
     mem, router = _run([delta(1.0, 0), delta(float("nan"), 1), delta(2.0, 2)])
     assert _series(mem, "tokens") == [(0, 1.0), (2, 3.0)]
     assert router.summary()["runs"][0]["nan_points"] == 1
-
-
-def test_a_step_no_backend_can_store_is_refused_alone_and_counted() -> None:
-    """Issue 21, item 5: a step beyond int64 (or infinite) leaves out that point only, counted in `unsupported`;
-    the other points of the request are written."""
-    from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
-
-    body = metrics_request(_resource(), [OtlpPoint("loss", 1.0, step=3), OtlpPoint("loss", 2.0, step=4),
-                                         OtlpPoint("loss", 9.0, attributes={"train.step": 1e19}),
-                                         OtlpPoint("loss", 9.0, attributes={"train.step": float("inf")}),
-                                         OtlpPoint("grad", kind="histogram", attributes={"train.step": 1e19},
-                                                   histogram=(1, 1.0, (1.0,), (1, 0)))])
-    decoded = decode_metrics(parse_metrics(body), DecodeCache())
-    assert decoded.unsupported == {"bad_step": 3}
-    mem, _ = _run([body])
-    assert _series(mem, "loss") == [(3, 1.0), (4, 2.0)]
-    assert not mem.histograms
