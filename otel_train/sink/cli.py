@@ -40,11 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--project", metavar="NAME",
                         help="project for W&B/ClearML/MLflow/Trackio [env OTEL_TRAIN_PROJECT; default otel-train]")
     parser.add_argument("--token", metavar="TOKEN",
-                        help="refused: a token on the command line is visible in `ps`; use --token-file or "
-                             "the env OTEL_TRAIN_SINK_TOKEN")
-    parser.add_argument("--token-file", metavar="FILE", dest="token_file",
-                        help="file whose first line is the token required as `authorization: Bearer TOKEN` on "
-                             "every request [env OTEL_TRAIN_SINK_TOKEN holds the token itself]")
+                        help="require `authorization: Bearer TOKEN` on every request [env OTEL_TRAIN_SINK_TOKEN]")
     parser.add_argument("--aggregate", metavar="LIST",
                         help="cross-rank aggregates from mean,min,max written as NAME/mean ... "
                              "[env OTEL_TRAIN_SINK_AGGREGATE; default none]")
@@ -79,34 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="logging level on stderr (DEBUG, INFO, WARNING) [default INFO]")
 
 
-def _read_token(path: str | None) -> str | None:
-    """The token in the first line of `path` (None: no file given)."""
-    from otel_train.errors import ConfigError
-
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text().splitlines()[0].strip() if Path(path).stat().st_size else ""
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"--token-file: {path!r} cannot be read ({err})") from None
-    if not token:
-        raise ConfigError(f"--token-file: {path!r} is empty; expected the token on its first line")
-    return token
-
-
-def _loopback(address: str) -> bool:
-    """Whether HOST:PORT binds a loopback address only."""
-    import ipaddress
-
-    host = address.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _fail(message: str) -> int:
     sys.stderr.write(f"otel-train sink: error: {message}\n")
     return 2
@@ -138,11 +106,8 @@ def main(args: argparse.Namespace) -> int:
         return _fail(f"--log-level: {args.log_level!r} is not allowed; use DEBUG, INFO, WARNING or ERROR")
     logging.basicConfig(stream=sys.stderr, level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.token is not None:
-            raise ConfigError("--token: a token on the command line is visible to every user (`ps`); set "
-                              "OTEL_TRAIN_SINK_TOKEN or give --token-file FILE")
         settings = load_sink_settings(
-            grpc=args.grpc, http=args.http, token=_read_token(args.token_file), aggregate=args.aggregate, idle_s=args.idle_s,
+            grpc=args.grpc, http=args.http, token=args.token, aggregate=args.aggregate, idle_s=args.idle_s,
             aggregate_timeout_s=args.aggregate_timeout_s, max_body_bytes=args.max_body_bytes,
             status_interval_s=args.status_interval_s, tls_cert=args.tls_cert, tls_key=args.tls_key,
             spool_dir=args.spool_dir, spool_run_mb=args.spool_run_mb, spool_total_mb=args.spool_total_mb,
@@ -166,11 +131,6 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _fail(str(err))
 
-    exposed = [a for a in (settings.grpc, settings.http) if not _loopback(a)]
-    if exposed and settings.token is None:
-        logging.getLogger("otel_train.sink").warning(
-            "listening on %s without a token: anyone who reaches it can write runs; set OTEL_TRAIN_SINK_TOKEN or "
-            "--token-file", ", ".join(exposed))
     sink = Sink(settings, factory)
     try:
         sink.start()
