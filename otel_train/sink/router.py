@@ -18,6 +18,7 @@ A refused request changes nothing: admission of every run of a request is decide
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.records import MetricRow, RunInfo, run_folder
+from otel_train.records import MetricRow, RunInfo
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.temporality import SeriesLedger
@@ -34,7 +35,7 @@ from otel_train.sink.temporality import SeriesLedger
 if TYPE_CHECKING:
     from otel_train.exporters.base import RowExporter
 
-__all__ = ["ExporterFactory", "Overloaded", "Router"]
+__all__ = ["ExporterFactory", "Overloaded", "Router", "spool_folder"]
 
 _logger = logging.getLogger(__name__)
 
@@ -177,6 +178,17 @@ class _Run:
         }
 
 
+def spool_folder(run_id: str) -> str:
+    """The folder of a run's spool: readable, and one per run id (two ids never share a spool).
+
+    Example:
+        >>> spool_folder("team/a"), spool_folder("team_a")
+        ('team_a-65f838a2fbff', 'team_a-112cd0cb52ee')
+    """
+    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64].lstrip(".") or "run"
+    return f"{readable}-{hashlib.sha256(run_id.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+
+
 def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:
     """Backend name -> exporter; a name given twice gets a numeric suffix. Names end in `` (sink)``: the
     spool keeps a file per backend named after it, which must not look like a backend's own file
@@ -251,7 +263,7 @@ class Router:
                     self._converters.popitem(last=False)
                 exporters = self._make()
                 agg = Aggregator(self._aggregate, self._aggregate_timeout_s) if self._aggregate else None
-                spool = run_folder(self._spool_dir, run_id) if self._spool_dir is not None else None
+                spool = self._spool_dir / spool_folder(run_id) if self._spool_dir is not None else None
                 state = _Run(run_id, exporters, converter, agg, self._queue_windows, self._error, spool)
                 self._runs[run_id] = state
                 self._closed_summaries.pop(run_id, None)

@@ -274,3 +274,17 @@ def test_grpc_refusal_carries_retry_info(tmp_path: Path) -> None:
     finally:
         slow.set()
         sink.stop()
+
+
+def test_runs_whose_names_look_alike_never_share_a_spool(tmp_path: Path) -> None:
+    gates = Gates()
+    router = Router(gates.factory(), spool_dir=tmp_path / "spool")
+    cache = DecodeCache()
+    try:
+        for step in range(3):
+            router.ingest(decode_metrics(parse_metrics(_step_request(("team/a", "team_a"), step)), cache))
+    finally:
+        router.close(10)
+    assert len(list((tmp_path / "spool").iterdir())) == 2
+    for run_id in ("team/a", "team_a"):
+        assert gates.series(run_id, "train/tokens") == _expected_tokens(3)
