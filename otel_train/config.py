@@ -586,6 +586,16 @@ OTEL_TRAIN_SINK_BODY_TIMEOUT_S = "OTEL_TRAIN_SINK_BODY_TIMEOUT_S"
 """Seconds an HTTP request body may take to arrive; a slower one is answered 408 and closed (float > 0). Default 30."""
 OTEL_TRAIN_SINK_MAX_CONNECTIONS = "OTEL_TRAIN_SINK_MAX_CONNECTIONS"
 """Open HTTP connections at most; one more is closed at once (int >= 1). Default 1024."""
+OTEL_TRAIN_SINK_SPOOL_DIR = "OTEL_TRAIN_SINK_SPOOL_DIR"
+"""Where the sink holds each run's windows while its backends are behind. Default ``<OTEL_TRAIN_DIR>/.sink-spool``."""
+OTEL_TRAIN_SINK_SPOOL_RUN_MB = "OTEL_TRAIN_SINK_SPOOL_RUN_MB"
+"""MiB one run may hold for its backends before the sink refuses its requests (int >= 0; 0: no spool). Default 1024."""
+OTEL_TRAIN_SINK_SPOOL_TOTAL_MB = "OTEL_TRAIN_SINK_SPOOL_TOTAL_MB"
+"""MiB all runs together may hold before the sink refuses requests of runs that hold any (int >= 1). Default 8192."""
+OTEL_TRAIN_SINK_QUEUE_WINDOWS = "OTEL_TRAIN_SINK_QUEUE_WINDOWS"
+"""Requests held in memory per run and backend (int >= 1); without a spool, more are refused. Default 256."""
+OTEL_TRAIN_SINK_RETRY_AFTER_S = "OTEL_TRAIN_SINK_RETRY_AFTER_S"
+"""Seconds a refused sender is told to wait (HTTP Retry-After, gRPC RetryInfo; float > 0). Default 1."""
 
 SINK_AGGREGATES_ALLOWED = ("mean", "min", "max")
 
@@ -606,6 +616,11 @@ class SinkSettings:
     tls_key: Path | None = None
     body_timeout_s: float = 30.0
     max_connections: int = 1024
+    spool_dir: Path | None = None
+    spool_run_mb: int = 1024
+    spool_total_mb: int = 8192
+    queue_windows: int = 256
+    retry_after_s: float = 1.0
 
 
 def _parse_token_file(name: str, raw: str) -> str:
@@ -646,6 +661,11 @@ _SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "token_file": (OTEL_TRAIN_SINK_TOKEN_FILE, _parse_token_file),
     "body_timeout_s": (OTEL_TRAIN_SINK_BODY_TIMEOUT_S, _parse_positive_float),
     "max_connections": (OTEL_TRAIN_SINK_MAX_CONNECTIONS, lambda n, r: _parse_int(n, r, 1)),
+    "spool_dir": (OTEL_TRAIN_SINK_SPOOL_DIR, lambda n, r: Path(_parse_text(n, r)).expanduser()),
+    "spool_run_mb": (OTEL_TRAIN_SINK_SPOOL_RUN_MB, lambda n, r: _parse_int(n, r, 0)),
+    "spool_total_mb": (OTEL_TRAIN_SINK_SPOOL_TOTAL_MB, lambda n, r: _parse_int(n, r, 1)),
+    "queue_windows": (OTEL_TRAIN_SINK_QUEUE_WINDOWS, lambda n, r: _parse_int(n, r, 1)),
+    "retry_after_s": (OTEL_TRAIN_SINK_RETRY_AFTER_S, _parse_positive_float),
 }
 
 

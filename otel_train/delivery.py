@@ -430,8 +430,10 @@ class Delivery:
     def names(self) -> list[str]:
         return [b.name for b in self._backends]
 
-    def submit(self, seq: int, max_step: int, payload: bytes) -> None:
-        """Spool one encoded window (a seq already spooled is ignored) and queue it for every backend."""
+    def submit(self, seq: int, max_step: int, payload: bytes, window: Window | None = None) -> None:
+        """Spool one encoded window (a seq already spooled is ignored) and queue it for every backend.
+
+        `window`: the decoded `payload` when the caller already holds it (the sink), so it is not decoded again."""
         with self._lock:
             if seq <= self._last_seq:
                 return
@@ -439,11 +441,12 @@ class Delivery:
                 self.spool.append(seq, max_step, payload)
             self._last_seq = seq
             self._last_step = max(self._last_step, max_step)
-        try:
-            window = decode_window(payload)
-        except Exception as err:
-            _logger.error("window %d unreadable (%s); skipped", seq, err)
-            return
+        if window is None:
+            try:
+                window = decode_window(payload)
+            except Exception as err:
+                _logger.error("window %d unreadable (%s); skipped", seq, err)
+                return
         if isinstance(window, Resume):
             self._cuts.append((window.cut_after, window.step))  # before any backend can be handed it
         elif self.annotate is not None:
@@ -470,6 +473,10 @@ class Delivery:
             b.submit(seq, max_step, window)
         self._queued_seq = max(self._queued_seq, seq)
         return True
+
+    def has_room(self) -> bool:
+        """Whether every backend's in-memory queue can take one more window now (`submit_window` would not wait)."""
+        return all(b.queued() < b._queue_windows for b in self._backends)
 
     def backlogged(self) -> bool:
         """Whether some backend's queue is (nearly) full, so that `submit_window` may have to wait."""

@@ -7,10 +7,12 @@ Every flag also reads its environment variable; a flag wins over the variable.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 __all__ = ["DESCRIPTION", "add_arguments", "main"]
 
@@ -62,6 +64,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", metavar="FILE", dest="tls_cert",
                         help="PEM certificate: serve both protocols over TLS (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="FILE", dest="tls_key", help="PEM private key of --tls-cert")
+    parser.add_argument("--spool-dir", metavar="DIR", dest="spool_dir",
+                        help="where each run's requests are held while its backends are behind "
+                             "[env OTEL_TRAIN_SINK_SPOOL_DIR; default <dir>/.sink-spool]")
+    parser.add_argument("--spool-run-mb", metavar="MB", dest="spool_run_mb",
+                        help="MiB one run may hold before its requests are refused (0: no spool, refuse when "
+                             "--queue-windows requests are queued) [env OTEL_TRAIN_SINK_SPOOL_RUN_MB; default 1024]")
+    parser.add_argument("--spool-total-mb", metavar="MB", dest="spool_total_mb",
+                        help="MiB all runs together may hold [env OTEL_TRAIN_SINK_SPOOL_TOTAL_MB; default 8192]")
+    parser.add_argument("--queue-windows", metavar="N", dest="queue_windows",
+                        help="requests held in memory per run and backend [env OTEL_TRAIN_SINK_QUEUE_WINDOWS; "
+                             "default 256]")
+    parser.add_argument("--retry-after-s", metavar="S", dest="retry_after_s",
+                        help="wait a refused sender is told (Retry-After / RetryInfo) "
+                             "[env OTEL_TRAIN_SINK_RETRY_AFTER_S; default 1]")
     parser.add_argument("--log-level", metavar="LEVEL", default="INFO", dest="log_level",
                         help="logging level on stderr (DEBUG, INFO, WARNING) [default INFO]")
 
@@ -104,7 +120,9 @@ def main(args: argparse.Namespace) -> int:
             grpc=args.grpc, http=args.http, token_file=args.token_file, aggregate=args.aggregate,
             idle_s=args.idle_s, aggregate_timeout_s=args.aggregate_timeout_s, max_body_bytes=args.max_body_bytes,
             status_interval_s=args.status_interval_s, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            body_timeout_s=args.body_timeout_s, max_connections=args.max_connections)
+            body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
+            spool_dir=args.spool_dir, spool_run_mb=args.spool_run_mb, spool_total_mb=args.spool_total_mb,
+            queue_windows=args.queue_windows, retry_after_s=args.retry_after_s)
         if (settings.tls_cert is None) != (settings.tls_key is None):
             raise ConfigError("--tls-cert/--tls-key: give both (a PEM certificate and its key) or neither")
         for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
@@ -116,6 +134,8 @@ def main(args: argparse.Namespace) -> int:
         # Every rank arrives at the sink, so every rank's metrics are written.
         # OTEL_TRAIN_<BACKEND>_* route the sink's backends too; hyperparameters come with each run.
         options = ExporterOptions.from_settings(run_settings, ranks="all", with_hparams=False)
+        if settings.spool_dir is None:
+            settings = dataclasses.replace(settings, spool_dir=Path(run_settings.dir) / ".sink-spool")
         from otel_train.sink.service import Sink, exporter_factory
 
         factory = exporter_factory(run_settings.exporters, options)

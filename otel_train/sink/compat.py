@@ -264,26 +264,36 @@ class CompatAPI:
                 if (run_id is None or k[0] == str(run_id)) and (rank is None or k[1] == int(rank))]
 
     def report_step(self, doc: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
-        """Write the buffered values of `step` (of one run when `run_id` is given, else of every run)."""
+        """Write the buffered values of `step` (of one run when `run_id` is given, else of every run).
+
+        Same rules as OTLP: never waits; when a run's backends are too far behind, the answer is 503 with
+        `retry_after_s`, the values stay buffered and the step stays unreported, so the retry writes them once.
+        """
         from otel_train.sink.decode import Decoded
+        from otel_train.sink.router import Overloaded
 
         step = self._step(doc)
         metrics: list[MetricRow] = []
         spans: list[SpanRow] = []
-        with self._lock:
-            for key in self._matching(doc):
-                rows = self._buffer[key].pop(step, [])
+        with self._lock:  # taken out only once the router took them
+            keys = [k for k in self._matching(doc) if step in self._buffer[k]]
+            for key in keys:
+                for row in self._buffer[key][step]:
+                    (spans if isinstance(row, SpanRow) else metrics).append(row)  # type: ignore[arg-type]
+            decoded = Decoded.of_rows(metrics, spans)
+            if decoded.metrics or decoded.spans:
+                try:
+                    self._router.ingest(decoded)
+                except Overloaded as err:
+                    return 503, {"status": "error", "message": str(err), "retry_after_s": err.retry_after_s}
+            for key in keys:
+                rows = self._buffer[key].pop(step)
                 if not self._buffer[key]:
                     del self._buffer[key]
                 self._buffered -= len(rows)
-                for row in rows:
-                    (spans if isinstance(row, SpanRow) else metrics).append(row)  # type: ignore[arg-type]
             for h in self._history:
                 if h["step"] == step:
                     h["reported"] = True
-        decoded = Decoded.of_rows(metrics, spans)
-        if decoded.metrics or decoded.spans:
-            self._router.ingest(decoded)
         return _ok(step=step, metrics=len(decoded.metrics), spans=len(decoded.spans))
 
     def clear_metrics(self, doc: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -6,12 +6,10 @@ flow one way: receivers -> core -> decode/router -> backends.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +57,10 @@ class SinkCore:
                  directory: Path | None = None) -> None:
         self.settings = settings
         self.token = settings.token
-        self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s)
+        spool_bytes = settings.spool_run_mb << 20
+        self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s,
+                             settings.queue_windows, settings.spool_dir if spool_bytes else None, spool_bytes,
+                             settings.spool_total_mb << 20, settings.retry_after_s)
         self.run_names = RunNames(directory)
         self.compat = CompatAPI(self.router, self.run_names)
         self._runs = DecodeCache(names=self.run_names)
@@ -72,8 +73,6 @@ class SinkCore:
         self._stopped = False
         self._started_at = time.monotonic()
         self._lock = threading.Lock()
-        # One thread: requests that may wait on a run's full queue wait here, not on the receivers' loop.
-        self._backpressure = ThreadPoolExecutor(1, thread_name_prefix="otel-train-sink-backpressure")
 
     # -- request entry points (called by both receivers) ---------------------------------------
     def token_ok(self, header: str) -> bool:
@@ -88,13 +87,9 @@ class SinkCore:
                           "minute per reason)", reason, total, ": " if detail else "", detail[:300])
 
     async def ingest_async(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
-        """`ingest` for the receivers' event loop: inline (no hand-off, the fast path) unless some run's
-        backends are behind; then on a worker thread, so that its backpressure wait does not stall
-        `/health` or the other runs' requests."""
-        if not self.router.backlogged():
-            return self.ingest(signal, body, content_type, encoding)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._backpressure, self.ingest, signal, body, content_type, encoding)
+        """`ingest` for the receivers' event loop. It never waits: a run whose backends are behind is
+        held in its spool or refused at once (`Overloaded`), so one run never holds up another."""
+        return self.ingest(signal, body, content_type, encoding)
 
     def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
         """Decode a whole request into rows, then hand them to the router. Returns rows taken.
@@ -155,6 +150,10 @@ class SinkCore:
             "points": self.router.points_in,
             "spans": self.router.spans_in,
             "errors": self.router.errors,
+            "requests": self.router.requests,
+            "held_bytes": self.router.held_bytes,
+            "aggregate_rows_dropped": self.router.aggregate_dropped,
+            "collisions": self.router.collisions(),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

@@ -71,7 +71,7 @@ class Decoded:
         refused: Points refused alone (a step that is no step, too many buckets), by ``(why, metric)``.
     """
 
-    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "metrics", "refused", "runs", "spans", "tags",
+    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "metrics", "refused", "runs", "sender", "spans", "tags",
                  "unattributed", "unsupported")
 
     def __init__(self) -> None:
@@ -81,9 +81,11 @@ class Decoded:
         # Gauge rows with a step (the hot path), and (row, temporality mode, start time) of the other
         # number points, until `finish`.
         self._gauges: list[MetricRow] = []
-        self._numbers: list[tuple[MetricRow, int, int]] = []
+        self._numbers: list[tuple[MetricRow, int, int, str]] = []
         # (row, cumulative, start time, has buckets) of histogram and summary points until `finish`.
-        self._hists: list[tuple[HistogramRow, bool, int, bool]] = []
+        self._hists: list[tuple[HistogramRow, bool, int, bool, str]] = []
+        #: The sender (`service.instance.id`, else host and pid) of the Resource being decoded.
+        self.sender = ""
         self.runs: dict[RunInfo, int] = {}  # highest step of metric points; -1 for none (spans only)
         self.tags: dict[str, set[str]] = {}
         self.unattributed: dict[str, int] = {}
@@ -134,12 +136,12 @@ class Decoded:
         ledger.gauges(self._gauges, append)
         self._gauges.clear()
         number = ledger.number
-        for row, mode, start in self._numbers:  # rows not yet shared with anyone: set in place
-            if number(row, mode, start):
+        for row, mode, start, sender in self._numbers:  # rows not yet shared with anyone: set in place
+            if number(row, mode, start, sender):
                 append(row)
         self._numbers.clear()
-        for hist, cumulative, start, buckets in self._hists:
-            out = ledger.histogram(hist, cumulative, start)
+        for hist, cumulative, start, buckets, sender in self._hists:
+            out = ledger.histogram(hist, cumulative, start, sender)
             if out is None:
                 continue
             if buckets:
@@ -240,6 +242,21 @@ class DecodeCache:
         return run
 
 
+def sender_of(attrs: Mapping[str, Any]) -> str:
+    """Which process sent a Resource: its `service.instance.id` (the OTel SDKs set a UUID per process),
+    else its host and pid. Cumulative state is kept per sender, so two processes never read as restarts
+    of one another.
+
+    Example:
+        >>> sender_of({"service.instance.id": "7f3a"}), sender_of({"host.name": "n1", "process.pid": 42})
+        ('7f3a', 'n1/42')
+    """
+    instance = attrs.get("service.instance.id")
+    if instance:
+        return str(instance)
+    return f"{attrs.get('host.name', '')}/{attrs.get('process.pid', '')}"
+
+
 def fallback_run_id(attrs: Mapping[str, Any]) -> str:
     """The run of a Resource without `train.run.id`, in this order: ``<service.name>-<service.instance.id>``
     (the Python SDK sets a UUID per process), ``<service.name>@<host.name>``, ``<service.name>``, then
@@ -285,8 +302,9 @@ def _one_point(p: Any, name: str, kind: str, run: RunInfo) -> MetricRow:
 
 def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: Decoded) -> None:
     """Pending rows of gauge or sum points given as protobuf objects (OTLP/JSON requests)."""
-    rows: list[tuple[MetricRow, int, int]] = []
+    rows: list[tuple[MetricRow, int, int, str]] = []
     tags = seen.tags_of(run)
+    sender = seen.sender
     hi = -1
     for p in points:
         row = _one_point(p, name, kind, run)
@@ -298,7 +316,7 @@ def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: D
         if mode == GAUGE and row.step != STEPLESS:
             seen._gauges.append(row)
         else:
-            rows.append((row, mode, p.start_time_unix_nano))
+            rows.append((row, mode, p.start_time_unix_nano, sender))
     if mode != GAUGE:
         rows.sort(key=_by_step)  # running totals follow the step order
     seen._numbers.extend(rows)
@@ -306,7 +324,7 @@ def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: D
         seen.saw(run, hi)
 
 
-def _by_step(item: tuple[MetricRow, int, int]) -> int:
+def _by_step(item: tuple[MetricRow, int, int, str]) -> int:
     return item[0].step
 
 
@@ -330,6 +348,7 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
     unpack = TIME_DOUBLE.unpack_from
     tags = out.tags_of(run)
     gauge_rows = out._gauges.append
+    sender = out.sender
     hi = -1
     entry: Any
     for name, kind, metric in _named_metrics(scope_metrics):
@@ -374,7 +393,7 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                 if mode == GAUGE and row.step != STEPLESS:
                     gauge_rows(row)
                 else:
-                    append((row, mode, p.start_time_unix_nano))
+                    append((row, mode, p.start_time_unix_nano, sender))
                 continue
             step, extra = entry
             if step is None:
@@ -393,7 +412,7 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
             if mode == GAUGE and step != STEPLESS:
                 gauge_rows(MetricRow(run, step, name, tag, value, row_kind, t, extra))
             else:
-                append((MetricRow(run, step, name, tag, value, row_kind, t, extra), mode, start))
+                append((MetricRow(run, step, name, tag, value, row_kind, t, extra), mode, start, sender))
         if plain:
             tags.add(name)
         if mode != GAUGE:
@@ -441,7 +460,7 @@ def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: D
                 tag = series_tag(q_name, row.attributes) if row.attributes else q_name
                 tags.add(tag)
                 out._numbers.append((MetricRow(run, row.step, q_name, tag, float(q.value), "gauge",
-                                               p.time_unix_nano, row.attributes), GAUGE, 0))
+                                               p.time_unix_nano, row.attributes), GAUGE, 0, out.sender))
     else:
         kind = kind or "empty"
         out.unsupported[kind] = out.unsupported.get(kind, 0) + 1
@@ -474,7 +493,7 @@ def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tu
         tags.add(series_tag(f"{name}/{stat}", extra) if extra else f"{name}/{stat}")
     out.saw(run, step)
     row = HistogramRow(run, step, name, tag, int(p.count), total, lo, hi, bounds, counts, p.time_unix_nano, extra)
-    out._hists.append((row, cumulative, p.start_time_unix_nano, buckets))
+    out._hists.append((row, cumulative, p.start_time_unix_nano, buckets, out.sender))
     return row
 
 
@@ -482,6 +501,7 @@ def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tu
 def _resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: Decoded) -> RunInfo:
     """The run of one Resource of a request; counts Resources without `train.run.id` by their run."""
     run = runs.run_for(attrs)
+    out.sender = sender_of(attrs)
     if RUN_ID not in attrs:
         out.unattributed[run.run_id] = out.unattributed.get(run.run_id, 0) + 1
     if has_data:

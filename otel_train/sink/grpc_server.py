@@ -2,9 +2,9 @@
 
 It is grpcio's asyncio server, on the receivers' event loop (shared with OTLP/HTTP, in a thread of
 its own): requests are decoded on that thread, one at a time, with no hand-off to a thread pool (the sink is bound to one core by the GIL;
-the pool's hand-offs cost ~15% of the sink's throughput, bench/sink.py). A run whose backends are
-behind makes its requests wait (backpressure) on a worker thread (`SinkCore.ingest_async`), so `/health`
-and other runs' requests are still served.
+the pool's hand-offs cost ~15% of the sink's throughput, bench/sink.py). A request never waits: a run
+whose backends are behind is held in its spool, or refused at once with UNAVAILABLE and a RetryInfo
+(`otel_train.sink.router`), so `/health` and other runs' requests are always served.
 
 Handlers take the raw request bytes (no deserializer registered), so a malformed payload is
 answered INVALID_ARGUMENT with the reason instead of grpcio's generic INTERNAL.
@@ -31,6 +31,7 @@ def _handler(sink: Sink, signal: str) -> Any:
     import grpc
 
     from otel_train.sink.core import DecodeError, Overloaded
+    from otel_train.sink.otlp import rpc_status
 
     async def export(body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         if sink.token is not None:
@@ -56,7 +57,10 @@ def _handler(sink: Sink, signal: str) -> Any:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
         except Overloaded as err:
             sink.count_rejected("overloaded", str(err))
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err))
+            # The retry hint as OTLP senders read it: a google.rpc.Status with RetryInfo in the trailers.
+            status = rpc_status(grpc.StatusCode.UNAVAILABLE.value[0], str(err), err.retry_after_s)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(err),
+                                trailing_metadata=(("grpc-status-details-bin", status),))
         except Exception as err:  # never take the receiver down for one request
             sink.count_rejected("internal")
             _logger.exception("gRPC %s export failed", signal)

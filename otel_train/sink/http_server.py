@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
@@ -40,22 +41,24 @@ def _json(code: int, doc: Any, close: bool = False) -> web.Response:
     return resp
 
 
-def _otlp_error(code: int, message: str, protobuf: bool, close: bool = False) -> web.Response:
-    """An OTLP error: a `google.rpc.Status` in the request's encoding."""
+def _otlp_error(code: int, message: str, protobuf: bool, close: bool = False,
+                retry_after_s: float | None = None) -> web.Response:
+    """An OTLP error: a `google.rpc.Status` in the request's encoding (with a ``Retry-After`` header when
+    the sender should retry later: the OTLP/HTTP spec's throttling hint)."""
     from aiohttp import web
 
-    if protobuf:
-        try:
-            from google.rpc import status_pb2
+    from otel_train.sink.otlp import rpc_status
 
-            body = status_pb2.Status(code=_GRPC_CODES.get(code, 2), message=message).SerializeToString()
-            resp = web.Response(status=code, body=body, content_type="application/x-protobuf")
-            if close:
-                resp.force_close()
-            return resp
-        except ImportError:
-            pass
-    return _json(code, {"code": _GRPC_CODES.get(code, 2), "message": message}, close)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    if protobuf:
+        body = rpc_status(_GRPC_CODES.get(code, 2), message, retry_after_s)
+        resp = web.Response(status=code, body=body, content_type="application/x-protobuf", headers=headers)
+    else:
+        resp = web.json_response({"code": _GRPC_CODES.get(code, 2), "message": message}, status=code,
+                                 headers=headers)
+    if close:
+        resp.force_close()
+    return resp
 
 
 class _Refused(asyncio.Protocol):
@@ -155,6 +158,11 @@ class HttpReceiver:
 
     def _compat(self, method: str, request: web.Request, body: bytes | None) -> web.StreamResponse:
         code, doc = self._sink.compat.handle(method, request.path, parse_qs(request.query_string), body)
+        if code == 503:  # a backlogged run: refused at once, nothing lost; the sender retries after the hint
+            self._sink.count_rejected("overloaded", str(doc.get("message", "")))
+            resp = _json(code, doc)
+            resp.headers["Retry-After"] = str(max(1, math.ceil(float(doc.get("retry_after_s", 1)))))
+            return resp
         if code >= 400:
             self._sink.count_rejected(f"compat_{code}", f"{method} {request.path}: {doc.get('message', '')}")
         return _json(code, doc)
@@ -201,7 +209,7 @@ class HttpReceiver:
             return _otlp_error(413, str(err), protobuf)
         except Overloaded as err:
             sink.count_rejected("overloaded", str(err))
-            return _otlp_error(503, str(err), protobuf)
+            return _otlp_error(503, str(err), protobuf, retry_after_s=err.retry_after_s)
         except Exception as err:  # one bad request must never take the server down
             sink.count_rejected("internal", repr(err))
             _logger.exception("HTTP %s export failed", signal)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copyreg
 import functools
 import json
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ __all__ = [
     "parse_metrics",
     "parse_traces",
     "point_attributes",
+    "rpc_status",
     "step_value",
 ]
 
@@ -31,6 +33,13 @@ __all__ = [
 MAX_RUN_ID_BYTES = 255
 #: Shared by rows without extra attributes (read-only).
 NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
+# The sink writes rows ahead to a run's spool (a pickle): read-only attributes go there as plain dicts.
+copyreg.pickle(MappingProxyType, lambda m: (_as_dict, (dict(m),)))
+
+
+def _as_dict(items: dict[str, Any]) -> Any:
+    """Unpickles a spooled read-only mapping (as a plain dict)."""
+    return items
 
 
 class DecodeError(ValueError):
@@ -240,3 +249,37 @@ def parse_traces(body: bytes, content_type: str | None = None, encoding: str | N
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     return _parse(ExportTraceServiceRequest(), _decompress(body, encoding, limit), content_type)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def rpc_status(code: int, message: str, retry_after_s: float | None = None) -> bytes:
+    """An encoded `google.rpc.Status`, with a `google.rpc.RetryInfo` detail when `retry_after_s` is given
+    (what OTLP senders read as the server's throttling hint). Hand-encoded: five fields do not warrant
+    the googleapis protos as a dependency.
+
+    Example:
+        >>> rpc_status(14, "busy").hex()
+        '080e120462757379'
+    """
+    out = _varint(1 << 3) + _varint(code) + (_field(2, message.encode()) if message else b"")
+    if retry_after_s is not None:
+        seconds = int(retry_after_s)
+        nanos = round((retry_after_s - seconds) * 1e9)
+        duration = _varint(1 << 3) + _varint(seconds) + (_varint(2 << 3) + _varint(nanos) if nanos else b"")
+        retry_info = _field(1, duration)
+        detail = _field(1, b"type.googleapis.com/google.rpc.RetryInfo") + _field(2, retry_info)
+        out += _field(3, detail)
+    return out

@@ -5,18 +5,29 @@ training run, all ranks inside it: rows carry their rank), fed by `otel_train.de
 the code that feeds the exporter process's backends: one thread per backend, so a backend never
 sees two windows at once and a slow one stalls only itself. Requests are merged into larger
 windows when they queue up. A run idle for `idle_s` is closed; data arriving later reopens it (counter totals survive).
+
+Accept and hold: with a spool folder, every request is written ahead to its run's spool (the exporter
+process's `otel_train.spool.Spool`), so a slow backend only makes its run's spool grow. A run is refused
+(`Overloaded`: HTTP 503 / gRPC UNAVAILABLE, with a retry-after hint) only while it holds more than its
+budget of bytes its backends have not taken yet, or all runs together more than theirs; without a spool,
+while one of its backends has `queue_windows` requests queued. Never by waiting: a refusal is immediate.
+
+A refused request changes nothing: admission of every run of a request is decided before any state
+(series ledger, counts, aggregates) is touched, so a sender's retry of the same bytes is exact.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.records import MetricRow
+from otel_train.records import MetricRow, RunInfo
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.temporality import SeriesLedger
@@ -24,7 +35,7 @@ from otel_train.sink.temporality import SeriesLedger
 if TYPE_CHECKING:
     from otel_train.exporters.base import RowExporter
 
-__all__ = ["ExporterFactory", "Overloaded", "Router"]
+__all__ = ["ExporterFactory", "Overloaded", "Router", "spool_folder"]
 
 _logger = logging.getLogger(__name__)
 
@@ -32,18 +43,29 @@ _logger = logging.getLogger(__name__)
 ExporterFactory = Callable[[], "list[RowExporter]"]
 
 _KEEP_CLOSED = 10_000  # closed runs whose counter totals are kept, should they resume
+_NO_RUN = RunInfo(run_id="", run_name="")  # a spooled window's rows carry their own runs
 
 
 class Overloaded(RuntimeError):
-    """A run's queue stayed full: the client should retry later (HTTP 503 / gRPC UNAVAILABLE)."""
+    """A run's backends are too far behind: the client should retry later (HTTP 503 / gRPC UNAVAILABLE).
+
+    Attributes:
+        retry_after_s: How long the client is told to wait before retrying.
+    """
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class _Run:
     """One training run: its backends (fed by `Delivery`, one thread each) and what it has seen."""
 
     def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
-                 aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None]) -> None:
+                 aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None],
+                 spool_path: Path | None = None) -> None:
         from otel_train.delivery import Delivery  # lazy: it pulls in the framing of the exporter process
+        from otel_train.spool import Spool
 
         self.run_id = run_id
         self.run_name = run_id
@@ -59,22 +81,60 @@ class _Run:
         self.spans = 0
         self.write_errors = 0
         self._on_error = on_error
-        # No spool: a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
-        self.delivery = Delivery(_named(exporters), None, queue_windows, self._error,
+        self._queue_windows = queue_windows
+        self.spool = Spool(spool_path) if spool_path is not None else None
+        self._seq = self.spool.last_seq if self.spool is not None else 0
+        self._sizes: deque[tuple[int, int]] = deque()  # (seq, bytes) of spooled windows not yet handed over
+        self.held_bytes = 0
+        # Without a spool a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
+        self.delivery = Delivery(_named(exporters), self.spool, queue_windows, self._error,
                                  thread_name=f"otel-train-sink[{run_id}]")
 
     def _error(self, _backend: str) -> None:
         self.write_errors += 1
         self._on_error()
 
-    def put(self, item: Decoded, timeout_s: float) -> None:
-        """Queue one request's rows for every backend (under self.lock); `Overloaded` if a queue stays full."""
+    def release(self) -> int:
+        """Forget the spooled windows every backend has been handed; returns the bytes released."""
+        if self.spool is None:
+            return 0
+        handed = self._seq - self.delivery.pending
+        freed = 0
+        while self._sizes and self._sizes[0][0] <= handed:
+            freed += self._sizes.popleft()[1]
+        self.held_bytes -= freed
+        return freed
+
+    def behind(self, budget_bytes: int) -> str | None:
+        """Why this run cannot take a request now (None: it can). Changes nothing but the release of bytes."""
+        if self.spool is not None:
+            if self.held_bytes >= budget_bytes:
+                return f"holds {self.held_bytes:,} bytes its backends have not taken (budget {budget_bytes:,})"
+            return None
+        if not self.delivery.has_room():
+            return f"{self.delivery.pending} requests queued for its backends (queue {self._queue_windows})"
+        return None
+
+    def put(self, item: Decoded) -> int:
+        """Queue one request's rows for every backend (under self.lock, after `behind` said yes): written
+        ahead to the spool if there is one. Returns the bytes spooled."""
         from otel_train.exporters.base import Window
 
         steps = [r.step for r in item.metrics] + [h.step for h in item.histograms]
+        max_step = max(steps, default=-1)
         window = Window(item.metrics, item.histograms, item.spans)
-        if not self.delivery.submit_window(window, max(steps, default=-1), timeout_s):
-            raise Overloaded(f"run {self.run_id!r}: backends are behind; retry later")
+        if self.spool is None:
+            # Cannot fail: room was checked under this lock and only the backends' threads take from the queues.
+            self.delivery.submit_window(window, max_step, 0.0)
+            return 0
+        from otel_train.framing import encode_window
+
+        payload, _ = encode_window(_NO_RUN, (), item.metrics, item.histograms, item.spans)
+        self._seq += 1
+        self.delivery.submit(self._seq, max_step, payload, window)
+        self._sizes.append((self._seq, len(payload)))
+        self.held_bytes += len(payload)
+        return len(payload)
 
     def backlogged(self) -> bool:
         return self.delivery.backlogged()
@@ -108,16 +168,34 @@ class _Run:
             "written": self.written,
             "queued": self.pending,
             "write_errors": self.write_errors,
+            "held_bytes": self.held_bytes,
+            "collisions": self.converter.collisions,
+            "collided_series": list(self.converter.collided),
+            "late_points": self.converter.late_points,
+            "nan_points": self.converter.nan_points,
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
         }
 
 
+def spool_folder(run_id: str) -> str:
+    """The folder of a run's spool: readable, and one per run id (two ids never share a spool).
+
+    Example:
+        >>> spool_folder("team/a"), spool_folder("team_a")
+        ('team_a-65f838a2fbff', 'team_a-112cd0cb52ee')
+    """
+    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64].lstrip(".") or "run"
+    return f"{readable}-{hashlib.sha256(run_id.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+
+
 def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:
-    """Backend name -> exporter; a name given twice gets a numeric suffix."""
+    """Backend name -> exporter; a name given twice gets a numeric suffix. Names end in `` (sink)``: the
+    spool keeps a file per backend named after it, which must not look like a backend's own file
+    (``written.jsonl`` would be read as a JSONL log by whoever globs the output folder)."""
     out: dict[str, RowExporter] = {}
     for exporter in exporters:
-        name = base = str(getattr(exporter, "name", type(exporter).__name__))
+        name = base = str(getattr(exporter, "name", type(exporter).__name__)) + " (sink)"
         n = 1
         while name in out:
             n += 1
@@ -134,19 +212,27 @@ class Router:
         aggregate: Cross-rank aggregates (``mean``, ``min``, ``max``); empty for none.
         aggregate_timeout_s: See `Aggregator`.
         idle_s: A run without data for this long is closed by `tick`.
-        queue_windows: Requests queued per run before `ingest` waits (backpressure).
-        ingest_timeout_s: How long `ingest` waits on a full queue before raising `Overloaded`.
+        queue_windows: Requests held in memory per run and backend (without a spool: then refused).
+        spool_dir: Where each run's requests are written ahead (None: memory only).
+        spool_run_bytes: Bytes one run may hold for its backends before its requests are refused.
+        spool_total_bytes: Bytes all runs together may hold before requests of runs holding any are refused.
+        retry_after_s: The wait a refused sender is told.
     """
 
     def __init__(self, make_exporters: ExporterFactory, aggregate: Sequence[str] = (),
                  aggregate_timeout_s: float = 30.0, idle_s: float = 300.0, queue_windows: int = 256,
-                 ingest_timeout_s: float = 10.0) -> None:
+                 spool_dir: Path | None = None, spool_run_bytes: int = 1 << 30, spool_total_bytes: int = 8 << 30,
+                 retry_after_s: float = 1.0) -> None:
         self._make = make_exporters
         self._aggregate = tuple(aggregate)
         self._aggregate_timeout_s = aggregate_timeout_s
         self.idle_s = idle_s
         self._queue_windows = queue_windows
-        self._ingest_timeout_s = ingest_timeout_s
+        self._spool_dir = spool_dir
+        self._run_budget = spool_run_bytes
+        self._total_budget = spool_total_bytes
+        self.retry_after_s = retry_after_s
+        self.held_bytes = 0  # bytes all open runs hold for their backends (spool only)
         self._runs: dict[str, _Run] = {}
         self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -155,8 +241,10 @@ class Router:
         self.points_in = 0
         self.spans_in = 0
         self.requests = 0
+        self.refused = 0
         self.errors = 0
         self.aggregate_rows = 0
+        self.aggregate_dropped = 0
         self.runs_opened = 0
         self.runs_closed = 0
 
@@ -166,7 +254,7 @@ class Router:
     def _run(self, run_id: str) -> _Run:
         with self._lock:
             if self._closed:
-                raise Overloaded("the sink is shutting down")
+                raise Overloaded("the sink is shutting down", self.retry_after_s)
             state = self._runs.get(run_id)
             if state is None:
                 converter = self._converters.pop(run_id, None) or SeriesLedger()
@@ -175,7 +263,8 @@ class Router:
                     self._converters.popitem(last=False)
                 exporters = self._make()
                 agg = Aggregator(self._aggregate, self._aggregate_timeout_s) if self._aggregate else None
-                state = _Run(run_id, exporters, converter, agg, self._queue_windows, self._error)
+                spool = self._spool_dir / spool_folder(run_id) if self._spool_dir is not None else None
+                state = _Run(run_id, exporters, converter, agg, self._queue_windows, self._error, spool)
                 self._runs[run_id] = state
                 self._closed_summaries.pop(run_id, None)
                 self.runs_opened += 1
@@ -183,48 +272,96 @@ class Router:
             return state
 
     def backlogged(self) -> bool:
-        """Whether some run's queue is (nearly) full, so that `ingest` may have to wait."""
+        """Whether some run's queue is (nearly) full."""
         with self._lock:
             states = list(self._runs.values())
         return any(s.backlogged() for s in states)
 
+    def _release(self, state: _Run) -> None:
+        freed = state.release()
+        if freed:
+            with self._lock:
+                self.held_bytes -= freed
+
+    def _refusal(self, state: _Run) -> str | None:
+        """Why `state` cannot take a request now (its lock held), or None."""
+        self._release(state)
+        reason = state.behind(self._run_budget)
+        if reason is None and state.held_bytes and self.held_bytes >= self._total_budget:
+            reason = f"all runs hold {self.held_bytes:,} bytes for their backends (budget {self._total_budget:,})"
+        return reason
+
     def ingest(self, decoded: Decoded) -> None:
-        """Queue one decoded request for its run(s). Raises `Overloaded` if a run's queue stays full."""
-        self.requests += 1
-        for run_id, part in decoded.split_by_run().items():
-            state = self._run(run_id)
-            with state.lock:
-                part.finish(state.converter)
-                state.last_seen = time.monotonic()
-                state.series.update(part.tags.get(run_id, ()))
-                for run, step in part.runs.items():
-                    if step >= 0:
-                        last = state.last_step.get(run.rank)
-                        if last is None or step > last:
-                            state.last_step[run.rank] = step
-                    state.run_name = run.run_name
-                    state.world_size = max(state.world_size, run.world_size)
-                npoints = len(part.metrics) + len(part.histograms)
-                state.points += npoints
-                state.spans += len(part.spans)
-                self.points_in += npoints
-                self.spans_in += len(part.spans)
-                if state.aggregator is not None and part.metrics:
-                    agg = state.aggregator.add(part.metrics)
-                    if agg:
-                        part.metrics.extend(agg)
-                        self.aggregate_rows += len(agg)
-                state.put(part, self._ingest_timeout_s)
+        """Queue one decoded request for its run(s), all or nothing.
+
+        Raises:
+            Overloaded: some run of the request is too far behind; nothing of the request was taken.
+        """
+        parts = decoded.split_by_run()
+        states = [(self._run(run_id), parts[run_id]) for run_id in sorted(parts)]
+        for state, _ in states:  # one order for every request: no two requests wait on each other's locks
+            state.lock.acquire()
+        try:
+            for state, _ in states:
+                reason = self._refusal(state)
+                if reason is not None:
+                    self.refused += 1
+                    raise Overloaded(f"run {state.run_id!r}: {reason}; retry later", self.retry_after_s)
+            self.requests += 1
+            for state, part in states:
+                self._take(state, part)
+        finally:
+            for state, _ in states:
+                state.lock.release()
+
+    def _take(self, state: _Run, part: Decoded) -> None:
+        """Apply the run's rules to one admitted part and queue it (the run's lock held)."""
+        run_id = state.run_id
+        ledger = state.converter
+        collisions = ledger.collisions
+        part.finish(ledger)
+        if ledger.collisions and not collisions:
+            _logger.warning("run %r: two senders (service.instance.id, else host and pid) send the same cumulative "
+                            "series (%s), e.g. two processes with one train.run.id and no train.rank; their "
+                            "increases are added up (shown in /health `collisions`)", run_id,
+                            ", ".join(ledger.collided[:3]))
+        state.last_seen = time.monotonic()
+        state.series.update(part.tags.get(run_id, ()))
+        for run, step in part.runs.items():
+            if step >= 0:
+                last = state.last_step.get(run.rank)
+                if last is None or step > last:
+                    state.last_step[run.rank] = step
+            state.run_name = run.run_name
+            state.world_size = max(state.world_size, run.world_size)
+        npoints = len(part.metrics) + len(part.histograms)
+        state.points += npoints
+        state.spans += len(part.spans)
+        self.points_in += npoints
+        self.spans_in += len(part.spans)
+        if state.aggregator is not None and part.metrics:
+            agg = state.aggregator.add(part.metrics)
+            if agg:
+                part.metrics.extend(agg)
+                self.aggregate_rows += len(agg)
+        self._put(state, part)
+
+    def _put(self, state: _Run, part: Decoded) -> None:
+        held = state.put(part)
+        if held:
+            with self._lock:
+                self.held_bytes += held
 
     def _emit_aggregates(self, state: _Run, rows: list[MetricRow]) -> None:
+        """Queue aggregate rows (the run's lock held). With a spool they always go in (they are few); without
+        one, a full queue drops them, counted."""
         if rows:
-            d = Decoded.of_rows(rows)
             self.aggregate_rows += len(rows)
-            try:
-                state.put(d, self._ingest_timeout_s)
-            except Overloaded:
-                self.errors += 1
+            if state.spool is None and state.behind(self._run_budget) is not None:
+                self.aggregate_dropped += len(rows)
                 _logger.warning("run %r: %d aggregate row(s) dropped, backends are behind", state.run_id, len(rows))
+                return
+            self._put(state, Decoded.of_rows(rows))
 
     def tick(self) -> None:
         """Housekeeping: write timed-out aggregates, close idle runs."""
@@ -234,6 +371,7 @@ class Router:
             states = list(self._runs.values())
         for state in states:
             with state.lock:
+                self._release(state)
                 if state.aggregator is not None:
                     self._emit_aggregates(state, state.aggregator.expire())
                 idle = now - state.last_seen >= self.idle_s and state.pending == 0
@@ -251,6 +389,9 @@ class Router:
             if state.aggregator is not None:
                 self._emit_aggregates(state, state.aggregator.drain())
         state.stop(timeout_s)
+        with self._lock:
+            self.held_bytes -= state.held_bytes
+        state.held_bytes = 0
         state.converter.compact()  # kept for a resumed run: only what its totals need
         summary = state.summary()
         summary["open"] = False
@@ -275,6 +416,12 @@ class Router:
         deadline = time.monotonic() + timeout_s
         for state in states:
             self._close_run(state, max(1.0, deadline - time.monotonic()))
+
+    def collisions(self) -> dict[str, int]:
+        """Runs (open, or closed and still remembered) with cumulative series sent by two senders."""
+        with self._lock:
+            ledgers = list(self._converters.items())
+        return {run_id: ledger.collisions for run_id, ledger in ledgers if ledger.collisions}
 
     @property
     def runs_open(self) -> int:

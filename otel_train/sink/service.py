@@ -163,8 +163,7 @@ class Sink(SinkCore):
         if self._housekeeper is not None:
             self._housekeeper.join(5.0)
         self.compat.close()
-        self.router.close(timeout_s)  # first: a request waiting on a full run queue gets `Overloaded`
-        self._backpressure.shutdown(wait=False)
+        self.router.close(timeout_s)
         _logger.info("%s; stopped", self.status_line(0.0))
 
     def __enter__(self) -> Sink:

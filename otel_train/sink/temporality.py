@@ -7,16 +7,22 @@ steps again), each sum as its total since the series' start time. otel-train its
 
 * **Counters** (monotonic sums) are shown as running totals. A DELTA point adds its value. A
   CUMULATIVE point adds its increase since the previous point of the same OTel series (name +
-  attributes, ``train.step`` included); a changed start time or a lower value is a reset (a restarted
-  process), so the whole value is new. A point that adds nothing to an already-written series is a
-  repeat and is not written again.
-* **Up-down counters** (non-monotonic sums): DELTA points add up to a running total; CUMULATIVE
-  points are written as their value.
+  attributes, ``train.step`` included) from the same sender (`service.instance.id`, else host and pid);
+  a later start time, or a lower value at a later time, is a reset (a restarted process), so the whole
+  value is new. Points are ordered by their own times, not by arrival: a point older than the one
+  already applied (an earlier time, or an earlier start time) is late and changes nothing. A point that
+  adds nothing to an already-written series is a repeat and is not written again. Two senders on one
+  series are counted as a collision (`collisions`, shown in `/health`): their increases add up.
+* **Up-down counters** (non-monotonic sums) are running totals in both temporalities, like counters
+  (a CUMULATIVE point adds its change since the previous point, which may be negative; only a new
+  start time is a reset), so one program gives the same rows either way. A NaN sum point is counted
+  (`nan_points`) and skipped, never added.
 * **Gauges** (and up-down values, summary quantiles): written once per (series, step, value); a
   re-sent unchanged point is not written again.
 * **Histograms** (explicit and exponential) and **summaries**: CUMULATIVE points become the
   increase since the previous point (count, sum and buckets), the shape DELTA points already have;
-  an unchanged point is a repeat. ``/count`` and ``/sum`` are per collection window either way.
+  an unchanged point is a repeat. ``/count`` and ``/sum`` are per collection window either way;
+  ``/min`` and ``/max`` run since the series' start either way (DELTA ones are combined).
 * **Step-less points** (no ``train.step``) take the run's current step (the highest step any rank of
   the run has reported) when the run has steps, else a per-series sequence number 0, 1, 2, ...; the
   point's own time stays its wall time.
@@ -27,6 +33,7 @@ again at worst; totals are kept apart and bounded by the number of series).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,6 +97,11 @@ def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequen
     return tuple(bounds), tuple(counts)
 
 
+def _combine(pick: Callable[[float, float], float], a: float, b: float) -> float:
+    """`pick` (min or max) of two optional values (NaN: absent)."""
+    return b if math.isnan(a) else a if math.isnan(b) else pick(a, b)
+
+
 class SeriesLedger(MetricsConverter):
     """One run's series state: running totals, previous cumulative points, steps and sequence numbers.
 
@@ -99,9 +111,21 @@ class SeriesLedger(MetricsConverter):
     def __init__(self, max_entries: int = _MAX_ENTRIES) -> None:
         super().__init__()
         self._max = max_entries
-        self._cumulative: dict[tuple[int, str, int], tuple[int, float]] = {}
+        # (rank, sender, tag, step) -> (start time, value, time) of the newest cumulative point applied
+        self._cumulative: dict[tuple[int, str, str, int], tuple[int, float, int]] = {}
         self._written: dict[tuple[int, str, int], float] = {}  # last value of step-less series
-        self._hists: dict[tuple[int, str, int], tuple[int, int, float, tuple[float, ...], tuple[int, ...]]] = {}
+        self._hists: dict[tuple[int, str, str, int],
+                          tuple[int, int, float, tuple[float, ...], tuple[int, ...], int]] = {}
+        self._extremes: dict[tuple[int, str, str, int], tuple[float, float]] = {}  # DELTA histograms' min, max
+        self._senders: dict[tuple[int, str], str] = {}  # (rank, tag) -> first sender of a cumulative series
+        #: Cumulative points of a series from a second sender (two processes on one run and rank).
+        self.collisions = 0
+        #: The first few series with two senders, for the log and `/runs`.
+        self.collided: list[str] = []
+        #: Cumulative points older than the one already applied (reordered by the network): not applied.
+        self.late_points = 0
+        #: Sum points whose value was NaN: not added to the running total.
+        self.nan_points = 0
         self._sequence: dict[tuple[int, str], int] = {}
         self._gauges: dict[int, dict[tuple[str, int], float]] = {}  # by rank: (tag, step) -> value written
         self._gauge_entries = 0
@@ -147,31 +171,55 @@ class SeriesLedger(MetricsConverter):
             append(row)
         self._gauge_entries = self._max - room
 
-    def number(self, row: MetricRow, mode: int, start_unix_nano: int) -> bool:
+    def _sender(self, rank: int, tag: str, sender: str) -> None:
+        key = (rank, tag)
+        first = self._senders.get(key)
+        if first is None:
+            self._remember(self._senders, key, sender)
+        elif first != sender:
+            self.collisions += 1
+            if len(self.collided) < 10 and tag not in self.collided:
+                self.collided.append(tag)
+
+    def _late(self, prev: tuple[int, float, int] | None, start: int, t: int) -> bool:
+        """Whether a cumulative point is older than the one applied before it (by start time, then time)."""
+        if prev is not None and (start < prev[0] or (start == prev[0] and t < prev[2])):
+            self.late_points += 1
+            return True
+        return False
+
+    def number(self, row: MetricRow, mode: int, start_unix_nano: int, sender: str = "") -> bool:
         """Apply the rule of `mode` to `row` (its value, and its step if step-less); False: not written."""
         rank = row.run.rank
         stepless = row.step == STEPLESS
+        if mode != GAUGE and math.isnan(row.value):
+            self.nan_points += 1  # a NaN would make the running total NaN for the rest of the run
+            return False
         if mode == DELTA_SUM:
             if stepless:
                 row.step = self.resolve_step(rank, row.tag)
             row.value = self.accumulate(row.run, row.tag, row.value, True)
             return True
-        if mode == CUMULATIVE_COUNTER:
-            key = (rank, row.tag, row.step)
+        if mode in (CUMULATIVE_COUNTER, CUMULATIVE_UPDOWN):
+            key = (rank, sender, row.tag, row.step)
             prev = self._cumulative.get(key)
             value = row.value
-            if prev is None or prev[0] != start_unix_nano or value < prev[1]:
+            t = row.time_unix_nano
+            if self._late(prev, start_unix_nano, t):
+                return False
+            self._sender(rank, row.tag, sender)
+            if prev is None or prev[0] != start_unix_nano or (mode == CUMULATIVE_COUNTER and value < prev[1]):
                 increase = value  # a new series or a reset (restarted process): all of it is new
             else:
-                increase = value - prev[1]
+                increase = value - prev[1]  # an up-down counter may go down
                 if increase == 0.0:
                     return False  # a repeat of an unchanged cumulative point
-            self._remember(self._cumulative, key, (start_unix_nano, value))
+            self._remember(self._cumulative, key, (start_unix_nano, value, t))
             if stepless:
                 row.step = self.resolve_step(rank, row.tag)
             row.value = self.accumulate(row.run, row.tag, increase, True)
             return True
-        # GAUGE / CUMULATIVE_UPDOWN: the value itself, once per (series, step, value)
+        # GAUGE: the value itself, once per (series, step, value)
         if stepless:
             last = self._written.get((rank, row.tag, STEPLESS))
             if last == row.value and self.current_step < 0:
@@ -183,17 +231,21 @@ class SeriesLedger(MetricsConverter):
         return bool(out)
 
     # -- histograms and summaries --------------------------------------------------------------------
-    def histogram(self, row: HistogramRow, cumulative: bool, start_unix_nano: int) -> HistogramRow | None:
+    def histogram(self, row: HistogramRow, cumulative: bool, start_unix_nano: int,
+                  sender: str = "") -> HistogramRow | None:
         """The increase of a histogram point since its series' previous one, or None for a repeat.
 
         DELTA points are returned as they are (their step resolved if step-less).
         """
         rank = row.run.rank
         if cumulative:
-            key = (rank, row.tag, row.step)
+            key = (rank, sender, row.tag, row.step)
             prev = self._hists.get(key)
+            if prev is not None and self._late((prev[0], 0.0, prev[5]), start_unix_nano, row.time_unix_nano):
+                return None
+            self._sender(rank, row.tag, sender)
             self._remember(self._hists, key, (start_unix_nano, row.count, row.sum, tuple(row.explicit_bounds),
-                                              tuple(row.bucket_counts)))
+                                              tuple(row.bucket_counts), row.time_unix_nano))
             if prev is not None and prev[0] == start_unix_nano and row.count >= prev[1]:
                 if row.count == prev[1]:
                     return None  # a repeat
@@ -203,6 +255,15 @@ class SeriesLedger(MetricsConverter):
                 row = HistogramRow(row.run, row.step, row.name, row.tag, row.count - prev[1], row.sum - prev[2],
                                    row.min, row.max, row.explicit_bounds, buckets, row.time_unix_nano,
                                    row.attributes)
+        elif not (math.isnan(row.min) and math.isnan(row.max)):
+            # DELTA min/max are per window, CUMULATIVE ones since the series' start: keep the latter in both
+            # (a window's min cannot be told from cumulative points; a running min can be from DELTA ones).
+            key = (rank, sender, row.tag, row.step)
+            seen = self._extremes.get(key)
+            if seen is not None:
+                row = dataclasses.replace(row, min=_combine(min, seen[0], row.min),
+                                          max=_combine(max, seen[1], row.max))
+            self._remember(self._extremes, key, (row.min, row.max))
         if row.step == STEPLESS:
             row.step = self.resolve_step(rank, row.tag)
         return row

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,47 @@ def test_client_never_raises_when_the_sink_is_down(caplog: pytest.LogCaptureFixt
     assert client.errors == 4
     unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(unreachable) == 1  # logged once, counted every time
+
+
+def test_report_step_on_a_backlogged_run_refuses_without_losing(tmp_path: Path) -> None:
+    """Issue 21, item 9: a run whose backend hangs answers report_step 503 (Retry-After) at once, keeps the
+    values buffered and the step unreported; the retry after the backend moved writes every value once."""
+    import threading
+
+    from otel_train.config import SinkSettings
+    from otel_train.sink import Sink
+    from otel_train.testing import InMemoryRowExporter
+
+    release = threading.Event()
+
+    class Stuck(InMemoryRowExporter):
+        def write_metrics(self, rows: Any, histograms: Any) -> None:
+            release.wait(30)
+            super().write_metrics(rows, histograms)
+
+    backend = Stuck()
+    sink = Sink(SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0", queue_windows=1), lambda: [backend])
+    sink.start()
+    port = sink.http_port
+    try:
+        codes = []
+        for step in range(4):
+            assert _post(port, "log_metric", {"step": step, "metric_name": "loss", "metric_value": step / 2})[0] == 200
+            codes.append(_post(port, "report_step", {"step": step})[0])
+        assert codes[:2] == [200, 200] and 503 in codes  # one in the hung backend, one queued, then refused
+        refused = [s for s, c in enumerate(codes) if c == 503]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics/query_metrics", timeout=5) as resp:
+            history = json.load(resp)["metrics"]
+        assert [h["reported"] for h in history if h["step"] in refused] == [False] * len(refused)
+        release.set()
+        for step in refused:  # the client's retry
+            deadline = time.monotonic() + 10
+            while _post(port, "report_step", {"step": step})[0] == 503:
+                assert time.monotonic() < deadline
+        assert sink.flush(10)
+    finally:
+        release.set()
+        sink.stop()
+    assert [(r.step, r.value) for r in backend.metrics if r.name == "loss"] == [(s, s / 2) for s in range(4)]
+    # counted in /health `rejected` (as `overloaded`, or `compat_503` where compat errors are counted by code)
+    assert sum(n for reason, n in sink.rejected.items() if reason in ("overloaded", "compat_503")) >= len(refused)

@@ -140,7 +140,7 @@ def test_up_down_counters_gauges_and_delta_sums() -> None:
     updown = _memory([body(5, 2, cumulative=True, monotonic=False, step=1),
                       body(5, 3, cumulative=True, monotonic=False, step=1),
                       body(-2, 4, cumulative=True, monotonic=False, step=2)])
-    assert [(r.step, r.value) for r in updown.metrics] == [(1, 5.0), (2, -2.0)]  # the value, once
+    assert [(r.step, r.value) for r in updown.metrics] == [(1, 5.0), (2, 3.0)]  # a running total, once
     delta = _memory([body(5, 2, step=1), body(5, 3, step=2), body(-2, 4, step=3, monotonic=False)])
     assert [(r.step, r.value) for r in delta.metrics] == [(1, 5.0), (2, 10.0), (3, 8.0)]  # DELTA: running total
 
@@ -215,3 +215,51 @@ def test_gauge_tables_are_bounded_per_run_across_ranks() -> None:
     written.clear()
     ledger.gauges(rows[-2:], written.append)  # the newest are still known: repeats
     assert written == []
+
+
+def _sdk_program(temporality: str) -> list[bytes]:
+    """One program run with the OTel Python SDK, exported in `temporality` after every step as OTLP bytes:
+    a counter, an up-down counter and a histogram, with and without `train.step`."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.sdk.metrics import Counter, Histogram, MeterProvider, UpDownCounter
+    from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    t = AggregationTemporality.CUMULATIVE if temporality == "cumulative" else AggregationTemporality.DELTA
+    reader = InMemoryMetricReader(preferred_temporality={Counter: t, UpDownCounter: t, Histogram: t})
+    provider = MeterProvider(metric_readers=[reader], resource=Resource({"train.run.id": "parity"}))
+    meter = provider.get_meter("parity")
+    tokens, queue, grad = meter.create_counter("tokens"), meter.create_up_down_counter("queue"), \
+        meter.create_histogram("grad")
+    inflight = meter.create_up_down_counter("inflight")
+    latency = meter.create_histogram("latency")
+    bodies = []
+    for step in range(6):
+        tokens.add(10 + step, {"train.step": step})
+        queue.add(3 if step % 2 == 0 else -2, {"train.step": step})
+        for v in (step * 0.5, step * 1.5 + 1):
+            grad.record(v, {"train.step": step})
+        inflight.add(1 if step < 4 else -1)  # step-less: the usual OTel way
+        latency.record(10.0 - step)  # step-less: min/max must agree in both temporalities
+        data = reader.get_metrics_data()
+        if data is not None:
+            bodies.append(encode_metrics(data).SerializeToString())
+    provider.shutdown()
+    return bodies
+
+
+def test_one_program_gives_the_same_rows_in_either_temporality() -> None:
+    """Temporality parity (issue 21, item 11): up-down counters are running totals in both, histogram
+    /min and /max run since the series' start in both; every other row equal too."""
+    rows = {}
+    for temporality in ("cumulative", "delta"):
+        mem = _memory(_sdk_program(temporality))
+        rows[temporality] = sorted((r.name, r.step, round(r.value, 9)) for r in mem.metrics)
+        rows[temporality + "/hist"] = sorted((h.name, h.step, h.count, tuple(h.bucket_counts))
+                                             for h in mem.histograms)
+    assert rows["cumulative"] == rows["delta"]
+    assert rows["cumulative/hist"] == rows["delta/hist"]
+    queue = [(step, v) for name, step, v in rows["delta"] if name == "queue"]
+    assert queue == [(0, 3.0), (1, 1.0), (2, 4.0), (3, 2.0), (4, 5.0), (5, 3.0)]
+    latency_min = [v for name, _, v in rows["delta"] if name == "latency/min"]
+    assert latency_min == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0]  # since the start, not per window

@@ -1,0 +1,108 @@
+"""Benchmark: what an open run costs `otel-train sink` (issue 21, item 6), ramping the number of runs.
+
+The sink runs as its own process (`python -m otel_train.sink`, JSONL backend, runs never idle-closed);
+one gRPC client opens runs by sending each a one-point request, and at every level of the ramp measures
+the latency of requests to random open runs (p50, p99), then, with no traffic for `--idle-sample-s`, the
+sink's CPU use, and its threads, file descriptors and RSS, per open run.
+
+    python bench/sink_runs.py                      # ramp 10, 100, 500, 1000, 2000 runs
+    python bench/sink_runs.py --levels 100,1000,10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_METHOD = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _request(run_id: str, step: int) -> bytes:
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    return metrics_request({"train.run.id": run_id}, [OtlpPoint("train/loss", step * 0.5, step=step)])
+
+
+def _proc(pid: int) -> tuple[int, int, float, float]:
+    """Threads, open file descriptors, RSS MiB and CPU seconds of process `pid` (Linux /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    threads = int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+    rss_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return threads, fds, rss_kib / 1024, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", default="10,100,500,1000,2000", help="open-run counts of the ramp")
+    parser.add_argument("--probes", type=int, default=200, help="requests timed at each level")
+    parser.add_argument("--idle-sample-s", type=float, default=3.0, dest="idle_sample_s")
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+
+    import grpc
+
+    workdir = Path(tempfile.mkdtemp(prefix="otel-train-sink-runs-"))
+    grpc_port, http_port = _free_port(), _free_port()
+    log = (workdir / "sink.log").open("wb")
+    sink = subprocess.Popen([sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
+                             f"127.0.0.1:{http_port}", "--exporters", "jsonl", "--dir", str(workdir / "runs"),
+                             "--idle-s", "86400", "--status-interval-s", "3600"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+        grpc.channel_ready_future(channel).result(timeout=30)
+        export = channel.unary_unary(_METHOD)
+        base = _proc(sink.pid)
+        print(f"idle sink: {base[0]} threads, {base[1]} fds, {base[2]:.1f} MiB")
+        print("| open runs | open s | p50 ms | p99 ms | idle CPU % | threads | fds | RSS MiB | KiB/run | threads/run |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        opened = 0
+        rng = random.Random(0)
+        for level in levels:
+            t0 = time.perf_counter()
+            while opened < level:
+                export(_request(f"run-{opened}", 0), timeout=60)
+                opened += 1
+            open_s = time.perf_counter() - t0
+            lat = []
+            for i in range(args.probes):
+                body = _request(f"run-{rng.randrange(opened)}", i + 1)
+                t = time.perf_counter()
+                export(body, timeout=60)
+                lat.append((time.perf_counter() - t) * 1000)
+            lat.sort()
+            before = _proc(sink.pid)
+            time.sleep(args.idle_sample_s)
+            threads, fds, rss, cpu = _proc(sink.pid)
+            idle_cpu = (cpu - before[3]) / args.idle_sample_s * 100
+            per_run_kib = (rss - base[2]) * 1024 / opened
+            print(f"| {opened:,} | {open_s:.1f} | {lat[len(lat) // 2]:.2f} | {lat[int(len(lat) * 0.99)]:.2f} | "
+                  f"{idle_cpu:.0f} | {threads} | {fds} | {rss:.0f} | {per_run_kib:.0f} | "
+                  f"{(threads - base[0]) / opened:.2f} |", flush=True)
+    finally:
+        sink.terminate()
+        try:
+            sink.wait(300)
+        except subprocess.TimeoutExpired:
+            sink.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Points are ordered by their own times, per sender (issue 21, item 2): a late cumulative point is not a
+restart, and two processes on one series are told apart (and reported) instead of read as restarts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
+from otel_train.sink.router import Router
+from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
+
+_START = 1_000
+
+
+def _run(bodies: list[bytes]) -> tuple[InMemoryRowExporter, Router]:
+    mem = InMemoryRowExporter()
+    router = Router(lambda: [mem])
+    cache = DecodeCache()
+    for body in bodies:
+        router.ingest(decode_metrics(parse_metrics(body), cache))
+    router.close(10)
+    return mem, router
+
+
+def _series(mem: InMemoryRowExporter, name: str) -> list[tuple[int, float]]:
+    return [(r.step, r.value) for r in mem.metrics if r.name == name]
+
+
+def _resource(instance: str = "p1", **extra: Any) -> dict[str, Any]:
+    return {"train.run.id": "r", "service.instance.id": instance, **extra}
+
+
+def _counter(value: float, t: int, instance: str = "p1", start: int = _START, step: int = 0) -> bytes:
+    return metrics_request(_resource(instance), [OtlpPoint("tokens", value, step=step, kind="sum", cumulative=True,
+                                                           time_unix_nano=t, start_time_unix_nano=start)])
+
+
+def test_a_late_cumulative_point_is_not_a_restart() -> None:
+    mem, router = _run([_counter(5, 1), _counter(12, 3), _counter(8, 2)])  # 8@t2 arrives last
+    assert _series(mem, "tokens") == [(0, 5.0), (0, 12.0)]
+    assert router.collisions() == {}
+
+
+def test_a_point_of_an_earlier_process_start_is_late_and_a_later_start_is_a_restart() -> None:
+    mem, _ = _run([_counter(5, 10), _counter(3, 20, start=_START + 5), _counter(7, 12)])
+    assert _series(mem, "tokens") == [(0, 5.0), (0, 8.0)]  # restart adds 3; 7 of the old start is late
+
+
+def test_a_late_cumulative_histogram_point_is_not_a_restart() -> None:
+    def hist(count: int, total: float, t: int) -> bytes:
+        return metrics_request(_resource(), [OtlpPoint("grad", kind="histogram", step=0, cumulative=True,
+                                                       time_unix_nano=t, start_time_unix_nano=_START,
+                                                       histogram=(count, total, (1.0,), (count, 0)))])
+
+    mem, _ = _run([hist(5, 5.0, 1), hist(9, 9.0, 3), hist(7, 7.0, 2)])
+    assert _series(mem, "grad/count") == [(0, 5.0), (0, 4.0)]  # 9 in all, not 9 + 7
+    assert _series(mem, "grad/sum") == [(0, 5.0), (0, 4.0)]
+
+
+def test_a_late_cumulative_up_down_value_does_not_overwrite_a_newer_one() -> None:
+    def updown(value: float, t: int) -> bytes:
+        return metrics_request(_resource(), [OtlpPoint("queue", value, step=0, kind="sum", cumulative=True,
+                                                        monotonic=False, time_unix_nano=t,
+                                                        start_time_unix_nano=_START)])
+
+    mem, _ = _run([updown(5, 2), updown(3, 1)])
+    assert _series(mem, "queue") == [(0, 5.0)]
+
+
+def test_two_senders_on_one_series_add_up_and_are_reported() -> None:
+    """Two processes with one run id and no rank, both CUMULATIVE: each sender's increases count once
+    (before: every switch between them read as a restart), and /health names the collision."""
+    bodies = []
+    for i in range(1, 6):  # each process counts 1 per collection, interleaved
+        bodies.append(_counter(float(i), i, "proc-a"))
+        bodies.append(_counter(float(i), i, "proc-b"))
+    mem, router = _run(bodies)
+    tokens = _series(mem, "tokens")
+    assert tokens[-1] == (0, 10.0) and len(tokens) == 10
+    assert router.collisions() == {"r": 5}
+    assert router.summary()["runs"][0]["collided_series"] == ["tokens"]
+
+
+def test_a_nan_increment_is_counted_and_skipped_not_summed() -> None:
+    def delta(value: float, step: int) -> bytes:
+        return metrics_request(_resource(), [OtlpPoint("tokens", value, step=step, kind="sum", time_unix_nano=step)])
+
+    mem, router = _run([delta(1.0, 0), delta(float("nan"), 1), delta(2.0, 2)])
+    assert _series(mem, "tokens") == [(0, 1.0), (2, 3.0)]
+    assert router.summary()["runs"][0]["nan_points"] == 1
