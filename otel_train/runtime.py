@@ -34,6 +34,7 @@ from otel_train.instrument import (
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import (
+    StepEnd,
     _current,
     check_log_step,
     current_step,
@@ -279,6 +280,17 @@ class Session:
             self.reader.resume(step)
         except Exception:
             _logger.warning("otel-train: declaring the resume at step %d failed", step, exc_info=True)
+
+    def step_ended(self, step: int) -> None:
+        """`otel_train.step_ended`: a framework's logged step is a step boundary for collection (the reader
+        wakes the collector as at an `otel_train.step` end, every `export_every` steps, at most every 0.1 s).
+        Never raises."""
+        if self._closed:
+            return
+        try:
+            self.reader.on_step_end(StepEnd(int(step), 0.0, time.monotonic(), 0, None))
+        except Exception:
+            _logger.warning("otel-train: declaring the end of step %r failed", step, exc_info=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
