@@ -41,6 +41,7 @@ class OwnedSession:
         run_name: str | None = None,
         run_id: str | None = None,
         resume_step: int | None = None,
+        project: str | None = None,
     ) -> bool:
         """Call `otel_train.init()` (env configuration, plus the framework's own rank) unless a session runs.
 
@@ -53,7 +54,7 @@ class OwnedSession:
         if session_running():
             return False
         ot.init(rank=rank, local_rank=local_rank, world_size=world_size, config=config, run_name=run_name,
-                run_id=run_id, resume_step=resume_step)
+                run_id=run_id, resume_step=resume_step, project=project)
         self.started = True
         return True
 

@@ -93,12 +93,11 @@ def test_hook_writes_message_hub_values_at_mmengine_steps(tmp_path: Path, monkey
 
 def test_vis_backend_gets_what_the_logger_hook_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "mmvis")
     visualizer = {"type": "Visualizer", "name": "vis-otel", "vis_backends": [{"type": "OtelTrainVisBackend"}]}
     runner = _runner(tmp_path, visualizer=visualizer)
     runner.train()
     runner.visualizer.close()
-    acc = _scalars(tmp_path / "runs" / "mmvis")
+    acc = _scalars(tmp_path / "runs" / runner.experiment_name)  # the run is named as the hook names it
     assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6]  # LoggerHook interval=2, its own step
     assert [e.step for e in acc.Scalars("mse")] == [3, 6]
 
