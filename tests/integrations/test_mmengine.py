@@ -125,3 +125,10 @@ def test_hook_feeds_mmengines_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not ot._session.export_metrics
     hook.after_run(None)
     assert ot._session.closed
+
+
+def test_missing_extra_names_the_pip_line() -> None:
+    code = ("import sys; sys.modules['mmengine'] = None\n"
+            "try:\n    import otel_train.integrations.mmengine\nexcept ModuleNotFoundError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'otel-train[mmengine]'" in out
