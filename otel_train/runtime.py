@@ -137,6 +137,42 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
+def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
+                    world_size: int | None) -> Session | None:
+    """A new session in the framework's place (rank, local rank, world size), when `session` (started by the
+    user's `init()` before the framework said where this process runs) disagrees and has exported nothing.
+
+    Lightning's DDP launcher re-runs the script without ``RANK``: an `init()` at the top makes rank 1 believe
+    it is rank 0 of a run of its own. Adopting shuts that session down and starts one with the same settings
+    at the framework's rank (so the run id is the job's, see `resolve_run_id`). Returns None (and warns once,
+    loudly) when it cannot: data was already exported, or the session has exporter instances, which cannot
+    be rebuilt. Returns `session` itself when the places agree.
+    """
+    run = session.run
+    wanted = {"rank": rank, "local_rank": local_rank, "world_size": world_size}
+    differs = {k: v for k, v in wanted.items() if v is not None and int(v) != getattr(run, k)}
+    if not differs:
+        return session
+    have = ", ".join(f"{k}={getattr(run, k)}" for k in differs)
+    want = ", ".join(f"{k}={v}" for k, v in differs.items())
+    instances = len(session.exporters) > len(_placement(session.settings)[0])
+    if session.reader.windows or instances:
+        _logger.error("otel-train: the framework says this process is %s, but the running session (started by "
+                      "init() before the framework's launcher set the rank) is %s and %s; its data is labelled "
+                      "with the wrong rank and run. Call otel_train.init() after the framework has started its "
+                      "processes (e.g. in the LightningModule's setup), or let the integration start it",
+                      want, have, "has exported data already" if session.reader.windows else
+                      "has exporter instances that cannot be rebuilt")
+        return None
+    _logger.info("otel-train: adopting the framework's place (%s instead of %s): the session started by "
+                 "init() restarts before anything was exported", want, have)
+    settings = session.settings
+    session.shutdown()
+    env = dict(os.environ)
+    env.update({k.upper(): str(int(v)) for k, v in wanted.items() if v is not None})
+    return start(settings, env=env)
+
+
 def _check_dir(path: Path) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
