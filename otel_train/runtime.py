@@ -138,7 +138,7 @@ def _process_start(pid: int) -> str | None:
 
 
 def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
-                    world_size: int | None) -> Session | None:
+                    world_size: int | None) -> Session | DisabledSession | None:
     """A new session in the framework's place (rank, local rank, world size), when `session` (started by the
     user's `init()` before the framework said where this process runs) disagrees and has exported nothing.
 

@@ -60,7 +60,7 @@ def test_user_init_first_then_lightning_ddp_is_one_run_with_both_ranks(tmp_path:
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
     env.update({"OTEL_TRAIN_DIR": str(tmp_path / "runs"), "OTEL_TRAIN_EXPORTERS": "jsonl", "OTEL_TRAIN_RANKS": "all"})
     done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = sorted(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RUN "))
     assert [r[:3] for r in runs] == [["0", "0", "2"], ["1", "1", "2"]]  # Lightning's rank is the session's
