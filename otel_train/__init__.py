@@ -43,6 +43,7 @@ __all__ = [
     "shutdown",
     "span",
     "step",
+    "step_ended",
     "steps",
     "traced",
 ]
@@ -161,6 +162,26 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
         _warn_closed(getattr(s, "forked", False))
         return
     s.log(mapping, step)
+
+
+def step_ended(step: int) -> None:
+    """Declare that training step `step` ended, where the loop never enters `otel_train.step`.
+
+    For code that logs at a framework's steps (a tracker, monitor or callback): collection follows the
+    declared steps as it follows `otel_train.step` (`OTEL_TRAIN_EXPORT_EVERY`), so what was logged is
+    exported and spooled within moments, not only every `OTEL_TRAIN_EXPORT_INTERVAL_S`. Records no step
+    timing (the framework timed the step, not otel-train). A no-op before `init()` and after `shutdown()`.
+
+    Example:
+        >>> import otel_train as ot
+        >>> ot.step_ended(3)  # nothing runs: no session
+    """
+    s = _session
+    if s is None or s.closed:
+        return
+    declare = getattr(s, "step_ended", None)
+    if declare is not None:
+        declare(step)
 
 
 def _child_client() -> Any:

@@ -34,6 +34,7 @@ from otel_train.instrument import (
 from otel_train.records import ExporterOptions, RunInfo, config_hash
 from otel_train.registry import check_available, get_spec, load_class
 from otel_train.step import (
+    StepEnd,
     _current,
     check_log_step,
     coerce_step,
@@ -77,10 +78,101 @@ def resolve_run_id(settings: cfg.Settings, env: Mapping[str, str]) -> str:
     world = _env_int(env, "WORLD_SIZE", 1)
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if world > 1 and addr and port:
-        _logger.warning("no OTEL_TRAIN_RUN_ID or launcher job id: deriving the run id from MASTER_ADDR:MASTER_PORT; "
-                        "set OTEL_TRAIN_RUN_ID to keep runs of reused ports apart")
-        return "job-" + hashlib.sha256(f"{addr}:{port}:{world}".encode()).hexdigest()[:12]
+        launcher = _launcher_identity(env, world)
+        if launcher is None:
+            _logger.warning("no OTEL_TRAIN_RUN_ID or launcher job id, and the ranks span hosts: deriving the run id "
+                            "from MASTER_ADDR:MASTER_PORT; set OTEL_TRAIN_RUN_ID to keep runs of reused ports apart")
+            launcher = ""
+        return "job-" + hashlib.sha256(f"{addr}:{port}:{world}:{launcher}".encode()).hexdigest()[:12]
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _launcher_identity(env: Mapping[str, str], world: int) -> str | None:
+    """``pid:start time`` of the process that started this job's ranks, when they all run on this host: equal
+    on every rank of one job, different for the next job even on the same rendezvous port (`accelerate
+    launch` always uses 29500). None when the ranks may span hosts or the start time cannot be read.
+
+    The launcher is the `multiprocessing` parent (``mp.spawn``), else the parent process when the launcher
+    put the rank in this process's initial environment (torchrun and `accelerate launch` start every rank,
+    Lightning's DDP launcher starts ranks 1..n-1 from rank 0), else this process (Lightning's rank 0, which
+    starts the others itself).
+    """
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    local_world = env.get("LOCAL_WORLD_SIZE", "").strip()
+    one_host = (parent is not None or local_world == str(world)
+                or env.get("MASTER_ADDR", "").strip().lower() in _LOOPBACK)
+    if not one_host:
+        return None
+    if parent is not None and parent.pid:
+        pid = parent.pid
+    elif _in_initial_environment(("RANK", "LOCAL_RANK")):
+        pid = os.getppid()
+    else:
+        pid = os.getpid()
+    start = _process_start(pid)
+    return None if start is None else f"{pid}:{start}"
+
+
+def _in_initial_environment(names: tuple[str, ...]) -> bool:
+    """Whether one of `names` was in the environment this process was started with (Linux ``/proc``)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            keys = {entry.split(b"=", 1)[0] for entry in f.read().split(b"\0")}
+    except OSError:
+        return False
+    return any(name.encode() in keys for name in names)
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process `pid` in clock ticks since boot (Linux ``/proc``): with the pid, a process
+    identity that a reused pid does not repeat. None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2:].split()[19].decode()  # field 22, counted after "pid (comm)"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
+                    world_size: int | None) -> Session | DisabledSession | None:
+    """A new session in the framework's place (rank, local rank, world size), when `session` (started by the
+    user's `init()` before the framework said where this process runs) disagrees and has exported nothing.
+
+    Lightning's DDP launcher re-runs the script without ``RANK``: an `init()` at the top makes rank 1 believe
+    it is rank 0 of a run of its own. Adopting shuts that session down and starts one with the same settings
+    at the framework's rank (so the run id is the job's, see `resolve_run_id`). Returns None (and warns once,
+    loudly) when it cannot: data was already exported, or the session has exporter instances, which cannot
+    be rebuilt. Returns `session` itself when the places agree.
+    """
+    run = session.run
+    wanted = {"rank": rank, "local_rank": local_rank, "world_size": world_size}
+    differs = {k: v for k, v in wanted.items() if v is not None and int(v) != getattr(run, k)}
+    if not differs:
+        return session
+    have = ", ".join(f"{k}={getattr(run, k)}" for k in differs)
+    want = ", ".join(f"{k}={v}" for k, v in differs.items())
+    instances = len(session.exporters) > len(_placement(session.settings)[0])
+    if session.reader.windows or instances:
+        _logger.error("otel-train: the framework says this process is %s, but the running session (started by "
+                      "init() before the framework's launcher set the rank) is %s and %s; its data is labelled "
+                      "with the wrong rank and run. Call otel_train.init() after the framework has started its "
+                      "processes (e.g. in the LightningModule's setup), or let the integration start it",
+                      want, have, "has exported data already" if session.reader.windows else
+                      "has exporter instances that cannot be rebuilt")
+        return None
+    _logger.info("otel-train: adopting the framework's place (%s instead of %s): the session started by "
+                 "init() restarts before anything was exported", want, have)
+    settings = session.settings
+    session.shutdown()
+    env = dict(os.environ)
+    env.update({k.upper(): str(int(v)) for k, v in wanted.items() if v is not None})
+    return start(settings, env=env)
 
 
 def _check_dir(path: Path) -> Path:
@@ -305,6 +397,31 @@ class Session:
             self.reader.resume(step)
         except Exception:
             _logger.warning("otel-train: declaring the resume at step %d failed", step, exc_info=True)
+
+    def step_ended(self, step: int) -> None:
+        """`otel_train.step_ended`: a framework's logged step is a step boundary for collection (the reader
+        wakes the collector as at an `otel_train.step` end, every `export_every` steps, at most every 0.1 s).
+        Never raises."""
+        if self._closed:
+            return
+        try:
+            reader = self.reader
+            reader.on_step_end(StepEnd(int(step), 0.0, time.monotonic(), 0, None))
+            if reader._steps_since >= reader.export_every:  # due, but within 0.1 s of the last wake-up
+                self._wake_later(reader._wake)
+        except Exception:
+            _logger.warning("otel-train: declaring the end of step %r failed", step, exc_info=True)
+
+    def _wake_later(self, wake: threading.Event) -> None:
+        """Wake the collector in 0.1 s (one timer at a time): a framework may log its last steps and then pause
+        (evaluation, a hang, a crash), with no later step end to collect them, unlike an `ot.step` loop."""
+        timer = getattr(self, "_deferred_wake", None)
+        if timer is not None and timer.is_alive():
+            return
+        timer = threading.Timer(0.1, wake.set)
+        timer.daemon = True
+        timer.start()
+        self._deferred_wake = timer
 
     # -- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:

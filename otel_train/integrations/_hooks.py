@@ -7,13 +7,78 @@ block. `HookSpans` keeps the open spans by key and ends them in reverse order wh
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import otel_train as ot
 
-__all__ = ["HookSpans", "HookStep", "numeric"]
+__all__ = ["HookSpans", "HookStep", "LeftOut", "flatten", "log_step", "numeric"]
+
+_logger = logging.getLogger("otel_train.integrations")
+
+
+def _is_number(value: Any) -> bool:
+    """What `otel_train.log` can turn into a gauge: numbers (bools as 0/1), tensors, NumPy scalars/arrays."""
+    return isinstance(value, numbers.Real) or (hasattr(value, "dtype") and callable(getattr(value, "item", None)))
+
+
+def flatten(values: Mapping[str, Any], sep: str = "/", prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level, keys joined with `sep` (``{"a": {"b": 1}}`` -> ``{"a/b": 1}``).
+
+    Example:
+        >>> flatten({"loss": {"train": 1.0, "val": 2.0}, "lr": 0.1})
+        {'loss/train': 1.0, 'loss/val': 2.0, 'lr': 0.1}
+    """
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, sep, name + sep))
+        else:
+            out[name] = value
+    return out
+
+
+class LeftOut:
+    """The values an integration cannot record (strings, None, lists ...): counted, and warned once per key.
+
+    Example:
+        >>> left = LeftOut("Accelerate")
+        >>> left.keep({"loss": 0.5, "note": "warmup"})
+        {'loss': 0.5}
+        >>> left.count
+        1
+    """
+
+    def __init__(self, framework: str) -> None:
+        self.framework = framework
+        self.count = 0  # values left out so far
+        self._warned: set[str] = set()
+
+    def keep(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of `values` that can be gauges; the others are counted and warned about once per key."""
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            if _is_number(value):
+                out[key] = value
+                continue
+            self.count += 1
+            if key not in self._warned:
+                self._warned.add(key)
+                _logger.warning("otel-train: %s logged %r as a %s, which is not a number; left out (warned once "
+                                "per key; %d value(s) left out so far)", self.framework, key,
+                                type(value).__name__, self.count)
+        return out
+
+
+def log_step(values: Mapping[str, Any], step: int | None) -> None:
+    """`otel_train.log` at the framework's `step`, then that step ends (`otel_train.step_ended`): a logged step
+    is a step boundary, so collection follows the framework's steps (live and durable like `otel_train.step`)."""
+    if values:
+        ot.log(values, step=step)
+    ot.step_ended((ot.current_step() or 0) if step is None else step)
 
 
 def numeric(values: Mapping[str, Any]) -> dict[str, Any]:

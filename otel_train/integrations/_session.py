@@ -41,6 +41,7 @@ class OwnedSession:
         run_name: str | None = None,
         run_id: str | None = None,
         resume_step: int | None = None,
+        project: str | None = None,
     ) -> bool:
         """Call `otel_train.init()` (env configuration, plus the framework's own rank) unless a session runs.
 
@@ -51,11 +52,34 @@ class OwnedSession:
             ConfigError: the env configuration is invalid (before any training step runs).
         """
         if session_running():
+            self._adopt(rank, local_rank, world_size)
             return False
         ot.init(rank=rank, local_rank=local_rank, world_size=world_size, config=config, run_name=run_name,
-                run_id=run_id, resume_step=resume_step)
+                run_id=run_id, resume_step=resume_step, project=project)
         self.started = True
         return True
+
+    @staticmethod
+    def _adopt(rank: int | None, local_rank: int | None, world_size: int | None) -> None:
+        """A running session in another place than the framework's (an `init()` before the framework's
+        launcher set the rank) moves to the framework's place if nothing was exported yet, else warns."""
+        if rank is None and local_rank is None and world_size is None:
+            return
+        from otel_train import runtime
+
+        with ot._init_lock:
+            current = ot._session
+            if not isinstance(current, runtime.Session) or current.closed:
+                return
+            try:
+                adopted = runtime.adopt_placement(current, rank, local_rank, world_size)
+            except ot.ConfigError:
+                raise
+            except Exception:
+                _logger.warning("otel-train: could not move the session to the framework's rank", exc_info=True)
+                return
+            if adopted is not None:
+                ot._session = adopted
 
     def resume_at(self, step: int, **ensure: Any) -> None:
         """The framework restored a checkpoint: the run restarts at `step`. Starts the session with

@@ -10,27 +10,34 @@ Usage::
 What appears where:
 
 - ``accelerator.log({"loss": loss}, step=i)``: every number or tensor becomes a gauge of the same name at
-  step ``i`` (without ``step``: the current `otel_train` step). Tensors are passed through as they are and
-  turned into numbers on otel-train's export thread, not on the training thread.
-- ``init_trackers(..., config=...)`` (`store_init_configuration`): the run config.
+  step ``i`` (without ``step``: the current `otel_train` step), NaN and +-inf as they are; a dict value (which
+  Accelerate's TensorBoard tracker writes with ``add_scalars``) becomes one gauge per entry, ``loss/<entry>``.
+  Strings and other values are left out, counted (`left_out`) and warned about once per key. Tensors are
+  turned into numbers on otel-train's export thread. Each logged step is a step boundary
+  (`otel_train.step_ended`): collection follows Accelerate's steps.
+- ``init_trackers(project_name, config=...)``: the project (`OTEL_TRAIN_PROJECT` wins when set) and the run
+  config.
 - ``accelerator.end_training()`` (`finish`): shuts otel-train down if this tracker started it.
 
-`main_process_only` (default True, as for Accelerate's own trackers) runs the tracker on the main process
-only; with ``OtelTrainTracker(main_process_only=False)`` every process records and `OTEL_TRAIN_RANKS` decides
-which ranks export metrics. The tracker calls `otel_train.init()` (env configuration) when the user has not,
-with Accelerate's process index, local process index and number of processes as rank, local rank and
-world size.
+Accelerate runs ``accelerator.log`` on the main process only, whatever the tracker says. With
+``OtelTrainTracker(main_process_only=False)`` the tracker starts on every process (so every rank has a
+session); log from every process with ``accelerator.get_tracker("otel_train").log(values, step=i)`` (or
+`otel_train.log`), and `OTEL_TRAIN_RANKS` decides which ranks export metrics. The tracker calls
+`otel_train.init()` (env configuration) when the user has not, with Accelerate's process index, local process
+index and number of processes as rank, local rank and world size.
 
 This module imports ``accelerate``; ``import otel_train`` does not.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 import otel_train as ot
-from otel_train.integrations._hooks import numeric
+from otel_train.integrations._hooks import LeftOut, flatten, log_step
 from otel_train.integrations._session import OwnedSession
 
 try:
@@ -54,10 +61,11 @@ class OtelTrainTracker(GeneralTracker):  # type: ignore[misc]
     """An Accelerate tracker writing through otel-train (pass an instance to ``log_with``).
 
     Args:
-        run_name: The otel-train run name; default `OTEL_TRAIN_RUN_NAME`, else the run id. (Accelerate
-            does not pass ``init_trackers``' project name to trackers built by the user.)
-        main_process_only: Record on the main process only (Accelerate's default); False: every
-            process records and `OTEL_TRAIN_RANKS` decides who exports.
+        run_name: The otel-train run name; default `OTEL_TRAIN_RUN_NAME`, else the run id.
+        main_process_only: Start and record on the main process only (Accelerate's default); False: the
+            tracker runs on every process (log there through ``accelerator.get_tracker("otel_train")``:
+            ``accelerator.log`` itself runs on the main process only) and `OTEL_TRAIN_RANKS` decides who
+            exports.
 
     Example:
         >>> accelerator = Accelerator(log_with=OtelTrainTracker())  # doctest: +SKIP
@@ -73,6 +81,13 @@ class OtelTrainTracker(GeneralTracker):  # type: ignore[misc]
         self.run_name = run_name
         self.main_process_only = main_process_only
         self._owned = OwnedSession()
+        self._left_out = LeftOut("Accelerate")
+        self._project: str | None = None
+
+    @property
+    def left_out(self) -> int:
+        """How many logged values were not numbers (strings, lists ...) and were left out."""
+        return self._left_out.count
 
     @property
     def tracker(self) -> Any:
@@ -81,12 +96,14 @@ class OtelTrainTracker(GeneralTracker):  # type: ignore[misc]
 
     def _ensure(self, config: Mapping[str, Any] | None = None) -> None:
         state = PartialState()
+        project = None if os.environ.get("OTEL_TRAIN_PROJECT") else self._project
         self._owned.ensure(rank=state.process_index, local_rank=state.local_process_index,
-                           world_size=state.num_processes, config=config, run_name=self.run_name)
+                           world_size=state.num_processes, config=config, run_name=self.run_name, project=project)
 
     @on_main_process
     def start(self) -> None:
-        """Called by ``init_trackers``: start otel-train if the user has not."""
+        """Called by ``init_trackers``: start otel-train if the user has not, in ``init_trackers``' project."""
+        self._project = _init_trackers_project()
         self._ensure()
 
     @on_main_process
@@ -97,13 +114,26 @@ class OtelTrainTracker(GeneralTracker):  # type: ignore[misc]
 
     @on_main_process
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
-        """``accelerator.log``: numbers and tensors as gauges at `step` (strings are skipped)."""
+        """``accelerator.log``: numbers and tensors as gauges at `step` (dicts flattened to ``key/entry``;
+        anything else counted and warned about once per key); the step is a step boundary."""
         self._ensure()
-        data = numeric(values)
-        if data:
-            ot.log(data, step=step)
+        log_step(self._left_out.keep(flatten(values)), step)
 
     @on_main_process
     def finish(self) -> None:
         """``accelerator.end_training()``: shut otel-train down if this tracker started it."""
         self._owned.close()
+
+
+def _init_trackers_project() -> str | None:
+    """The ``project_name`` given to ``Accelerator.init_trackers``, which calls `start` (Accelerate hands
+    it only to the trackers it builds itself): read from that caller's frame, None when not found."""
+    frame = sys._getframe(1)
+    for _ in range(8):  # start <- on_main_process wrappers <- init_trackers
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "init_trackers":
+            name = frame.f_locals.get("project_name")
+            return str(name) if name else None
+    return None

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import otel_train as ot
+from otel_train.integrations._hooks import log_step
 from otel_train.integrations._session import OwnedSession
 
 __all__ = ["OtelTrainMonitor"]
@@ -72,7 +73,7 @@ class OtelTrainMonitor:
             for tag, value, step in event_list:
                 by_step.setdefault(int(step), {})[tag] = value
             for step, values in by_step.items():
-                ot.log(values, step=step)
+                log_step(values, step)  # a step DeepSpeed writes is a step boundary: collection follows it
         except ot.ConfigError:
             raise  # bad settings fail at the first event, before any training step is lost silently
         except Exception:

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import otel_train as ot
-from otel_train.integrations._hooks import HookSpans, HookStep, numeric
+from otel_train.integrations._hooks import HookSpans, HookStep, log_step, numeric
 from otel_train.integrations._session import OwnedSession
 
 try:
@@ -123,9 +123,7 @@ class OtelTrainLogger(Logger):
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Record each number (or tensor) of `metrics` as a gauge at `step`."""
         self._ensure()
-        values = numeric(metrics)
-        if values:
-            ot.log(values, step=step)
+        log_step(numeric(metrics), step)  # a logged step is a step boundary: collection follows Lightning's log
 
     def finalize(self, status: str) -> None:
         """End of a stage (``success``/``failed``): make everything logged so far durable."""

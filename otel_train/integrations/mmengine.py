@@ -7,6 +7,9 @@ Importing this module registers `OtelTrainHook` in MMEngine's ``HOOKS`` and `Ote
     custom_hooks = [dict(type='OtelTrainHook')]
     # or: visualizer = dict(type='Visualizer', vis_backends=[dict(type='OtelTrainVisBackend')])
 
+``custom_imports`` is applied by ``Config.fromfile`` only: with a config built in Python (a dict or
+``Config(...)``), ``import otel_train.integrations.mmengine`` before building the `Runner`.
+
 The hook writes every train iteration's message-hub scalars (``train/loss``, ``train/lr``, ``train/time`` …)
 at MMEngine's own step (``runner.iter + 1``, the step its logger uses), validation metrics as ``val/<name>``,
 and spans per train iteration and per validation. The vis backend receives exactly what MMEngine's
@@ -19,11 +22,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mmengine.hooks import Hook
-from mmengine.registry import HOOKS, VISBACKENDS
-from mmengine.visualization.vis_backend import BaseVisBackend
+try:
+    from mmengine.hooks import Hook
+    from mmengine.registry import HOOKS, VISBACKENDS
+    from mmengine.visualization.vis_backend import BaseVisBackend
+except ImportError as err:
+    raise ModuleNotFoundError(
+        "otel_train.integrations.mmengine needs MMEngine: pip install 'otel-train[mmengine]'", name="mmengine",
+    ) from err
 
 import otel_train as ot
+from otel_train.integrations._hooks import log_step
 from otel_train.integrations._session import OwnedSession
 
 __all__ = ["OtelTrainHook", "OtelTrainVisBackend"]
@@ -40,6 +49,16 @@ def _placement() -> dict[str, Any]:
     except RuntimeError:  # torch.distributed started without MMEngine's local group: the launcher's env
         local_rank = None
     return {"rank": get_rank(), "local_rank": local_rank, "world_size": get_world_size()}
+
+
+def _experiment_name() -> str | None:
+    """The runner's ``experiment_name``: the Runner names its message hub after it."""
+    from mmengine.logging import MessageHub
+
+    try:
+        return str(MessageHub.get_current_instance().instance_name) or None
+    except Exception:
+        return None
 
 
 def _plain_config(cfg: Any) -> dict[str, Any] | None:
@@ -149,7 +168,7 @@ class OtelTrainVisBackend(BaseVisBackend):  # type: ignore[misc]
     _env_initialized: bool  # set by BaseVisBackend
 
     def _init_env(self) -> None:
-        self._session.ensure(config=self._config, **_placement())
+        self._session.ensure(config=self._config, run_name=_experiment_name(), **_placement())
 
     def _ready(self) -> None:
         # What MMEngine's `force_init_env` decorator does: start on first use, not at construction.
@@ -170,12 +189,12 @@ class OtelTrainVisBackend(BaseVisBackend):  # type: ignore[misc]
 
     def add_scalar(self, name: str, value: Any, step: int = 0, **kwargs: Any) -> None:
         self._ready()
-        ot.log({name: value}, step=step)
+        log_step({name: value}, step)  # a logged step is a step boundary: collection follows MMEngine's log
 
     def add_scalars(self, scalar_dict: Mapping[str, Any], step: int = 0, file_path: str | None = None,
                     **kwargs: Any) -> None:
         self._ready()
-        ot.log(dict(scalar_dict), step=step)
+        log_step(dict(scalar_dict), step)
 
     def close(self) -> None:
         if self._env_initialized:

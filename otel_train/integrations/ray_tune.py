@@ -1,4 +1,4 @@
-"""Ray Tune: every trial result as gauges at `training_iteration`, trial lifetimes as spans.
+"""Ray Tune: every trial result as gauges at Tune's step, trial lifetimes as spans.
 
 Tune calls its callbacks in the driver process (the one that runs ``Tuner.fit()``), not in the trial
 workers, so this callback is the one place that sees every trial. It starts otel-train there (rank 0 of a
@@ -6,8 +6,14 @@ world of 1) when the user has not. Trial workers need nothing; a trainable that 
 runs its own session in its worker.
 
 Every trial writes into the same run, one series per trial: the result key is the tag and ``trial_id`` is
-an attribute, so TensorBoard shows ``tune/loss{trial_id=ab12_00000}`` (the Names contract's suffix) and
-all trials sit on one chart, the way Tune's own TensorBoard output and W&B's grouped runs are compared.
+an attribute, so TensorBoard shows ``tune/loss{trial_id=ab12_00000}`` (the Names contract's suffix).
+
+The step is the one Tune's own loggers use: ``timesteps_total`` when the trainable reports it, else
+``training_iteration``, so the curves line up with Tune's TensorBoard output. Values are what Tune's
+TensorBoard logger writes: numbers (bools as 0/1, tensors and NumPy scalars converted as `otel_train.log`
+converts them), nested dicts flattened with ``/``; NaN and +-inf are kept (a diverged trial stays on its
+curve). Anything else (strings, lists) is left out, counted (`left_out`) and warned about once per key.
+Each result is a step boundary (`otel_train.step_ended`), so collection follows the trials' results.
 
 Example:
     >>> from otel_train.integrations.ray_tune import OtelTrainCallback  # doctest: +SKIP
@@ -17,13 +23,22 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import numbers
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Mapping
 from typing import Any
 
-from ray.tune import Callback
+try:
+    from ray.tune import Callback
+except ImportError as err:
+    raise ModuleNotFoundError(
+        "otel_train.integrations.ray_tune needs Ray Tune: pip install 'otel-train[ray]'", name="ray",
+    ) from err
 
 import otel_train as ot
+from otel_train._internal.values import to_float
+from otel_train.integrations._hooks import LeftOut, flatten
 from otel_train.integrations._session import OwnedSession, session_running
 
 __all__ = ["OtelTrainCallback"]
@@ -34,18 +49,44 @@ _logger = logging.getLogger(__name__)
 _SKIP = frozenset({"config", "pid", "timestamp", "date", "hostname", "node_ip", "trial_id", "experiment_id",
                    "experiment_tag", "done", "should_checkpoint", "trial_resources", "checkpoint_dir_name"})
 STEP_KEY = "training_iteration"
+TIMESTEPS_KEY = "timesteps_total"  # Tune's loggers' step when reported (`TBXLoggerCallback`)
 
 
-def _numbers(result: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
-    """Numeric leaves of a (nested) result dict, keys joined with ``/``; bools and strings left out."""
-    for key, value in result.items():
-        if not prefix and key in _SKIP:
+def _tune_step(result: Mapping[str, Any]) -> Any:
+    """The step Tune's own loggers give a result: ``timesteps_total`` if set, else ``training_iteration``."""
+    timesteps = result.get(TIMESTEPS_KEY)
+    return timesteps if isinstance(timesteps, numbers.Integral) and not isinstance(timesteps, bool) \
+        else result.get(STEP_KEY)
+
+
+def _numbers(result: Mapping[str, Any], left_out: LeftOut | None = None) -> dict[str, float]:
+    """The leaves of a (nested) result as floats, keys joined with ``/`` (Tune's `flatten_dict`), converted as
+    `otel_train.log` converts (bools 0/1, NaN/+-inf kept). ``None`` (a field Tune fills only when reported) is
+    skipped; any other non-number goes to `left_out`."""
+    out: dict[str, float] = {}
+    for key, value in flatten({k: v for k, v in result.items() if k not in _SKIP}).items():
+        if value is None:
             continue
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            yield from _numbers(value, name + "/")
-        elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-            yield name, float(value)
+        number = to_float(value) if not isinstance(value, (str, bytes)) else None
+        if number is None:
+            if left_out is not None:
+                left_out.keep({key: value})  # counts and warns once per key
+            continue
+        out[key] = number
+    return out
+
+
+def _set(gauge: Any, value: float, attributes: dict[str, Any]) -> None:
+    """`gauge.set`, except that NaN/+-inf are recorded too (the OTel SDK's `set` drops them with a warning;
+    `otel_train.log` keeps them, and so must a diverged trial's curve)."""
+    consumer = getattr(gauge, "_measurement_consumer", None)
+    if math.isfinite(value) or consumer is None:
+        gauge.set(value, attributes)
+        return
+    from opentelemetry import context
+    from opentelemetry.sdk.metrics._internal.measurement import Measurement
+
+    consumer.consume_measurement(Measurement(value, time.time_ns(), gauge, context.get_current(), attributes))
 
 
 def _error_message(trial: Any) -> str:
@@ -85,6 +126,12 @@ class OtelTrainCallback(Callback):
         self._run_id: str | None = None
         self._run_name: str | None = None
         self._last_step: dict[str, int] = {}
+        self._left_out = LeftOut("a Ray Tune trial")
+
+    @property
+    def left_out(self) -> int:
+        """How many result values were not numbers (strings, lists ...) and were left out."""
+        return self._left_out.count
 
     # -- Tune's checkpointed state ----------------------------------------------------------------------
     def get_state(self) -> dict[str, Any] | None:
@@ -135,19 +182,20 @@ class OtelTrainCallback(Callback):
 
     def _record(self, trial: Any, result: Mapping[str, Any]) -> None:
         self._start()
-        step = result.get(STEP_KEY)
-        if not isinstance(step, numbers.Integral):
+        step = _tune_step(result)
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool):
             step = self._last_step.get(trial.trial_id, 0) + 1
         step = int(step)
         self._last_step[trial.trial_id] = step
         attributes: dict[str, Any] = {ot.STEP_ATTRIBUTE: step, "trial_id": str(trial.trial_id)}
         meter = ot.get_meter(__name__)
-        for key, value in _numbers(result):
+        for key, value in _numbers(result, self._left_out).items():
             name = self.prefix + key
             gauge = self._gauges.get(name)
             if gauge is None:
                 gauge = self._gauges[name] = meter.create_gauge(name)
-            gauge.set(value, attributes)
+            _set(gauge, value, attributes)
+        ot.step_ended(step)  # a result is a step boundary: collection follows the trials
 
     def _open_span(self, trial: Any) -> None:
         try:
@@ -157,7 +205,7 @@ class OtelTrainCallback(Callback):
             attributes: dict[str, Any] = {"trial_id": str(trial.trial_id),
                                           ot.STEP_ATTRIBUTE: self._last_step.get(trial.trial_id, 0)}
             if self.config_attributes:
-                for key, value in _numbers(getattr(trial, "config", None) or {}):
+                for key, value in _numbers(getattr(trial, "config", None) or {}).items():
                     attributes[f"config/{key}"] = value
             span = ot.get_tracer(__name__).start_span("tune/trial", attributes=attributes)
             self._spans[trial.trial_id] = span

@@ -103,3 +103,29 @@ def test_main_process_only_on_a_non_main_process(
         assert ot._session.run.rank == 1  # Accelerate's process index is the rank
         assert ot._session.export_metrics is False  # OTEL_TRAIN_RANKS=0 (default): rank 1 does not export
     tracker.finish()
+
+
+def test_dicts_named_as_accelerates_tensorboard_tracker_nan_kept_strings_counted(
+        runs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Beside Accelerate's own TensorBoard tracker in one run: a dict value (its `add_scalars`: run
+    `<key>_<entry>`, tag `<key>`) is `<key>/<entry>` here, at the same steps with the same values; NaN and inf
+    stay; a string is left out, counted and warned about once."""
+    accelerator = Accelerator(cpu=True, log_with=["tensorboard", OtelTrainTracker(run_name="both")],
+                              project_dir=str(tmp_path / "acc"))
+    accelerator.init_trackers("proj")
+    tracker = accelerator.get_tracker("otel_train", unwrap=False)
+    losses = [1.0, float("nan"), float("inf")]
+    with caplog.at_level("WARNING", logger="otel_train.integrations"):
+        for i, loss in enumerate(losses):
+            accelerator.log({"loss": {"train": loss, "val": 2.0 * i}, "lr": 0.1, "phase": "warmup"}, step=i)
+    assert tracker.tracker.settings.project == "proj"  # init_trackers' project name
+    accelerator.end_training()
+    ours = _accumulator(runs / "both")
+    for entry in ("train", "val"):
+        theirs = _accumulator(tmp_path / "acc" / "proj" / f"loss_{entry}").Scalars("loss")
+        mine = ours.Scalars(f"loss/{entry}")
+        assert [(e.step, repr(e.value)) for e in mine] == [(e.step, repr(e.value)) for e in theirs]
+    assert [(e.step, repr(e.value)) for e in ours.Scalars("loss/train")] == [(0, "1.0"), (1, "nan"), (2, "inf")]
+    assert "phase" not in ours.Tags()["scalars"]
+    assert tracker.left_out == 3
+    assert len([r for r in caplog.records if "'phase'" in r.getMessage()]) == 1

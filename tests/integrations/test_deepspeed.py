@@ -66,6 +66,24 @@ def test_user_session_is_not_shut_down(run_dir: Path) -> None:
     assert _scalars(run_dir / "mine", "loss") == {5: 2.0}
 
 
+def _wait_for_points(path: Path, tag: str, count: int, timeout_s: float = 60.0) -> list[tuple[int, float]]:
+    """The (step, value) points of `tag` in a JSONL file once `count` arrived (or what arrived by the timeout)."""
+    import time
+
+    from otel_train.exporters.jsonl import read_jsonl
+
+    deadline = time.monotonic() + timeout_s
+    points: list[tuple[int, float]] = []
+    while time.monotonic() < deadline:
+        if path.exists():
+            points = [(r["step"], pytest.approx(r["value"])) for r in read_jsonl(path)
+                      if r["type"] == "metric" and r["tag"] == tag]
+            if len(points) >= count:
+                break
+        time.sleep(0.05)
+    return points
+
+
 @pytest.fixture
 def single_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     with socket.socket() as s:
@@ -88,6 +106,8 @@ def test_real_deepspeed_engine_on_cpu(single_process_group: None, run_dir: Path,
 
     monkeypatch.setenv("OTEL_TRAIN_DIR", str(run_dir))
     monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "ds-real")
+    monkeypatch.setenv("OTEL_TRAIN_EXPORTERS", "tensorboard,jsonl")
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_INTERVAL_S", "3600")  # only the logged steps can trigger collection
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     config = {"train_batch_size": 8, "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
@@ -103,7 +123,9 @@ def test_real_deepspeed_engine_on_cpu(single_process_group: None, run_dir: Path,
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
+    live = _wait_for_points(run_dir / "ds-real" / "rank0.jsonl", "Train/Samples/lr", 3)
     monitor.close()
+    assert live == [(8, 0.05), (16, 0.05), (24, 0.05)]  # on disk before close: each written step is a boundary
     lr = _scalars(run_dir / "ds-real", "Train/Samples/lr")
     assert lr == pytest.approx({8: 0.05, 16: 0.05, 24: 0.05})  # DeepSpeed's own step: global_samples
     assert sorted(_scalars(run_dir / "ds-real", "Train/Samples/elapsed_time_ms_step")) == [8, 16, 24]

@@ -93,12 +93,11 @@ def test_hook_writes_message_hub_values_at_mmengine_steps(tmp_path: Path, monkey
 
 def test_vis_backend_gets_what_the_logger_hook_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
-    monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "mmvis")
     visualizer = {"type": "Visualizer", "name": "vis-otel", "vis_backends": [{"type": "OtelTrainVisBackend"}]}
     runner = _runner(tmp_path, visualizer=visualizer)
     runner.train()
     runner.visualizer.close()
-    acc = _scalars(tmp_path / "runs" / "mmvis")
+    acc = _scalars(tmp_path / "runs" / runner.experiment_name)  # the run is named as the hook names it
     assert [e.step for e in acc.Scalars("loss")] == [2, 4, 6]  # LoggerHook interval=2, its own step
     assert [e.step for e in acc.Scalars("mse")] == [3, 6]
 
@@ -126,3 +125,42 @@ def test_hook_feeds_mmengines_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not ot._session.export_metrics
     hook.after_run(None)
     assert ot._session.closed
+
+
+def test_missing_extra_names_the_pip_line() -> None:
+    code = ("import sys; sys.modules['mmengine'] = None\n"
+            "try:\n    import otel_train.integrations.mmengine\nexcept ModuleNotFoundError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'otel-train[mmengine]'" in out
+
+
+def _wait_for_points(path: Path, tag: str, count: int, timeout_s: float = 60.0) -> list[tuple[int, float]]:
+    """The (step, value) points of `tag` in a JSONL file, once `count` have arrived (or what arrived by the timeout)."""
+    import time
+
+    from otel_train.exporters.jsonl import read_jsonl
+
+    deadline = time.monotonic() + timeout_s
+    points: list[tuple[int, float]] = []
+    while time.monotonic() < deadline:
+        if path.exists():
+            points = [(r["step"], r["value"]) for r in read_jsonl(path) if r["type"] == "metric" and r["tag"] == tag]
+            if len(points) >= count:
+                break
+        time.sleep(0.05)
+    return points
+
+
+def test_vis_backend_steps_are_collected_before_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With an hour between timed collections, what MMEngine's LoggerHook wrote is on disk while the session is
+    still open: each logged step is a step boundary."""
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("OTEL_TRAIN_EXPORTERS", "jsonl")
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_INTERVAL_S", "3600")
+    visualizer = {"type": "Visualizer", "name": "vis-live", "vis_backends": [{"type": "OtelTrainVisBackend"}]}
+    runner = _runner(tmp_path, visualizer=visualizer)
+    runner.train()
+    path = tmp_path / "runs" / runner.experiment_name / "rank0.jsonl"
+    points = _wait_for_points(path, "loss", 3)
+    runner.visualizer.close()
+    assert [s for s, _ in points] == [2, 4, 6]  # LoggerHook interval=2: its steps, before any shutdown

@@ -120,3 +120,59 @@ def test_restored_experiment_continues_the_same_run(ray_local: None, tmp_path: P
     acc = _tags(first_run)
     assert {e.step: e.value for e in acc.Scalars(f"tune/loss{{trial_id={trial_id}}}")} == {
         1: 10.0, 2: 9.0, 3: 8.0}
+
+
+_DIVERGING = [1.0, float("nan"), float("inf"), float("-inf")]
+
+
+def _diverging(config: dict[str, Any]) -> None:
+    for i, loss in enumerate(_DIVERGING, start=1):
+        tune.report({"loss": loss, "stable": i < 3, "parts": {"a": i, "b": {"c": 2 * i}},
+                     "timesteps_total": 10 * i, "tags": ["not", "a", "number"]})
+
+
+def _jsonl_series(directory: Path, run_name: str) -> dict[str, list[tuple[int, str]]]:
+    """tag -> [(step, repr(value)), ...] in file order (repr: NaN compares equal to itself)."""
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    out: dict[str, list[tuple[int, str]]] = {}
+    for r in read_jsonl(jsonl_path(directory, run_name, 0)):
+        if r["type"] == "metric":
+            out.setdefault(r["tag"], []).append((r["step"], repr(float(r["value"]))))
+    return out
+
+
+def test_non_finite_bools_nested_and_left_out_values(ray_local: None, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A diverged trial keeps NaN/+-inf at their steps, bools are 0/1, nested dicts are joined with `/`, the step
+    is `timesteps_total` (as Tune's own loggers use it), and a list is counted and warned about once."""
+    monkeypatch.setenv("OTEL_TRAIN_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("OTEL_TRAIN_RUN_NAME", "edges")
+    monkeypatch.setenv("OTEL_TRAIN_EXPORTERS", "jsonl")
+    callback = OtelTrainCallback()
+    tuner = tune.Tuner(_diverging, run_config=tune.RunConfig(storage_path=str(tmp_path / "ray"),
+                                                               callbacks=[callback], verbose=0))
+    with caplog.at_level("WARNING", logger="otel_train.integrations"):
+        (result,) = list(tuner.fit())
+    series = _jsonl_series(tmp_path / "runs", "edges")
+    trial = f"{{trial_id={result.metrics['trial_id']}}}"
+    steps = [10, 20, 30, 40]
+    assert series[f"tune/loss{trial}"] == list(zip(steps, ["1.0", "nan", "inf", "-inf"]))
+    assert series[f"tune/stable{trial}"] == list(zip(steps, ["1.0", "1.0", "0.0", "0.0"]))
+    assert series[f"tune/parts/a{trial}"] == list(zip(steps, ["1.0", "2.0", "3.0", "4.0"]))
+    assert series[f"tune/parts/b/c{trial}"] == list(zip(steps, ["2.0", "4.0", "6.0", "8.0"]))
+    assert series[f"tune/training_iteration{trial}"] == list(zip(steps, ["1.0", "2.0", "3.0", "4.0"]))
+    assert not [t for t in series if t.startswith("tune/tags")]
+    assert callback.left_out == 4
+    assert len([r for r in caplog.records if "'tags'" in r.getMessage()]) == 1
+
+
+def test_missing_extra_names_the_pip_line() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['ray'] = None; sys.modules['ray.tune'] = None\n"
+            "try:\n    import otel_train.integrations.ray_tune\nexcept ModuleNotFoundError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install 'otel-train[ray]'" in out

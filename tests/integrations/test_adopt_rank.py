@@ -1,0 +1,61 @@
+"""A session the user started before the framework said where this process runs: adopted while nothing was
+exported, an error naming the fix once data went out. (Lightning DDP on 2 real processes: test_lightning_ddp.)"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import otel_train as ot
+from otel_train.config import load_settings
+from otel_train.integrations._session import OwnedSession
+from otel_train.runtime import resolve_run_id
+
+
+def test_nothing_exported_yet_the_session_moves_to_the_frameworks_rank(tmp_path: Path) -> None:
+    first = ot.init(exporters="jsonl", dir=tmp_path, run_name="r", config={"lr": 0.1})
+    assert OwnedSession().ensure(rank=1, local_rank=1, world_size=2) is False  # the user's session, not ours
+    adopted = ot._session
+    assert first.closed and adopted is not first
+    assert (adopted.run.rank, adopted.run.local_rank, adopted.run.world_size) == (1, 1, 2)
+    assert adopted.settings.run_name == "r" and adopted.settings.config == {"lr": 0.1}  # same settings
+
+
+def test_after_an_export_it_is_an_error_naming_the_fix(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    session = ot.init(exporters="jsonl", dir=tmp_path, run_name="r")
+    ot.log({"x": 1.0}, step=0)
+    assert ot.flush()
+    with caplog.at_level(logging.ERROR, logger="otel_train"):
+        OwnedSession().ensure(rank=1, world_size=2)
+    assert ot._session is session and not session.closed and session.run.rank == 0
+    (record,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "rank=1" in record.getMessage() and "otel_train.init() after the framework" in record.getMessage()
+
+
+def _child_run_id(queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    queue.put(resolve_run_id(load_settings({}), env))
+
+
+def test_forked_ranks_share_the_run_id_of_their_launcher_and_another_job_on_the_same_port_does_not() -> None:
+    ctx = multiprocessing.get_context("fork")  # `multiprocessing.parent_process()` is set as under spawn
+    queue = ctx.Queue()
+    children = [ctx.Process(target=_child_run_id, args=(queue,)) for _ in range(2)]
+    for c in children:
+        c.start()
+    ids = [queue.get(timeout=60) for _ in children]
+    for c in children:
+        c.join(timeout=60)
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    here = resolve_run_id(load_settings({}), env)  # the parent as a rank too (Lightning's rank 0 starts the others)
+    code = ("from otel_train.config import load_settings; from otel_train.runtime import resolve_run_id; "
+            f"print(resolve_run_id(load_settings({{}}), {env!r}))")
+    other_job = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                               timeout=120).stdout.strip()
+    assert ids[0] == ids[1] == here  # the ranks of one job share one run
+    assert other_job.startswith("job-") and other_job != here  # another job, same address and port: another run
