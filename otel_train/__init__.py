@@ -285,8 +285,6 @@ def resume(step: int) -> None:
     s = _session
     try:
         index = coerce_step(step, "otel_train.resume")
-        if index < 0:
-            raise ValueError(f"otel_train.resume: {step!r} is not allowed; expected an integer step >= 0")
     except ValueError as err:
         if s is None or s.closed or not hasattr(s, "refuse_step"):
             raise ConfigError(str(err)) from None

@@ -270,7 +270,7 @@ class Session:
         self._closed = False
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
-        set_step_order(settings.step_order, resume=settings.resume_step is not None)
+        set_step_order(settings.step_order, resume=False if settings.resume_step is None else settings.resume_step)
         self._check_step = settings.step_order == "raise"
         #: Values of `ot.log` calls whose step was refused (2.5, NaN, "3"): never written, counted here.
         self.refused_step_values = 0
@@ -392,7 +392,7 @@ class Session:
         after what was logged before. Never raises, never waits for a backend."""
         if self._closed:
             return
-        set_step_order(self.settings.step_order, resume=True)
+        set_step_order(self.settings.step_order, resume=step)
         try:
             self.reader.resume(step)
         except Exception:

@@ -50,9 +50,10 @@ def coerce_step(value: Any, where: str) -> int:
     """`value` as a step: what every entry point that takes a step accepts (`ot.step`, `ot.steps(start=)`,
     `ot.log(step=)`, `ot.resume`, `init(resume_step=)`, child processes, the integrations).
 
-    Accepted: anything `operator.index` takes (`int`, NumPy integers, integer 0-d tensors and arrays) and
-    numbers with an integral value (``61.0``, a float tensor holding 3.0). Refused: ``True``/``False``
-    (a step is never a flag), fractions (2.5), NaN, ±inf, strings and everything else.
+    Accepted, when >= 0: anything `operator.index` takes (`int`, NumPy integers, integer 0-d tensors and
+    arrays) and numbers with an integral value (``61.0``, a float tensor holding 3.0). Refused: negative
+    steps (-1 means "no step" in spools and child processes), ``True``/``False`` (a step is never a flag),
+    fractions (2.5), NaN, ±inf, strings and everything else.
 
     Args:
         value: The step given.
@@ -68,24 +69,26 @@ def coerce_step(value: Any, where: str) -> int:
         >>> coerce_step(2.5, "ot.step")
         Traceback (most recent call last):
         ...
-        ValueError: ot.step: 2.5 is not a step; expected an integer (or a number with an integral value, e.g. 3.0)
+        ValueError: ot.step: 2.5 is not a step; expected an integer >= 0 (or a number with an integral value, e.g. 3.0)
     """
-    if type(value) is int:  # the common case first: one type check
+    if type(value) is int and value >= 0:  # the common case first
         return value
     if not isinstance(value, (bool, str, bytes)):
+        step: int | None = None
         try:
-            return operator.index(value)
+            step = operator.index(value)
         except TypeError:
-            pass
-        try:
-            number = float(value)
-        except (TypeError, ValueError, OverflowError):
-            number = math.nan
-        if math.isfinite(number) and number.is_integer():
-            return int(number)
+            try:
+                number = float(value)
+            except (TypeError, ValueError, OverflowError):
+                number = math.nan
+            if math.isfinite(number) and number.is_integer():
+                step = int(number)
+        if step is not None and step >= 0:
+            return step
     shown = repr(value)
-    raise ValueError(f"{where}: {shown[:80]} is not a step; expected an integer (or a number with an integral "
-                     "value, e.g. 3.0)")
+    raise ValueError(f"{where}: {shown[:80]} is not a step; expected an integer >= 0 (or a number with an "
+                     "integral value, e.g. 3.0)")
 
 
 #: Set by the runtime while a session runs: reports a refused step (warned once, counted) instead of raising,
@@ -111,10 +114,18 @@ def _coerce_or_none(value: Any, where: str) -> int | None:
         return None
 
 
+def _next_step() -> int:
+    """The step `step()` without a number enters: after the latest, else the declared restart, else 0."""
+    latest = _state.latest
+    if latest is not None:
+        return latest + 1
+    return _state.resumed_at or 0
+
+
 class _ProcessState:
     """Process-wide step facts: the latest step entered and the run's start time."""
 
-    __slots__ = ("iterations", "last_logged", "latest", "order", "started_ns", "warned_backwards")
+    __slots__ = ("iterations", "last_logged", "latest", "order", "resumed_at", "started_ns", "warned_backwards")
 
     def __init__(self) -> None:
         self.latest: int | None = None
@@ -123,6 +134,7 @@ class _ProcessState:
         self.warned_backwards = False
         self.order = "warn"  # OTEL_TRAIN_STEP_ORDER of the running session
         self.last_logged: int | None = None  # highest explicit `ot.log(step=)` under `raise`
+        self.resumed_at: int | None = None  # the declared restart step: where `step()` without a number starts
 
 
 _state = _ProcessState()
@@ -198,15 +210,17 @@ def current_step() -> int | None:
     return _state.latest if value is None else value
 
 
-def set_step_order(policy: str, resume: bool = False) -> None:
+def set_step_order(policy: str, resume: bool | int = False) -> None:
     """Set the step-order policy the training thread enforces (the runtime calls it at init).
 
-    `resume`: the run restarts (`resume_step`), so steps entered before do not count as "later".
+    `resume`: the run restarts (`resume_step`, given as the step), so steps entered before do not count as
+    "later", and `step()` / `steps()` without a number start at that step.
     """
     _state.order = policy
     _state.last_logged = None
-    if resume:
+    if resume is not False:
         _state.latest = None
+        _state.resumed_at = None if resume is True else int(resume)
 
 
 def check_log_step(step: int) -> None:
@@ -260,7 +274,7 @@ class step:
             # Not a step (2.5, "3"): raised before init(); after it, warned once and the block is the next step
             i = _coerce_or_none(i, "otel_train.step")
         if i is None:
-            i = 0 if _state.latest is None else _state.latest + 1
+            i = _next_step()
         self._step = i
         self._samples = samples
         self._token: contextvars.Token[int | None] | None = None
@@ -339,7 +353,7 @@ def steps(iterable: Iterable[_T], start: int | None = None) -> Iterator[_T]:
     """
     i = None if start is None else _coerce_or_none(start, "otel_train.steps(start=)")
     if i is None:
-        i = 0 if _state.latest is None else _state.latest + 1
+        i = _next_step()
     for item in iterable:
         with step(i):
             yield item

@@ -33,7 +33,7 @@ def _tb(folder: Path, tag: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.parametrize("value, expected", [
-    (3, 3), (np.int64(3), 3), (np.int32(7), 7), (np.uint8(9), 9), (61.0, 61), (np.float32(4.0), 4), (-2, -2),
+    (3, 3), (0, 0), (np.int64(3), 3), (np.int32(7), 7), (np.uint8(9), 9), (61.0, 61), (np.float32(4.0), 4),
     (np.array(5), 5),
 ])
 def test_steps_that_are_taken(value: object, expected: int) -> None:
@@ -41,7 +41,8 @@ def test_steps_that_are_taken(value: object, expected: int) -> None:
     assert got == expected and type(got) is int
 
 
-@pytest.mark.parametrize("value", [2.5, 4.9, math.nan, math.inf, -math.inf, "3", b"3", None, True, False, [1],
+@pytest.mark.parametrize("value", [-1, -2.0, np.int64(-3), 2.5, 4.9, math.nan, math.inf, -math.inf, "3", b"3", None,
+                                   True, False, [1],
                                    np.float64(0.5), np.array([1, 2])])
 def test_steps_that_are_refused_name_the_value(value: object) -> None:
     with pytest.raises(ValueError, match=r"^here: .* is not a step; expected an integer"):
@@ -103,6 +104,19 @@ def test_steps_without_start_continue_after_the_latest(tmp_path: Path) -> None:
     ot.shutdown()
     rows = _metric_rows(run_folder(tmp_path, "epochs"), "loss")
     assert rows == [(e * 4 + b, float(e * 10 + b)) for e in range(3) for b in range(4)]
+
+
+def test_a_declared_restart_is_where_numberless_steps_start(tmp_path: Path) -> None:
+    ot.init(exporters="jsonl", dir=tmp_path, run_id="restart", export_every=1, resume_step=5)
+    with ot.step():
+        ot.log({"x": 1.0})
+    ot.resume(3)
+    for _ in ot.steps(range(2)):
+        ot.log({"x": 2.0})
+    ot.shutdown()
+    rows = [r for r in read_jsonl(run_folder(tmp_path, "restart") / "rank0.jsonl")
+            if r.get("type") == "metric" and r["name"] == "x"]
+    assert [(r["step"], r["value"]) for r in rows] == [(5, 1.0), (3, 2.0), (4, 2.0)]
 
 
 def test_a_child_process_coerces_its_steps(tmp_path: Path) -> None:

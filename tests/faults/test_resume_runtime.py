@@ -53,7 +53,7 @@ def test_resume_validates_its_step_and_needs_init(tmp_path: Path, caplog: pytest
         for bad in (-1, "3", 2.5, True, None):
             ot.resume(bad)  # type: ignore[arg-type]  # after init(): never raised into the loop
     warned = [r.getMessage() for r in caplog.records if "otel_train.resume" in r.getMessage()]
-    assert len(warned) == 1 and "is not allowed" in warned[0] and "warned once" in warned[0]
+    assert len(warned) == 1 and "-1 is not a step" in warned[0] and "warned once" in warned[0]
     ot.resume(4.0)  # type: ignore[arg-type]  # an integral float is a step
     ot.shutdown()
     ot.resume(3)  # after shutdown: nothing to tell, nothing raised
