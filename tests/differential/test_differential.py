@@ -48,6 +48,9 @@ PENDING: set[str] = {
     "step_forms",  # item 2: NumPy / float steps (`ot.step(np.int64(3))`, `step=61.0`)
     "odd_keys",  # item 4: keys outside the OTel instrument-name rule (`val/mAP@0.5`, `Loss (val)`, unicode)
     "steps_continue",  # item 10(e): `ot.steps(it)` without start= continues after the latest step
+    # With two ranks, these backends are left out of the run (the other six are run and compared):
+    "mlflow_ranks",  # item 6: ranks starting together race on creating the SQLite store; a rank's steps are lost
+    "trackio_ranks",  # item 6 (found here): rank 1 "resumes" rank 0's Trackio run and drops all its rows
 }
 # A local run can generate them anyway: OTEL_TRAIN_DIFF_FEATURES=all, or a comma list of the names above.
 _FORCED = os.environ.get("OTEL_TRAIN_DIFF_FEATURES", "")
@@ -228,27 +231,38 @@ def sink() -> Iterator[SinkHandle]:
             s.stop()
 
 
+def compared(backend: str, world: int) -> bool:
+    return not (world > 1 and f"{backend}_ranks" in PENDING)
+
+
 def run_job(job: dict[str, Any], root: Path, run: str, sink: Any) -> None:
     """Every rank's program in its own process, all at once, like a launcher starts them."""
     world = len(job["ranks"])
+    exporters = [e for e in EXPORTERS.split(",") if compared(e, world)]
     base = {k: v for k, v in os.environ.items()
             if not k.startswith(("OTEL_", "WANDB_", "CLEARML_", "TRAINS_", "TRACKIO_", "MLFLOW_", "HF_"))
             and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     base.update(
         HOME=str(root / "home"), HF_HOME=str(root / "hf"), TRACKIO_DIR=str(root / "trackio"),
         WANDB_MODE="offline", WANDB_SILENT="true", CLEARML_CONFIG_FILE=str(root / "clearml.conf"),
-        CLEARML_CACHE_DIR=str(root / "clearml"), OTEL_TRAIN_EXPORTERS=EXPORTERS, OTEL_TRAIN_DIR=str(root / "runs"),
-        OTEL_TRAIN_RUN_ID=run, OTEL_TRAIN_RUN_NAME=run, OTEL_TRAIN_PROJECT=PROJECT, OTEL_TRAIN_RANKS="all",
-        OTEL_TRAIN_EXPORT_EVERY=str(job["export_every"]), WORLD_SIZE=str(world),
+        CLEARML_CACHE_DIR=str(root / "clearml"), OTEL_TRAIN_EXPORTERS=",".join(exporters),
+        OTEL_TRAIN_DIR=str(root / "runs"), OTEL_TRAIN_RUN_ID=run, OTEL_TRAIN_RUN_NAME=run,
+        OTEL_TRAIN_PROJECT=PROJECT, OTEL_TRAIN_RANKS="all", OTEL_TRAIN_EXPORT_EVERY=str(job["export_every"]),
+        # shutdown() returns once every backend holds everything; the bound is only for a backend that is stuck
+        # (a loaded CI machine must not turn a slow W&B start into missing points).
+        OTEL_TRAIN_SHUTDOWN_TIMEOUT_S="90", OTEL_TRAIN_DRAIN_TIMEOUT_S="5", WORLD_SIZE=str(world),
         OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink.grpc_port}", OTEL_EXPORTER_OTLP_INSECURE="true",
     )
-    procs = [subprocess.Popen([sys.executable, str(PROGRAM), json.dumps(program)],
-                              env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank, program in enumerate(job["ranks"])]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out[-4000:]}"
+    logs = [root / f"rank{rank}.log" for rank in range(world)]
+    procs = []
+    for rank, program in enumerate(job["ranks"]):
+        with logs[rank].open("w") as out:  # a file, not a pipe: the exporter process may outlive the rank
+            procs.append(subprocess.Popen([sys.executable, str(PROGRAM), json.dumps(program)],
+                                          env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stdout=out, stderr=subprocess.STDOUT))
+    for rank, p in enumerate(procs):
+        p.wait(timeout=300)
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{logs[rank].read_text()[-4000:]}"
     assert sink.flush(30)
 
 
@@ -310,14 +324,15 @@ def differences(want: list[Point], got: list[Point]) -> list[str]:
 def span_differences(job: dict[str, Any], root: Path, run: str, sink_root: Path) -> list[str]:
     out: list[str] = []
     for rank, program in enumerate(job["ranks"]):
-        want = sorted(expected_spans(program))
-        readers: dict[str, Callable[[], list[SpanPoint]]] = {
-            "jsonl": lambda: readback.jsonl_spans(root / "runs" / run / f"rank{rank}.jsonl"),
-            "chrome_trace": lambda: readback.chrome_spans(root / "runs" / run / "trace" / f"rank{rank}.trace.json"),
-            "sink": lambda: readback.jsonl_spans(sink_root / run / f"rank{rank}.jsonl"),
+        want = sorted(expected_spans(program), key=lambda sp: (sp.name, -1 if sp.step is None else sp.step))
+        folder = root / "runs" / run
+        spans: dict[str, list[SpanPoint]] = {
+            "jsonl": readback.jsonl_spans(folder / f"rank{rank}.jsonl"),
+            "chrome_trace": readback.chrome_spans(folder / "trace" / f"rank{rank}.trace.json"),
+            "sink": readback.jsonl_spans(sink_root / run / f"rank{rank}.jsonl"),
         }
-        for backend, read in readers.items():
-            got = sorted(read())
+        for backend, held in spans.items():
+            got = sorted(held, key=lambda sp: (sp.name, -1 if sp.step is None else sp.step))
             if got != want:
                 out.append(f"{backend} rank {rank} spans: want {want}, got {got}")
     return out
@@ -336,8 +351,13 @@ def test_every_backend_holds_what_the_program_logged(job: dict[str, Any], sink: 
         sink_root = sink.runs
         report: list[str] = []
         for backend in BACKENDS:
+            if not compared(backend, len(job["ranks"])):  # not even run: see PENDING
+                continue
             got = user_points(observed(backend, root, run, len(job["ranks"]), sink_root))
-            report.extend(f"{backend}: {d}" for d in differences(expected(backend, job), got))
+            diffs = differences(expected(backend, job), got)
+            if diffs:  # a summary line per backend, then its first differences
+                kinds = {k: sum(d.startswith(k) for d in diffs) for k in ("missing", "extra")}
+                report.append(f"{backend}: {kinds['missing']} missing, {kinds['extra']} extra, of "
+                              f"{len(expected(backend, job))} logged; e.g. " + "; ".join(diffs[:3]))
         report.extend(span_differences(job, root, run, sink_root))
-    assert not report, "\n".join(report[:40]) + f"\n({len(report)} differences)"
-
+    assert not report, "\n".join(report)
