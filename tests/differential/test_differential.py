@@ -287,8 +287,8 @@ def observed(backend: str, root: Path, run: str, world: int, sink_root: Path) ->
         def wandb_rank(rank: int) -> list[Point]:
             wid = run if rank == 0 else f"{run}-rank{rank}"
             files = sorted(folder.rglob(f"run-{wid}.wandb"))
-            assert len(files) == 1, f"W&B files of rank {rank}: {files}"
-            return readback.wandb(files[0])
+            assert len(files) <= 1, f"W&B files of rank {rank}: {files}"
+            return readback.wandb(files[0]) if files else []
         return each_rank(wandb_rank)
     if backend == "trackio":
         return readback.trackio(root / "trackio", PROJECT, run)

@@ -1,7 +1,7 @@
 """What each backend holds, read back with that backend's own reader, as LISTS of points.
 
 Every reader returns ``[Point(name, step, value), ...]`` in the order the store gives them (never a dict
-per step, so a value written twice shows up twice). Names are as the backend shows them; mapping a
+per step, so a value written twice shows up twice); a store that was never created holds nothing: ``[]``. Names are as the backend shows them; mapping a
 logged key to that name is the caller's business (see tests/differential/test_differential.py).
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ from reference import Point, SpanPoint
 def tensorboard(logdir: Path) -> list[Point]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    if not logdir.is_dir():
+        return []
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
     return [Point(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
@@ -30,7 +31,7 @@ def tensorboard(logdir: Path) -> list[Point]:
 def _jsonl_records(path: Path) -> list[dict[str, Any]]:
     from otel_train.exporters.jsonl import read_jsonl
 
-    return list(read_jsonl(path))
+    return list(read_jsonl(path)) if path.exists() else []
 
 
 def jsonl(path: Path) -> list[Point]:
@@ -43,6 +44,8 @@ def jsonl_spans(path: Path) -> list[SpanPoint]:
 
 # -- Chrome trace: the JSON file chrome://tracing and Perfetto load ----------------------------------------
 def _trace_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
     data = json.loads(path.read_text())
     events: list[dict[str, Any]] = data["traceEvents"] if isinstance(data, dict) else data
     return events
