@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -159,7 +160,7 @@ def per_rank_store(key: str, rank: int) -> str:
 def mlflow_name(key: str, rank: int) -> str:
     """README: `{`→`__`, `,`→`__`, `=`→`-`, `}` dropped, any other character MLflow refuses → `_`."""
     tag = rank_suffix(key, rank).translate(str.maketrans({"{": "__", ",": "__", "=": "-", "}": ""}))
-    tag = "".join(c if (c.isalnum() and c.isascii()) or c in "/_.- " else "_" for c in tag)
+    tag = re.sub(r"[^/\w.\- ]", "_", tag)  # MLflow's own rule: word characters (Unicode), `/ . - ` and space
     return "/".join(p.replace(".", "_") if p in (".", "..") else p for p in tag.split("/") if p) or "_"
 
 
@@ -361,3 +362,29 @@ def test_every_backend_holds_what_the_program_logged(job: dict[str, Any], sink: 
                               f"{len(expected(backend, job))} logged; e.g. " + "; ".join(diffs[:3]))
         report.extend(span_differences(job, root, run, sink_root))
     assert not report, "\n".join(report)
+
+
+# -- the comparison itself: it must see a point held twice, at a wrong step, with a wrong value ---------------
+def test_differences_catch_twice_wrong_step_wrong_value_and_missing() -> None:
+    want = [Point("a", 1, 0.5), Point("a", 2, math.nan), Point("b", 1, 1.0)]
+    assert differences(want, [Point("b", 1, 1.0), Point("a", 2, math.nan), Point("a", 1, 0.5)]) == []
+    assert differences(want, [*want, Point("a", 1, 0.5)]) == ["extra Point(name='a', step=1, value=0.5)"]
+    got = [Point("a", 3, 0.5), Point("a", 2, 0.0), Point("b", 1, 1.0)]
+    assert differences(want, got) == ["missing Point(name='a', step=1, value=0.5)",
+                                      "missing Point(name='a', step=2, value=nan) (holds [0.0])",
+                                      "extra Point(name='a', step=2, value=0.0)",
+                                      "extra Point(name='a', step=3, value=0.5)"]
+
+
+def test_reference_steps_and_logged_values() -> None:
+    program = {"blocks": [
+        {"kind": "step", "start": 2, "form": "int", "iters": [{"logs": [["lr", {
+            "form": "tensor", "dtype": "float32", "v": 0.1, "mutate": 9.0}]]}]},
+        {"kind": "steps", "start": 0, "form": "int", "omit_start": True, "iters": [
+            {"logs": [["ok", {"form": "np_bool", "v": True}]], "span": "fwd"}, {"logs": []}]},
+    ]}
+    assert [s for s, _ in iter_steps(program)] == [2, 3, 4]
+    assert expected_points(program) == [Point("lr", 2, float(np.float32(0.1))), Point("ok", 3, 1.0)]
+    assert expected_spans(program) == [SpanPoint("fwd", 3)]
+    assert mlflow_name("val/mAP@0.5", 1) == "val/mAP_0.5__rank-1"
+    assert clearml_name("lr", 1) == "lr/lr{rank=1}" and clearml_name("a/b/c", 0) == "a/b/c"
