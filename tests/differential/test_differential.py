@@ -305,8 +305,9 @@ def user_points(points: list[Point]) -> list[Point]:
 
 def differences(want: list[Point], got: list[Point]) -> list[str]:
     """Missing, extra and wrong points; a point held twice counts as extra."""
-    def order(p: Point) -> tuple[str, int, float]:
-        return p.name, -1 if p.step is None else p.step, 0.0 if math.isnan(p.value) else p.value
+    def order(p: Point) -> tuple[str, str, float]:  # a step a backend wrote as a string must still sort
+        value = float(p.value) if isinstance(p.value, (int, float)) else math.inf
+        return p.name, f"{type(p.step).__name__}:{p.step!r:>24}", 0.0 if math.isnan(value) else value
 
     left = sorted(got, key=order)
     out: list[str] = []
@@ -374,6 +375,9 @@ def test_differences_catch_twice_wrong_step_wrong_value_and_missing() -> None:
                                       "missing Point(name='a', step=2, value=nan) (holds [0.0])",
                                       "extra Point(name='a', step=2, value=0.0)",
                                       "extra Point(name='a', step=3, value=0.5)"]
+    # A step a backend wrote as a string (JSONL's `"3"` for a NumPy step) is a wrong step, not a crash.
+    assert differences([Point("a", 3, 1.0)], [Point("a", "3", 1.0)]) == [  # type: ignore[arg-type]
+        "missing Point(name='a', step=3, value=1.0)", "extra Point(name='a', step='3', value=1.0)"]
 
 
 def test_reference_steps_and_logged_values() -> None:
