@@ -283,7 +283,8 @@ def observed(backend: str, root: Path, run: str, world: int, sink_root: Path) ->
     if backend == "chrome_trace":
         return each_rank(lambda r: readback.chrome_counters(folder / "trace" / f"rank{r}.trace.json"))
     if backend == "mlflow":
-        return readback.mlflow(f"sqlite:///{root / 'runs' / 'mlruns' / 'mlflow.db'}", run)
+        db = root / "runs" / "mlruns" / "mlflow.db"
+        return readback.mlflow(f"sqlite:///{db}", run) if db.exists() else []
     if backend == "wandb":
         def wandb_rank(rank: int) -> list[Point]:
             wid = run if rank == 0 else f"{run}-rank{rank}"

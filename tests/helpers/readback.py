@@ -68,7 +68,9 @@ def mlflow(tracking_uri: str, train_run_id: str) -> list[Point]:
     client = MlflowClient(tracking_uri)
     runs = [r for e in client.search_experiments()
             for r in client.search_runs([e.experiment_id], f"tags.`train.run.id` = '{train_run_id}'")]
-    assert len(runs) == 1, f"{len(runs)} MLflow runs tagged train.run.id={train_run_id}"
+    assert len(runs) <= 1, f"{len(runs)} MLflow runs tagged train.run.id={train_run_id}"
+    if not runs:  # nothing was logged, so no run was opened
+        return []
     run_id = runs[0].info.run_id
     return [Point(key, m.step, m.value) for key in runs[0].data.metrics
             for m in client.get_metric_history(run_id, key)]
