@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,12 +148,44 @@ class TrackioExporter(RowExporter):
         # A fresh context: trackio.init would finish whatever run is current in the caller's context.
         run = contextvars.Context().run(trackio.init, **kwargs)
         self._runs[info.run_id] = run
-        # Trackio continues a resumed run after its last step; below that nothing is written again.
+        # Trackio continues a resumed run after its last step; below that nothing is written again. Each rank's
+        # floor is the last step of its own series: another rank of the same job writing into the run (its
+        # `{rank=N}` series) is not an earlier attempt of this one.
         next_step = getattr(run, "_next_step", 0)
         if isinstance(next_step, int) and next_step > 0:
+            last = _last_steps_by_rank(self.options.project, name)
             for rank in range(max(1, info.world_size)):
-                self._gate.set_floor((info.run_id, rank), next_step - 1)
+                floor = next_step - 1 if last is None else last.get(rank)
+                if floor is not None:
+                    self._gate.set_floor((info.run_id, rank), floor)
         return run
+
+
+_RANK_IN_KEY = re.compile(r"[{,]rank=(\d+)[,}]")
+
+
+def _last_steps_by_rank(project: str, name: str) -> dict[int, int] | None:
+    """The last stored step of each rank's series in run `name` (rank N > 0: keys with ``rank=N``); None
+    when the store cannot be read (then the run's last step counts for every rank, as Trackio resumes)."""
+    try:
+        from trackio.sqlite_storage import SQLiteStorage
+
+        logs = SQLiteStorage.get_logs(project, name)
+    except Exception:
+        return None
+    out: dict[int, int] = {}
+    for entry in logs:
+        step = entry.get("step")
+        if not isinstance(step, int):
+            continue
+        for key in entry:
+            if key in ("step", "timestamp"):
+                continue
+            found = _RANK_IN_KEY.search(key)
+            rank = int(found.group(1)) if found else 0
+            if step > out.get(rank, -1):
+                out[rank] = step
+    return out
 
 
 def _stored_run_id(project: str, name: str) -> str | None:

@@ -284,7 +284,7 @@ def resume(step: int) -> None:
 
     s = _session
     try:
-        index = coerce_step(step, "otel_train.resume")
+        index = coerce_step(step, "otel_train.resume()")
     except ValueError as err:
         if s is None or s.closed or not hasattr(s, "refuse_step"):
             raise ConfigError(str(err)) from None

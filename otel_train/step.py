@@ -272,7 +272,7 @@ class step:
     def __init__(self, i: int | None = None, *, samples: int | None = None) -> None:
         if i is not None and type(i) is not int:
             # Not a step (2.5, "3"): raised before init(); after it, warned once and the block is the next step
-            i = _coerce_or_none(i, "otel_train.step")
+            i = _coerce_or_none(i, "otel_train.step()")
         if i is None:
             i = _next_step()
         self._step = i

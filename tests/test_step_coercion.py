@@ -58,7 +58,7 @@ def test_torch_steps() -> None:
 
 
 def test_before_init_a_bad_step_fails_fast() -> None:
-    with pytest.raises(ValueError, match=r"otel_train.step: 2.5 is not a step"):
+    with pytest.raises(ValueError, match=r"otel_train.step\(\): 2.5 is not a step"):
         ot.step(2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"otel_train.steps\(start=\): 'a' is not a step"):
         list(ot.steps(range(2), start="a"))  # type: ignore[arg-type]

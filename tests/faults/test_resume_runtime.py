@@ -46,7 +46,7 @@ def test_resume_after_init_supersedes_later_steps_in_every_backend(
 def test_resume_validates_its_step_and_needs_init(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ot.OtelTrainError, match=r"otel_train.resume\(\) was called before otel_train.init\(\)"):
         ot.resume(3)
-    with pytest.raises(ot.ConfigError, match=r"otel_train.resume: 2.5 is not a step"):
+    with pytest.raises(ot.ConfigError, match=r"otel_train.resume\(\): 2.5 is not a step"):
         ot.resume(2.5)  # a bad value fails fast before init()
     ot.init(exporters=[], dir=tmp_path)
     with caplog.at_level("WARNING", logger="otel_train"):
