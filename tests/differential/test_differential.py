@@ -49,6 +49,13 @@ PENDING: set[str] = {
     # Two ranks starting Trackio together make two run records of one name (Trackio creates the record at the
     # first log, not at `trackio.init`), so a reader by name sees one rank. Sequential ranks share one run.
     "trackio_ranks",
+    # A step that goes backwards (under the default OTEL_TRAIN_STEP_ORDER=warn, "written as given"): TensorBoard's
+    # own reader takes it for a restart and purges the later steps it had read. Which of the two (document the
+    # purge as TensorBoard's mapping, or skip such rows in TensorBoard as W&B does) is still to be decided.
+    "tensorboard_backwards",
+    # W&B cannot store a step below its last one (README: dropped there and counted); which rows of a program
+    # going backwards land depends on where the export windows fall, which the reference does not model.
+    "wandb_backwards",
 }
 # A local run can generate them anyway: OTEL_TRAIN_DIFF_FEATURES=all, or a comma list of the names above.
 _FORCED = os.environ.get("OTEL_TRAIN_DIFF_FEATURES", "")
@@ -234,6 +241,17 @@ def compared(backend: str, world: int) -> bool:
     return not (world > 1 and f"{backend}_ranks" in PENDING)
 
 
+def goes_backwards(job: dict[str, Any]) -> bool:
+    """Whether some rank logs a step below one it logged before (see PENDING `tensorboard_backwards`)."""
+    for program in job["ranks"]:
+        latest = -1
+        for p in expected_points(program):
+            if p.step is not None and p.step < latest:
+                return True
+            latest = max(latest, p.step if p.step is not None else latest)
+    return False
+
+
 def run_job(job: dict[str, Any], root: Path, run: str, sink: Any) -> None:
     """Every rank's program in its own process, all at once, like a launcher starts them."""
     world = len(job["ranks"])
@@ -358,6 +376,8 @@ def test_every_backend_holds_what_the_program_logged(job: dict[str, Any], sink: 
         for backend in BACKENDS:
             if not compared(backend, len(job["ranks"])):  # not even run: see PENDING
                 continue
+            if f"{backend}_backwards" in PENDING and goes_backwards(job):
+                continue  # run, not compared: see PENDING
             got = user_points(observed(backend, root, run, len(job["ranks"]), sink_root))
             diffs = differences(expected(backend, job), got)
             if diffs:  # a summary line per backend, then its first differences

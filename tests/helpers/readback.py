@@ -15,6 +15,9 @@ from typing import Any
 
 from reference import Point, SpanPoint
 
+#: W&B's own history keys (a user key may start with `_` too: `_x` is the program's).
+_WANDB_SYSTEM_KEYS = frozenset({"_step", "_runtime", "_timestamp"})
+
 
 # -- TensorBoard: its own EventAccumulator over one log folder (not recursive) ----------------------------
 def tensorboard(logdir: Path) -> list[Point]:
@@ -86,7 +89,8 @@ def wandb(path: Path) -> list[Point]:
             continue
         items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
         step = items["_step"]
-        out.extend(Point(k, step, float(v)) for k, v in items.items() if not k.startswith("_"))
+        out.extend(Point(k, step, float(v)) for k, v in items.items() if k not in _WANDB_SYSTEM_KEYS
+                   and not k.startswith("_wandb"))
     return out
 
 
@@ -103,7 +107,7 @@ def trackio(trackio_dir: Path, project: str, run: str) -> list[Point]:
     for entry in logs:
         step = entry["step"]
         out.extend(Point(k, step, _number(v)) for k, v in entry.items()
-                   if k not in ("step", "timestamp") and not k.startswith("_") and _is_number(v))
+                   if k not in ("step", "timestamp") and _is_number(v))
     return out
 
 

@@ -55,7 +55,8 @@ def iter_steps(program: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
             start = 0 if latest is None else latest + 1
         for k, it in enumerate(block["iters"]):
             out.append((start + k, it))
-            latest = start + k
+            if block["kind"] != "log_step":  # `ot.log(step=)` enters no step: `ot.step()` does not follow it
+                latest = start + k
     return out
 
 
