@@ -329,6 +329,7 @@ class StepAlignedMetricReader(MetricReader):
         self._log = LogOnce(_logger)
         self._collect_lock = threading.Lock()
         self._steps_since = 0
+        self._due = False  # a collection is due but was held back by the wake-up throttle (see `_collector_loop`)
         self._sdk_recorded = True  # stays True unless the SDK's measurements are watched
         self._sdk_watched = False
         self._sdk_storage: Any = None  # the SDK's storage of this reader (emptied in a forked child)
@@ -393,9 +394,19 @@ class StepAlignedMetricReader(MetricReader):
 
     def _collector_loop(self) -> None:
         self._collector_ident = threading.get_ident()
+        check = False
         while not self._stop:
-            self._wake.wait(timeout=self.export_interval_s)
+            # After each collection, look once more `_WAKE_EVERY_S` later: a step end in between found a collection
+            # due but held it back (the wake-up throttle), and the last steps before a pause (an evaluation, a hang,
+            # a crash) have no later step end to wake us. That look comes after the throttle's window has closed.
+            woke = self._wake.wait(timeout=min(self.export_interval_s, _WAKE_EVERY_S) if check
+                                   else self.export_interval_s)
             self._wake.clear()
+            if check and not woke and not self._due and not self._stop:
+                check = False
+                continue
+            check = True
+            self._due = False
             requests = []
             while self._flush_requests:
                 requests.append(self._flush_requests.popleft())
@@ -418,6 +429,8 @@ class StepAlignedMetricReader(MetricReader):
             self._steps_since = 0
             self._next_wake_s = info.time_total_s + _WAKE_EVERY_S
             self._wake.set()
+        elif self._steps_since >= self.export_every:
+            self._due = True
 
     def step_end_hook(self) -> Callable[[int, int, int, int, int | None], None]:
         """`on_step_end` plus buffering the step's numbers, as one closure for `otel_train.step`'s hook:
@@ -442,6 +455,8 @@ class StepAlignedMetricReader(MetricReader):
                 since = 0
                 next_wake_ns = end_ns + wake_every_ns
                 wake()
+            elif since >= every:
+                self._due = True
 
         return on_step_end
 

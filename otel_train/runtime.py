@@ -404,24 +404,11 @@ class Session:
         Never raises."""
         if self._closed:
             return
-        try:
-            reader = self.reader
-            reader.on_step_end(StepEnd(int(step), 0.0, time.monotonic(), 0, None))
-            if reader._steps_since >= reader.export_every:  # due, but within 0.1 s of the last wake-up
-                self._wake_later(reader._wake)
+        try:  # the reader collects what a pause leaves pending on its own (its collector loop)
+            now = time.perf_counter_ns()
+            self.reader.on_step_end(StepEnd.from_times(int(step), (now, now, 0, None)))
         except Exception:
             _logger.warning("otel-train: declaring the end of step %r failed", step, exc_info=True)
-
-    def _wake_later(self, wake: threading.Event) -> None:
-        """Wake the collector in 0.1 s (one timer at a time): a framework may log its last steps and then pause
-        (evaluation, a hang, a crash), with no later step end to collect them, unlike an `ot.step` loop."""
-        timer = getattr(self, "_deferred_wake", None)
-        if timer is not None and timer.is_alive():
-            return
-        timer = threading.Timer(0.1, wake.set)
-        timer.daemon = True
-        timer.start()
-        self._deferred_wake = timer
 
     # -- lifecycle ----------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> bool:
