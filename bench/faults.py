@@ -1,4 +1,4 @@
-"""Figures for the README's "What the fault suite proves" table.
+"""Figures for the "What the fault suite proves" table (docs/guarantees.md).
 
 Runs the fault suite's signal driver (a tiny loop forked per repetition, JSONL + TensorBoard) for each
 signal and reports the time from the signal to the process's end and the share of the steps logged

@@ -1,4 +1,4 @@
-"""Render docs/where-did-my-step-go.png from a real demo run (README, "Where did my step go?").
+"""Render docs/where-did-my-step-go.png from a real demo run (docs/where-did-my-step-go.md and the README).
 
     python docs/make_figure.py            # needs matplotlib (not a dependency of otel-train)
 

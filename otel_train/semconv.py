@@ -1,7 +1,7 @@
 """Training semantic conventions: every attribute and metric name otel-train defines, in one place.
 
 Users who query the same data in Prometheus/Grafana behind the collector rely on these names, so
-they are constants here and rows of the README table "Semantic conventions" (a test checks that
+they are constants here and rows of the table in docs/semantic-conventions.md (a test checks that
 the two agree).
 
 Naming rule: on the wire (OTLP, the sink's input, JSONL, Chrome trace) every name otel-train

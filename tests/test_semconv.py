@@ -1,4 +1,4 @@
-"""The semantic conventions: `otel_train.semconv`, the README table and the code agree."""
+"""The semantic conventions: `otel_train.semconv`, the table in docs/semantic-conventions.md and the code agree."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOT_TELEMETRY = {"otel_train.exporters", "otel_train.last_step", "otel_train.resume_step"}  # backend tags
 
 
-def _readme_rows() -> list[list[str]]:
-    text = (ROOT / "README.md").read_text()
+def _docs_rows() -> list[list[str]]:
+    text = (ROOT / "docs" / "semantic-conventions.md").read_text(encoding="utf-8")
     block = text.split("<!-- semconv:start", 1)[1].split("<!-- semconv:end -->", 1)[0]
     rows = [line for line in block.splitlines() if line.startswith("| ")]
     return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows[1:]]  # rows[0]: the header
@@ -24,10 +24,10 @@ def _cell(value: str) -> str:
     return f"`{value}`" if value else "—"
 
 
-def test_readme_table_is_the_module() -> None:
+def test_docs_table_is_the_module() -> None:
     expected = [[f"`{c.name}`", c.kind, c.type, c.unit or "—", c.set_by, _cell(c.otel), _cell(c.display)]
                 for c in CONVENTIONS]
-    assert _readme_rows() == expected
+    assert _docs_rows() == expected
 
 
 def test_every_dotted_name_in_the_code_is_a_convention() -> None:
