@@ -7,7 +7,7 @@ import otel_train
 
 def test_public_names() -> None:
     assert sorted(otel_train.__all__) == sorted([
-        "STEP_ATTRIBUTE", "ConfigError", "OtelTrainError", "Route", "StepOrderError", "current_step", "flush", "get_meter", "get_tracer",
+        "STEP_ATTRIBUTE", "ConfigError", "OtelTrainError", "Route", "RunIdentity", "Session", "StepOrderError", "current_step", "flush", "get_meter", "get_tracer",
         "init", "log", "resume", "shutdown", "span", "step", "step_ended", "steps", "traced",
     ])
     for name in otel_train.__all__:
