@@ -7,12 +7,14 @@ happens where a release has moved the internal. The fallback then loses only tha
 Nothing here raises into the training loop. `check_supported` is the one version gate: `init()` runs it before
 it starts any process or thread.
 
-Supported: opentelemetry-api and -sdk `>=1.41,<2`. `pyproject.toml` pins the same range for -proto and the OTLP
-exporters, and `tests/test_sdk_compat.py` keeps the pins in step. The floor is the first release where a meter
-provider hands itself to its readers (`MetricReader._set_meter_provider`), which is how the reader finds the
-provider's measurement storage and resource. Below that floor every raw OTel point would take its window's
-step. The ceiling is the next major: the public API we use is stable within 1.x (OTel's versioning policy),
-and each internal below has a fallback. `.ci/run` tests the floor and the latest release.
+Supported: opentelemetry-api and -sdk `>=1.42,<2`. `pyproject.toml` pins the same range for -proto and the OTLP
+exporters, and `tests/test_sdk_compat.py` keeps the pins in step. The floor is 1.42 for two reasons. A meter
+provider hands itself to its readers (`MetricReader._set_meter_provider`) only from 1.41 on, and that is how
+the reader finds the provider's measurement storage and resource; below it every raw OTel point would take its
+window's step. In 1.41 the SDK's own metrics (`otel.sdk.*`) are always on, so every backend would get those
+series too; from 1.42 on they are opt-in. The ceiling is the next major: the public API we use is stable
+within 1.x (OTel's versioning policy), and each internal below has a fallback. `.ci/run` tests the floor and
+the latest release.
 
 Besides the functions, the step-aligned reader overrides two hooks of `MetricReader`: `_receive_metrics`
 (the abstract method the SDK documents for reader subclasses) and `_set_meter_provider` (1.41 on).
@@ -45,10 +47,10 @@ __all__ = [
 _logger = logging.getLogger(__name__)
 
 #: The lowest supported release (see the module docstring) and the first unsupported one.
-SDK_FLOOR: Final = (1, 41)
+SDK_FLOOR: Final = (1, 42)
 SDK_CEILING: Final = (2,)
 #: The pip requirement for every OTel package otel-train depends on (`pyproject.toml` says the same).
-SDK_REQUIREMENT: Final = ">=1.41,<2"
+SDK_REQUIREMENT: Final = ">=1.42,<2"
 
 Consume = Callable[..., None]
 
