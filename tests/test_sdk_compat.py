@@ -26,6 +26,8 @@ import otel_train as ot
 from otel_train._internal import sdk
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Set by .ci/run where it installed the API and SDK below the floor (not `OTEL_TRAIN_*`: conftest clears those).
+BELOW_FLOOR = "CI_OTEL_SDK_BELOW_FLOOR"
 
 # -- the range ---------------------------------------------------------------------------------------------
 
@@ -41,7 +43,7 @@ def test_every_otel_package_has_the_one_range_the_code_checks() -> None:
 
 def test_the_installed_sdk_is_supported() -> None:
     """The main environment resolves the latest release: a new major (or a broken pin) fails here first."""
-    if os.environ.get("OTEL_TRAIN_TEST_UNSUPPORTED_SDK"):
+    if os.environ.get(BELOW_FLOOR):
         pytest.skip("this run installed an SDK below the floor on purpose (.ci/run)")
     assert sdk.supported_problem() is None
 
@@ -85,7 +87,7 @@ def test_init_on_an_unsupported_sdk_fails_in_one_line_and_starts_nothing(
 
 def test_init_refuses_the_real_sdk_below_the_floor(tmp_path: Path) -> None:
     """`.ci/run` installs the API and SDK one release line below the floor and runs this test there."""
-    if not os.environ.get("OTEL_TRAIN_TEST_UNSUPPORTED_SDK"):
+    if not os.environ.get(BELOW_FLOOR):
         pytest.skip("needs an opentelemetry-sdk below the floor: .ci/run's second environment installs one")
     code = textwrap.dedent("""
         import threading, psutil, otel_train as ot
