@@ -248,3 +248,14 @@ def test_a_measurement_of_another_layout_is_rebuilt_or_kept() -> None:
 
     opaque = Opaque()
     assert sdk.with_attribute(opaque, "train.step", 3) is opaque
+
+
+def test_the_apis_proxy_instruments_follow_a_new_meter(provider: Any) -> None:
+    proxies = sdk.proxy_instruments()
+    assert sorted(proxies) == ["counter", "gauge", "histogram", "observable_counter", "observable_gauge",
+                               "observable_up_down_counter", "up_down_counter"]
+    gauge = proxies["gauge"]("g", "", "")
+    gauge.set(1.0)  # before a meter: a no-op
+    gauge.on_meter_set(provider.get_meter("t"))
+    gauge.set(2.0, {"train.step": 1})
+    assert _points(provider.reader) == [("g", 2.0, {"train.step": 1})]

@@ -16,8 +16,12 @@ series too; from 1.42 on they are opt-in. The ceiling is the next major: the pub
 within 1.x (OTel's versioning policy), and each internal below has a fallback. `.ci/run` tests the floor and
 the latest release.
 
-Besides the functions, the step-aligned reader overrides two hooks of `MetricReader`: `_receive_metrics`
-(the abstract method the SDK documents for reader subclasses) and `_set_meter_provider` (1.41 on).
+Besides the functions, some subclasses use protected members of their OTel base class. These are the
+documented way to extend it, or the only way, and each is covered by the tests on the floor and the latest
+release. The step-aligned reader overrides `MetricReader._receive_metrics` (the abstract method the SDK
+documents for reader subclasses) and `_set_meter_provider` (1.41 on). `global_providers._SessionMeter` calls
+`Meter._register_instrument` and reads a proxy's `_name`/`_unit`/`_description`. `global_providers._SessionTracer`
+overrides `ProxyTracer._tracer` (the API's own switch point) and reads its constructor arguments back.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SDK_REQUIREMENT", "SPAN_KEY", "check_supported", "collect", "discard_measurements", "empty_after_fork",
-    "intercept_measurements", "provider_resource", "reader_options", "reader_storage", "record_unchecked",
+    "intercept_measurements", "provider_resource", "proxy_instruments", "reader_options", "reader_storage", "record_unchecked",
     "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
 ]
 
@@ -269,6 +273,36 @@ def record_unchecked(gauge: Any, value: float, attributes: Mapping[str, Any]) ->
         return False
     consumer.consume_measurement(measurement)
     return True
+
+
+# -- the API's proxies (OTel's global meter and tracer follow each session) ----------------------------------
+
+
+def proxy_instruments() -> dict[str, Any]:
+    """The OTel API's proxy instrument classes, by kind (`counter`, `gauge`, ...; the `create_<kind>` methods).
+    A proxy re-creates its real instrument whenever `on_meter_set(meter)` is called. That is what lets an
+    instrument obtained from OTel's global meter before `init()` (or before the next session) follow the running
+    session (`otel_train._internal.global_providers`). The API keeps them private
+    (`opentelemetry.metrics._internal.instrument`). Imported here on first use: `opentelemetry.metrics` costs
+    ~20 ms, which `import otel_train` does not pay.
+
+    Raises:
+        ImportError: where they are gone, naming the API version otel-train needs (`init()` fails with it).
+    """
+    try:
+        from opentelemetry.metrics._internal import instrument as api
+    except ImportError as err:  # pragma: no cover - an API that moved them
+        raise ImportError(f"opentelemetry-api {_installed('opentelemetry-api')} has no proxy instruments; "
+                          f"otel-train needs opentelemetry-api{SDK_REQUIREMENT}") from err
+    kinds = {"counter": "_ProxyCounter", "up_down_counter": "_ProxyUpDownCounter", "histogram": "_ProxyHistogram",
+             "gauge": "_ProxyGauge", "observable_counter": "_ProxyObservableCounter",
+             "observable_gauge": "_ProxyObservableGauge",
+             "observable_up_down_counter": "_ProxyObservableUpDownCounter"}
+    missing = [name for name in kinds.values() if not hasattr(api, name)]
+    if missing:
+        raise ImportError(f"opentelemetry-api {_installed('opentelemetry-api')} has no {', '.join(missing)}; "
+                          f"otel-train needs opentelemetry-api{SDK_REQUIREMENT}")
+    return {kind: getattr(api, name) for kind, name in kinds.items()}
 
 
 # -- tracing ---------------------------------------------------------------------------------------------
