@@ -71,15 +71,21 @@ def _started() -> tuple[set[int], set[int]]:
     return {t.ident or 0 for t in threading.enumerate()}, {c.pid for c in psutil.Process().children(recursive=True)}
 
 
+def _new_since(before: tuple[set[int], set[int]]) -> tuple[set[int], set[int]]:
+    """Threads and child processes started since `before` (ones that ended meanwhile do not count)."""
+    threads, children = _started()
+    return threads - before[0], children - before[1]
+
+
 def test_init_on_an_unsupported_sdk_fails_in_one_line_and_starts_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sdk, "_installed", lambda dist: "1.40.0")
-    threads, children = _started()
+    before = _started()
     with pytest.raises(ot.ConfigError) as err:
         ot.init(exporters="jsonl,tensorboard", dir=tmp_path / "runs")  # would start the exporter process
     assert str(err.value) == ("opentelemetry-sdk 1.40.0 is installed, otel-train needs opentelemetry-sdk>=1.42,<2: "
                               "pip install -U otel-train (or pip install 'opentelemetry-sdk>=1.42,<2')")
-    assert _started() == (threads, children)
+    assert _new_since(before) == (set(), set())
     assert not (tmp_path / "runs").exists()
     assert ot._session is None
     assert ot.init(disabled=True).enabled is False  # a disabled run needs no SDK: it still starts
@@ -259,3 +265,16 @@ def test_the_apis_proxy_instruments_follow_a_new_meter(provider: Any) -> None:
     gauge.on_meter_set(provider.get_meter("t"))
     gauge.set(2.0, {"train.step": 1})
     assert _points(provider.reader) == [("g", 2.0, {"train.step": 1})]
+
+
+def test_init_fails_before_starting_anything_where_the_proxies_are_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def gone() -> dict[str, Any]:
+        raise ImportError("opentelemetry-api 9.0 has no _ProxyGauge; otel-train needs opentelemetry-api>=1.42,<2")
+
+    monkeypatch.setattr(sdk, "proxy_instruments", gone)
+    before = _started()
+    with pytest.raises(ot.ConfigError, match=r"^opentelemetry-api 9.0 has no _ProxyGauge; otel-train needs "):
+        ot.init(exporters="jsonl", dir=tmp_path / "runs")
+    assert _new_since(before) == (set(), set())
+    assert not (tmp_path / "runs").exists()

@@ -4,8 +4,8 @@ Some of what otel-train does has no public API in the SDK: a raw OTel point gets
 a reader collects on demand even before the first instrument exists, and a forked child drops its copy of the
 parent's aggregations. Each such use is one function here. Its docstring says why it is needed and what
 happens where a release has moved the internal. The fallback then loses only that feature and logs it once.
-Nothing here raises into the training loop. `check_supported` is the one version gate: `init()` runs it before
-it starts any process or thread.
+Nothing here raises into the training loop: only `check_supported` (the one version gate) and
+`proxy_instruments` raise, and both run inside `init()` before it starts any process or thread.
 
 Supported: opentelemetry-api and -sdk `>=1.42,<2`. `pyproject.toml` pins the same range for -proto and the OTLP
 exporters, and `tests/test_sdk_compat.py` keeps the pins in step. The floor is 1.42 for two reasons. A meter
@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SDK_REQUIREMENT", "SPAN_KEY", "check_supported", "collect", "discard_measurements", "empty_after_fork",
-    "intercept_measurements", "provider_resource", "proxy_instruments", "reader_options", "reader_storage", "record_unchecked",
-    "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
+    "intercept_measurements", "provider_resource", "proxy_instruments", "reader_options", "reader_storage",
+    "record_unchecked", "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -102,6 +102,11 @@ def check_supported() -> None:
         ConfigError: one line naming the installed version and the one needed.
     """
     problem = supported_problem()
+    if problem is None:
+        try:  # the one internal without a fallback: fail here, before anything starts, not in the session
+            proxy_instruments()
+        except ImportError as err:
+            problem = str(err)
     if problem is not None:
         raise ConfigError(problem)
 
