@@ -113,7 +113,7 @@ class RawOtel(Tool):
 
     def __init__(self, root: Path) -> None:
         from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics._internal.instrument import Gauge
+        from opentelemetry.sdk.metrics import _Gauge as Gauge  # the SDK exports its sync gauge only so
         from opentelemetry.sdk.metrics.export import (
             AggregationTemporality,
             MetricExporter,

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from otel_train._internal.session_type import RunIdentity, Session
 from otel_train.config import Route
 from otel_train.errors import ConfigError, OtelTrainError, StepOrderError
 from otel_train.instrument import NO_SPAN
@@ -32,6 +33,8 @@ __all__ = [
     "ConfigError",
     "OtelTrainError",
     "Route",
+    "RunIdentity",
+    "Session",
     "StepOrderError",
     "current_step",
     "flush",
@@ -81,7 +84,7 @@ def init(
     routes: Mapping[str, Route | Mapping[str, Any]] | None = None,
     step_order: str | None = None,
     resume_step: int | None = None,
-) -> Any:
+) -> Session:
     """Start otel-train for this process. Settings come from `OTEL_TRAIN_*` variables; keywords override.
 
     Safe to call twice: the second call warns and returns the running session.
@@ -99,19 +102,25 @@ def init(
         resume_step: The run restarts at this step, from a checkpoint (`OTEL_TRAIN_RESUME_STEP`): every
             backend is told, so no series shows two values for one step.
 
+    Returns:
+        The running `Session` (the one already running when called twice).
+
     Raises:
         ConfigError: a setting is invalid (one line: the setting, the value, what is allowed), an
-            exporter is unknown or its package is missing, or `OTEL_TRAIN_DIR` is not writable.
+            exporter is unknown or its package is missing, `OTEL_TRAIN_DIR` is not writable, or the
+            installed opentelemetry-sdk is outside the supported range (checked before anything starts).
     """
     global _session
     from otel_train import config as cfg
     from otel_train import runtime
+    from otel_train._internal import sdk
 
     with _init_lock:
         if _session is not None and not _session.closed:
             _logger.warning("otel_train.init() called again; returning the running session (call "
                             "otel_train.shutdown() first to start a new one)")
-            return _session
+            running: Session = _session
+            return running
         instances: list[Any] = []
         if exporters is not None and not isinstance(exporters, str):
             instances = [e for e in exporters if not isinstance(e, str)]
@@ -123,6 +132,8 @@ def init(
             strict_sync=strict_sync, config=config, trace_counters=trace_counters, service_name=service_name,
             routes=routes, step_order=step_order, resume_step=resume_step,
         )
+        if not settings.disabled:
+            sdk.check_supported()  # before anything starts: an unsupported SDK leaves no process or thread behind
         env = None
         placement = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size}
         if any(v is not None for v in placement.values()):
@@ -130,8 +141,9 @@ def init(
 
             env = dict(os.environ)
             env.update({k: str(int(v)) for k, v in placement.items() if v is not None})
-        _session = runtime.start(settings, env=env, instances=instances)
-        return _session
+        session: Session = runtime.start(settings, env=env, instances=instances)
+        _session = session
+        return session
 
 
 def log(mapping: Mapping[str, Any], step: int | None = None) -> None:

@@ -12,24 +12,27 @@ __all__ = ["main"]
 
 def _demo(args: argparse.Namespace) -> int:
     import otel_train as ot
+    from otel_train.config import load_settings
     from otel_train.demo import train
 
     session = ot.init(dir=args.dir, run_name=args.run_name)
     loss = train(steps=args.steps)
     ot.shutdown()
-    if not session.enabled:
+    run = session.run
+    if not session.enabled or run is None:
         sys.stdout.write("otel-train is disabled (OTEL_TRAIN_DISABLED / OTEL_SDK_DISABLED); nothing was written\n")
         return 0
-    run_dir = Path(session.settings.dir) / session.run.run_name
-    lines = [f"trained {args.steps} steps, final loss {loss:.4f}; run {session.run.run_name!r}"]
-    names = session.settings.exporters
+    settings = load_settings(dir=args.dir, run_name=args.run_name)  # what `init` resolved, read the same way
+    run_dir = Path(settings.dir) / run.run_name
+    lines = [f"trained {args.steps} steps, final loss {loss:.4f}; run {run.run_name!r}"]
+    names = settings.exporters
     if "tensorboard" in names:
-        lines.append(f"  curves:   tensorboard --logdir {session.settings.dir}")
+        lines.append(f"  curves:   tensorboard --logdir {settings.dir}")
     if "chrome_trace" in names:
-        trace = f"rank{session.run.rank}.trace.json" + (".gz" if session.settings.trace_gzip else "")
+        trace = f"rank{run.rank}.trace.json" + (".gz" if settings.trace_gzip else "")
         lines.append(f"  timeline: open {run_dir / 'trace' / trace} in https://ui.perfetto.dev")
     if "jsonl" in names:
-        lines.append(f"  records:  {run_dir / f'rank{session.run.rank}.jsonl'}")
+        lines.append(f"  records:  {run_dir / f'rank{run.rank}.jsonl'}")
     others = [n for n in names if n not in ("tensorboard", "chrome_trace", "jsonl")]
     if others:
         lines.append(f"  also sent to: {', '.join(others)}")

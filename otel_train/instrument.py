@@ -24,11 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace as otel_trace
 from opentelemetry.context.context import Context as _Context
 
-try:  # the key `trace.set_span_in_context` uses; reading it directly saves two dict copies per span
-    from opentelemetry.trace.propagation import _SPAN_KEY
-except ImportError:  # pragma: no cover - a future API without it
-    _SPAN_KEY = next(iter(otel_trace.set_span_in_context(otel_trace.INVALID_SPAN, _Context())))
-
+from otel_train._internal.sdk import SPAN_KEY as _SPAN_KEY
 from otel_train.step import _current, current_step
 
 if TYPE_CHECKING:

@@ -37,6 +37,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
+from otel_train._internal import sdk
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
 from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
@@ -305,10 +306,7 @@ class StepAlignedMetricReader(MetricReader):
         phases: bool = True,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
-        super().__init__(
-            preferred_temporality=dict(DELTA_TEMPORALITY),
-            cardinality_limits={k: limit for k in DELTA_TEMPORALITY},
-        )
+        super().__init__(**sdk.reader_options(DELTA_TEMPORALITY, limit))
         self.export_every = max(1, int(export_every))
         self.export_interval_s = float(export_interval_s)
         self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(100_000)
@@ -370,8 +368,7 @@ class StepAlignedMetricReader(MetricReader):
         self._collect_lock = threading.Lock()
         if not self.export_in_forked_child:  # a session's child (closed there): it exports nothing
             self._shutdown = self._stop = True
-            if self._sdk_storage is not None:  # nor keeps what raw OTel instruments record there
-                self._sdk_storage.consume_measurement = _discard
+            sdk.discard_measurements(self._sdk_storage)  # nor keeps what raw OTel instruments record there
             return
         self._start_collector()
         for w in self._workers:
@@ -380,17 +377,7 @@ class StepAlignedMetricReader(MetricReader):
     def _empty_sdk_storage(self) -> None:
         """Drop the SDK's pending aggregations of this reader, in a forked child (one thread: no lock is
         taken; locks a parent's thread held at the fork are replaced, as the child would wait on them forever)."""
-        storage = self._sdk_storage
-        if storage is None:
-            return
-        try:
-            storage._lock = threading.RLock()
-            for matches in storage._instrument_view_instrument_matches.values():
-                for match in matches:
-                    match._lock = threading.Lock()
-                    match._attributes_aggregation = {}
-        except AttributeError:  # another SDK version: its layout is unknown, keep what it has
-            _logger.debug("cannot empty the SDK's storage after fork", exc_info=True)
+        sdk.empty_after_fork(self._sdk_storage)
 
     def _collector_loop(self) -> None:
         self._collector_ident = threading.get_ident()
@@ -463,9 +450,8 @@ class StepAlignedMetricReader(MetricReader):
     # -- collection (collector thread) ----------------------------------------------------------
     def _set_meter_provider(self, meter_provider: Any) -> None:
         super()._set_meter_provider(meter_provider)
-        config = getattr(meter_provider, "_sdk_config", None)
-        resource = getattr(config, "resource", None)
-        if isinstance(resource, Resource):
+        resource = sdk.provider_resource(meter_provider)
+        if resource is not None:
             self._resource = resource
         self._watch_sdk_measurements(meter_provider)
 
@@ -475,12 +461,9 @@ class StepAlignedMetricReader(MetricReader):
         the per-step attribute sets within the cardinality limit). Reaches into the SDK's measurement storage;
         where that is not found, points get the step that ends their window, and every `export_every`-th step
         end collects, as if something were always recorded."""
-        storages = getattr(getattr(meter_provider, "_measurement_consumer", None), "_reader_storages", None)
-        storage: Any = storages.get(self) if isinstance(storages, dict) else None
-        consume = getattr(storage, "consume_measurement", None)
-        if storage is None or consume is None:
+        storage = sdk.reader_storage(meter_provider, self)
+        if storage is None:
             return
-        self._sdk_storage = storage
 
         # Each stamped step is one more attribute set per series until the next collection: past half the
         # cardinality limit in steps (a collector starved that long), points take the window's step instead of
@@ -488,29 +471,33 @@ class StepAlignedMetricReader(MetricReader):
         max_steps = (_SERIES_PER_STEP * self.export_every) // 2
         last: list[int | None] = [None]  # the step stamped last
 
-        def consume_measurement(measurement: Any, *args: Any, **kwargs: Any) -> None:
-            # Observable callbacks run in the collection (collector thread): those points get the step that
-            # ends the window (`_stamp`). DELTA temporality frees each per-step attribute set at collection.
-            if threading.get_ident() != self._collector_ident:
-                self._sdk_recorded = True
-                attrs = measurement.attributes
-                if not attrs or STEP_ATTRIBUTE not in attrs:
-                    step = current_step()
-                    if step is not None:
-                        if step != last[0]:
-                            last[0] = step
-                            self._stamped_steps += 1
-                        if self._stamped_steps <= max_steps:
-                            measurement = _with_step(measurement, step)
-                        else:
-                            self._log.warning("stamp", "the collector fell %d steps behind: raw OTel points without "
-                                              "`train.step` take the step that ends their window until it catches "
-                                              "up (warned once)", max_steps)
-            consume(measurement, *args, **kwargs)
+        def stamping(consume: sdk.Consume) -> sdk.Consume:
+            def consume_measurement(measurement: Any, *args: Any, **kwargs: Any) -> None:
+                # Observable callbacks run in the collection (collector thread): those points get the step that
+                # ends the window (`_stamp`). DELTA temporality frees each per-step attribute set at collection.
+                if threading.get_ident() != self._collector_ident:
+                    self._sdk_recorded = True
+                    attrs = measurement.attributes
+                    if not attrs or STEP_ATTRIBUTE not in attrs:
+                        step = current_step()
+                        if step is not None:
+                            if step != last[0]:
+                                last[0] = step
+                                self._stamped_steps += 1
+                            if self._stamped_steps <= max_steps:
+                                measurement = sdk.with_attribute(measurement, STEP_ATTRIBUTE, step)
+                            else:
+                                self._log.warning("stamp", "the collector fell %d steps behind: raw OTel points "
+                                                  "without `train.step` take the step that ends their window until "
+                                                  "it catches up (warned once)", max_steps)
+                consume(measurement, *args, **kwargs)
 
-        storage.consume_measurement = consume_measurement
-        self._sdk_watched = True
-        self._sdk_recorded = False
+            return consume_measurement
+
+        if sdk.intercept_measurements(storage, stamping):
+            self._sdk_storage = storage
+            self._sdk_watched = True
+            self._sdk_recorded = False
 
     def _collect_window(self) -> None:
         with self._collect_lock:
@@ -520,8 +507,8 @@ class StepAlignedMetricReader(MetricReader):
             try:
                 # The SDK's collect callback directly: `collect()` skips `_receive_metrics` when the
                 # SDK has no instruments, but the `ot.log` / span buffers still need draining.
-                data = self._collect(self, 10_000) if self._collect is not None else None  # type: ignore[arg-type]
-                self._receive_metrics(data)  # type: ignore[arg-type]
+                data = sdk.collect(self, 10_000)
+                self._receive_metrics(data)
             except Exception:
                 self._log.warning("collect", "collection failed; training goes on", exc_info=True)
 
@@ -742,21 +729,6 @@ def _wants_spans(exporter: Any) -> bool:
 
 def _has_points(md: MetricsData | None) -> bool:
     return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
-
-
-def _discard(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _with_step(measurement: Any, step: int) -> Any:
-    """A copy of an SDK `Measurement` with `train.step` added to its attributes. The frozen dataclass is copied
-    field by field, not rebuilt: its `__post_init__` would clean the attributes again, which they already are."""
-    stamped = object.__new__(type(measurement))
-    fields = stamped.__dict__
-    fields.update(measurement.__dict__)
-    attrs = measurement.attributes
-    fields["attributes"] = {**attrs, STEP_ATTRIBUTE: step} if attrs else {STEP_ATTRIBUTE: step}
-    return stamped
 
 
 def _stamp(metric: Metric, step: int) -> Metric:

@@ -195,8 +195,7 @@ class Session:
     enabled = True
 
     def __init__(self, settings: cfg.Settings, env: Mapping[str, str], instances: Sequence[Any] = ()) -> None:
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics._internal.exemplar import AlwaysOffExemplarFilter
+        from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
@@ -556,9 +555,13 @@ class DisabledSession:
 
     enabled = False
     closed = False
+    run = None  # no run is recorded
 
     def __init__(self, settings: cfg.Settings) -> None:
         self.settings = settings
+
+    def export_progress(self, timeout_s: float = 5.0) -> None:
+        return None
 
     def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
         return None

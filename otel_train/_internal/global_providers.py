@@ -15,20 +15,15 @@ from typing import Any
 
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackT, Meter, MeterProvider, NoOpMeterProvider
-from opentelemetry.metrics._internal.instrument import (  # the API's re-pointable proxies (`on_meter_set`)
-    _ProxyCounter,
-    _ProxyGauge,
-    _ProxyHistogram,
-    _ProxyInstrument,
-    _ProxyObservableCounter,
-    _ProxyObservableGauge,
-    _ProxyObservableUpDownCounter,
-    _ProxyUpDownCounter,
-)
 from opentelemetry.trace import NoOpTracerProvider, ProxyTracer, Tracer, TracerProvider
 from opentelemetry.util.types import Attributes
 
+from otel_train._internal import sdk
+
 __all__ = ["SESSION_METER_PROVIDER", "SESSION_TRACER_PROVIDER", "install", "release"]
+
+
+_PROXY = sdk.proxy_instruments()  # the API's re-pointable proxy instrument classes (`on_meter_set`), by kind
 
 
 def _key(name: str, version: str | None, schema_url: str | None, attributes: Attributes) -> tuple[Any, ...]:
@@ -42,7 +37,7 @@ class _SessionMeter(Meter):
         super().__init__(name, version=version, schema_url=schema_url)
         self._attributes = attributes
         self._lock = threading.Lock()
-        self._instruments: dict[str, _ProxyInstrument[Any]] = {}
+        self._instruments: dict[str, Any] = {}  # the API's proxy instruments
         self._real: Meter | None = None
 
     def point_to(self, provider: MeterProvider) -> None:
@@ -52,7 +47,7 @@ class _SessionMeter(Meter):
             for instrument in self._instruments.values():
                 instrument.on_meter_set(real)
 
-    def _proxy(self, proxy: _ProxyInstrument[Any], advisory: Any = None) -> Any:
+    def _proxy(self, proxy: Any, advisory: Any = None) -> Any:
         status = self._register_instrument(proxy._name, type(proxy), proxy._unit, proxy._description, advisory)
         with self._lock:
             existing = self._instruments.get(status.instrument_id)
@@ -64,30 +59,30 @@ class _SessionMeter(Meter):
             return proxy
 
     def create_counter(self, name: str, unit: str = "", description: str = "") -> Any:
-        return self._proxy(_ProxyCounter(name, unit, description))
+        return self._proxy(_PROXY["counter"](name, unit, description))
 
     def create_up_down_counter(self, name: str, unit: str = "", description: str = "") -> Any:
-        return self._proxy(_ProxyUpDownCounter(name, unit, description))
+        return self._proxy(_PROXY["up_down_counter"](name, unit, description))
 
     def create_histogram(self, name: str, unit: str = "", description: str = "", *,
                          explicit_bucket_boundaries_advisory: Sequence[float] | None = None) -> Any:
         advisory = tuple(explicit_bucket_boundaries_advisory) if explicit_bucket_boundaries_advisory else None
-        return self._proxy(_ProxyHistogram(name, unit, description, explicit_bucket_boundaries_advisory), advisory)
+        return self._proxy(_PROXY["histogram"](name, unit, description, explicit_bucket_boundaries_advisory), advisory)
 
     def create_gauge(self, name: str, unit: str = "", description: str = "") -> Any:
-        return self._proxy(_ProxyGauge(name, unit, description))
+        return self._proxy(_PROXY["gauge"](name, unit, description))
 
     def create_observable_counter(self, name: str, callbacks: Sequence[CallbackT] | None = None, unit: str = "",
                                   description: str = "") -> Any:
-        return self._proxy(_ProxyObservableCounter(name, callbacks, unit=unit, description=description))
+        return self._proxy(_PROXY["observable_counter"](name, callbacks, unit=unit, description=description))
 
     def create_observable_gauge(self, name: str, callbacks: Sequence[CallbackT] | None = None, unit: str = "",
                                 description: str = "") -> Any:
-        return self._proxy(_ProxyObservableGauge(name, callbacks, unit=unit, description=description))
+        return self._proxy(_PROXY["observable_gauge"](name, callbacks, unit=unit, description=description))
 
     def create_observable_up_down_counter(self, name: str, callbacks: Sequence[CallbackT] | None = None,
                                           unit: str = "", description: str = "") -> Any:
-        return self._proxy(_ProxyObservableUpDownCounter(name, callbacks, unit=unit, description=description))
+        return self._proxy(_PROXY["observable_up_down_counter"](name, callbacks, unit=unit, description=description))
 
 
 class SessionMeterProvider(MeterProvider):

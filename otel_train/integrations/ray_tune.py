@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +36,7 @@ except ImportError as err:
     ) from err
 
 import otel_train as ot
+from otel_train._internal.sdk import record_unchecked
 from otel_train._internal.values import to_float
 from otel_train.integrations._hooks import LeftOut, flatten
 from otel_train.integrations._session import OwnedSession, session_running
@@ -79,14 +79,8 @@ def _numbers(result: Mapping[str, Any], left_out: LeftOut | None = None) -> dict
 def _set(gauge: Any, value: float, attributes: dict[str, Any]) -> None:
     """`gauge.set`, except that NaN/+-inf are recorded too (the OTel SDK's `set` drops them with a warning;
     `otel_train.log` keeps them, and so must a diverged trial's curve)."""
-    consumer = getattr(gauge, "_measurement_consumer", None)
-    if math.isfinite(value) or consumer is None:
+    if math.isfinite(value) or not record_unchecked(gauge, value, attributes):
         gauge.set(value, attributes)
-        return
-    from opentelemetry import context
-    from opentelemetry.sdk.metrics._internal.measurement import Measurement
-
-    consumer.consume_measurement(Measurement(value, time.time_ns(), gauge, context.get_current(), attributes))
 
 
 def _error_message(trial: Any) -> str:
