@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.delivery import Delivery, Progress
 from otel_train.errors import ConfigError
 from otel_train.framing import encode_resume, encode_window
@@ -142,8 +143,7 @@ class ExportProcess:
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
         self._options = dataclasses.replace(options, resume_step=None)
         self._config["options"] = self._options
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork)
+        after_fork_in_child(self._after_fork)  # held weakly: a closed handle is freed
 
     # -- starting -------------------------------------------------------------------------------
     def _start(self) -> tuple[Connection, subprocess.Popen[bytes], int]:
@@ -369,6 +369,19 @@ class ExportProcess:
         except OSError:
             pass
         return ok
+
+    def end(self, timeout_s: float) -> None:
+        """Stop the exporter process within `timeout_s`, nothing left running (a failed `init()`): close if
+        not closed yet, wait for the child to exit, else kill it."""
+        if os.getpid() != self._pid:
+            return
+        if not self._closing:
+            self.close(time.monotonic() + timeout_s / 2)
+        try:
+            self._proc.wait(timeout_s / 2)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
     def progress(self, timeout_s: float = 5.0) -> Progress:
         """The child's progress: windows spooled, and per backend the last durable window and step."""

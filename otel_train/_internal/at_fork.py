@@ -1,0 +1,67 @@
+"""Fork hooks that do not keep their objects alive.
+
+`os.register_at_fork` has no way to unregister, so a bound method given to it holds its object (a session, a
+reader, an exporter-process handle, a run claim) for the life of the process: every `init()`/`shutdown()` cycle
+would leave one of each behind. Here each object is held weakly: one process-wide hook calls the methods of the
+objects still alive, in the order they were registered, and forgets each object when it is collected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+
+__all__ = ["after_fork_in_child", "registered"]
+
+_logger = logging.getLogger("otel_train")
+_lock = threading.Lock()
+_hooks: dict[int, weakref.WeakMethod[Callable[[], None]]] = {}
+_ids = itertools.count()
+_installed = False
+
+
+def after_fork_in_child(method: Callable[[], None]) -> None:
+    """Call the bound `method` in every forked child while its object is alive (nothing once it is collected).
+
+    Raises:
+        TypeError: `method` is not a bound method (a plain function would never be collected: register it
+            with `os.register_at_fork` directly).
+    """
+    global _installed
+    if not hasattr(os, "register_at_fork"):  # not on Windows: nothing forks there
+        return
+    key = next(_ids)
+    ref = weakref.WeakMethod(method, lambda _: _forget(key))
+    with _lock:
+        _hooks[key] = ref
+        if not _installed:
+            _installed = True
+            os.register_at_fork(after_in_child=_run_hooks)
+
+
+def registered() -> int:
+    """How many objects' hooks are held now (for tests: it must not grow with `init()`/`shutdown()` cycles)."""
+    with _lock:
+        return len(_hooks)
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _hooks.pop(key, None)
+
+
+def _run_hooks() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    for ref in list(_hooks.values()):
+        method = ref()
+        if method is None:
+            continue
+        try:
+            method()
+        except Exception:  # one object's hook must not keep the others' from running
+            _logger.warning("otel-train: a hook after fork failed", exc_info=True)
