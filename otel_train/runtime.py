@@ -238,10 +238,9 @@ class Session:
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
                     nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd)
                 undo.callback(_undo, self.export_process.end, 1.0)
-            built = self._build_exporters(local, options)
-            for ex in built:
+            self.exporters = self._build_exporters(local, options) + list(instances)
+            for ex in self.exporters:  # the caller's instances too: `init()` took them, as `shutdown()` does
                 undo.callback(_undo, ex.shutdown)
-            self.exporters = built + list(instances)
             # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
             self.resource = Resource.create(self.run.resource_attributes())
             self.log_buffer = LogBuffer(settings.buffer_size, strict=settings.strict_sync)

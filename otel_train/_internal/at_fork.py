@@ -14,12 +14,14 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["after_fork_in_child", "registered"]
 
 _logger = logging.getLogger("otel_train")
 _lock = threading.Lock()
-_hooks: dict[int, weakref.WeakMethod[Callable[[], None]]] = {}
+#: key -> (the object, weakly; its method's function). Not `WeakMethod`, whose callback fails at interpreter exit.
+_hooks: dict[int, tuple[weakref.ref[Any], Callable[[Any], None]]] = {}
 _ids = itertools.count()
 _installed = False
 
@@ -34,10 +36,13 @@ def after_fork_in_child(method: Callable[[], None]) -> None:
     global _installed
     if not hasattr(os, "register_at_fork"):  # not on Windows: nothing forks there
         return
+    obj, function = getattr(method, "__self__", None), getattr(method, "__func__", None)
+    if obj is None or function is None:
+        raise TypeError(f"after_fork_in_child takes a bound method, got {method!r}")
     key = next(_ids)
-    ref = weakref.WeakMethod(method, lambda _: _forget(key))
+    ref = weakref.ref(obj, lambda _: _forget(key))
     with _lock:
-        _hooks[key] = ref
+        _hooks[key] = (ref, function)
         if not _installed:
             _installed = True
             os.register_at_fork(after_in_child=_run_hooks)
@@ -50,18 +55,19 @@ def registered() -> int:
 
 
 def _forget(key: int) -> None:
-    with _lock:
-        _hooks.pop(key, None)
+    hooks = _hooks  # None while the interpreter tears this module down
+    if hooks is not None:
+        hooks.pop(key, None)  # atomic; no lock: this runs from the garbage collector
 
 
 def _run_hooks() -> None:
     global _lock
     _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-    for ref in list(_hooks.values()):
-        method = ref()
-        if method is None:
+    for ref, function in list(_hooks.values()):
+        obj = ref()
+        if obj is None:
             continue
         try:
-            method()
+            function(obj)
         except Exception:  # one object's hook must not keep the others' from running
             _logger.warning("otel-train: a hook after fork failed", exc_info=True)
