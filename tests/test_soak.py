@@ -33,12 +33,12 @@ def test_buffers_drop_oldest_and_count(run_dir: Path, monkeypatch: pytest.Monkey
             pass
     assert len(session.log_buffer) == 50 and len(session.span_buffer) == 50
     ot.flush()
-    assert mem.values("x") == {i: float(i) for i in range(150, 200)}  # the newest 50 survive
+    assert mem.values("x") == [(i, float(i)) for i in range(150, 200)]  # the newest 50 survive
     assert [s.attributes["i"] for s in mem.spans if s.name == "s"] == list(range(150, 200))
     assert session.log_buffer.dropped == 150 and session.span_buffer.dropped == 150
-    last = max(mem.values("otel_train.dropped_records"))
-    assert mem.values("otel_train.dropped_records")[last] == 150.0
-    assert mem.values("otel_train.dropped_spans")[last] == 150.0
+    last = max(mem.by_step("otel_train.dropped_records"))
+    assert mem.by_step("otel_train.dropped_records")[last] == 150.0
+    assert mem.by_step("otel_train.dropped_spans")[last] == 150.0
 
 
 def test_drop_counts_accumulate_across_windows() -> None:
@@ -86,7 +86,7 @@ def test_steady_windows_drop_nothing(run_dir: Path, monkeypatch: pytest.MonkeyPa
         ot.log({"loss": float(i)})
         if i % 10 == 9:
             ot.flush()
-    assert mem.values("loss") == {i: float(i) for i in range(100)}
+    assert mem.values("loss") == [(i, float(i)) for i in range(100)]
     assert len([s for s in mem.spans if s.name == "forward"]) == 100
     assert session.log_buffer.dropped == 0 and session.span_buffer.dropped == 0
     assert not mem.values("otel_train.dropped_records")
