@@ -850,6 +850,8 @@ def _install_hooks() -> None:
             continue
         try:
             previous = signal.getsignal(sig)
+            if previous is _on_signal:  # put back by a framework after ours was given back: what it had is unknown
+                previous = signal.SIG_DFL
             signal.signal(sig, _on_signal)
             _previous_handlers[sig] = previous
         except (ValueError, OSError):  # not allowed here (embedded interpreter)
