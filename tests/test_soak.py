@@ -244,3 +244,33 @@ def test_warning_keys_are_bounded() -> None:
     assert not log.should_log("key-9999") and not log.should_log("key-9900")
     assert log.should_log("key-0")  # forgotten 9,900 keys ago
     assert len(LogOnce(logging.getLogger("test"))._last) == 0 and MAX_KEYS >= 100
+
+
+def test_fork_hooks_run_for_live_objects_only() -> None:
+    """A forked child runs the hook of an object still alive, and none of one collected (held weakly)."""
+    from otel_train._internal import at_fork
+
+    class Holder:
+        def __init__(self, name: str, w: int) -> None:
+            self.name, self.w = name, w
+
+        def after_fork(self) -> None:
+            os.write(self.w, self.name.encode() + b"\n")
+
+    r, w = os.pipe()
+    live, gone = Holder("live", w), Holder("gone", w)
+    at_fork.after_fork_in_child(live.after_fork)
+    at_fork.after_fork_in_child(gone.after_fork)
+    gone_ref = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert gone_ref() is None  # the hook did not keep it alive
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)  # the hooks ran in the child before this line
+    os.waitpid(pid, 0)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        assert pipe.read().split() == ["live"]
+    with pytest.raises(TypeError):
+        at_fork.after_fork_in_child(print)  # a plain function would never be collected
