@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.delivery import Delivery, Progress
 from otel_train.errors import ConfigError
 from otel_train.framing import encode_resume, encode_window
@@ -142,8 +143,7 @@ class ExportProcess:
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
         self._options = dataclasses.replace(options, resume_step=None)
         self._config["options"] = self._options
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork)
+        after_fork_in_child(self._after_fork)  # held weakly: a closed handle is freed
 
     # -- starting -------------------------------------------------------------------------------
     def _start(self) -> tuple[Connection, subprocess.Popen[bytes], int]:
@@ -369,6 +369,19 @@ class ExportProcess:
         except OSError:
             pass
         return ok
+
+    def end(self, timeout_s: float) -> None:
+        """Stop the exporter process within `timeout_s`, nothing left running (a failed `init()`): close if
+        not closed yet, wait for the child to exit, else kill it."""
+        if os.getpid() != self._pid:
+            return
+        if not self._closing:
+            self.close(time.monotonic() + timeout_s / 2)
+        try:
+            self._proc.wait(timeout_s / 2)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
 
     def progress(self, timeout_s: float = 5.0) -> Progress:
         """The child's progress: windows spooled, and per backend the last durable window and step."""
@@ -624,7 +637,11 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
                 _logger.warning("%s: giving up on `%s`: no progress for %.0f s (%d failure(s)); its %d window(s) "
                                 "left stay in the spool for a later `otel-train replay`", label, name, stall_s,
                                 progress.failures.get(name, 0), n_left)
-        if not left or set(left) <= given_up or now >= deadline:
+        # Handed every window without a failure, it waits only for its store, which its close completes (W&B's
+        # service writes the run file's last block at `finish`): close now rather than after `stall_s`.
+        stats = delivery.backend_stats()
+        only_store = {name for name in left if not stats[name]["backlog"] and not stats[name]["failures"]}
+        if not left or set(left) <= given_up | only_store or now >= deadline:
             break
         if now >= next_report:
             next_report = now + report_every_s
@@ -632,7 +649,7 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
             _logger.info("%s: waiting for %s (%.0f s of at most %.0f s)", label, waiting, now - start, timeout_s)
         time.sleep(0.1)
     # Given up (or out of time): closing only shuts the backends down, briefly.
-    delivery.close(min(deadline, time.monotonic() + (5.0 if left else timeout_s)))
+    delivery.close(min(deadline, time.monotonic() + (5.0 if set(left) - only_store else timeout_s)))
     progress = delivery.progress()
     if progress.behind():
         _logger.warning("%s: %s", label, progress.summary())

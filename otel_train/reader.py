@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 from otel_train._internal import sdk
+from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
 from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
@@ -346,8 +346,7 @@ class StepAlignedMetricReader(MetricReader):
         #: Whether a forked child keeps exporting (its own data only) or exports nothing (a session's child).
         self.export_in_forked_child = True
         self._start_collector()
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork)
+        after_fork_in_child(self._after_fork)  # held weakly: a shut-down reader is freed
 
     # -- threads ------------------------------------------------------------------------------
     def _start_collector(self) -> None:

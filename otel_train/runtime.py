@@ -6,6 +6,7 @@ Nothing imports this module but the public face (`otel_train/__init__.py`) and t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -16,12 +17,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from otel_train import config as cfg
 from otel_train import semconv
+from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.errors import ConfigError
 from otel_train.instrument import (
     NO_SPAN,
@@ -223,49 +225,60 @@ class Session:
         local, remote = _placement(settings)
         self.run_claim = _claim(directory, self.run, settings.drain_timeout_s)
         self.run = dataclasses.replace(self.run, run_id=self.run_claim.run_id, run_name=self.run_claim.run_name)
-        self.export_process = None
-        try:
+        # A failed `init()` leaves nothing behind: each part built registers its undoing, run (last first)
+        # only when a later part fails (no exporter process, thread, open backend or run-folder claim).
+        with contextlib.ExitStack() as undo:
+            undo.callback(_undo, self.run_claim.release)
+            self.export_process = None
             if remote:
                 from otel_train.export_process import ExportProcess
 
                 self.export_process = ExportProcess(
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
                     nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd)
+                undo.callback(_undo, self.export_process.end, 1.0)
             self.exporters = self._build_exporters(local, options) + list(instances)
-        except BaseException:
-            if self.export_process is not None:
-                self.export_process.close(time.monotonic() + 1.0)
-            self.run_claim.release()
-            raise
-        # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
-        self.resource = Resource.create(self.run.resource_attributes())
-        self.log_buffer = LogBuffer(settings.buffer_size, strict=settings.strict_sync)
-        self.span_buffer = SpanBuffer(settings.buffer_size)
-        self.reader = StepAlignedMetricReader(
-            self.exporters,
-            export_every=settings.export_every,
-            export_interval_s=settings.export_interval_s,
-            queue_size=settings.queue_size,
-            log_buffer=self.log_buffer,
-            span_buffer=self.span_buffer,
-            export_metrics=self.export_metrics,
-            resource=self.resource,
-            channel=self.export_process,
-            phases=settings.phases,
-        )
-        self.meter_provider = MeterProvider(
-            metric_readers=[self.reader], resource=self.resource,
-            exemplar_filter=AlwaysOffExemplarFilter(), shutdown_on_exit=False,
-        )
-        self.tracer_provider = TracerProvider(resource=self.resource, shutdown_on_exit=False)
-        self.tracer_provider.add_span_processor(ThreadSpanProcessor(self.span_buffer))
-        self.sampler = None
-        if settings.system_metrics and self.export_metrics:
-            from otel_train.system_metrics import SystemSampler
+            for ex in self.exporters:  # the caller's instances too: `init()` took them, as `shutdown()` does
+                undo.callback(_undo, ex.shutdown)
+            # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
+            self.resource = Resource.create(self.run.resource_attributes())
+            self.log_buffer = LogBuffer(settings.buffer_size, strict=settings.strict_sync)
+            self.span_buffer = SpanBuffer(settings.buffer_size)
+            self.reader = StepAlignedMetricReader(
+                self.exporters,
+                export_every=settings.export_every,
+                export_interval_s=settings.export_interval_s,
+                queue_size=settings.queue_size,
+                log_buffer=self.log_buffer,
+                span_buffer=self.span_buffer,
+                export_metrics=self.export_metrics,
+                resource=self.resource,
+                channel=self.export_process,
+                phases=settings.phases,
+            )
+            undo.pop_all()  # the reader's shutdown closes the exporters and the exporter process from here on
+            undo.callback(_undo, self.run_claim.release)
+            if self.export_process is not None:  # after the reader's shutdown has closed it: its child ends now
+                undo.callback(_undo, self.export_process.end, 1.0)
+            undo.callback(_undo, self.reader.shutdown, 1000)
+            self.meter_provider = MeterProvider(
+                metric_readers=[self.reader], resource=self.resource,
+                exemplar_filter=AlwaysOffExemplarFilter(), shutdown_on_exit=False,
+            )
+            undo.callback(_undo, self.meter_provider.shutdown, timeout_millis=1000)
+            self.tracer_provider = TracerProvider(resource=self.resource, shutdown_on_exit=False)
+            undo.callback(_undo, self.tracer_provider.shutdown)
+            self.tracer_provider.add_span_processor(ThreadSpanProcessor(self.span_buffer))
+            self.sampler = None
+            if settings.system_metrics and self.export_metrics:
+                from otel_train.system_metrics import SystemSampler
 
-            self.sampler = SystemSampler(self.log_buffer.append, settings.system_interval_s)
-            self.sampler.start()
-        self._install_globals()
+                self.sampler = SystemSampler(self.log_buffer.append, settings.system_interval_s)
+                self.sampler.start()
+                undo.callback(_undo, self.sampler.stop)
+            self._install_globals()
+            undo.callback(_undo, self._release_globals)
+            undo.pop_all()
         self._closed = False
         self._lock = threading.Lock()
         self._append = self.log_buffer.append
@@ -288,8 +301,7 @@ class Session:
         from otel_train.workers import WorkerClient
 
         self._worker_class = WorkerClient
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork_in_child)
+        after_fork_in_child(self._after_fork_in_child)  # held weakly: a shut-down session is freed
 
     def _after_fork_in_child(self) -> None:
         # A forked child (e.g. a DataLoader worker) shares the parent's open files, backend runs and
@@ -335,6 +347,11 @@ class Session:
 
         # OTel's globals are set once per process: ours are set once and follow each session (`point_to`).
         global_providers.install(self.meter_provider, self.tracer_provider)
+
+    def _release_globals(self) -> None:
+        from otel_train._internal import global_providers
+
+        global_providers.release(self.meter_provider, self.tracer_provider)
 
     # -- hot path ---------------------------------------------------------------------------
     def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
@@ -426,6 +443,8 @@ class Session:
             if self._closed:
                 return
             self._closed = True
+        with contextlib.suppress(ValueError):  # nothing of the process keeps a closed session alive
+            _active.remove(self)
         if step_end_hook() is self._step_hook:
             set_step_end_hook(None)
         set_refused_step_hook(None)
@@ -446,9 +465,7 @@ class Session:
             if self.sampler is not None:
                 self.sampler.stop()  # its last step goes out with the final flush
             self.reader.shutdown(timeout_s * 1000)
-            from otel_train._internal import global_providers
-
-            global_providers.release(self.meter_provider, self.tracer_provider)
+            self._release_globals()
             self.tracer_provider.shutdown()
             self.meter_provider.shutdown(timeout_millis=1000)
         except Exception:
@@ -456,6 +473,8 @@ class Session:
         self.run_claim.release()  # an exporter process still draining keeps the run folder's lock until it is done
         if self.run.rank == 0 and not self.settings.quiet:
             self._write_summary()
+        if not any(not s.closed for s in _active):  # after the hand-off: a signal during it still hands off
+            _restore_signal_handlers()
 
     def _write_summary(self) -> None:
         from otel_train.records import run_folder
@@ -516,6 +535,14 @@ class Session:
     def step_order_counts(self) -> dict[str, dict[str, int]]:
         """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
         return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
+
+
+def _undo(part: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Undo one part of a failed `init()`, never raising over the error that made it fail."""
+    try:
+        part(*args, **kwargs)
+    except Exception:
+        _logger.debug("otel-train: undoing a failed init(): %r failed", part, exc_info=True)
 
 
 def _claim(directory: Path, run: RunInfo, drain_timeout_s: float) -> Any:
@@ -590,6 +617,7 @@ _PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
 #: The preemption signal this process received (its name), once one has: the backends mark their runs at shutdown.
 _preempted_by: str | None = None
 _hooks_installed = False
+#: Per signal whose handler is ours (or was, until a handler installed over ours): the handler before ours.
 _previous_handlers: dict[int, Any] = {}
 _active: list[Session] = []
 _handoff: threading.Thread | None = None
@@ -805,29 +833,50 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def _install_hooks() -> None:
+    """The exit hooks (once per process) and the signal handlers (at each `init()` after they were given back)."""
     global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(_at_exit)
-    register_early = getattr(threading, "_register_atexit", None)  # CPython >= 3.9: before every atexit hook
-    if register_early is not None:
-        try:
-            register_early(_before_exit_hooks)
-        except RuntimeError:  # the interpreter is already shutting down
-            pass
+    if not _hooks_installed:
+        _hooks_installed = True
+        atexit.register(_at_exit)
+        register_early = getattr(threading, "_register_atexit", None)  # CPython >= 3.9: before every atexit hook
+        if register_early is not None:
+            try:
+                register_early(_before_exit_hooks)
+            except RuntimeError:  # the interpreter is already shutting down
+                pass
     if threading.current_thread() is not threading.main_thread():
         _logger.debug("init() outside the main thread: no signal handlers installed")
         return
     for name in _SIGNALS:
         sig = getattr(signal, name, None)
-        if sig is None:  # SIGUSR1 does not exist on Windows
+        if sig is None or sig in _previous_handlers:  # SIGUSR1 does not exist on Windows; ours already
             continue
         try:
-            _previous_handlers[sig] = signal.getsignal(sig)
+            previous = signal.getsignal(sig)
+            if previous is _on_signal:  # put back by a framework after ours was given back: what it had is unknown
+                previous = signal.SIG_DFL
             signal.signal(sig, _on_signal)
+            _previous_handlers[sig] = previous
         except (ValueError, OSError):  # not allowed here (embedded interpreter)
             pass
+
+
+def _restore_signal_handlers() -> None:
+    """The last session has shut down: each signal whose handler is still ours gets the one it had before
+    `init()` back. Left alone: a signal whose handler was installed over ours (it may chain to ours, which
+    then only flushes, so ours stays on record and is not installed again), and one whose hand-off is
+    deferred to the loop's next line (it acts as ours would, later)."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers (a signal's hand-off thread shuts sessions down too)
+    for sig in list(_previous_handlers):
+        if sig in _deferred or signal.getsignal(sig) is not _on_signal:
+            continue
+        previous = _previous_handlers[sig]
+        try:
+            signal.signal(sig, signal.SIG_DFL if previous is None else previous)  # None: set outside Python
+        except (ValueError, OSError, TypeError):
+            continue
+        del _previous_handlers[sig]
 
 
 def start(settings: cfg.Settings, env: Mapping[str, str] | None = None,

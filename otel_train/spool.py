@@ -33,6 +33,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.records import run_folder
 
@@ -69,8 +70,7 @@ class RunClaim:
         #: The rank's spool folder.
         self.path = path
         self.fd = fd
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._forget)
+        after_fork_in_child(self._forget)  # held weakly: a released claim is freed
 
     def _forget(self) -> None:
         # A forked child (a DataLoader worker) must not keep the claim alive after the run is done.

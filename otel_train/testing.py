@@ -23,7 +23,7 @@ class InMemoryRowExporter(RowExporter):
         >>> mem = InMemoryRowExporter()
         >>> _ = mem.export_window(Window([MetricRow(RunInfo("r", "r"), 1, "loss", "loss", 0.5, "gauge", 0)]))
         >>> mem.values("loss")
-        {1: 0.5}
+        [(1, 0.5)]
     """
 
     name = "memory"
@@ -62,10 +62,23 @@ class InMemoryRowExporter(RowExporter):
     def close(self) -> None:
         self.closed = True
 
-    def values(self, tag: str, rank: int | None = None) -> dict[int, float]:
-        """Step -> value of one series (the last value when a step repeats)."""
+    def values(self, tag: str, rank: int | None = None) -> list[tuple[int, float]]:
+        """Every point of one series as (step, value), in the order written: a step written twice shows twice."""
         with self._rows_lock:
-            return {r.step: r.value for r in self.metrics if r.tag == tag and (rank is None or r.rank == rank)}
+            return [(r.step, r.value) for r in self.metrics if r.tag == tag and (rank is None or r.rank == rank)]
+
+    def by_step(self, tag: str, rank: int | None = None) -> dict[int, float]:
+        """Step -> value of one series, for looking a step up.
+
+        Raises:
+            AssertionError: a step was written more than once (a duplicate is a failure, never hidden).
+        """
+        out: dict[int, float] = {}
+        for step, value in self.values(tag, rank):
+            if step in out:
+                raise AssertionError(f"{tag!r}: step {step} written twice ({out[step]!r}, then {value!r})")
+            out[step] = value
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -52,6 +52,7 @@ _SCRIPT = textwrap.dedent(
 ).replace("STEPS", str(STEPS))
 
 
+@pytest.mark.timeout(600)  # a real process under a 300 s limit of its own
 @pytest.mark.parametrize("placement", ["off", "object", "fallback"])
 def test_exit_without_shutdown_keeps_every_step_in_wandb(tmp_path: Path, backend_home: Path, placement: str) -> None:
     env = dict(os.environ)

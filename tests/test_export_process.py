@@ -120,7 +120,7 @@ def _jsonl_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int
 
 
 def _tb_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int]:
-    return sorted(tb_scalars(directory / run)[tag])
+    return sorted(step for step, _ in tb_scalars(directory / run)[tag])
 
 
 def test_every_backend_through_the_exporter_process(tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ from backendkit import isolated_backends_env, read_run, row
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.names import KEY_DESCRIPTION_PREFIX, key_from_description, otlp_name
 
+# Real processes, each under a 300 s limit of its own: twice the suite's default per test.
+pytestmark = pytest.mark.timeout(600)
 KEYS = ["val/mAP@0.5", "Loss (val)", "épochs/loss", "train/loss", "lr group 0:head", "val/mAP#0.5", "损失"]
 CHILD_KEY = "data/wait (ms)@child"
 STEPS = 4

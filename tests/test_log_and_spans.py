@@ -37,9 +37,9 @@ def test_values_at_steps(mem: InMemoryRowExporter) -> None:
         ot.log({"train/loss": 1.0 / (i + 1), "train/lr": 0.1})
     ot.log({"eval/acc": 0.9}, step=10)
     ot.flush()
-    assert mem.values("train/loss") == {0: 1.0, 1: 0.5, 2: 1 / 3}
-    assert mem.values("train/lr") == {0: 0.1, 1: 0.1, 2: 0.1}
-    assert mem.values("eval/acc") == {10: 0.9}
+    assert mem.values("train/loss") == [(0, 1.0), (1, 0.5), (2, 1 / 3)]
+    assert mem.values("train/lr") == [(0, 0.1), (1, 0.1), (2, 0.1)]
+    assert mem.values("eval/acc") == [(10, 0.9)]
     row = next(r for r in mem.metrics if r.tag == "train/loss")
     assert (row.run.run_id, row.run.run_name, row.run.rank, row.kind) == ("run-1", "unit", 0, "gauge")
 
@@ -50,8 +50,8 @@ def test_log_outside_a_step_uses_latest_step_or_zero(mem: InMemoryRowExporter) -
         pass
     ot.log({"b": 2.0})
     ot.flush()
-    assert mem.values("a") == {0: 1.0}
-    assert mem.values("b") == {4: 2.0}
+    assert mem.values("a") == [(0, 1.0)]
+    assert mem.values("b") == [(4, 2.0)]
 
 
 def test_numbers_of_every_kind(mem: InMemoryRowExporter) -> None:
@@ -90,7 +90,7 @@ def test_non_numbers_are_skipped_with_one_warning_per_key(
             ot.log({"text": "hello", "many": [1, 2, 3], "d": {"x": 1}, "ok": float(i), "any name!": 1.0, "": 2.0,
                     3: 4.0})  # type: ignore[dict-item]
         ot.flush()
-    assert mem.values("ok") == {0: 0.0, 1: 1.0, 2: 2.0}
+    assert mem.values("ok") == [(0, 0.0), (1, 1.0), (2, 2.0)]
     # any non-empty string is a key; read as a list, so a point written twice shows
     assert [(r.step, r.value) for r in mem.metrics if r.tag == "any name!"] == [(0, 1.0), (1, 1.0), (2, 1.0)]
     assert not {"text", "many", "d", "", 3} & {r.tag for r in mem.metrics}
@@ -107,7 +107,7 @@ def test_log_does_not_keep_the_callers_dict(mem: InMemoryRowExporter) -> None:
         ot.log(values)
     values["x"] = 99.0
     ot.flush()
-    assert mem.values("x") == {0: 1.0}
+    assert mem.values("x") == [(0, 1.0)]
 
 
 def test_auto_step_metrics(mem: InMemoryRowExporter) -> None:
@@ -115,11 +115,12 @@ def test_auto_step_metrics(mem: InMemoryRowExporter) -> None:
         with ot.step(i, samples=64):
             pass
     ot.flush()
-    assert mem.values("train.iterations") == {0: 1.0, 1: 2.0, 2: 3.0}
-    assert set(mem.values("train.step.duration_s")) == {0, 1, 2}
-    assert set(mem.values("train.throughput")) == {0, 1, 2}
+    assert mem.values("train.iterations") == [(0, 1.0), (1, 2.0), (2, 3.0)]
+    assert [step for step, _ in mem.values("train.step.duration_s")] == [0, 1, 2]
+    assert [step for step, _ in mem.values("train.throughput")] == [0, 1, 2]
     totals = mem.values("train.time_total_s")
-    assert totals[0] <= totals[1] <= totals[2]
+    assert [step for step, _ in totals] == [0, 1, 2]
+    assert totals[0][1] <= totals[1][1] <= totals[2][1]
 
 
 def test_span_rows_carry_step_thread_and_parent(mem: InMemoryRowExporter) -> None:
@@ -220,11 +221,11 @@ def test_raw_otel_instruments_and_spans(mem: InMemoryRowExporter) -> None:
             pass
         ot.flush()
     # Counters are running totals; histograms become count/sum/min/max rows plus full histograms.
-    assert mem.values("train/tokens") == {0: 100.0, 1: 200.0, 2: 300.0}
-    assert mem.values("io/latency_ms/sum") == {0: 5.0, 1: 10.0, 2: 15.0}
-    assert mem.values("io/latency_ms/count") == {0: 1.0, 1: 1.0, 2: 1.0}
+    assert mem.values("train/tokens") == [(0, 100.0), (1, 200.0), (2, 300.0)]
+    assert mem.values("io/latency_ms/sum") == [(0, 5.0), (1, 10.0), (2, 15.0)]
+    assert mem.values("io/latency_ms/count") == [(0, 1.0), (1, 1.0), (2, 1.0)]
     assert [h.step for h in mem.histograms] == [0, 1, 2]
-    assert mem.values("eval/acc{split=val}") == {0: 0.5, 1: 0.6, 2: 0.7}
+    assert mem.values("eval/acc{split=val}") == [(0, 0.5), (1, 0.6), (2, 0.7)]
     raw = [s for s in mem.spans if s.name == "raw"]
     assert [s.step for s in raw] == [0, 1, 2]
     assert all(s.thread_id == threading.get_native_id() for s in raw)
@@ -235,7 +236,7 @@ def test_raw_point_without_step_gets_the_step_that_ended_the_window(mem: InMemor
     for i in ot.steps(range(2)):
         gauge.set(float(i))
         ot.flush()
-    assert mem.values("gpu/mem") == {0: 0.0, 1: 1.0}
+    assert mem.values("gpu/mem") == [(0, 0.0), (1, 1.0)]
 
 
 def test_log_after_shutdown_is_dropped_quietly(mem: InMemoryRowExporter, caplog: pytest.LogCaptureFixture) -> None:

@@ -67,14 +67,14 @@ def test_export_every_n_steps_windows(run_dir: Path) -> None:
         ot.log({"loss": 3.0})
     wait_for_windows(1)
     assert session.reader.windows == 1
-    assert mem.values("loss") == {i: float(i) for i in range(4)}
+    assert mem.values("loss") == [(i, float(i)) for i in range(4)]
     for i in ot.steps(range(4, 8), start=4):
         ot.log({"loss": float(i)})
         time.sleep(0.03)
     wait_for_windows(2)
     assert session.reader.windows == 2
     ot.flush()
-    assert mem.values("loss") == {i: float(i) for i in range(8)}
+    assert mem.values("loss") == [(i, float(i)) for i in range(8)]
 
 
 def test_log_only_step_ends_wake_the_collector_at_most_every_0_1_s() -> None:
@@ -91,7 +91,7 @@ def test_log_only_step_ends_wake_the_collector_at_most_every_0_1_s() -> None:
         reader.on_step_end(StepEnd(i, 1 / 32, i / 32, i + 1, None))
     assert len(wakes) == 5  # steps 0, 4, 8, 12, 16
     reader.force_flush()
-    assert mem.values("loss") == {i: float(i) for i in range(20)}
+    assert mem.values("loss") == [(i, float(i)) for i in range(20)]
     provider.shutdown()
 
 
@@ -109,8 +109,8 @@ def test_step_with_a_raw_instrument_without_step_is_collected_at_its_end(run_dir
         if i % 2:
             ot.log({"loss": float(i)})
     ot.flush()
-    assert mem.values("gpu/util") == {i: float(i) for i in range(12)}
-    assert mem.values("loss") == {i: float(i) for i in range(1, 12, 2)}
+    assert mem.values("gpu/util") == [(i, float(i)) for i in range(12)]
+    assert mem.values("loss") == [(i, float(i)) for i in range(1, 12, 2)]
 
 
 def test_points_from_several_threads(run_dir: Path) -> None:
@@ -132,9 +132,9 @@ def test_points_from_several_threads(run_dir: Path) -> None:
         t.join()
     ot.flush()
     for k in range(4):
-        assert mem.values(f"w{k}/x") == {i: float(i) for i in range(50)}
-        assert mem.values(f"worker/value{{worker={k}}}") == {i: float(k * 1000 + i) for i in range(50)}
-    assert mem.values("main") == {i: float(i) for i in range(20)}
+        assert mem.values(f"w{k}/x") == [(i, float(i)) for i in range(50)]
+        assert mem.values(f"worker/value{{worker={k}}}") == [(i, float(k * 1000 + i)) for i in range(50)]
+    assert mem.values("main") == [(i, float(i)) for i in range(20)]
 
 
 def test_per_step_attributes_do_not_overflow_after_thousands_of_steps() -> None:
@@ -148,8 +148,7 @@ def test_per_step_attributes_do_not_overflow_after_thousands_of_steps() -> None:
         if i % 100 == 99:
             reader.force_flush()
     reader.force_flush()
-    values = mem.values("loss")
-    assert len(values) == 3000 and values[2999] == 2999.0
+    assert mem.values("loss") == [(i, float(i)) for i in range(3000)]
     assert not any("otel.metric.overflow" in r.attributes for r in mem.metrics)
     provider.shutdown()
 
@@ -164,7 +163,7 @@ def test_plugged_into_users_own_meter_provider() -> None:
         counter.add(10, {"train.step": i})
         _end(reader, i)
         reader.force_flush()
-    assert mem.values("samples") == {0: 10.0, 1: 20.0, 2: 30.0}
+    assert mem.values("samples") == [(0, 10.0), (1, 20.0), (2, 30.0)]
     # The plain OTel exporter gets SDK data (DELTA) with train.step on every point.
     pts = otel_metrics.points()
     assert [(a["train.step"], v) for n, a, v in pts if n == "samples"] == [(0, 10), (1, 10), (2, 10)]
@@ -200,7 +199,7 @@ def test_failing_exporter_is_isolated_counted_and_logged_once(
         for i in ot.steps(range(20)):
             ot.log({"loss": float(i)})
             ot.flush()
-    assert good.values("loss") == {i: float(i) for i in range(20)}
+    assert good.values("loss") == [(i, float(i)) for i in range(20)]
     assert bad.failures >= 2  # every flush retries, and counts
     assert session.reader.failures >= bad.failures
     assert sum("exporter `memory` failed" in r.getMessage() for r in caplog.records) == 1
@@ -212,7 +211,7 @@ def test_failing_exporter_recovers_and_delivers_pending_windows(run_dir: Path) -
     for i in ot.steps(range(5)):
         ot.log({"loss": float(i)})
         ot.flush()
-    assert flaky.values("loss") == {i: float(i) for i in range(5)}
+    assert flaky.values("loss") == [(i, float(i)) for i in range(5)]
     assert flaky.failures == 2
 
 
@@ -236,7 +235,7 @@ def test_hanging_exporter_blocks_neither_training_nor_other_exporters(run_dir: P
         ot.log({"loss": float(i)})
         ot.flush(timeout_s=0.2)  # bounded even though one backend hangs
     assert hang.entered.is_set()
-    assert good.values("loss") == {i: float(i) for i in range(8)}
+    assert good.values("loss") == [(i, float(i)) for i in range(8)]
     worker = next(w for w in session.reader._workers if w.exporter is hang)
     # The hanging backend's queue stayed bounded: windows merged into one while it was busy.
     assert len(worker._queue) <= 2
@@ -254,8 +253,8 @@ def test_log_buffer_is_bounded_and_counts_drops(run_dir: Path, caplog: pytest.Lo
         for i in range(25):
             ot.log({"x": float(i)}, step=i)
         ot.flush()
-    assert mem.values("x") == {i: float(i) for i in range(15, 25)}  # the newest survive
-    assert mem.values("otel_train.dropped_records")[0] == 15.0
+    assert mem.values("x") == [(i, float(i)) for i in range(15, 25)]  # the newest survive
+    assert mem.values("otel_train.dropped_records") == [(0, 15.0)]
     assert any("dropped data" in r.getMessage() for r in caplog.records)
 
 
@@ -277,7 +276,7 @@ def test_interval_collects_without_steps(run_dir: Path) -> None:
     deadline = time.monotonic() + 10
     while not mem.values("heartbeat") and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert mem.values("heartbeat") == {0: 1.0}
+    assert mem.values("heartbeat") == [(0, 1.0)]
     assert session.reader.windows >= 1
 
 
@@ -288,7 +287,7 @@ def test_flush_and_shutdown_are_idempotent(run_dir: Path) -> None:
     assert ot.flush() and ot.flush()
     ot.shutdown()
     ot.shutdown()
-    assert mem.closed and mem.values("x") == {0: 1.0}
+    assert mem.closed and mem.values("x") == [(0, 1.0)]
 
 
 def test_spans_only_on_ranks_that_do_not_export_metrics(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -100,7 +100,7 @@ def test_init_after_shutdown_starts_a_new_session(run_dir: Path) -> None:
     assert second is not first
     ot.log({"x": 1.0}, step=0)
     ot.flush()
-    assert b.values("x") == {0: 1.0} and a.metrics == []
+    assert b.values("x") == [(0, 1.0)] and a.metrics == []
 
 
 _SCRIPT = textwrap.dedent(

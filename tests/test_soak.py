@@ -1,10 +1,19 @@
-"""Bounded memory, fast: small buffers overflow, the oldest records and spans are dropped and counted,
-and what is kept stays within the bound (the 1M-step RSS soak is `bench/soak.py`)."""
+"""Bounded memory, fast: small buffers overflow, the oldest records and spans are dropped and counted, and what
+is kept stays within the bound; nothing outlives its session (sessions, threads, processes, signal handlers,
+warning keys). The 1M-step and 50-cycle soak figures are `bench/soak.py`."""
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
+import threading
+import time
 import tracemalloc
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,12 +33,12 @@ def test_buffers_drop_oldest_and_count(run_dir: Path, monkeypatch: pytest.Monkey
             pass
     assert len(session.log_buffer) == 50 and len(session.span_buffer) == 50
     ot.flush()
-    assert mem.values("x") == {i: float(i) for i in range(150, 200)}  # the newest 50 survive
+    assert mem.values("x") == [(i, float(i)) for i in range(150, 200)]  # the newest 50 survive
     assert [s.attributes["i"] for s in mem.spans if s.name == "s"] == list(range(150, 200))
     assert session.log_buffer.dropped == 150 and session.span_buffer.dropped == 150
-    last = max(mem.values("otel_train.dropped_records"))
-    assert mem.values("otel_train.dropped_records")[last] == 150.0
-    assert mem.values("otel_train.dropped_spans")[last] == 150.0
+    last = max(mem.by_step("otel_train.dropped_records"))
+    assert mem.by_step("otel_train.dropped_records")[last] == 150.0
+    assert mem.by_step("otel_train.dropped_spans")[last] == 150.0
 
 
 def test_drop_counts_accumulate_across_windows() -> None:
@@ -77,7 +86,191 @@ def test_steady_windows_drop_nothing(run_dir: Path, monkeypatch: pytest.MonkeyPa
         ot.log({"loss": float(i)})
         if i % 10 == 9:
             ot.flush()
-    assert mem.values("loss") == {i: float(i) for i in range(100)}
+    assert mem.values("loss") == [(i, float(i)) for i in range(100)]
     assert len([s for s in mem.spans if s.name == "forward"]) == 100
     assert session.log_buffer.dropped == 0 and session.span_buffer.dropped == 0
     assert not mem.values("otel_train.dropped_records")
+
+
+# -- nothing outlives its session (`bench/soak.py` prints the same figures over 50 cycles) -----------------
+def _live_children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+def _our_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("otel-train")]
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    """Poll `condition` until it holds (a bounded wait on the real condition, never a fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("exporters", [["jsonl"], "memory"], ids=["exporter-process", "in-process"])
+def test_sessions_and_readers_are_freed_after_shutdown(run_dir: Path, exporters: Any) -> None:
+    """After N init/shutdown cycles no session, reader or exporter-process handle is alive (gc + weakref), the
+    fork hooks held do not grow, and no thread or exporter process of ours is left."""
+    from otel_train._internal import at_fork
+
+    cycles = 3 if exporters == ["jsonl"] else 10
+    children_before = _live_children()
+    ot.init(exporters=[InMemoryRowExporter()], dir=run_dir, run_name="warm-up")  # lazy imports, first hooks
+    ot.shutdown()
+    hooks_before = at_fork.registered()
+    refs: list[weakref.ref[Any]] = []
+    for c in range(cycles):
+        exp = exporters if exporters != "memory" else [InMemoryRowExporter()]
+        session = ot.init(exporters=exp, dir=run_dir, run_name=f"cycle-{c}")
+        refs += [weakref.ref(session), weakref.ref(session.reader)]
+        if session.export_process is not None:
+            refs.append(weakref.ref(session.export_process))
+        for _ in ot.steps(range(3)):
+            ot.log({"loss": 1.0})
+        ot.shutdown()
+        del session
+    ot._session = None  # the face keeps the last closed session for a second `ot.shutdown()`
+    assert _wait_for(lambda: not _our_threads()), _our_threads()
+
+    def all_freed() -> bool:  # a thread that has just ended may still hold its object for a moment
+        gc.collect()
+        return all(r() is None for r in refs)
+
+    assert _wait_for(all_freed, timeout_s=10.0), [r() for r in refs if r() is not None]
+    assert at_fork.registered() <= hooks_before
+    assert _wait_for(lambda: _live_children() <= children_before), "an exporter process outlived its session"
+
+
+def test_signal_handlers_are_given_back_at_shutdown(run_dir: Path) -> None:
+    """Each `init()` installs otel-train's handlers over the user's; each `shutdown()` gives the user's back."""
+    def users_handler(signum: int, frame: object) -> None:
+        pass
+
+    signums = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1]
+    original = signal.signal(signal.SIGUSR1, users_handler)
+    try:
+        before = [signal.getsignal(s) for s in signums]
+        for c in range(2):
+            ot.init(exporters=[InMemoryRowExporter()], dir=run_dir, run_name=f"signals-{c}")
+            during = [signal.getsignal(s) for s in signums]
+            assert all(h is not b for h, b in zip(during, before, strict=True)), "init() installs its handlers"
+            ot.shutdown()
+            assert [signal.getsignal(s) for s in signums] == before
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+
+
+def test_a_handler_installed_over_ours_is_left_in_place(run_dir: Path) -> None:
+    """A framework's handler set after `init()` (it may chain to ours) is not replaced at shutdown, and it still
+    ends in ours: a chained call flushes, never recursing."""
+    from otel_train import runtime
+
+    chained: list[int] = []
+    original = signal.getsignal(signal.SIGUSR1)
+    ot.init(exporters=[InMemoryRowExporter()], dir=run_dir, run_name="framework")
+    ours = signal.getsignal(signal.SIGUSR1)
+
+    def framework_handler(signum: int, frame: Any) -> None:
+        chained.append(signum)
+        if callable(ours):
+            ours(signum, frame)
+
+    signal.signal(signal.SIGUSR1, framework_handler)
+    try:
+        ot.shutdown()
+        assert signal.getsignal(signal.SIGUSR1) is framework_handler
+        ot.init(exporters=[InMemoryRowExporter()], dir=run_dir, run_name="framework-2")
+        assert signal.getsignal(signal.SIGUSR1) is framework_handler  # not wrapped again: it may chain to ours
+        signal.raise_signal(signal.SIGUSR1)  # the framework's handler, then ours (flush only)
+        assert chained == [signal.SIGUSR1]
+        ot.shutdown()
+    finally:
+        signal.signal(signal.SIGUSR1, original)
+        runtime._previous_handlers.pop(signal.SIGUSR1, None)  # what ours would have given back
+
+
+class _Injected(TypeError):
+    pass
+
+
+def _raise(*args: object, **kwargs: object) -> None:
+    raise _Injected("injected: the OTel SDK refused an argument")
+
+
+@pytest.mark.parametrize("where", ["reader", "meter_provider"])
+def test_a_failed_init_leaves_nothing_behind(run_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """`init()` fails after the exporter process started (an SDK that refuses an argument): it raises, and no
+    exporter process, thread, handler, environment variable or claim on the run folder is left."""
+    import opentelemetry.sdk.metrics
+
+    import otel_train.reader
+
+    children_before = _live_children()
+    handler_before = signal.getsignal(signal.SIGTERM)
+    mem = InMemoryRowExporter()
+    if where == "reader":
+        monkeypatch.setattr(otel_train.reader, "StepAlignedMetricReader", _raise)
+    else:
+        monkeypatch.setattr(opentelemetry.sdk.metrics, "MeterProvider", _raise)
+    with pytest.raises(_Injected):
+        ot.init(exporters=["jsonl", mem], dir=run_dir, run_name="failed", run_id="failed")
+    assert _live_children() <= children_before, "the exporter process outlived the failed init()"
+    assert _wait_for(lambda: not _our_threads()), _our_threads()
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    assert "OTEL_TRAIN_WORKER_ADDRESS" not in os.environ
+    assert mem.closed  # the exporter handed to init() is shut down, as shutdown() would
+    monkeypatch.undo()
+    session = ot.init(exporters=["jsonl"], dir=run_dir, run_name="failed", run_id="failed")
+    assert session.run.run_name == "failed"  # the run folder's claim was released: the same run, not "failed-2"
+    ot.shutdown()
+
+
+def test_warning_keys_are_bounded() -> None:
+    """Rate-limited warnings keyed by user data (metric keys, run ids) remember at most `max_keys` keys; a key
+    still remembered is not logged again, one forgotten logs again only after `max_keys` other keys."""
+    import logging
+
+    from otel_train._internal.ratelimit import MAX_KEYS, LogOnce
+
+    log = LogOnce(logging.getLogger("test"), max_keys=100)
+    assert [log.should_log(f"key-{i}") for i in range(10_000)] == [True] * 10_000
+    assert len(log) == 100
+    assert not log.should_log("key-9999") and not log.should_log("key-9900")
+    assert log.should_log("key-0")  # forgotten 9,900 keys ago
+    assert len(LogOnce(logging.getLogger("test"))._last) == 0 and MAX_KEYS >= 100
+
+
+def test_fork_hooks_run_for_live_objects_only() -> None:
+    """A forked child runs the hook of an object still alive, and none of one collected (held weakly)."""
+    from otel_train._internal import at_fork
+
+    class Holder:
+        def __init__(self, name: str, w: int) -> None:
+            self.name, self.w = name, w
+
+        def after_fork(self) -> None:
+            os.write(self.w, self.name.encode() + b"\n")
+
+    r, w = os.pipe()
+    live, gone = Holder("live", w), Holder("gone", w)
+    at_fork.after_fork_in_child(live.after_fork)
+    at_fork.after_fork_in_child(gone.after_fork)
+    gone_ref = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert gone_ref() is None  # the hook did not keep it alive
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)  # the hooks ran in the child before this line
+    os.waitpid(pid, 0)
+    os.close(w)
+    with os.fdopen(r) as pipe:
+        assert pipe.read().split() == ["live"]
+    with pytest.raises(TypeError):
+        at_fork.after_fork_in_child(print)  # a plain function would never be collected

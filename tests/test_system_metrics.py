@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from backendkit import tb_scalars
+from backendkit import by_step, tb_scalars
 
 import otel_train as ot
 from otel_train.system_metrics import SystemSampler
@@ -69,13 +69,14 @@ def test_cpu_and_rss_for_every_step_and_no_gpu_series_without_gpu(
     series = tb_scalars(tmp_path / "sys")
     for tag in ("system/cpu_percent/mean", "system/cpu_percent/max", "system/rss_mb/mean", "system/rss_mb/max",
                 "system/host_memory_percent/mean"):
-        assert sorted(series[tag]) == list(range(steps)), tag
-    assert all(v > 1 for v in series["system/rss_mb/mean"].values())  # a Python process holds > 1 MB
+        assert [s for s, _ in series[tag]] == list(range(steps)), tag
+    assert all(v > 1 for _, v in series["system/rss_mb/mean"])  # a Python process holds > 1 MB
+    rss_max, rss_mean = by_step(series["system/rss_mb/max"]), by_step(series["system/rss_mb/mean"])
     for s in range(steps):
-        assert series["system/rss_mb/max"][s] >= series["system/rss_mb/mean"][s]
+        assert rss_max[s] >= rss_mean[s]
     gpu_tags = [t for t in series if t.startswith(("gpu", "cuda"))]
     if _gpus_visible():  # a GPU host (with nvidia-ml-py): per-GPU series for every step instead
-        assert sorted(series["gpu0/memory_used_mb/mean"]) == list(range(steps))
+        assert [s for s, _ in series["gpu0/memory_used_mb/mean"]] == list(range(steps))
     else:
         assert gpu_tags == []
     # No error at all; on a host without NVIDIA devices not even the "install nvidia-ml-py" hint.

@@ -105,7 +105,7 @@ def test_logged_tensor_does_not_keep_the_graph_alive(run_dir: Path) -> None:
     gc.collect()
     assert ref() is None, "the autograd graph of a logged tensor is still alive before collection"
     ot.flush()
-    assert mem.values("loss") == {0: 8.0}
+    assert mem.values("loss") == [(0, 8.0)]
 
 
 class _DeviceArray:

@@ -60,15 +60,15 @@ def test_offline_session_stored_locally(session: dict[str, Any]) -> None:
 
 
 def test_scalars_with_title_series_mapping(session: dict[str, Any]) -> None:
-    scalars: dict[tuple[str, str], dict[int, float]] = {}
+    scalars: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for ev in events(session["folder"]):
         if ev["type"] == "training_stats_scalar":
-            scalars.setdefault((ev["metric"], ev["variant"]), {})[ev["iter"]] = ev["value"]
-    assert scalars[("train", "loss")] == {0: 1.0, 1: 0.5, 2: 0.25}
-    assert scalars[("eval", "acc{split=val}")] == {1: 0.75}
-    assert scalars[("lr", "lr")] == {0: 0.01}
-    assert scalars[("optim/lr", "group0")] == {0: 0.02}
-    assert scalars[("train", "loss{rank=1}")] == {0: 1.5}
+            scalars.setdefault((ev["metric"], ev["variant"]), []).append((ev["iter"], ev["value"]))
+    assert scalars[("train", "loss")] == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert scalars[("eval", "acc{split=val}")] == [(1, 0.75)]
+    assert scalars[("lr", "lr")] == [(0, 0.01)]
+    assert scalars[("optim/lr", "group0")] == [(0, 0.02)]
+    assert scalars[("train", "loss{rank=1}")] == [(0, 1.5)]
     assert len(scalars) == 5  # the other run's row was dropped
     assert session["exporter"].rows_dropped == 1
 

@@ -44,8 +44,8 @@ def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch:
     tb = tb_scalars(tmp_path / "runs" / "route-1")
     tags = {t for t in tb if not t.startswith("otel_train/")}  # minus otel-train's own health (test_self_telemetry)
     assert tags == {"train/loss", "eval/acc", "system/cpu_percent", *BUILTINS}  # everything, built-ins in `train/`
-    assert tb["train/loss"] == {s: pytest.approx(1.0 / (s + 1)) for s in STEPS}
-    assert set(tb["train/iterations"]) == set(STEPS)
+    assert tb["train/loss"] == [(s, pytest.approx(1.0 / (s + 1))) for s in STEPS]
+    assert [s for s, _ in tb["train/iterations"]] == list(STEPS)
 
     [wandb_file] = (tmp_path / "runs" / "route-1" / "wandb").glob("offline-run-*/run-route-1.wandb")
     history = read_run(wandb_file)["history"]
@@ -54,12 +54,12 @@ def test_one_run_three_backends_each_gets_its_route(tmp_path: Path, monkeypatch:
         assert set(values) == {"train/loss", *BUILTINS}
         assert values["train/loss"] == pytest.approx(1.0 / (step + 1))
 
-    scalars: dict[tuple[str, str], dict[int, float]] = {}
+    scalars: dict[tuple[str, str], list[tuple[int, float]]] = {}
     [folder] = [p for p in (backend_home / "clearml" / "cache" / "offline").glob("offline-*") if p.is_dir()]
     for ev in events(folder):
         if ev["type"] == "training_stats_scalar":
-            scalars.setdefault((ev["metric"], ev["variant"]), {})[ev["iter"]] = ev["value"]
-    assert scalars == {("system", "cpu_percent"): {s: 50.0 + s for s in STEPS}}
+            scalars.setdefault((ev["metric"], ev["variant"]), []).append((ev["iter"], ev["value"]))
+    assert scalars == {("system", "cpu_percent"): [(s, 50.0 + s) for s in STEPS]}
 
 
 def test_a_misspelt_pattern_is_reported_once_at_shutdown(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
@@ -159,7 +159,7 @@ def test_the_sink_routes_its_backends_the_same(tmp_path: Path, monkeypatch: pyte
         sink.stop()
     runs = tmp_path / "runs" / "s"
     tb = tb_scalars(runs)  # rank 0 only: no rank<N> subfolders
-    assert tb == {tag: {s: float(s) for s in (0, 3, 6, 9)} for tag in ("train/loss", "train/step_duration_s")}
+    assert tb == {tag: [(s, float(s)) for s in (0, 3, 6, 9)] for tag in ("train/loss", "train/step_duration_s")}
     assert len(list(runs.glob("**/events.out.tfevents.*"))) == 1
     for rank in (0, 1):  # JSONL has no route: every series, every step, wire names
         rows = [r for r in read_jsonl(jsonl_path(tmp_path / "runs", "s", rank)) if r["type"] == "metric"]

@@ -15,10 +15,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 from faultkit import expected
 
+# Real processes, each under a 300 s limit of its own: twice the suite's default per test.
+pytestmark = pytest.mark.timeout(600)
 DRIVER = Path(__file__).with_name("kill9_driver.py")
-REPS = 24
+REPS = 16  # random kill steps (each rep starts a real exporter process)
 
 
 def drive(out: Path, reps: int, seed: int, *mode: str) -> list[dict[str, Any]]:

@@ -22,9 +22,10 @@ WORLD = 2
 RUN_ID = "mlflow-ranks"
 SCRIPT = textwrap.dedent("""
     import os, sys, time
-    go = sys.argv[1]
+    go, ready = sys.argv[1], sys.argv[2]
     import otel_train as ot
     from mlflow.tracking import MlflowClient  # noqa: F401  (imported before the start, as a warm job has it)
+    open(ready, "w").close()
     while not os.path.exists(go):
         time.sleep(0.002)
     ot.init()
@@ -50,10 +51,15 @@ def test_two_ranks_start_together_and_every_step_lands_once(tmp_path: Path) -> N
 
     script, go = tmp_path / "rank.py", tmp_path / "go"
     script.write_text(SCRIPT.format(steps=STEPS))
-    procs = [subprocess.Popen([sys.executable, str(script), str(go)], env=_env(tmp_path, rank),
+    ready = [tmp_path / f"ready-{rank}" for rank in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(go), str(ready[rank])], env=_env(tmp_path, rank),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(WORLD)]
-    time.sleep(3)  # both interpreters up and waiting (not an assertion: only makes the race likely)
+    deadline = time.monotonic() + 120
+    while not all(r.exists() for r in ready):  # both interpreters up and waiting: the start is simultaneous
+        assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.01)
     go.touch()
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):

@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from backendkit import isolated_backends_env, wandb_files, wandb_records
 
+# Real processes, each under a 300 s limit of its own: twice the suite's default per test.
+pytestmark = pytest.mark.timeout(600)
 DRIVER = Path(__file__).with_name("preempt_driver.py")
 ALL = "jsonl,chrome_trace,tensorboard,wandb,mlflow,clearml,trackio"
 RUN = "pre"

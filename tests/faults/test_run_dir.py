@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.spool import spool_dir
 
@@ -115,6 +117,7 @@ def _tb(run_dir: Path, prefix: str = "loss") -> list[tuple[int, float]]:
     return [(e.step, e.value) for tag in tags for e in acc.Scalars(tag)]
 
 
+@pytest.mark.timeout(600)  # real processes under a 300 s limit of their own
 def test_two_writers_with_one_run_id_get_distinct_runs(tmp_path: Path) -> None:
     directory = tmp_path / "runs"
     ready = [str(tmp_path / f"seed{s}.ready") for s in (1, 2)]

@@ -19,8 +19,10 @@ from typing import Any
 import pytest
 from faultkit import expected
 
+# Real processes, each under a 300 s limit of its own: twice the suite's default per test.
+pytestmark = pytest.mark.timeout(600)
 DRIVER = Path(__file__).with_name("signal_driver.py")
-REPS = 20
+REPS = 12  # per signal: 36 random steps in all (each rep starts a real exporter process)
 
 
 def drive(out: Path, sig: str, reps: int, seed: int, mode: str = "default") -> list[dict[str, Any]]:

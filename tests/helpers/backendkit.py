@@ -41,13 +41,23 @@ def isolated_backends_env(mp: pytest.MonkeyPatch, root: Path) -> None:
 
 
 # -- TensorBoard ----------------------------------------------------------------------------------
-def tb_scalars(logdir: Path) -> dict[str, dict[int, float]]:
-    """Every scalar series of a TensorBoard log folder, read with TensorBoard's own reader: tag -> step -> value."""
+def tb_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard log folder, read with TensorBoard's own reader: tag -> every point as
+    (step, value), in file order (a step written twice shows twice)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
     acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def by_step(points: list[tuple[int, float]]) -> dict[int, float]:
+    """Step -> value of (step, value) points, for looking a step up; a step written twice fails loudly."""
+    out: dict[int, float] = {}
+    for step, value in points:
+        assert step not in out, f"step {step} written twice ({out[step]!r}, then {value!r})"
+        out[step] = value
+    return out
 
 
 # -- Weights & Biases ---------------------------------------------------------------------------------

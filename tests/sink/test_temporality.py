@@ -113,7 +113,7 @@ def test_restarted_process_continues_the_totals() -> None:
               counter(5, 50, 51), counter(25, 50, 52)]  # restart: 5 more, then 20 more
     mem = _memory(bodies)
     # step-less and no steps in the run: a per-series sequence number
-    assert mem.values("tokens") == {0: 10.0, 1: 30.0, 2: 35.0, 3: 55.0}
+    assert mem.values("tokens") == [(0, 10.0), (1, 30.0), (2, 35.0), (3, 55.0)]
     # the same with a lower value but the same start time (a collector that lost the start time)
     mem = _memory([counter(10, 0, 2), counter(30, 0, 3), counter(4, 0, 9)])
     assert [r.value for r in mem.metrics] == [10.0, 30.0, 34.0]
