@@ -89,9 +89,9 @@ def test_values_logged_before_the_move_keep_their_run_and_say_so(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.run.run_id, moved.run.run_id])
     assert [(r["step"], r["value"]) for r in read_jsonl(jsonl_path(tmp_path, first.run.run_id, 0))
             if r["type"] == "metric" and r["tag"] == "x"] == [(0, 1.0)]
-    assert [r.getMessage() for r in caplog.records if "before the framework set the rank" in r.getMessage()] == [
-        f"otel-train: values logged before the framework set the rank are in run {first.run.run_id!r} (rank 0), "
-        "not in the job's run"]
+    expected = (f"otel-train: values logged before the framework set the rank are in run {first.run.run_id!r} "
+                "(rank 0), not in the job's run")
+    assert [r.getMessage() for r in caplog.records if "before the framework set the rank" in r.getMessage()] == [expected]
 
 
 def test_after_an_export_it_is_an_error_naming_the_fix(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
