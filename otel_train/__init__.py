@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import Meter
     from opentelemetry.trace import Tracer
 
+
 __all__ = [
     "STEP_ATTRIBUTE",
     "ConfigError",
@@ -36,6 +37,7 @@ __all__ = [
     "RunIdentity",
     "Session",
     "StepOrderError",
+    "current_session",
     "current_step",
     "flush",
     "get_meter",
@@ -43,6 +45,7 @@ __all__ = [
     "init",
     "log",
     "resume",
+    "set_placement",
     "shutdown",
     "span",
     "step",
@@ -314,6 +317,50 @@ def shutdown() -> None:
     s = _session
     if s is not None:
         s.shutdown()
+
+
+def current_session() -> Session | None:
+    """The session `init()` started in this process, or None before `init()`, after `shutdown()` and in a forked
+    child. For code that builds on a running session (framework integrations): its ``run`` (run id, name, rank),
+    ``settings`` and ``add_config``.
+
+    Example:
+        >>> import otel_train as ot
+        >>> ot.current_session() is None
+        True
+    """
+    s = _session
+    return None if s is None or s.closed else s
+
+
+def set_placement(*, rank: int | None = None, local_rank: int | None = None,
+                  world_size: int | None = None) -> Session | None:
+    """Tell the running session where this process runs in the job, once a framework's launcher knows it.
+
+    An `init()` that ran before the launcher set the rank (Lightning's DDP launcher re-runs the script for
+    ranks 1..n-1 without ``RANK``; rank 0's own `init()` ran before there was a job) labels the data with
+    the wrong rank and run. If the places differ and nothing was exported yet, the session restarts at the
+    given place, with the same settings, in the job's run (the empty run folder of the first one is
+    removed); if data went out already, one loud error says so and the session stays as it is. Never raises.
+
+    Returns:
+        The session now running (`current_session()`).
+    """
+    global _session
+    from otel_train import runtime
+
+    with _init_lock:
+        current = _session
+        if isinstance(current, runtime.Session) and not current.closed:
+            try:
+                moved = runtime.adopt_placement(current, rank, local_rank, world_size)
+            except Exception:  # after init(): never into the training loop
+                _logger.warning("otel-train: could not move the session to rank %s (local rank %s, world size %s)",
+                                rank, local_rank, world_size, exc_info=True)
+                moved = None
+            if moved is not None:
+                _session = moved
+    return current_session()
 
 
 def get_meter(name: str = "otel_train") -> Meter:

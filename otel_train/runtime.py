@@ -65,6 +65,17 @@ def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
         raise ConfigError(f"{name}: {raw!r} is not an integer; the launcher should set a whole number") from None
 
 
+def _env_rank(env: Mapping[str, str]) -> int:
+    """The global rank: ``RANK``; without it, local rank i of the first node is rank i (Lightning's DDP launcher
+    re-runs the script for ranks 1..n-1 with ``LOCAL_RANK``, ``NODE_RANK`` and ``WORLD_SIZE`` but no ``RANK``:
+    an `init()` at the top must not take rank 0's place); else 0."""
+    if env.get("RANK", "").strip():
+        return _env_int(env, "RANK", 0)
+    local = _env_int(env, "LOCAL_RANK", 0)
+    first_node = _env_int(env, "NODE_RANK", _env_int(env, "GROUP_RANK", 0)) == 0
+    return local if first_node and 0 < local < _env_int(env, "WORLD_SIZE", 1) else 0
+
+
 def resolve_run_id(settings: cfg.Settings, env: Mapping[str, str]) -> str:
     """The run id, equal on every rank of one job without communication.
 
@@ -171,10 +182,57 @@ def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
     _logger.info("otel-train: adopting the framework's place (%s instead of %s): the session started by "
                  "init() restarts before anything was exported", want, have)
     settings = session.settings
+    session.settings = dataclasses.replace(settings, quiet=True)  # no summary naming a run that never was
     session.shutdown()
+    if not session.reader.windows:  # nothing went out at shutdown either: no folder of a run that never was
+        _remove_unused_run_folder(session.run_claim.path)
+    else:  # what was logged before the framework said where this process runs went out at the shutdown
+        _logger.warning("otel-train: values logged before the framework set the rank are in run %r (rank %d), "
+                        "not in the job's run", session.run.run_id, session.run.rank)
     env = dict(os.environ)
     env.update({k.upper(): str(int(v)) for k, v in wanted.items() if v is not None})
     return start(settings, env=env)
+
+
+#: What a session that exported nothing leaves in its rank's spool folder (written at `init()`).
+_UNUSED_SPOOL_FILES = frozenset({"writer.lock", "exporters.pickle", "exporter.log"})
+
+
+def _remove_unused_run_folder(spool: Path, wait_s: float = 5.0) -> None:
+    """Remove the rank's spool folder of a session that exported nothing, and its run folder if nothing else
+    is in it. Only once this process holds the folder's claim (the session's exporter process has exited) and
+    only when it holds nothing but what `init()` wrote (an empty exporter log: a non-empty one is kept)."""
+    from otel_train.spool import LOCK_FILE, try_lock
+
+    deadline = time.monotonic() + wait_s
+    try:
+        fd = try_lock(spool)
+        while fd is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            fd = try_lock(spool)
+    except OSError:
+        return
+    if fd is None:
+        _logger.debug("otel-train: %s is still held; the unused run folder stays", spool)
+        return
+    try:
+        files = {p.name: p for p in spool.iterdir()}
+        log = files.get("exporter.log")
+        if not set(files) <= _UNUSED_SPOOL_FILES or (log is not None and log.stat().st_size):
+            return
+        for name, path in files.items():
+            if name != LOCK_FILE:
+                path.unlink()
+        files[LOCK_FILE].unlink()  # last, still locked: a contender that opened it first retries on a new file
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    for folder in (spool, spool.parent, spool.parent.parent):  # rank<N>/, spool/, the run folder: if empty
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _check_dir(path: Path) -> Path:
@@ -204,7 +262,7 @@ class Session:
         from otel_train.reader import StepAlignedMetricReader, ThreadSpanProcessor
 
         self.settings = settings
-        rank = _env_int(env, "RANK", 0)
+        rank = _env_rank(env)
         run_id = resolve_run_id(settings, env)
         self.run = RunInfo(
             run_id=run_id,

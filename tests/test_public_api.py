@@ -12,8 +12,9 @@ import otel_train
 
 def test_public_names() -> None:
     assert sorted(otel_train.__all__) == sorted([
-        "STEP_ATTRIBUTE", "ConfigError", "OtelTrainError", "Route", "RunIdentity", "Session", "StepOrderError", "current_step", "flush", "get_meter", "get_tracer",
-        "init", "log", "resume", "shutdown", "span", "step", "step_ended", "steps", "traced",
+        "STEP_ATTRIBUTE", "ConfigError", "OtelTrainError", "Route", "RunIdentity", "Session", "StepOrderError",
+        "current_session", "current_step", "flush", "get_meter", "get_tracer",
+        "init", "log", "resume", "set_placement", "shutdown", "span", "step", "step_ended", "steps", "traced",
     ])
     for name in otel_train.__all__:
         assert hasattr(otel_train, name)

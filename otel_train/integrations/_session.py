@@ -21,8 +21,7 @@ _logger = logging.getLogger(__name__)
 
 def session_running() -> bool:
     """Whether `otel_train.init()` has started a session that is not shut down yet."""
-    s = ot._session
-    return s is not None and not s.closed
+    return ot.current_session() is not None
 
 
 class OwnedSession:
@@ -52,34 +51,13 @@ class OwnedSession:
             ConfigError: the env configuration is invalid (before any training step runs).
         """
         if session_running():
-            self._adopt(rank, local_rank, world_size)
+            if rank is not None or local_rank is not None or world_size is not None:
+                ot.set_placement(rank=rank, local_rank=local_rank, world_size=world_size)
             return False
         ot.init(rank=rank, local_rank=local_rank, world_size=world_size, config=config, run_name=run_name,
                 run_id=run_id, resume_step=resume_step, project=project)
         self.started = True
         return True
-
-    @staticmethod
-    def _adopt(rank: int | None, local_rank: int | None, world_size: int | None) -> None:
-        """A running session in another place than the framework's (an `init()` before the framework's
-        launcher set the rank) moves to the framework's place if nothing was exported yet, else warns."""
-        if rank is None and local_rank is None and world_size is None:
-            return
-        from otel_train import runtime
-
-        with ot._init_lock:
-            current = ot._session
-            if not isinstance(current, runtime.Session) or current.closed:
-                return
-            try:
-                adopted = runtime.adopt_placement(current, rank, local_rank, world_size)
-            except ot.ConfigError:
-                raise
-            except Exception:
-                _logger.warning("otel-train: could not move the session to the framework's rank", exc_info=True)
-                return
-            if adopted is not None:
-                ot._session = adopted
 
     def resume_at(self, step: int, **ensure: Any) -> None:
         """The framework restored a checkpoint: the run restarts at `step`. Starts the session with
@@ -102,5 +80,6 @@ class OwnedSession:
 
     def add_config(self, config: Mapping[str, Any]) -> None:
         """Add hyperparameters the framework reports after the session started (no-op without one)."""
-        if session_running():
-            ot._session.add_config(config)
+        session = ot.current_session()
+        if session is not None:
+            session.add_config(config)

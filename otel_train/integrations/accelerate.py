@@ -92,7 +92,7 @@ class OtelTrainTracker(GeneralTracker):  # type: ignore[misc]
     @property
     def tracker(self) -> Any:
         """The otel-train session (what `otel_train.init()` returned), or None before `start`."""
-        return ot._session
+        return ot.current_session()
 
     def _ensure(self, config: Mapping[str, Any] | None = None) -> None:
         state = PartialState()

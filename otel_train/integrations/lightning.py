@@ -86,8 +86,10 @@ class OtelTrainLogger(Logger):
         self._owned = OwnedSession()
 
     def _ensure(self) -> None:
-        # Lightning's strategy sets `rank_zero_only.rank` to the global rank before loggers are used.
-        self._owned.ensure(rank=getattr(rank_zero_only, "rank", None))
+        # Lightning's strategy sets `rank_zero_only.rank` to the global rank before loggers are used, and has
+        # started the process group by then (a logger knows no trainer): with both, a user's `init()` that ran
+        # before Lightning launched the ranks moves to Lightning's place (rank 0 included).
+        self._owned.ensure(rank=getattr(rank_zero_only, "rank", None), world_size=_process_group_size())
 
     @property
     def name(self) -> str:
@@ -98,21 +100,21 @@ class OtelTrainLogger(Logger):
     def version(self) -> str:
         """The otel-train run name (starts the session if needed: Lightning asks for it during setup)."""
         self._ensure()
-        run = getattr(ot._session, "run", None)
+        run = getattr(ot.current_session(), "run", None)
         return getattr(run, "run_name", None) or "otel-train"
 
     @property
     def save_dir(self) -> str | None:
         """`OTEL_TRAIN_DIR` of the running session."""
         self._ensure()
-        settings = getattr(ot._session, "settings", None)
+        settings = getattr(ot.current_session(), "settings", None)
         return None if settings is None else str(settings.dir)
 
     @property
     def experiment(self) -> Any:
         """The otel-train session (what `otel_train.init()` returned)."""
         self._ensure()
-        return ot._session
+        return ot.current_session()
 
     def log_hyperparams(self, params: Mapping[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         """Record `params` as the run config (before training: every backend receives it)."""
@@ -130,6 +132,15 @@ class OtelTrainLogger(Logger):
         ot.flush()
 
 
+def _process_group_size() -> int | None:
+    """The world size of the started `torch.distributed` process group, else None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
 def _requeue_signal(trainer: Trainer) -> int | None:
     """The signal Lightning's SLURM auto-requeue handler will take, or None when it will install none."""
     try:
@@ -141,7 +152,11 @@ def _requeue_signal(trainer: Trainer) -> int | None:
             )
         except ImportError:
             return None
-    environment = getattr(getattr(trainer, "_accelerator_connector", None), "cluster_environment", None)
+    # A parallel strategy holds Lightning's cluster environment (public); a single-device one does not, and
+    # Lightning then uses a `SLURMEnvironment` with its defaults (auto-requeue on SIGUSR1) where SLURM is detected.
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    if environment is None:
+        return int(signal.SIGUSR1) if SLURMEnvironment.detect() else None
     if not isinstance(environment, SLURMEnvironment) or not environment.auto_requeue:
         return None
     return int(environment.requeue_signal or signal.SIGUSR1)
@@ -203,7 +218,7 @@ class OtelTrainCallback(Callback):
     # handlers when the stage ends, and `teardown` puts ours back.
     def _release_requeue_signal(self, trainer: Trainer) -> None:
         signum = _requeue_signal(trainer)
-        release = getattr(ot._session, "release_signal", None)
+        release = getattr(ot.current_session(), "release_signal", None)
         if signum is None or self._released is not None or release is None:
             return
         ours = release(signum)

@@ -180,7 +180,7 @@ class OtelTrainVisBackend(BaseVisBackend):  # type: ignore[misc]
     def experiment(self) -> Any:
         """The otel-train session this backend writes to."""
         self._ready()
-        return ot._session
+        return ot.current_session()
 
     def add_config(self, config: Any, **kwargs: Any) -> None:
         """Keep the config as the run's config (used when this backend starts the session)."""

@@ -169,7 +169,7 @@ class OtelTrainCallback(Callback):
     def _start(self) -> None:
         if not session_running():
             self._session.ensure(rank=0, local_rank=0, world_size=1, run_name=self._run_name, run_id=self._run_id)
-        run = getattr(ot._session, "run", None)
+        run = getattr(ot.current_session(), "run", None)
         if run is not None:  # remember what init chose (env or generated) for a resume
             self._run_id = getattr(run, "run_id", self._run_id)
             self._run_name = getattr(run, "run_name", self._run_name)

@@ -18,6 +18,8 @@ pytest.importorskip("accelerate", reason="the Accelerate integration test needs 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 
 _JOB = textwrap.dedent("""
+    import os
+
     from accelerate import Accelerator
 
     import otel_train as ot
@@ -30,7 +32,10 @@ _JOB = textwrap.dedent("""
     for i in range(3):
         accelerator.log({"train/x": -1.0}, step=i)  # main process only: Accelerate's rule
         tracker.log({"train/x": float(10 * rank + i)}, step=i + 100)  # every process: the README's recipe
-    print("RUN", rank, ot._session.run.run_id, ot._session.run.rank, flush=True)
+    run = ot.current_session().run
+    # One file per rank: the ranks share the launcher's stdout, where two prints can interleave mid-line.
+    with open(os.path.join(os.environ["PLACEMENT_DIR"], f"rank{rank}.txt"), "w") as f:
+        f.write(f"{rank} {run.run_id} {run.rank}")
     accelerator.end_training()
     tracker.finish()  # end_training finishes trackers on the main process only
 """)
@@ -48,22 +53,22 @@ def _points(directory: Path, run: str, rank: int) -> list[tuple[int, float]]:
             if r["type"] == "metric" and r["tag"] == "train/x"]
 
 
-def _launch(script: Path, env: dict[str, str]) -> dict[int, str]:
-    """Run `script` as a 2-process `accelerate launch` job on port 29533; rank -> run id it printed."""
+def _launch(script: Path, env: dict[str, str], placements: Path) -> dict[int, str]:
+    """Run `script` as a 2-process `accelerate launch` job on port 29533; rank -> run id it wrote to `placements`."""
     launcher = shutil.which("accelerate", path=str(Path(sys.executable).parent))
     assert launcher is not None
+    placements.mkdir()
     done = subprocess.run(
         [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
          "--dynamo_backend", "no", "--main_process_port", "29533", str(script)],
-        check=False, env=env, capture_output=True, text=True, timeout=240,
+        check=False, env={**env, "PLACEMENT_DIR": str(placements)}, capture_output=True, text=True, timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     runs = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("RUN "):
-            _, rank, run_id, session_rank = line.split()
-            assert rank == session_rank  # Accelerate's process index is the session's rank
-            runs[int(rank)] = run_id
+    for placement in placements.iterdir():
+        rank, run_id, session_rank = placement.read_text().split()
+        assert rank == session_rank  # Accelerate's process index is the session's rank
+        runs[int(rank)] = run_id
     return runs
 
 
@@ -71,8 +76,8 @@ def test_every_process_records_and_two_jobs_on_one_port_are_two_runs(tmp_path: P
     script = tmp_path / "job.py"
     script.write_text(_JOB)
     env = _env(tmp_path, OTEL_TRAIN_RANKS="all")
-    first = _launch(script, env)
-    second = _launch(script, env)
+    first = _launch(script, env, tmp_path / "first")
+    second = _launch(script, env, tmp_path / "second")
     assert sorted(first) == sorted(second) == [0, 1]
     assert first[0] == first[1]  # the ranks of one job share one run
     assert second[0] == second[1]
