@@ -157,6 +157,7 @@ class SinkCore:
             "backend_threads": self.router.pool.stats(),
             "aggregate_rows_dropped": self.router.aggregate_dropped,
             "collisions": self.router.collisions(),
+            "late_delta_points": self.router.late_deltas(),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

@@ -31,8 +31,8 @@ import shutil
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,6 +184,8 @@ class _Run:
             "collisions": self.converter.collisions,
             "collided_series": list(self.converter.collided),
             "late_points": self.converter.late_points,
+            "late_delta_points": self.converter.late_delta_points,
+            "stale_totals": self.converter.stale_totals,
             "nan_points": self.converter.nan_points,
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
@@ -505,6 +507,13 @@ class Router:
         with self._lock:
             ledgers = list(self._converters.items())
         return {run_id: ledger.collisions for run_id, ledger in ledgers if ledger.collisions}
+
+    def late_deltas(self) -> dict[str, dict[str, int]]:
+        """Runs (open, or closed and remembered) with DELTA points that came after a later step was written."""
+        with self._lock:
+            ledgers = list(self._converters.items())
+        return {run_id: {"points": ledger.late_delta_points, "stale_totals": ledger.stale_totals}
+                for run_id, ledger in ledgers if ledger.late_delta_points}
 
     @property
     def runs_open(self) -> int:
