@@ -486,7 +486,10 @@ class Router:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             states = list(self._runs.values())
-        return all([state.flush(max(0.0, deadline - time.monotonic())) for state in states])
+        flushed = all([state.flush(max(0.0, deadline - time.monotonic())) for state in states])
+        # A run being closed writes everything it holds first: wait for that too.
+        closed = self.wait_until(lambda r: not r.runs_closing, max(0.0, deadline - time.monotonic()))
+        return flushed and closed
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write pending aggregates, drain every queue, close every backend. Idempotent."""
