@@ -1,12 +1,14 @@
 """Benchmark: what an open run costs `otel-train sink` (issue 21, item 6), ramping the number of runs.
 
-The sink runs as its own process (`python -m otel_train.sink`, JSONL backend, runs never idle-closed);
-one gRPC client opens runs by sending each a one-point request, and at every level of the ramp measures
-the latency of requests to random open runs (p50, p99), then, with no traffic for `--idle-sample-s`, the
-sink's CPU use, and its threads, file descriptors and RSS, per open run.
+The sink runs as its own process (`python -m otel_train.sink`, JSONL backend, runs never idle-closed,
+default `--max-open-runs` and `--backend-threads`); one gRPC client opens runs by sending each a one-point
+request (retrying a refusal, as a collector does: a request may meet the LRU closing runs), and at every
+level of the ramp measures the latency of requests to random runs (p50, p99; a run the LRU closed is
+reopened by it), then, with no traffic for `--idle-sample-s`, the sink's CPU use, and its threads, file
+descriptors and RSS, per run. The last lines set the levels side by side (ratios to the first level).
 
-    python bench/sink_runs.py                      # ramp 10, 100, 500, 1000, 2000 runs
-    python bench/sink_runs.py --levels 100,1000,10000
+    python bench/sink_runs.py                      # 1,000 and 10,000 runs
+    python bench/sink_runs.py --levels 10,100,1000,2000,10000
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def _proc(pid: int) -> tuple[int, int, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levels", default="10,100,500,1000,2000", help="open-run counts of the ramp")
+    parser.add_argument("--levels", default="1000,10000", help="run counts of the ramp")
+    parser.add_argument("--max-open-runs", default=None, dest="max_open_runs", help="the sink's --max-open-runs")
     parser.add_argument("--probes", type=int, default=200, help="requests timed at each level")
     parser.add_argument("--idle-sample-s", type=float, default=3.0, dest="idle_sample_s")
     args = parser.parse_args()
@@ -63,15 +66,33 @@ def main() -> None:
     log = (workdir / "sink.log").open("wb")
     sink = subprocess.Popen([sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
                              f"127.0.0.1:{http_port}", "--exporters", "jsonl", "--dir", str(workdir / "runs"),
-                             "--idle-s", "86400", "--status-interval-s", "3600"], stdout=log, stderr=subprocess.STDOUT)
+                             "--idle-s", "86400", "--status-interval-s", "3600",
+                             *(["--max-open-runs", args.max_open_runs] if args.max_open_runs else [])],
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         grpc.channel_ready_future(channel).result(timeout=30)
-        export = channel.unary_unary(_METHOD)
+        call = channel.unary_unary(_METHOD)
+        refused = 0
+
+        def export(body: bytes, timeout: float) -> None:
+            nonlocal refused
+            while True:
+                try:
+                    call(body, timeout=timeout)
+                    return
+                except grpc.RpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    refused += 1
+                    time.sleep(0.01)
+
         base = _proc(sink.pid)
         print(f"idle sink: {base[0]} threads, {base[1]} fds, {base[2]:.1f} MiB")
-        print("| open runs | open s | p50 ms | p99 ms | idle CPU % | threads | fds | RSS MiB | KiB/run | threads/run |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| runs | open s | p50 ms | p99 ms | idle CPU % | threads | fds | RSS MiB | KiB/run | threads/run "
+              "| fds/run | refused |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        rows: list[dict[str, float]] = []
         opened = 0
         rng = random.Random(0)
         for level in levels:
@@ -92,9 +113,20 @@ def main() -> None:
             threads, fds, rss, cpu = _proc(sink.pid)
             idle_cpu = (cpu - before[3]) / args.idle_sample_s * 100
             per_run_kib = (rss - base[2]) * 1024 / opened
-            print(f"| {opened:,} | {open_s:.1f} | {lat[len(lat) // 2]:.2f} | {lat[int(len(lat) * 0.99)]:.2f} | "
-                  f"{idle_cpu:.0f} | {threads} | {fds} | {rss:.0f} | {per_run_kib:.0f} | "
-                  f"{(threads - base[0]) / opened:.2f} |", flush=True)
+            row = {"runs": opened, "p50 ms": lat[len(lat) // 2], "p99 ms": lat[int(len(lat) * 0.99)],
+                   "threads": threads, "fds": fds, "RSS MiB": rss, "KiB/run": per_run_kib,
+                   "threads/run": (threads - base[0]) / opened, "fds/run": (fds - base[1]) / opened}
+            rows.append(row)
+            print(f"| {opened:,} | {open_s:.1f} | {row['p50 ms']:.2f} | {row['p99 ms']:.2f} | "
+                  f"{idle_cpu:.0f} | {threads} | {fds} | {rss:.0f} | {per_run_kib:.1f} | "
+                  f"{row['threads/run']:.4f} | {row['fds/run']:.3f} | {refused} |", flush=True)
+        if len(rows) > 1:
+            first = rows[0]
+            print(f"\nside by side, ratio of each level to {first['runs']:,.0f} runs:")
+            for key in ("runs", "threads", "fds", "RSS MiB", "KiB/run", "p50 ms", "p99 ms"):
+                cells = ", ".join(f"{r[key]:,.1f} ({r[key] / first[key]:.2f}x)" if first[key] else f"{r[key]:,.1f}"
+                                  for r in rows)
+                print(f"  {key:>8}: {cells}")
     finally:
         sink.terminate()
         try:

@@ -596,6 +596,11 @@ OTEL_TRAIN_SINK_QUEUE_WINDOWS = "OTEL_TRAIN_SINK_QUEUE_WINDOWS"
 """Requests held in memory per run and backend (int >= 1); without a spool, more are refused. Default 256."""
 OTEL_TRAIN_SINK_RETRY_AFTER_S = "OTEL_TRAIN_SINK_RETRY_AFTER_S"
 """Seconds a refused sender is told to wait (HTTP Retry-After, gRPC RetryInfo; float > 0). Default 1."""
+OTEL_TRAIN_SINK_BACKEND_THREADS = "OTEL_TRAIN_SINK_BACKEND_THREADS"
+"""Threads per backend kind that every run's backends share (int >= 1). Default 4."""
+OTEL_TRAIN_SINK_MAX_OPEN_RUNS = "OTEL_TRAIN_SINK_MAX_OPEN_RUNS"
+"""Runs whose backends (and files) are open at once; one more closes the least recently used idle run, which
+reopens on its next request with its totals (int >= 1). Default 1000."""
 
 SINK_AGGREGATES_ALLOWED = ("mean", "min", "max")
 
@@ -621,6 +626,8 @@ class SinkSettings:
     spool_total_mb: int = 8192
     queue_windows: int = 256
     retry_after_s: float = 1.0
+    backend_threads: int = 4
+    max_open_runs: int = 1000
 
 
 def _parse_token_file(name: str, raw: str) -> str:
@@ -666,6 +673,8 @@ _SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "spool_total_mb": (OTEL_TRAIN_SINK_SPOOL_TOTAL_MB, lambda n, r: _parse_int(n, r, 1)),
     "queue_windows": (OTEL_TRAIN_SINK_QUEUE_WINDOWS, lambda n, r: _parse_int(n, r, 1)),
     "retry_after_s": (OTEL_TRAIN_SINK_RETRY_AFTER_S, _parse_positive_float),
+    "backend_threads": (OTEL_TRAIN_SINK_BACKEND_THREADS, lambda n, r: _parse_int(n, r, 1)),
+    "max_open_runs": (OTEL_TRAIN_SINK_MAX_OPEN_RUNS, lambda n, r: _parse_int(n, r, 1)),
 }
 
 

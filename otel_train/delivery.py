@@ -28,18 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.exporters.base import RowExporter, Window
 from otel_train.framing import Resume, cut_window, decode_window, is_resume
 from otel_train.spool import Spool
 
-__all__ = ["Delivery", "Progress"]
+__all__ = ["BackendPool", "Delivery", "Progress"]
 
 _logger = logging.getLogger(__name__)
 _MERGE_ROWS = 50_000  # rows one merged write may hold
@@ -78,12 +79,23 @@ class Progress:
         return ", ".join(f"`{name}` behind by {steps} step(s)" for name, steps in behind.items())
 
 
+class BackendPool(Protocol):
+    """Runs backends' work on a bounded set of threads instead of one thread per backend (the sink's many runs).
+
+    `register` is given a backend's kind (its name) and its `work` function, which does what is ready and
+    returns the seconds until it wants to run again (`math.inf`: only when woken), or None once the backend is
+    closed; it returns the function that wakes it. The pool never runs one backend's `work` twice at once.
+    """
+
+    def register(self, kind: str, work: Callable[[], float | None]) -> Callable[[], None]: ...
+
+
 class _Backend:
-    """One backend's thread, queue and cursor."""
+    """One backend's thread (or its turns on a `BackendPool`), queue and cursor."""
 
     def __init__(self, name: str, exporter: RowExporter, spool: Spool | None, queue_windows: int,
                  on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver",
-                 cuts: list[tuple[int, int]] | None = None) -> None:
+                 cuts: list[tuple[int, int]] | None = None, pool: BackendPool | None = None) -> None:
         self.name = name
         self._cuts = cuts if cuts is not None else []  # (cut_after, step) of the resumes known (shared)
         self.exporter = exporter
@@ -116,8 +128,20 @@ class _Backend:
         self._side: deque[tuple[int, Window]] = deque(maxlen=queue_windows * 4)
         self._handed_max: deque[tuple[int, int]] = deque()  # (seq, highest step handed so far), not yet acked
         self._max_step_handed = -1
-        self.thread = threading.Thread(target=self._run, name=f"{thread_name}-{name}", daemon=True)
-        self.thread.start()
+        self.done = threading.Event()  # set once the backend is shut down
+        self.thread: threading.Thread | None = None
+        self._wake: Callable[[], None] | None = None
+        if pool is not None:
+            self._wake = pool.register(name, self._work)
+        else:
+            self.thread = threading.Thread(target=self._run, name=f"{thread_name}-{name}", daemon=True)
+            self.thread.start()
+
+    def _notify(self) -> None:
+        """Wake whoever feeds the backend (its cv held): its thread, or its turn on the pool."""
+        self._cv.notify_all()
+        if self._wake is not None:
+            self._wake()
 
     def submit(self, seq: int, step: int, window: Window) -> None:
         with self._cv:
@@ -134,14 +158,14 @@ class _Backend:
                     self._queue.append((seq, step, window))
             else:
                 self._queue.append((seq, step, window))
-            self._cv.notify_all()
+            self._notify()
 
     def submit_side(self, window: Window, after_seq: int) -> None:
         """Queue a window that is not in the spool, to go right after window `after_seq` (delivered once,
         best effort)."""
         with self._cv:
             self._side.append((after_seq, window))
-            self._cv.notify_all()
+            self._notify()
 
     def wait_room(self, deadline: float) -> bool:
         """Wait until the in-memory queue can take one more window (no spool: backpressure)."""
@@ -157,7 +181,7 @@ class _Backend:
         with self._cv:
             self._flush_wanted = True
             self._flushes_asked += 1
-            self._cv.notify_all()
+            self._notify()
             return self._flushes_asked
 
     def wait_flushed(self, seq: int, ticket: int, deadline: float) -> bool:
@@ -172,46 +196,59 @@ class _Backend:
         with self._cv:
             self._stop = True
             self._flush_wanted = True
-            self._cv.notify_all()
+            self._notify()
 
     def wait_acked(self, seq: int, deadline: float) -> bool:
         with self._cv:
             return self._cv.wait_for(lambda: self.acked >= seq, timeout=max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
-        while True:
-            with self._cv:
+        while self._cycle(_FLUSH_EVERY_S) is not None:
+            pass
+
+    def _work(self) -> float | None:
+        """One turn on a `BackendPool`: do what is ready, never wait."""
+        return self._cycle(0.0)
+
+    def _cycle(self, wait_s: float) -> float | None:
+        """Wait up to `wait_s` for work, do it; None once closed, else the seconds until a flush is due."""
+        with self._cv:
+            if wait_s > 0:
                 self._cv.wait_for(lambda: self._queue or self._side or self._reload or self._flush_wanted
-                                  or self._stop, timeout=_FLUSH_EVERY_S)
-                items = list(self._queue)
-                self._queue.clear()
-                side = list(self._side)
-                self._side.clear()
-                reload, self._reload = self._reload, False
-                flush, self._flush_wanted = self._flush_wanted, False
-                asked = self._flushes_asked
-                stop = self._stop
-                if items:
-                    self._cv.notify_all()  # room in the queue for a producer waiting in `wait_room`
-            if reload and self.spool is not None:
-                items = self._from_spool() + items
-            self._export(items, side)
-            # Without a spool there is no cursor to keep fresh: flush only when asked.
-            due = (self.spool is not None and self.handed > self.acked
-                   and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S)
-            flushed = self._flush() if flush or due else False
-            if flush:
-                with self._cv:
-                    self._flushes_done = max(self._flushes_done, asked)
-                    if flushed:
-                        self._flushed_handed = self.handed
-                    self._cv.notify_all()
-            if stop:
-                with self._cv:
-                    if self._queue or self._side or self._reload:
-                        continue
-                self._close()
-                return
+                                  or self._stop, timeout=wait_s)
+            items = list(self._queue)
+            self._queue.clear()
+            side = list(self._side)
+            self._side.clear()
+            reload, self._reload = self._reload, False
+            flush, self._flush_wanted = self._flush_wanted, False
+            asked = self._flushes_asked
+            stop = self._stop
+            if items:
+                self._cv.notify_all()  # room in the queue for a producer waiting in `wait_room`
+        if reload and self.spool is not None:
+            items = self._from_spool() + items
+        self._export(items, side)
+        # Without a spool there is no cursor to keep fresh: flush only when asked.
+        due = (self.spool is not None and self.handed > self.acked
+               and time.monotonic() - self._last_flush >= _FLUSH_EVERY_S)
+        flushed = self._flush() if flush or due else False
+        if flush:
+            with self._cv:
+                self._flushes_done = max(self._flushes_done, asked)
+                if flushed:
+                    self._flushed_handed = self.handed
+                self._cv.notify_all()
+        if stop:
+            with self._cv:
+                if self._queue or self._side or self._reload:
+                    return 0.0
+            self._close()
+            self.done.set()
+            return None
+        if self.spool is None or self.handed <= self.acked:
+            return math.inf
+        return max(0.0, _FLUSH_EVERY_S - (time.monotonic() - self._last_flush))
 
     def _from_spool(self) -> list[tuple[int, int, Window]]:
         assert self.spool is not None
@@ -402,10 +439,12 @@ class Delivery:
         queue_windows: Windows held in memory per backend before it reads from the spool instead.
         on_error: Called (on the backend's thread) with its name when a backend did not write a window.
         thread_name: Prefix of the backends' thread names.
+        pool: Runs the backends' work on its bounded threads (the sink's many runs); None: a thread per backend.
     """
 
     def __init__(self, backends: Mapping[str, RowExporter], spool: Spool | None, queue_windows: int = 16,
-                 on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver") -> None:
+                 on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver",
+                 pool: BackendPool | None = None) -> None:
         self.spool = spool
         self._lock = threading.Lock()
         self._last_seq = spool.last_seq if spool is not None else 0
@@ -414,7 +453,7 @@ class Delivery:
             spool.backends = list(backends)
         #: (cut_after, step) of every resume in the stream (`framing.Resume`); the spool's are known up front.
         self._cuts = _spooled_cuts(spool, list(backends)) if spool is not None else []
-        self._backends = [_Backend(name, ex, spool, queue_windows, on_error, thread_name, self._cuts)
+        self._backends = [_Backend(name, ex, spool, queue_windows, on_error, thread_name, self._cuts, pool)
                           for name, ex in backends.items()]
         self._queued_seq = self._last_seq  # the last window queued to every backend (children follow it)
         #: Called with each decoded window and its max step; returns the window the backends get
@@ -544,11 +583,11 @@ class Delivery:
             b.stop()
         done = all([b.wait_acked(target, deadline) for b in self._backends])
         for b in self._backends:
-            b.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            b.done.wait(timeout=max(0.0, deadline - time.monotonic()))
         if self.spool is not None:
             self.spool.close()
             self.spool.remove_acknowledged()
-        return done and not any(b.thread.is_alive() for b in self._backends)
+        return done and all(b.done.is_set() for b in self._backends)
 
     def progress(self) -> Progress:
         stats = self.backend_stats()

@@ -78,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-after-s", metavar="S", dest="retry_after_s",
                         help="wait a refused sender is told (Retry-After / RetryInfo) "
                              "[env OTEL_TRAIN_SINK_RETRY_AFTER_S; default 1]")
+    parser.add_argument("--backend-threads", metavar="N", dest="backend_threads",
+                        help="threads per backend kind, shared by every run [env OTEL_TRAIN_SINK_BACKEND_THREADS; "
+                             "default 4]")
+    parser.add_argument("--max-open-runs", metavar="N", dest="max_open_runs",
+                        help="runs whose backends and files are open at once (least recently used idle ones are "
+                             "closed, reopened on demand) [env OTEL_TRAIN_SINK_MAX_OPEN_RUNS; default 1000]")
     parser.add_argument("--log-level", metavar="LEVEL", default="INFO", dest="log_level",
                         help="logging level on stderr (DEBUG, INFO, WARNING) [default INFO]")
 
@@ -122,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
             status_interval_s=args.status_interval_s, tls_cert=args.tls_cert, tls_key=args.tls_key,
             body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
             spool_dir=args.spool_dir, spool_run_mb=args.spool_run_mb, spool_total_mb=args.spool_total_mb,
-            queue_windows=args.queue_windows, retry_after_s=args.retry_after_s)
+            queue_windows=args.queue_windows, retry_after_s=args.retry_after_s,
+            backend_threads=args.backend_threads, max_open_runs=args.max_open_runs)
         if (settings.tls_cert is None) != (settings.tls_key is None):
             raise ConfigError("--tls-cert/--tls-key: give both (a PEM certificate and its key) or neither")
         for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):

@@ -60,7 +60,8 @@ class SinkCore:
         spool_bytes = settings.spool_run_mb << 20
         self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s,
                              settings.queue_windows, settings.spool_dir if spool_bytes else None, spool_bytes,
-                             settings.spool_total_mb << 20, settings.retry_after_s)
+                             settings.spool_total_mb << 20, settings.retry_after_s, settings.backend_threads,
+                             settings.max_open_runs)
         self.run_names = RunNames(directory)
         self.compat = CompatAPI(self.router, self.run_names)
         self._runs = DecodeCache(names=self.run_names)
@@ -152,8 +153,11 @@ class SinkCore:
             "errors": self.router.errors,
             "requests": self.router.requests,
             "held_bytes": self.router.held_bytes,
+            "runs_closed": self.router.runs_closed,
+            "backend_threads": self.router.pool.stats(),
             "aggregate_rows_dropped": self.router.aggregate_dropped,
             "collisions": self.router.collisions(),
+            "late_delta_points": self.router.late_deltas(),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

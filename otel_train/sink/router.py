@@ -2,9 +2,16 @@
 
 Rows are grouped by `train.run.id`; each run gets its own exporter instances (one backend run per
 training run, all ranks inside it: rows carry their rank), fed by `otel_train.delivery.Delivery` —
-the code that feeds the exporter process's backends: one thread per backend, so a backend never
-sees two windows at once and a slow one stalls only itself. Requests are merged into larger
-windows when they queue up. A run idle for `idle_s` is closed; data arriving later reopens it (counter totals survive).
+the code that feeds the exporter process's backends. Runs do not get threads of their own: every
+run's backends take turns on a few threads per backend kind (`otel_train.sink.pool.BackendPool`), so a
+backend never sees two windows at once, and a slow or hung one stalls only its own run. Requests are
+merged into larger windows when they queue up.
+
+Runs are cheap to keep: a run idle for `idle_s` is closed, and at most `max_open_runs` runs hold their
+backends (and files) open at once: opening one more closes the least recently used idle run. Data
+arriving later reopens a closed run; its counter totals and series state survive (`SeriesLedger`). A
+request for a run that is being closed just then is refused with a short retry-after (a run's spool and
+files never have two writers).
 
 Accept and hold: with a spool folder, every request is written ahead to its run's spool (the exporter
 process's `otel_train.spool.Spool`), so a slow backend only makes its run's spool grow. A run is refused
@@ -20,16 +27,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_train.records import MetricRow, RunInfo
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
+from otel_train.sink.pool import BackendPool
 from otel_train.sink.temporality import SeriesLedger
 
 if TYPE_CHECKING:
@@ -42,7 +52,8 @@ _logger = logging.getLogger(__name__)
 #: Builds a fresh list of backends for one run.
 ExporterFactory = Callable[[], "list[RowExporter]"]
 
-_KEEP_CLOSED = 10_000  # closed runs whose counter totals are kept, should they resume
+_KEEP_CLOSED = 100_000  # closed runs whose counter totals are kept, should they resume (~1 KiB each)
+_CLOSING_RETRY_S = 0.2  # the retry-after told to a sender whose run is being closed just then
 _NO_RUN = RunInfo(run_id="", run_name="")  # a spooled window's rows carry their own runs
 
 
@@ -59,11 +70,11 @@ class Overloaded(RuntimeError):
 
 
 class _Run:
-    """One training run: its backends (fed by `Delivery`, one thread each) and what it has seen."""
+    """One training run: its backends (fed by `Delivery`, on the pool's threads) and what it has seen."""
 
     def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
                  aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None],
-                 spool_path: Path | None = None) -> None:
+                 spool_path: Path | None = None, pool: BackendPool | None = None) -> None:
         from otel_train.delivery import Delivery  # lazy: it pulls in the framing of the exporter process
         from otel_train.spool import Spool
 
@@ -87,8 +98,9 @@ class _Run:
         self._sizes: deque[tuple[int, int]] = deque()  # (seq, bytes) of spooled windows not yet handed over
         self.held_bytes = 0
         # Without a spool a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
+        self.spool_path = spool_path
         self.delivery = Delivery(_named(exporters), self.spool, queue_windows, self._error,
-                                 thread_name=f"otel-train-sink[{run_id}]")
+                                 thread_name=f"otel-train-sink[{run_id}]", pool=pool)
 
     def _error(self, _backend: str) -> None:
         self.write_errors += 1
@@ -151,9 +163,9 @@ class _Run:
     def written(self) -> int:
         return self.delivery.rows_written
 
-    def stop(self, timeout_s: float) -> None:
-        """Finish the queues, then flush and close the backends."""
-        self.delivery.close(time.monotonic() + timeout_s)
+    def stop(self, timeout_s: float) -> bool:
+        """Finish the queues, then flush and close the backends; whether every backend holds everything."""
+        return self.delivery.close(time.monotonic() + timeout_s)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -172,6 +184,8 @@ class _Run:
             "collisions": self.converter.collisions,
             "collided_series": list(self.converter.collided),
             "late_points": self.converter.late_points,
+            "late_delta_points": self.converter.late_delta_points,
+            "stale_totals": self.converter.stale_totals,
             "nan_points": self.converter.nan_points,
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
@@ -217,12 +231,14 @@ class Router:
         spool_run_bytes: Bytes one run may hold for its backends before its requests are refused.
         spool_total_bytes: Bytes all runs together may hold before requests of runs holding any are refused.
         retry_after_s: The wait a refused sender is told.
+        backend_threads: Threads per backend kind that every run's backends share.
+        max_open_runs: Runs whose backends are open at once (the least recently used idle one is closed).
     """
 
     def __init__(self, make_exporters: ExporterFactory, aggregate: Sequence[str] = (),
                  aggregate_timeout_s: float = 30.0, idle_s: float = 300.0, queue_windows: int = 256,
                  spool_dir: Path | None = None, spool_run_bytes: int = 1 << 30, spool_total_bytes: int = 8 << 30,
-                 retry_after_s: float = 1.0) -> None:
+                 retry_after_s: float = 1.0, backend_threads: int = 4, max_open_runs: int = 1000) -> None:
         self._make = make_exporters
         self._aggregate = tuple(aggregate)
         self._aggregate_timeout_s = aggregate_timeout_s
@@ -233,7 +249,12 @@ class Router:
         self._total_budget = spool_total_bytes
         self.retry_after_s = retry_after_s
         self.held_bytes = 0  # bytes all open runs hold for their backends (spool only)
-        self._runs: dict[str, _Run] = {}
+        self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently used first
+        self._closing: dict[str, _Run] = {}
+        self._changed = threading.Condition()  # notified when a run has closed
+        self.max_open_runs = max(1, max_open_runs)
+        self.pool = BackendPool(backend_threads)
+        self._closer = ThreadPoolExecutor(4, thread_name_prefix="otel-train-sink-close")
         self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
@@ -256,7 +277,15 @@ class Router:
             if self._closed:
                 raise Overloaded("the sink is shutting down", self.retry_after_s)
             state = self._runs.get(run_id)
-            if state is None:
+            if state is not None:
+                self._runs.move_to_end(run_id)
+            else:
+                if run_id in self._closing:
+                    raise Overloaded(f"run {run_id!r} is being closed; retry shortly", _CLOSING_RETRY_S)
+                self._evict()
+                if len(self._runs) + len(self._closing) >= self.max_open_runs:
+                    raise Overloaded(f"{len(self._runs):,} runs open and {len(self._closing):,} closing (max open "
+                                     f"runs {self.max_open_runs:,}); retry shortly", _CLOSING_RETRY_S)
                 converter = self._converters.pop(run_id, None) or SeriesLedger()
                 self._converters[run_id] = converter
                 while len(self._converters) > _KEEP_CLOSED:
@@ -264,12 +293,57 @@ class Router:
                 exporters = self._make()
                 agg = Aggregator(self._aggregate, self._aggregate_timeout_s) if self._aggregate else None
                 spool = self._spool_dir / spool_folder(run_id) if self._spool_dir is not None else None
-                state = _Run(run_id, exporters, converter, agg, self._queue_windows, self._error, spool)
+                state = _Run(run_id, exporters, converter, agg, self._queue_windows, self._error, spool,
+                             self.pool)
                 self._runs[run_id] = state
                 self._closed_summaries.pop(run_id, None)
                 self.runs_opened += 1
                 _logger.info("run %r opened (%d backend(s))", run_id, len(exporters))
             return state
+
+    def _evict(self) -> None:
+        """Start closing least recently used idle runs so that new ones find room (self._lock held). A run with
+        data still queued, or busy in a request, is passed over."""
+        # Close a few more than needed: the next new runs then find room while these close in the background.
+        headroom = max(1, self.max_open_runs // 8)
+        excess = len(self._runs) + len(self._closing) + headroom - self.max_open_runs
+        if excess <= 0:
+            return
+        for state in list(self._runs.values()):
+            if excess <= 0:
+                break
+            if state.pending or not state.lock.acquire(blocking=False):
+                continue
+            try:
+                if state.pending:
+                    continue
+                self._begin_close(state)
+            finally:
+                state.lock.release()
+            self._closer.submit(self._finish_close, state, 30.0, "least recently used")
+            excess -= 1
+
+    def _begin_close(self, state: _Run) -> None:
+        """Take `state` out of the open runs (self._lock held); requests for it are refused until it is closed."""
+        del self._runs[state.run_id]
+        self._closing[state.run_id] = state
+
+    def _finish_close(self, state: _Run, timeout_s: float, why: str) -> None:
+        try:
+            self._close_run(state, timeout_s)
+            _logger.info("run %r closed (%s)", state.run_id, why)
+        except Exception:
+            _logger.exception("run %r: closing failed", state.run_id)
+        finally:
+            with self._lock:
+                self._closing.pop(state.run_id, None)
+            with self._changed:
+                self._changed.notify_all()
+
+    def wait_until(self, condition: Callable[[Router], bool], timeout_s: float) -> bool:
+        """Wait until `condition(self)` holds, looked at whenever a run has closed (tests, tools)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: condition(self), timeout_s)
 
     def backlogged(self) -> bool:
         """Whether some run's queue is (nearly) full."""
@@ -298,7 +372,11 @@ class Router:
             Overloaded: some run of the request is too far behind; nothing of the request was taken.
         """
         parts = decoded.split_by_run()
-        states = [(self._run(run_id), parts[run_id]) for run_id in sorted(parts)]
+        try:
+            states = [(self._run(run_id), parts[run_id]) for run_id in sorted(parts)]
+        except Overloaded:
+            self.refused += 1
+            raise
         for state, _ in states:  # one order for every request: no two requests wait on each other's locks
             state.lock.acquire()
         try:
@@ -378,44 +456,54 @@ class Router:
             if idle:
                 with self._lock:
                     if self._runs.get(state.run_id) is state and now - state.last_seen >= self.idle_s:
-                        del self._runs[state.run_id]
+                        self._begin_close(state)
                         to_close.append(state)
         for state in to_close:
-            self._close_run(state, timeout_s=30.0)
-            _logger.info("run %r closed after %.0f s idle", state.run_id, self.idle_s)
+            self._closer.submit(self._finish_close, state, 30.0, f"after {self.idle_s:.0f} s idle")
 
     def _close_run(self, state: _Run, timeout_s: float) -> None:
         with state.lock:
             if state.aggregator is not None:
                 self._emit_aggregates(state, state.aggregator.drain())
-        state.stop(timeout_s)
+        complete = state.stop(timeout_s)
+        if complete and state.spool_path is not None:
+            # Every backend holds everything: the spool's cursors and segments have nothing left to give.
+            shutil.rmtree(state.spool_path, ignore_errors=True)
         with self._lock:
             self.held_bytes -= state.held_bytes
         state.held_bytes = 0
         state.converter.compact()  # kept for a resumed run: only what its totals need
         summary = state.summary()
         summary["open"] = False
-        self._closed_summaries[state.run_id] = summary
-        while len(self._closed_summaries) > 1000:
-            self._closed_summaries.popitem(last=False)
-        self.runs_closed += 1
+        with self._lock:
+            self._closed_summaries[state.run_id] = summary
+            while len(self._closed_summaries) > 1000:
+                self._closed_summaries.popitem(last=False)
+            self.runs_closed += 1
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued request is written, then flush every backend."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             states = list(self._runs.values())
-        return all([state.flush(max(0.0, deadline - time.monotonic())) for state in states])
+        flushed = all([state.flush(max(0.0, deadline - time.monotonic())) for state in states])
+        # A run being closed writes everything it holds first: wait for that too.
+        closed = self.wait_until(lambda r: not r.runs_closing, max(0.0, deadline - time.monotonic()))
+        return flushed and closed
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write pending aggregates, drain every queue, close every backend. Idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             states = list(self._runs.values())
             self._runs.clear()
         deadline = time.monotonic() + timeout_s
+        self._closer.shutdown(wait=True)  # closes already under way end first (each bounded by its timeout)
         for state in states:
             self._close_run(state, max(1.0, deadline - time.monotonic()))
+        self.pool.close()
 
     def collisions(self) -> dict[str, int]:
         """Runs (open, or closed and still remembered) with cumulative series sent by two senders."""
@@ -423,9 +511,20 @@ class Router:
             ledgers = list(self._converters.items())
         return {run_id: ledger.collisions for run_id, ledger in ledgers if ledger.collisions}
 
+    def late_deltas(self) -> dict[str, dict[str, int]]:
+        """Runs (open, or closed and remembered) with DELTA points that came after a later step was written."""
+        with self._lock:
+            ledgers = list(self._converters.items())
+        return {run_id: {"points": ledger.late_delta_points, "stale_totals": ledger.stale_totals}
+                for run_id, ledger in ledgers if ledger.late_delta_points}
+
     @property
     def runs_open(self) -> int:
         return len(self._runs)
+
+    @property
+    def runs_closing(self) -> int:
+        return len(self._closing)
 
     def summary(self) -> dict[str, Any]:
         """The `/runs` document: open runs first, then recently closed ones."""

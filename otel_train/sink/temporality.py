@@ -5,7 +5,12 @@ collection re-sends every series it ever saw (a point per ``train.step`` attribu
 steps again), each sum as its total since the series' start time. otel-train itself sends DELTA.
 `SeriesLedger` turns both into the same rows, per (run, rank, series):
 
-* **Counters** (monotonic sums) are shown as running totals. A DELTA point adds its value. A
+* **Counters** (monotonic sums) are shown as running totals. A DELTA point adds its value; one that
+  arrives after a later step of its series was written (requests reordered by parallel collector
+  consumers) is written at its own step with the total as of that step (the increases of the later steps
+  it has seen are left out); the totals already written at those later steps lacked it and cannot be taken
+  back: such points are counted (`late_delta_points`, and the rows they left short in `stale_totals`,
+  shown in `/health`). A
   CUMULATIVE point adds its increase since the previous point of the same OTel series (name +
   attributes, ``train.step`` included) from the same sender (`service.instance.id`, else host and pid);
   a later start time, or a lower value at a later time, is a reset (a restarted process), so the whole
@@ -59,6 +64,8 @@ GAUGE, DELTA_SUM, CUMULATIVE_COUNTER, CUMULATIVE_UPDOWN = range(4)
 # Entries per table and run (~200 bytes each): covers the full re-send of 100 metrics at the OTel SDK's
 # default cardinality limit (2,000 attribute sets, i.e. steps, per metric).
 _MAX_ENTRIES = 200_000
+# Recent steps of a DELTA sum series whose increases are kept, to give a late point the total at its own step.
+_DELTA_STEPS = 128
 
 
 def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
@@ -126,6 +133,12 @@ class SeriesLedger(MetricsConverter):
         self.late_points = 0
         #: Sum points whose value was NaN: not added to the running total.
         self.nan_points = 0
+        #: DELTA sum points that arrived after a later step of their series was written.
+        self.late_delta_points = 0
+        #: Rows written before such a point whose running total lacked it (written once, not rewritten).
+        self.stale_totals = 0
+        # (rank, tag) -> [highest step, {step: increase} of the series' recent steps (the highest `_DELTA_STEPS`)]
+        self._delta_steps: dict[tuple[int, str], list[Any]] = {}
         self._sequence: dict[tuple[int, str], int] = {}
         self._gauges: dict[int, dict[tuple[str, int], float]] = {}  # by rank: (tag, step) -> value written
         self._gauge_entries = 0
@@ -198,7 +211,7 @@ class SeriesLedger(MetricsConverter):
         if mode == DELTA_SUM:
             if stepless:
                 row.step = self.resolve_step(rank, row.tag)
-            row.value = self.accumulate(row.run, row.tag, row.value, True)
+            row.value = self._delta(row)
             return True
         if mode in (CUMULATIVE_COUNTER, CUMULATIVE_UPDOWN):
             key = (rank, sender, row.tag, row.step)
@@ -229,6 +242,29 @@ class SeriesLedger(MetricsConverter):
         out: list[MetricRow] = []
         self.gauges([row], out.append)
         return bool(out)
+
+    def _delta(self, row: MetricRow) -> float:
+        """The running total of a DELTA sum at the row's own step, also when a later step came first."""
+        key = (row.run.rank, row.tag)
+        entry = self._delta_steps.get(key)
+        if entry is None:
+            if len(self._delta_steps) >= self._max:
+                self._delta_steps.clear()
+            entry = self._delta_steps[key] = [-1, {}]
+        top, steps = entry
+        step = row.step
+        total = self.accumulate(row.run, row.tag, row.value, True)
+        steps[step] = steps.get(step, 0.0) + row.value
+        if len(steps) > 2 * _DELTA_STEPS:  # keep the recent steps: late points come a few requests late
+            for s in sorted(steps)[:-_DELTA_STEPS]:
+                del steps[s]
+        if step >= top:
+            entry[0] = step
+            return total
+        later = [v for s, v in steps.items() if s > step]
+        self.late_delta_points += 1
+        self.stale_totals += len(later)
+        return float(total - sum(later))
 
     # -- histograms and summaries --------------------------------------------------------------------
     def histogram(self, row: HistogramRow, cumulative: bool, start_unix_nano: int,
@@ -274,6 +310,7 @@ class SeriesLedger(MetricsConverter):
         self._gauges.clear()
         self._gauge_entries = 0
         self._written.clear()
+        self._delta_steps.clear()
 
     def _remember(self, table: dict[Any, Any], key: Any, value: Any) -> None:
         if len(table) >= self._max and key not in table:

@@ -283,8 +283,9 @@ def test_runs_whose_names_look_alike_never_share_a_spool(tmp_path: Path) -> None
     try:
         for step in range(3):
             router.ingest(decode_metrics(parse_metrics(_step_request(("team/a", "team_a"), step)), cache))
+        assert len(list((tmp_path / "spool").iterdir())) == 2
     finally:
         router.close(10)
-    assert len(list((tmp_path / "spool").iterdir())) == 2
+    assert list((tmp_path / "spool").iterdir()) == []  # each closed with everything written: nothing left
     for run_id in ("team/a", "team_a"):
         assert gates.series(run_id, "train/tokens") == _expected_tokens(3)

@@ -43,9 +43,11 @@ def test_grpc_and_http_interleaved_out_of_order(sink: Any, tmp_path: Path) -> No
     rank0, rank1 = scalars(runs / "a" / "rank0"), scalars(runs / "a" / "rank1")
     assert rank0["train/loss"] == [(s, float(s)) for s in range(10)]
     assert sorted(rank1["train/loss"]) == [(s, 1000.0 + s) for s in range(10)]
-    # DELTA counter -> running total (arrival order in-process too: step order within a request)
+    # DELTA counter -> running total. Rank 1's steps 0-4 came after its steps 5-9 were written: each is written
+    # once at its own step with the total as of that step; steps 5-9, already written, lacked them (counted).
     assert rank0["train/tokens"] == [(s, 10.0 * (s + 1)) for s in range(10)]
-    assert sorted(v for _, v in rank1["train/tokens"]) == [10.0 * k for k in range(1, 11)]
+    assert sorted(rank1["train/tokens"]) == [(s, 10.0 * (s + 1)) for s in range(5)] + [
+        (s, 10.0 * (s - 4)) for s in range(5, 10)]
     b = scalars(runs / "run-b")
     assert b["train/loss"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     summary = {r["run_id"]: r for r in _get(sink, "/runs")["runs"]}
@@ -54,6 +56,7 @@ def test_grpc_and_http_interleaved_out_of_order(sink: Any, tmp_path: Path) -> No
     assert summary["b"]["run_name"] == "run-b" and summary["b"]["last_step"] == 2
     health = _get(sink, "/health")
     assert health["status"] == "ok" and health["points"] == 46 and health["runs_open"] == 2
+    assert health["late_delta_points"] == {"a": {"points": 5, "stale_totals": 25}}
     grpc_exp.shutdown()
     http_exp.shutdown()
 
@@ -117,10 +120,9 @@ def test_idle_run_is_closed_and_reopened_with_its_totals(tmp_path: Path) -> None
     try:
         exp = _grpc_metrics(sink)
         exp.export(metrics_data("idle", 0, 1, range(3)))
-        deadline = time.monotonic() + 10
-        while sink.router.runs_open and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sink.router.runs_open == 0 and sink.router.runs_closed == 1
+        # Woken by the close itself (not by polling `runs_open`, which drops before the close has ended).
+        assert sink.router.wait_until(lambda r: r.runs_closed == 1 and not r.runs_closing, 30)
+        assert sink.router.runs_open == 0
         assert _get(sink, "/runs")["runs"][0]["open"] is False
         exp.export(metrics_data("idle", 0, 1, range(3, 5)))  # resumes: totals continue
         assert sink.flush(10)
