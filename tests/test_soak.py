@@ -99,8 +99,18 @@ def _live_children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
 
+_EARLIER = set[threading.Thread]()  # threads an earlier test left (a hung backend's worker is given up on, by design)
+
+
 def _our_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("otel-train")]
+    """otel-train threads started since the test began (`_EARLIER` is filled by the autouse fixture)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("otel-train") and t not in _EARLIER]
+
+
+@pytest.fixture(autouse=True)
+def _note_earlier_threads() -> None:
+    _EARLIER.clear()
+    _EARLIER.update(threading.enumerate())
 
 
 def _wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
