@@ -278,7 +278,7 @@ def resume(step: int) -> None:
     What `init(resume_step=step)` does, for when the step is known only after `init()` (the framework
     integrations call it once they have loaded a checkpoint): everything logged before is delivered first,
     then every backend supersedes the earlier attempt's steps >= `step` (TensorBoard purge, JSONL resume
-    record, ...; see the README, "Preemption and resume"), and steps may start again from `step`. Windows
+    record, ...; see docs/guarantees.md#preemption-and-resume), and steps may start again from `step`. Windows
     an earlier, killed attempt left undelivered lose their rows at steps >= `step`.
 
     Args:

@@ -2,7 +2,7 @@
 
 Precedence: explicit keyword to `init()` > environment variable > default. The library never
 writes to `os.environ`. Each `OTEL_TRAIN_*` name is a module constant with a docstring giving its
-type, unit and default; the README's table lists the same.
+type, unit and default; the table in docs/configuration.md lists the same.
 """
 
 from __future__ import annotations
