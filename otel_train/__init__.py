@@ -321,8 +321,8 @@ def shutdown() -> None:
 
 def current_session() -> Session | None:
     """The session `init()` started in this process, or None before `init()`, after `shutdown()` and in a forked
-    child. For code that builds on a running session (framework integrations): its ``run`` (run id, name, rank),
-    ``settings`` and ``add_config``.
+    child. For code that builds on a running session (framework integrations): its ``run`` (run id, name, rank)
+    and ``add_config``.
 
     Example:
         >>> import otel_train as ot
