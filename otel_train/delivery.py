@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.exporters.base import RowExporter, Window
+from otel_train.backend import RowExporter, Window
 from otel_train.framing import Resume, cut_window, decode_window, is_resume
 from otel_train.spool import Spool
 
@@ -63,7 +63,7 @@ class Progress:
     steps_order_dropped: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Windows the spool could not write ahead (disk full), delivered from memory only.
     spool_failed_appends: int = 0
-    #: Per backend: rows it did not write, by cause (`otel_train.exporters.base.LOSS_CAUSES`; only non-zero).
+    #: Per backend: rows it did not write, by cause (`otel_train.backend.LOSS_CAUSES`; only non-zero).
     rows_lost: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     def behind(self) -> dict[str, int]:

@@ -39,7 +39,7 @@ from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
-from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
+from otel_train.backend import DELTA_TEMPORALITY, RowExporter, Window
 from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
 from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
 from otel_train.phases import PhaseTimer
