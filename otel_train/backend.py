@@ -471,6 +471,14 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             except Exception as err:
                 _logger.error("exporter `%s` close failed: %s", self.name, err)
 
+    def forget_pending_after_fork(self) -> None:
+        """In a forked child: drop the windows waiting for a retry (the parent's rows: the parent writes
+        them) and the lock a parent's thread may have held at the fork. Called by delivery."""
+        self._lock = threading.RLock()
+        self._pending.clear()
+        self._landed_ids.clear()
+        self._attempts = 0
+
     @property
     def unwritten_windows(self) -> int:
         """Windows accepted and not written yet (waiting for a retry)."""

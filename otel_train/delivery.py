@@ -93,11 +93,11 @@ class _Backend:
         self.handed = self.acked
         self.handed_step = -1
         self._queue: deque[tuple[int, int, Window]] = deque()
-        self._rows = 0
         self._queue_windows = queue_windows
         self._reload = spool is not None and spool.last_seq > self.acked
         self._flush_wanted = False
         self._stop = False
+        self._closed = False  # the backend was shut down (its thread ends)
         self._last_flush = time.monotonic()
         self._cv = threading.Condition()
         self._log = LogOnce(_logger, interval_s=60.0)
@@ -116,8 +116,24 @@ class _Backend:
         self._side: deque[tuple[int, Window]] = deque(maxlen=queue_windows * 4)
         self._handed_max: deque[tuple[int, int]] = deque()  # (seq, highest step handed so far), not yet acked
         self._max_step_handed = -1
-        self.thread = threading.Thread(target=self._run, name=f"{thread_name}-{name}", daemon=True)
+        self._thread_name = f"{thread_name}-{name}"
+        self._start()
+
+    def _start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name=self._thread_name, daemon=True)
         self.thread.start()
+
+    def restart_after_fork(self) -> None:
+        """In a forked child: a fresh thread and lock, nothing queued. What the parent had queued (here and in
+        the backend's own retry queue) stays the parent's: a child never hands a backend its parent's rows."""
+        self._cv = threading.Condition()
+        self._queue.clear()
+        self._side.clear()
+        self._reload = self._flush_wanted = self._stop = False
+        forget = getattr(self.exporter, "forget_pending_after_fork", None)
+        if forget is not None:
+            forget()
+        self._start()
 
     def submit(self, seq: int, step: int, window: Window) -> None:
         with self._cv:
@@ -127,6 +143,8 @@ class _Backend:
                 if self.spool is not None:
                     self._queue.clear()  # stalled: keep memory bounded, read back from the spool later
                     self._reload = True
+                elif self._merge_into_tail(seq, step, window):
+                    pass  # memory only and busy: fewer, bigger writes instead of drops
                 else:
                     _, _, gone = self._queue.popleft()
                     self.dropped += 1
@@ -135,6 +153,14 @@ class _Backend:
             else:
                 self._queue.append((seq, step, window))
             self._cv.notify_all()
+
+    def _merge_into_tail(self, seq: int, step: int, window: Window) -> bool:
+        """Merge `window` into the last queued one, within `_MERGE_ROWS` rows (never across a resume)."""
+        _tail_seq, tail_step, tail = self._queue[-1]
+        if isinstance(window, Resume) or isinstance(tail, Resume) or _rows(tail) + _rows(window) > _MERGE_ROWS:
+            return False
+        self._queue[-1] = (seq, max(tail_step, step), _merge([tail, window]))
+        return True
 
     def submit_side(self, window: Window, after_seq: int) -> None:
         """Queue a window that is not in the spool, to go right after window `after_seq` (delivered once,
@@ -175,8 +201,10 @@ class _Backend:
             self._cv.notify_all()
 
     def wait_acked(self, seq: int, deadline: float) -> bool:
+        """Wait until `seq` is durable, or the backend has shut down without it (it cannot get there then)."""
         with self._cv:
-            return self._cv.wait_for(lambda: self.acked >= seq, timeout=max(0.0, deadline - time.monotonic()))
+            self._cv.wait_for(lambda: self.acked >= seq or self._closed, timeout=max(0.0, deadline - time.monotonic()))
+            return self.acked >= seq
 
     def _run(self) -> None:
         while True:
@@ -211,6 +239,9 @@ class _Backend:
                     if self._queue or self._side or self._reload:
                         continue
                 self._close()
+                with self._cv:
+                    self._closed = True
+                    self._cv.notify_all()
                 return
 
     def _from_spool(self) -> list[tuple[int, int, Window]]:
@@ -474,6 +505,24 @@ class Delivery:
         self._queued_seq = max(self._queued_seq, seq)
         return True
 
+    def put(self, window: Window, max_step: int) -> None:
+        """Queue a decoded window for every backend, memory only, never waiting (the in-process backends:
+        `otel_train.local_delivery`). A backend whose queue is full merges it into its last queued window
+        (at most `_MERGE_ROWS` rows), else drops its oldest window (counted)."""
+        with self._lock:
+            self._last_seq += 1
+            seq = self._last_seq
+            self._last_step = max(self._last_step, max_step)
+        for b in self._backends:
+            b.submit(seq, max_step, window)
+        self._queued_seq = seq
+
+    def restart_after_fork(self) -> None:
+        """In a forked child: every backend's thread restarted with nothing queued (see `_Backend.restart_after_fork`)."""
+        self._lock = threading.Lock()
+        for b in self._backends:
+            b.restart_after_fork()
+
     def has_room(self) -> bool:
         """Whether every backend's in-memory queue can take one more window now (`submit_window` would not wait)."""
         return all(b.queued() < b._queue_windows for b in self._backends)
@@ -536,12 +585,16 @@ class Delivery:
         tickets = [b.request_flush() for b in self._backends]
         return all([b.wait_flushed(target, t, deadline) for b, t in zip(self._backends, tickets)])
 
+    def stop(self) -> None:
+        """Ask every backend to deliver what is left and shut down, without waiting (`close` waits)."""
+        for b in self._backends:
+            b.stop()
+
     def close(self, deadline: float) -> bool:
         """Deliver what is left, shut the backends down, drop acknowledged segments; bounded by `deadline`."""
         self.sync()
         target = self._last_seq
-        for b in self._backends:
-            b.stop()
+        self.stop()
         done = all([b.wait_acked(target, deadline) for b in self._backends])
         for b in self._backends:
             b.thread.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -549,6 +602,10 @@ class Delivery:
             self.spool.close()
             self.spool.remove_acknowledged()
         return done and not any(b.thread.is_alive() for b in self._backends)
+
+    def still_running(self) -> list[str]:
+        """Backends whose thread has not ended (after `close`: the ones abandoned, hanging in a call)."""
+        return [b.name for b in self._backends if b.thread.is_alive()]
 
     def progress(self) -> Progress:
         stats = self.backend_stats()

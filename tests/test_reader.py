@@ -237,14 +237,31 @@ def test_hanging_exporter_blocks_neither_training_nor_other_exporters(run_dir: P
         ot.flush(timeout_s=0.2)  # bounded even though one backend hangs
     assert hang.entered.is_set()
     assert good.values("loss") == {i: float(i) for i in range(8)}
-    worker = next(w for w in session.reader._workers if w.exporter is hang)
-    # The hanging backend's queue stayed bounded: windows merged into one while it was busy.
-    assert len(worker._queue) <= 2
-    assert sum(len(b.window.metrics) for b in worker._queue if b) <= 8 * 4
+    backend = next(b for b in session.reader._local.delivery._backends if b.exporter is hang)
+    # The hanging backend's queue stayed bounded: windows merged into its last one while it was busy.
+    assert len(backend._queue) <= 2
+    assert sum(len(w.metrics) for _, _, w in backend._queue) <= 8 * 4
     start = time.monotonic()
     ot.shutdown()
     assert time.monotonic() - start < 5  # never hangs the process
     hang.release.set()
+
+
+def test_flush_with_a_hanging_backend_starts_no_thread_per_call(run_dir: Path) -> None:
+    """`ot.flush()` waits on the delivery's own state with its deadline: 50 flushes while a backend hangs leave
+    no thread behind (before, each call started one per exporter)."""
+    hang = HangingExporter()
+    ot.init(exporters=[hang], dir=run_dir, shutdown_timeout_s=1)
+    with ot.step(0):
+        ot.log({"loss": 0.0})
+    assert not ot.flush(timeout_s=0.05) and hang.entered.wait(10)
+    before = threading.active_count()
+    for _ in range(50):
+        assert not ot.flush(timeout_s=0.01)
+    assert threading.active_count() == before
+    hang.release.set()
+    assert ot.flush(timeout_s=10)
+    assert hang.values("loss") == {0: 0.0}
 
 
 def test_log_buffer_is_bounded_and_counts_drops(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
