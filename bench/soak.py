@@ -44,7 +44,7 @@ def soak(steps: int, every: int, exporters: str, gap_us: float, directory: Path)
     ot.flush()
     end = rss_mb()
     reader = session.reader
-    dropped = (reader.log_buffer.dropped, reader.span_buffer.dropped, sum(w.dropped_batches for w in reader._workers))
+    dropped = (reader.log_buffer.dropped, reader.span_buffer.dropped, reader.dropped_windows)
     ot.shutdown()
     first = samples[1][1] if len(samples) > 1 else samples[0][1]
     return {"steps": steps, "rss_start_mb": samples[0][1], "rss_first_interval_mb": first, "rss_end_mb": end,

@@ -25,13 +25,12 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train._internal.values import to_floats, valid_name
 from otel_train.backend import DELTA_TEMPORALITY
-from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.instrument import LogBuffer, SpanBuffer
 from otel_train.local_delivery import LocalDelivery
-from otel_train.phases import PhaseTimer
-from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
+from otel_train.records import THREAD_ID, THREAD_NAME
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
+from otel_train.window_builder import DropCounter, WindowBuilder, has_points
 
 __all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
 
@@ -123,13 +122,14 @@ class StepAlignedMetricReader(MetricReader):
         self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(100_000)
         self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(100_000)
         self._resource = resource or Resource.create()
-        self._converter = MetricsConverter()
+        self._builder = WindowBuilder(export_metrics, phases)
         #: The backends of this process (exporter objects; every named one without an exporter process).
         self._local = LocalDelivery(exporters, queue_size) if exporters else None
         self._channel = channel
         self._channels: list[Any] = [c for c in (self._local, channel) if c is not None]
-        self._export_metrics = export_metrics
         self._log = LogOnce(_logger)
+        self._drops = DropCounter(self.log_buffer, self.span_buffer,
+                                  lambda: self.dropped_windows)
         self._collect_lock = threading.Lock()
         self._steps_since = 0
         self._due = False  # a collection is due but was held back by the wake-up throttle (see `_collector_loop`)
@@ -139,15 +139,12 @@ class StepAlignedMetricReader(MetricReader):
         self._stamped_steps = 0  # distinct steps raw OTel points were stamped with since the last collection
         self._collector_ident = 0
         self._next_wake_s = 0.0
-        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
         self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)
         self._log_items, self._span_items = self.log_buffer._items, self.span_buffer._items  # len() in C
         self._last_step: int | None = None
-        self._reported_drops = (0, 0, 0)
         self._shutdown = False
         self.windows = 0
         self.points = 0
-        self._phases = PhaseTimer() if phases and export_metrics else None
         #: Whether a forked child keeps exporting (its own data only) or exports nothing (a session's child).
         self.export_in_forked_child = True
         self._start_collector()
@@ -334,77 +331,20 @@ class StepAlignedMetricReader(MetricReader):
             step = current_step() or 0
         records = self.log_buffer.drain()
         spans = self.span_buffer.drain()
-        self._report_drops(step, records)
-        if not self._channels or (not records and not spans and not _has_points(metrics_data)):
+        self._drops.report(step, records)
+        if not self._channels or (not records and not spans and not has_points(metrics_data)):
             return  # no backend wants anything: draining bounded the memory, converting would waste CPU
-        run = self._converter.run_for(self._resource.attributes)
-        sdk_rows: list[MetricRow] = []
-        hists: list[Any] = []
-        points = self._log_points(records)
-        if self._phases is not None:  # phase timings are plain gauges from here on
-            points.extend(self._phases.points([s for _, s in spans], points))
-        # Metric rows only where this rank exports metrics (spans: every rank).
-        if self._export_metrics and metrics_data is not None and _has_points(metrics_data):
-            sdk_rows, hists = self._converter.rows(metrics_data, step)
-        row_spans: list[SpanRow] = []
-        if spans:
-            recs = [s for _, s in spans if isinstance(s, SpanRecord)]
-            sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
-            row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self._converter)
+        window = self._builder.build(self._builder.run_for(self._resource.attributes), metrics_data, records,
+                                     spans, step)
         self.windows += 1
-        self.points += len(points) + len(sdk_rows) + len(hists)
-        if not self._export_metrics:
-            points = []
+        self.points += len(window.points) + len(window.metrics) + len(window.histograms)
         for channel in self._channels:
             try:
-                channel.send_window(run, points, sdk_rows, hists, row_spans)
+                channel.send_window(window.run, window.points, window.metrics, window.histograms, window.spans)
             except Exception:
                 self._log.warning(f"channel:{type(channel).__name__}", "handing a window to %s failed",
                                   "the exporter process" if channel is self._channel else "the backends",
                                   exc_info=True)
-
-    def _log_points(self, records: list[tuple[Any, ...]]) -> list[tuple[str, int, float, int]]:
-        out: list[Any] = []
-        append = out.append
-        slow = []
-        for _, step, mapping, t in records:
-            if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
-                t = mapping[1] + self._wall_offset_ns
-                mapping = StepEnd.from_times(step, mapping)
-            for key, value in mapping.items():
-                if type(value) is float and valid_name(key):  # the common case: nothing to convert
-                    append((key, step, value, t))
-                else:  # tensors, ints, bad names: converted together below, order kept
-                    slow.append((len(out), key, step, value, t))
-                    append(None)
-        if not slow:
-            return out
-        floats = to_floats([s[3] for s in slow])
-        for (idx, key, step, raw, t), value in zip(slow, floats):
-            if value is None:
-                self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
-                                  "skipped (warned once per key)", key, type(raw).__name__)
-            elif not valid_name(key):
-                self._log.warning(f"name:{key!r}", "otel_train.log: key %r is not a non-empty string; skipped "
-                                  "(warned once per key)", key)
-            else:
-                out[idx] = (key, step, value, t)
-        return [p for p in out if p is not None]
-
-    def _report_drops(self, step: int, records: list[tuple[Any, ...]]) -> None:
-        drops = (
-            self.log_buffer.dropped,
-            self.span_buffer.dropped,
-            self._local.dropped_windows if self._local is not None else 0,
-        )
-        if drops != self._reported_drops:
-            self._reported_drops = drops
-            self._log.warning("dropped", "otel-train dropped data to keep memory bounded: %d log records, "
-                              "%d spans, %d export windows so far (warned once; see otel_train.dropped_* "
-                              "metrics)", *drops)
-            t = time.time_ns()
-            records.append((-1, step, {"otel_train.dropped_records": drops[0], "otel_train.dropped_spans":
-                                       drops[1], "otel_train.dropped_batches": drops[2]}, t))
 
     def resume(self, step: int) -> None:
         """The run restarts at `step` (`otel_train.resume`): collect what was recorded before (on the calling
@@ -414,7 +354,7 @@ class StepAlignedMetricReader(MetricReader):
             return
         self._collect_window()
         with self._collect_lock:  # no collection in flight: the resume follows every window sent so far
-            run = self._converter.run_for(self._resource.attributes)
+            run = self._builder.run_for(self._resource.attributes)
             for channel in self._channels:
                 try:
                     channel.send_resume(run, step)
@@ -476,12 +416,13 @@ class StepAlignedMetricReader(MetricReader):
                 "failures": local.failures() if local is not None else {}}
 
     @property
+    def dropped_windows(self) -> int:
+        """Windows the backends of this process dropped (a full queue, or given up after retries)."""
+        return self._local.dropped_windows if self._local is not None else 0
+
+    @property
     def failures(self) -> int:
         return sum(self._local.failures().values()) if self._local is not None else 0
-
-
-def _has_points(md: MetricsData | None) -> bool:
-    return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
 
 
 def _discard(*args: Any, **kwargs: Any) -> None:
@@ -497,20 +438,3 @@ def _with_step(measurement: Any, step: int) -> Any:
     attrs = measurement.attributes
     fields["attributes"] = {**attrs, STEP_ATTRIBUTE: step} if attrs else {STEP_ATTRIBUTE: step}
     return stamped
-
-
-def _span_attributes(rec: SpanRecord) -> dict[str, Any]:
-    attrs: dict[str, Any] = dict(rec.attributes or {})
-    attrs[THREAD_ID] = rec.thread_id
-    attrs[THREAD_NAME] = rec.thread_name
-    if rec.step is not None:
-        attrs[STEP_ATTRIBUTE] = rec.step
-    if rec.error:
-        attrs["error.message"] = rec.error
-    return attrs
-
-
-def _span_row(run: Any, rec: SpanRecord) -> SpanRow:
-    return SpanRow(run, rec.name, rec.trace_id, rec.span_id, rec.parent_id, rec.start_ns, rec.end_ns,
-                   rec.thread_id, rec.thread_name, rec.step, _span_attributes(rec), rec.error is not None,
-                   rec.error or "")

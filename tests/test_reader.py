@@ -50,31 +50,46 @@ def _end(reader: StepAlignedMetricReader, step: int) -> None:
     reader.on_step_end(StepEnd(step, 0.01, 0.01 * (step + 1), step + 1, None))
 
 
+class NotifyingRowExporter(InMemoryRowExporter):
+    """Wakes a waiting test when rows arrive (no polling with sleeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = threading.Condition()
+
+    def write_metrics(self, rows: Sequence[Any], histograms: Sequence[Any]) -> None:
+        super().write_metrics(rows, histograms)
+        with self.arrived:
+            self.arrived.notify_all()
+
+    def wait_for(self, tag: str, n: int, timeout_s: float = 10.0) -> list[tuple[int, float]]:
+        """The (step, value) points of `tag` once there are at least `n` (or `timeout_s` passed)."""
+        def points() -> list[tuple[int, float]]:
+            return [(r.step, r.value) for r in self.metrics if r.tag == tag]
+
+        with self.arrived:
+            self.arrived.wait_for(lambda: len(points()) >= n, timeout=timeout_s)
+        return points()
+
+
 def test_export_every_n_steps_windows(run_dir: Path) -> None:
-    mem = InMemoryRowExporter()
+    mem = NotifyingRowExporter()
     session = ot.init(exporters=[mem], dir=run_dir, export_every=4, export_interval_s=3600)
-
-    def wait_for_windows(n: int) -> None:  # the collector runs on its own thread: poll with a deadline
-        deadline = time.monotonic() + 10
-        while session.reader.windows < n and time.monotonic() < deadline:
-            time.sleep(0.005)
-
     for i in ot.steps(range(3)):
         ot.log({"loss": float(i)})
-    time.sleep(0.15)  # past the reader's 0.1 s between collections of `ot.log`-only steps
+    time.sleep(0.15)  # not a wait for a thread: time passing the 0.1 s throttle must not make a window due
     assert session.reader.windows == 0  # three steps: no window due yet
     with ot.step(3):
         ot.log({"loss": 3.0})
-    wait_for_windows(1)
+    assert mem.wait_for("loss", 4) == [(i, float(i)) for i in range(4)]
     assert session.reader.windows == 1
-    assert mem.values("loss") == {i: float(i) for i in range(4)}
     for i in ot.steps(range(4, 8), start=4):
         ot.log({"loss": float(i)})
         time.sleep(0.03)
-    wait_for_windows(2)
+    assert mem.wait_for("loss", 8) == [(i, float(i)) for i in range(8)]
     assert session.reader.windows == 2
     ot.flush()
-    assert mem.values("loss") == {i: float(i) for i in range(8)}
+    assert mem.wait_for("loss", 8) == [(i, float(i)) for i in range(8)]
 
 
 def test_log_only_step_ends_wake_the_collector_at_most_every_0_1_s() -> None:
