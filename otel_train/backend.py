@@ -118,6 +118,19 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
 
     Hooks run on one export thread at a time (the base serialises them); they may raise.
 
+    The backend-facing contract (what a backend defines or overrides; nothing else):
+
+    - class attributes `name`, `handles_metrics`, `handles_spans`, `client_module`, `display_names`,
+      `kill_safe_writes`, and the retry tuning `max_pending_windows`, `max_attempts`, `backoff_s`,
+      `isolate_rows`;
+    - `write_metrics`, `write_spans` (one window's rows), `flush`, `close`, and optionally `row_problem`,
+      `durable_step`, `write_resume`, `mark_preempted`, `preload`; `mark_written` to call from a write
+      that is not all-or-nothing.
+
+    The rest is called by delivery (`otel_train.delivery`) or an OTel pipeline and is not overridden:
+    `export_window` (routing, step order, retry, row isolation), `resume`, `force_flush`, `shutdown`,
+    `preempt_at_close`, `forget_pending_after_fork`, and the OTel entry point `export`.
+
     Args:
         options: Directory, project, hyperparameters and rank policy; default from the env vars.
     """

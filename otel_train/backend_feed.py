@@ -24,6 +24,7 @@ __all__ = ["MERGE_ROWS", "BackendFeed", "rows_in"]
 _logger = logging.getLogger("otel_train.delivery")
 MERGE_ROWS = 50_000  # rows one merged write may hold
 FLUSH_EVERY_S = 1.0  # how stale a backend's durable cursor may get while data flows
+_HANDED_KEPT = 4096  # (seq, step) marks kept for a backend whose store lags (`RowExporter.durable_step`)
 
 
 class BackendFeed:
@@ -267,6 +268,8 @@ class BackendFeed:
             self._handed_max[-1] = (self.handed, self._max_step_handed)
         else:
             self._handed_max.append((self.handed, self._max_step_handed))
+            if len(self._handed_max) > _HANDED_KEPT:  # no flush for long (memory only): forget the oldest
+                self._handed_max.popleft()  # a later entry needs a higher durable step: never claims more
 
     def _advance(self, seq: int) -> None:
         assert self.spool is not None

@@ -1,8 +1,10 @@
-"""Feeding backends: encoded windows in, a spool, one thread and one durable cursor per backend.
+"""The one delivery engine: windows in, a spool, one thread and one durable cursor per backend.
 
-Used by the exporter process, by `otel-train replay` and, one per run, by `otel-train sink` (there
-without a spool: `submit_window` waits for room instead, so a full queue pushes back on the sender
-and the sender's own retry takes the place of the spool). Each backend
+Every backend is fed by it, wherever it runs: in the exporter process and `otel-train replay` (encoded
+windows, spool-backed: `submit`), in the training process (`otel_train.local_delivery`: memory only,
+never waiting: `put`, a busy backend's windows merged, the oldest dropped past its queue) and, one per
+run, in `otel-train sink` (memory only: `submit_window` waits for room instead, so a full queue pushes
+back on the sender and the sender's own retry takes the place of the spool). Each backend
 runs on its own thread (a slow or hanging one stalls only itself); while it is busy, new windows
 merge into one bigger write. A backend's cursor moves only after its `force_flush()` succeeded, so
 whatever it has not made durable is fed again from the spool after a crash or by `otel-train replay`;
