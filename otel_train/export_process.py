@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from otel_train.delivery import Delivery, Progress
@@ -59,6 +60,41 @@ _BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
 LOG_FILE = "exporter.log"
 _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
          "from otel_train.export_child import boot; boot(int(sys.argv[1]))")
+
+
+class Backlog:
+    """Windows sent to the exporter process and not yet confirmed spooled there (a restarted child is sent
+    them again), bounded by `_BACKLOG` windows and `_BACKLOG_BYTES` bytes. Its own lock: the reply thread
+    confirms while a sender blocked on a full socket holds the send lock."""
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[int, int, bytes]] = deque()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.dropped = 0  # windows forgotten unconfirmed: only a restart would have needed them
+
+    def add(self, seq: int, max_step: int, payload: bytes) -> None:
+        with self._lock:
+            self._items.append((seq, max_step, payload))
+            self._bytes += len(payload)
+            while len(self._items) > _BACKLOG or self._bytes > _BACKLOG_BYTES:
+                self._bytes -= len(self._items.popleft()[2])
+                self.dropped += 1
+
+    def confirm(self, spooled: int) -> None:
+        """The child spooled every window up to `spooled`."""
+        with self._lock:
+            while self._items and self._items[0][0] <= spooled:
+                self._bytes -= len(self._items.popleft()[2])
+
+    def pending(self, clear: bool = False) -> list[tuple[int, int, bytes]]:
+        """The unconfirmed windows, oldest first (and forgotten, with `clear`)."""
+        with self._lock:
+            items = list(self._items)
+            if clear:
+                self._items.clear()
+                self._bytes = 0
+            return items
 
 
 class ExportProcess:
@@ -99,9 +135,7 @@ class ExportProcess:
                         "run": run, "workers": self.worker_address, "self_metrics": self_metrics,
                         "lock_fd": lock_fd, "export_metrics": exports_metrics(run, options)}
         self._lock = threading.RLock()  # one sender at a time; held across restarts
-        self._backlog: deque[tuple[int, int, bytes]] = deque()
-        self._backlog_bytes = 0
-        self._backlog_lock = threading.Lock()
+        self._backlog = Backlog()
         self._ids = itertools.count(1)
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply_cv = threading.Condition()
@@ -109,7 +143,6 @@ class ExportProcess:
         self._handoff = False  # close() asked: the child's exit after its answer is not a death
         self._pid = os.getpid()
         self.restarts = 0
-        self.dropped = 0
         self.fallback: Delivery | None = None
         self.last_progress = Progress()
         #: The preemption signal's name when the training process ends on one (set before `close`).
@@ -125,39 +158,10 @@ class ExportProcess:
 
     # -- starting -------------------------------------------------------------------------------
     def _start(self) -> tuple[Connection, subprocess.Popen[bytes], int]:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (theirs.fileno(),) + ((self._lock_fd,) if self._lock_fd >= 0 else ())
-        try:
-            self.spool_path.mkdir(parents=True, exist_ok=True)
-            # Never the trainer's stdout/stderr: a `| tee`, a CI step or `subprocess.run(capture_output=True)`
-            # waits for their EOF, which must come when the trainer exits, not after the drain.
-            with open(self.log_path, "ab") as log:
-                proc = subprocess.Popen(  # a fresh interpreter (never a fork), in its own session
-                    [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
-                    pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                )
-        finally:
-            theirs.close()
-        conn = Connection(ours.detach())
-        conn.send(self._config)
-        reply: Any = None
-        if conn.poll(_START_TIMEOUT_S):
-            try:
-                reply = conn.recv()
-            except (EOFError, OSError):
-                reply = None
-        if not (isinstance(reply, tuple) and reply[0] == "ready"):
-            conn.close()
-            if proc.poll() is None:
-                proc.kill()
-            if isinstance(reply, tuple) and reply[0] == "error":
-                raise ConfigError(reply[1])
-            raise ConfigError(f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process did not start within "
-                              f"{_START_TIMEOUT_S:.0f} s (exit code {proc.poll()}); set "
-                              "OTEL_TRAIN_EXPORT_PROCESS=off to export in the training process")
+        conn, proc, last_seq = start_child(self._config, self.log_path, self._lock_fd)
         threading.Thread(target=self._receive, args=(conn, proc), name="otel-train-export-replies",
                          daemon=True).start()
-        return conn, proc, int(reply[1])
+        return conn, proc, last_seq
 
     def _after_fork(self) -> None:
         # A forked DataLoader worker must neither write to the socket nor keep it open (the child
@@ -167,6 +171,11 @@ class ExportProcess:
             self._conn.close()
         except OSError:
             pass
+
+    @property
+    def dropped(self) -> int:
+        """Windows forgotten before the child confirmed them (only a restart would have needed them)."""
+        return self._backlog.dropped
 
     @property
     def pid(self) -> int:
@@ -196,12 +205,7 @@ class ExportProcess:
             if self.fallback is not None:
                 self.fallback.submit(seq, max_step, payload)
                 return
-            with self._backlog_lock:
-                self._backlog.append((seq, max_step, payload))
-                self._backlog_bytes += len(payload)
-                while len(self._backlog) > _BACKLOG or self._backlog_bytes > _BACKLOG_BYTES:
-                    self._backlog_bytes -= len(self._backlog.popleft()[2])
-                    self.dropped += 1  # only a restart would have needed it
+            self._backlog.add(seq, max_step, payload)
             self._send(b"W" + WINDOW.pack(seq, max_step) + payload)
 
     def add_config(self, config: Mapping[str, Any]) -> None:
@@ -249,9 +253,7 @@ class ExportProcess:
                 logging.getLogger(msg[2]).log(msg[1], "%s", msg[3])
                 continue
             spooled = msg[1] if kind == "spooled" else msg[-1].spooled
-            with self._backlog_lock:  # never the send lock: a sender blocked on a full socket holds it
-                while self._backlog and self._backlog[0][0] <= spooled:
-                    self._backlog_bytes -= len(self._backlog.popleft()[2])
+            self._backlog.confirm(spooled)  # never the send lock: a sender blocked on a full socket holds it
             if kind in ("durable", "done", "progress"):
                 self.last_progress = msg[-1]
                 with self._reply_cv:
@@ -272,9 +274,7 @@ class ExportProcess:
                                 "windows it had spooled are delivered from the spool", code)
                 try:
                     self._conn, self._proc, _ = self._start()
-                    with self._backlog_lock:
-                        backlog = list(self._backlog)
-                    for seq, step, payload in backlog:
+                    for seq, step, payload in self._backlog.pending():
                         self._send(b"W" + WINDOW.pack(seq, step) + payload)
                     return
                 except ConfigError as err:
@@ -287,11 +287,7 @@ class ExportProcess:
                 if self._config["self_metrics"]:
                     fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
                 self.fallback = fallback
-                with self._backlog_lock:
-                    backlog = list(self._backlog)
-                    self._backlog.clear()
-                    self._backlog_bytes = 0
-                for seq, step, payload in backlog:
+                for seq, step, payload in self._backlog.pending(clear=True):
                     self.fallback.submit(seq, step, payload)
             except Exception as err:
                 _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
@@ -359,3 +355,44 @@ class ExportProcess:
         return self.last_progress
 
 
+def start_child(config: Mapping[str, Any], log_path: Path, lock_fd: int = -1,
+                ) -> tuple[Connection, subprocess.Popen[bytes], int]:
+    """Start the exporter process, send it `config` and wait for it to be ready.
+
+    Returns:
+        The connection to it, the process, and the last window seq its spool holds.
+
+    Raises:
+        ConfigError: a backend failed to start there, or it did not answer within `_START_TIMEOUT_S`.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd >= 0 else ())
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Never the trainer's stdout/stderr: a `| tee`, a CI step or `subprocess.run(capture_output=True)`
+        # waits for their EOF, which must come when the trainer exits, not after the drain.
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(  # a fresh interpreter (never a fork), in its own session
+                [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
+                pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            )
+    finally:
+        theirs.close()
+    conn = Connection(ours.detach())
+    conn.send(dict(config))
+    reply: Any = None
+    if conn.poll(_START_TIMEOUT_S):
+        try:
+            reply = conn.recv()
+        except (EOFError, OSError):
+            reply = None
+    if not (isinstance(reply, tuple) and reply[0] == "ready"):
+        conn.close()
+        if proc.poll() is None:
+            proc.kill()
+        if isinstance(reply, tuple) and reply[0] == "error":
+            raise ConfigError(reply[1])
+        raise ConfigError(f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process did not start within "
+                          f"{_START_TIMEOUT_S:.0f} s (exit code {proc.poll()}); set "
+                          "OTEL_TRAIN_EXPORT_PROCESS=off to export in the training process")
+    return conn, proc, int(reply[1])
