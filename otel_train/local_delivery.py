@@ -12,14 +12,17 @@ OTel exporters are adapted by `otel_train.otel_adapter`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from otel_train.backend import RowExporter, Window
 from otel_train.delivery import Delivery
 from otel_train.framing import Resume
 from otel_train.otel_adapter import as_row_exporter
 from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
 
 __all__ = ["LocalDelivery"]
 
@@ -32,13 +35,15 @@ class LocalDelivery:
     Args:
         exporters: `RowExporter`s and plain OTel `MetricExporter` / `SpanExporter`s.
         queue_windows: Windows queued per backend (merged while it is busy) before the oldest is dropped.
+        resource: The Resource plain OTel exporters' requests carry (the reader's).
     """
 
-    def __init__(self, exporters: Sequence[Any], queue_windows: int = 16) -> None:
+    def __init__(self, exporters: Sequence[Any], queue_windows: int = 16,
+                 resource: Callable[[], Resource] | None = None) -> None:
         self.exporters = list(exporters)
         backends: dict[str, RowExporter] = {}
         for exporter in self.exporters:
-            row_exporter = as_row_exporter(exporter)
+            row_exporter = as_row_exporter(exporter, resource)
             name, n = row_exporter.name, 1
             while name in backends:  # two exporters of one kind: distinct threads and counters
                 n += 1

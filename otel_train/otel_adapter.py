@@ -14,14 +14,17 @@ run's Resource.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_train.backend import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, SpanRow
+from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
 
 __all__ = ["OTelExporterAdapter", "as_row_exporter"]
 
@@ -31,7 +34,9 @@ class OTelExporterAdapter(RowExporter):
 
     Args:
         exporter: A `MetricExporter`, a `SpanExporter`, or an object that is both.
-        options: Step-order policy and the like (default: the `OTEL_TRAIN_*` variables).
+        options: Step-order policy and the like (default: `ExporterOptions()`).
+        resource: The Resource every request carries (the reader's: the `MeterProvider`'s own); default:
+            the one of each row's run, as the `otlp` backend builds it.
 
     Raises:
         TypeError: `exporter` is neither a `MetricExporter` nor a `SpanExporter`.
@@ -41,7 +46,8 @@ class OTelExporterAdapter(RowExporter):
     #: one request per row to a collector that is down.
     isolate_rows = False
 
-    def __init__(self, exporter: Any, options: ExporterOptions | None = None) -> None:
+    def __init__(self, exporter: Any, options: ExporterOptions | None = None,
+                 resource: Callable[[], Resource] | None = None) -> None:
         if not isinstance(exporter, (MetricExporter, SpanExporter)):
             raise TypeError(f"exporter {exporter!r} is neither an OTel `MetricExporter` nor a `SpanExporter`")
         self.exporter: Any = exporter
@@ -52,7 +58,11 @@ class OTelExporterAdapter(RowExporter):
         # The rows -> SDK objects conversion the `otlp` backend uses: one conversion for both.
         from otel_train.exporters._otlp_rows import RowsToOTLP
 
-        self._to_sdk = RowsToOTLP()
+        class _Rows(RowsToOTLP):
+            def resource(self, run: RunInfo) -> Resource:
+                return resource() if resource is not None else super().resource(run)
+
+        self._to_sdk = _Rows()
 
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         for data in self._to_sdk.metrics(rows, histograms):
@@ -77,6 +87,6 @@ class OTelExporterAdapter(RowExporter):
             self.exporter.shutdown()
 
 
-def as_row_exporter(exporter: Any) -> RowExporter:
+def as_row_exporter(exporter: Any, resource: Callable[[], Resource] | None = None) -> RowExporter:
     """`exporter` itself when it is a `RowExporter`, else an `OTelExporterAdapter` around it."""
-    return exporter if isinstance(exporter, RowExporter) else OTelExporterAdapter(exporter)
+    return exporter if isinstance(exporter, RowExporter) else OTelExporterAdapter(exporter, resource=resource)

@@ -124,7 +124,7 @@ class StepAlignedMetricReader(MetricReader):
         self._resource = resource or Resource.create()
         self._builder = WindowBuilder(export_metrics, phases)
         #: The backends of this process (exporter objects; every named one without an exporter process).
-        self._local = LocalDelivery(exporters, queue_size) if exporters else None
+        self._local = LocalDelivery(exporters, queue_size, lambda: self._resource) if exporters else None
         self._channel = channel
         self._channels: list[Any] = [c for c in (self._local, channel) if c is not None]
         self._log = LogOnce(_logger)

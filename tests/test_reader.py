@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_train as ot
@@ -173,7 +174,7 @@ def test_plugged_into_users_own_meter_provider() -> None:
     mem = InMemoryRowExporter()
     otel_metrics = CapturingMetricExporter()
     reader = StepAlignedMetricReader([mem, otel_metrics], export_interval_s=3600)
-    provider = MeterProvider(metric_readers=[reader])
+    provider = MeterProvider(metric_readers=[reader], resource=Resource.create({"deployment.environment": "lab"}))
     counter = provider.get_meter("user").create_counter("samples")
     for i in range(3):
         counter.add(10, {"train.step": i})
@@ -183,6 +184,9 @@ def test_plugged_into_users_own_meter_provider() -> None:
     # The plain OTel exporter gets SDK data (DELTA) with train.step on every point.
     pts = otel_metrics.points()
     assert [(a["train.step"], v) for n, a, v in pts if n == "samples"] == [(0, 10), (1, 10), (2, 10)]
+    # ... under the provider's own Resource.
+    resources = [rm.resource.attributes for md in otel_metrics.batches for rm in md.resource_metrics]
+    assert resources and all(r.get("deployment.environment") == "lab" for r in resources)
     provider.shutdown()
 
 
