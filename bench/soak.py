@@ -105,7 +105,8 @@ def steps(n: int, every: int, exporters: list[str], spans: bool, gap_us: float, 
                              f"({(time.perf_counter() - t0) / (i + 1) * 1e6:.1f} µs/step)\n")
     ot.flush()
     end = {**probe(), "backlog": len(session.log_buffer)}
-    dropped = {"records": session.log_buffer.dropped, "spans": session.span_buffer.dropped}
+    dropped = {"records": session.log_buffer.dropped, "spans": session.span_buffer.dropped,
+               "windows": session.reader.dropped_windows}
     ot.shutdown()
     first_step, first = samples[0] if samples else (0, end)
     out = report(f"{n:,} steps (from step {first_step:,})", first, end)

@@ -20,7 +20,7 @@ import pickle
 from collections.abc import Sequence
 from operator import attrgetter
 
-from otel_train.exporters.base import Window
+from otel_train.backend import Window
 from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
 
 __all__ = ["Resume", "cut_window", "decode_window", "encode_resume", "encode_window", "is_resume"]

@@ -3,16 +3,15 @@
 Flow: the training thread only appends to buffers and, at the end of every `export_every`-th
 step, wakes the collector thread. The collector collects the SDK's instruments (DELTA, so
 per-step attribute sets are freed after each collection), drains the `ot.log` / span buffers,
-converts everything once (rows for our backends, OTel `MetricsData` / spans for plain OTel
-exporters) and hands the window to one worker thread per exporter through a bounded queue
-(oldest window dropped and counted when full). A slow or hanging backend only stalls its own
-worker. Named backends run in the exporter process instead: the reader hands it each window through
-`channel` (`otel_train.export_process`), encoded once.
+converts everything once into one window (`ot.log` points, SDK rows, span rows) and hands it to
+its channels: the exporter process (`otel_train.export_process`, which encodes it once) and the
+backends of this process (`otel_train.local_delivery`). Both feed backends with the one delivery
+engine, `otel_train.delivery`: queueing, merging, retry, flush and shutdown do not depend on where
+a backend runs.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -20,37 +19,23 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from opentelemetry.sdk.metrics.export import (
-    Gauge,
-    Metric,
-    MetricExporter,
-    MetricReader,
-    MetricsData,
-    NumberDataPoint,
-    ResourceMetrics,
-    ScopeMetrics,
-)
+from opentelemetry.sdk.metrics.export import MetricReader, MetricsData
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-from opentelemetry.sdk.trace.export import SpanExporter
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 from otel_train._internal import sdk
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
-from otel_train._internal.values import to_floats, valid_name
-from otel_train.exporters.base import DELTA_TEMPORALITY, RowExporter, Window
-from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
-from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
-from otel_train.phases import PhaseTimer
-from otel_train.records import THREAD_ID, THREAD_NAME, MetricRow, MetricsConverter, SpanRow, span_rows
+from otel_train.backend import DELTA_TEMPORALITY
+from otel_train.instrument import LogBuffer, SpanBuffer
+from otel_train.local_delivery import LocalDelivery
+from otel_train.records import THREAD_ID, THREAD_NAME
 from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
+from otel_train.window_builder import DropCounter, WindowBuilder, has_points
 
 __all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
 
 _logger = logging.getLogger(__name__)
-_SCOPE = InstrumentationScope("otel_train")
 _WAKE_EVERY_S = 0.1  # step ends with only `ot.log` / spans to collect wake the collector at most this often
 _SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
 
@@ -80,183 +65,6 @@ class ThreadSpanProcessor(SpanProcessor):
         return True
 
 
-@dataclasses.dataclass
-class _Batch:
-    """One collected window, in every form some exporter needs."""
-
-    window: Window
-    metrics_data: MetricsData | None
-    spans: Sequence[ReadableSpan]
-    #: (run, step): after this batch's rows, the run restarts at step (`otel_train.resume`); never merged past.
-    resume: tuple[Any, int] | None = None
-
-
-_MERGE_ROWS = 50_000  # rows one merged window may hold (~7 MB); with `queue_size` it bounds a slow backend's queue
-
-
-def _rows_in(batch: _Batch) -> int:
-    w = batch.window
-    return len(w.metrics) + len(w.histograms) + len(w.spans) + len(batch.spans)
-
-
-def _merge_batches(batches: list[_Batch]) -> _Batch:
-    """One batch holding the rows of several windows, in order."""
-    if len(batches) == 1:
-        return batches[0]
-    ws = [b.window for b in batches]
-    window = Window([r for w in ws for r in w.metrics], [h for w in ws for h in w.histograms],
-                    [s for w in ws for s in w.spans])
-    mds = [b.metrics_data for b in batches if b.metrics_data is not None]
-    md = _merge_metrics_data([rm for m in mds for rm in m.resource_metrics]) if mds else None
-    return _Batch(window, md, [s for b in batches for s in b.spans], batches[-1].resume)
-
-
-def _merge_metrics_data(resource_metrics: Sequence[ResourceMetrics]) -> MetricsData:
-    """One `MetricsData` with one entry per Resource and, inside it, per scope (metrics concatenated).
-
-    OTLP encoders, the SDK's among them, assume each Resource (and each scope within it) appears
-    once and keep only the last entry of a repeated one: merged windows must not repeat them.
-    """
-    by_resource: dict[Resource, tuple[str, dict[InstrumentationScope, tuple[str, list[Metric]]]]] = {}
-    for rm in resource_metrics:
-        _, scopes = by_resource.setdefault(rm.resource, (rm.schema_url, {}))
-        for sm in rm.scope_metrics:
-            scopes.setdefault(sm.scope, (sm.schema_url, []))[1].extend(sm.metrics)
-    return MetricsData([
-        ResourceMetrics(resource, [ScopeMetrics(scope, metrics, url) for scope, (url, metrics) in scopes.items()],
-                        schema_url)
-        for resource, (schema_url, scopes) in by_resource.items()
-    ])
-
-
-class _ExportWorker:
-    """One thread and one bounded queue per exporter."""
-
-    def __init__(self, exporter: Any, queue_size: int, send_metrics: bool, send_spans: bool) -> None:
-        self.exporter = exporter
-        self.send_metrics = send_metrics
-        self.send_spans = send_spans
-        self.dropped_batches = 0
-        self.failures = 0
-        self._queue_size = queue_size
-        self._log = LogOnce(_logger, interval_s=60.0)
-        self._start()
-
-    def _start(self) -> None:
-        self._queue: deque[_Batch | None] = deque()
-        self._cv = threading.Condition()
-        self._busy = False
-        self._closed = False
-        name = getattr(self.exporter, "name", type(self.exporter).__name__)
-        self._thread = threading.Thread(target=self._run, name=f"otel-train-export-{name}", daemon=True)
-        self._thread.start()
-
-    def restart_after_fork(self) -> None:
-        self._start()
-
-    def submit(self, batch: _Batch | None) -> None:
-        """Queue a window. While the worker is busy, windows merge into the queued tail (up to
-        `_MERGE_ROWS` rows), so a slow backend gets fewer, bigger writes instead of drops."""
-        with self._cv:
-            if self._closed:
-                return
-            tail = self._queue[-1] if self._queue else None
-            if batch is None:
-                self._queue.append(None)
-                self._closed = True
-            elif tail is not None and tail.resume is None and _rows_in(tail) + _rows_in(batch) <= _MERGE_ROWS:
-                self._queue[-1] = _merge_batches([tail, batch])
-            else:
-                self._queue.append(batch)
-                if len(self._queue) > self._queue_size:
-                    self._queue.popleft()
-                    self.dropped_batches += 1
-                    self._log.warning("drop", "export queue of `%s` full: oldest window dropped (%d so far)",
-                                      getattr(self.exporter, "name", self.exporter), self.dropped_batches)
-            self._cv.notify_all()
-
-    def wait_idle(self, deadline: float) -> bool:
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._queue and not self._busy,
-                                     timeout=max(0.0, deadline - time.monotonic()))
-
-    def join(self, deadline: float) -> bool:
-        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: bool(self._queue))
-                batches: list[_Batch] = []
-                while self._queue and self._queue[0] is not None:  # everything queued: one write
-                    batches.append(self._queue.popleft())  # type: ignore[arg-type]
-                    if batches[-1].resume is not None:  # a resume ends the write: later rows come after it
-                        break
-                stop = not batches
-                if stop:
-                    self._queue.popleft()
-                self._busy = True
-            try:
-                if stop:
-                    self._call(self._shutdown_exporter)
-                    return
-                self._export(_merge_batches(batches))
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
-
-    def _export(self, batch: _Batch) -> None:
-        ex = self.exporter
-        if isinstance(ex, RowExporter):
-            w = batch.window
-            window = Window(w.metrics if self.send_metrics else (), w.histograms if self.send_metrics else (),
-                            w.spans if self.send_spans else ())
-            if window:
-                self._call(lambda: ex.export_window(window))
-            if batch.resume is not None:
-                run, step = batch.resume
-                self._call(lambda: ex.resume(run, step))
-            return
-        if self.send_metrics and isinstance(ex, MetricExporter) and batch.metrics_data is not None:
-            md = batch.metrics_data
-            self._call(lambda: ex.export(md))
-        if self.send_spans and isinstance(ex, SpanExporter) and batch.spans:
-            spans = batch.spans
-            self._call(lambda: ex.export(spans))
-
-    def _shutdown_exporter(self) -> None:
-        ex = self.exporter
-        if isinstance(ex, MetricExporter):  # RowExporter included
-            ex.shutdown(timeout_millis=10_000)
-        else:  # OTel's SpanExporter.shutdown() takes no timeout
-            ex.shutdown()
-
-    def _call(self, fn: Any) -> None:
-        try:
-            fn()
-        except Exception as err:  # never let a backend kill the worker
-            self.failures += 1
-            self._log.error("fail", "exporter `%s` raised %s: %s (%d failure(s); logged once a minute)",
-                            getattr(self.exporter, "name", self.exporter), type(err).__name__, err,
-                            self.failures)
-
-    def flush(self, deadline: float) -> None:
-        flush = getattr(self.exporter, "force_flush", None)
-        if flush is None:
-            return
-        done = threading.Event()
-
-        def run() -> None:
-            self._call(lambda: flush(timeout_millis=max(1.0, (deadline - time.monotonic()) * 1000)))
-            done.set()
-
-        # On its own short-lived thread so a hanging backend cannot hold up the caller.
-        threading.Thread(target=run, name="otel-train-flush", daemon=True).start()
-        done.wait(timeout=max(0.0, deadline - time.monotonic()))
-
-
 class StepAlignedMetricReader(MetricReader):
     """A `MetricReader` collected every `export_every` steps and every `export_interval_s` seconds.
 
@@ -268,7 +76,7 @@ class StepAlignedMetricReader(MetricReader):
             fans out to all of them.
         export_every: Collect after every N steps.
         export_interval_s: Collect at the latest after this many seconds.
-        queue_size: Windows queued per exporter before the oldest is dropped.
+        queue_size: Windows queued per exporter (merged while it is busy) before the oldest is dropped.
         log_buffer: Where `ot.log` records wait for collection.
         span_buffer: Where finished spans wait for collection.
         metrics_ranks: Whether this process exports metrics (spans always go out).
@@ -312,19 +120,14 @@ class StepAlignedMetricReader(MetricReader):
         self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(100_000)
         self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(100_000)
         self._resource = resource or Resource.create()
-        self._converter = MetricsConverter()
-        self._workers = [
-            _ExportWorker(ex, queue_size, export_metrics and _wants_metrics(ex), _wants_spans(ex))
-            for ex in exporters
-        ]
-        self._workers = [w for w in self._workers if w.send_metrics or w.send_spans]
-        self._unused = [ex for ex in exporters if not any(w.exporter is ex for w in self._workers)]
-        self._need_rows = any(isinstance(w.exporter, RowExporter) for w in self._workers)
-        self._need_md = any(w.send_metrics and not isinstance(w.exporter, RowExporter) for w in self._workers)
-        self._need_spans = any(w.send_spans and not isinstance(w.exporter, RowExporter) for w in self._workers)
+        self._builder = WindowBuilder(export_metrics, phases)
+        #: The backends of this process (exporter objects; every named one without an exporter process).
+        self._local = LocalDelivery(exporters, queue_size, lambda: self._resource) if exporters else None
         self._channel = channel
-        self._channel_metrics = export_metrics
+        self._channels: list[Any] = [c for c in (self._local, channel) if c is not None]
         self._log = LogOnce(_logger)
+        self._drops = DropCounter(self.log_buffer, self.span_buffer,
+                                  lambda: self.dropped_windows)
         self._collect_lock = threading.Lock()
         self._steps_since = 0
         self._due = False  # a collection is due but was held back by the wake-up throttle (see `_collector_loop`)
@@ -334,15 +137,12 @@ class StepAlignedMetricReader(MetricReader):
         self._stamped_steps = 0  # distinct steps raw OTel points were stamped with since the last collection
         self._collector_ident = 0
         self._next_wake_s = 0.0
-        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
         self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)
         self._log_items, self._span_items = self.log_buffer._items, self.span_buffer._items  # len() in C
         self._last_step: int | None = None
-        self._reported_drops = (0, 0, 0)
         self._shutdown = False
         self.windows = 0
         self.points = 0
-        self._phases = PhaseTimer() if phases and export_metrics else None
         #: Whether a forked child keeps exporting (its own data only) or exports nothing (a session's child).
         self.export_in_forked_child = True
         self._start_collector()
@@ -370,8 +170,8 @@ class StepAlignedMetricReader(MetricReader):
             sdk.discard_measurements(self._sdk_storage)  # nor keeps what raw OTel instruments record there
             return
         self._start_collector()
-        for w in self._workers:
-            w.restart_after_fork()
+        if self._local is not None:
+            self._local.restart_after_fork()
 
     def _empty_sdk_storage(self) -> None:
         """Drop the SDK's pending aggregations of this reader, in a forked child (one thread: no lock is
@@ -517,143 +317,43 @@ class StepAlignedMetricReader(MetricReader):
             step = current_step() or 0
         records = self.log_buffer.drain()
         spans = self.span_buffer.drain()
-        self._report_drops(step, records)
-        if (not self._workers and self._channel is None) or (
-                not records and not spans and not _has_points(metrics_data)):
-            return  # no exporter wants anything: draining bounded the memory, converting would waste CPU
-        run = self._converter.run_for(self._resource.attributes)
-        # Metric rows for the exporter process only where this rank exports metrics (spans: every rank).
-        need_rows = self._need_rows or (self._channel is not None and self._channel_metrics)
-        rows: list[MetricRow] = []
-        sdk_rows: list[MetricRow] = []
-        hists: list[Any] = []
-        md: MetricsData | None = None
-        points = self._log_points(records)
-        if self._phases is not None:  # phase timings are plain gauges from here on
-            points.extend(self._phases.points([s for _, s in spans], points))
-        if need_rows and metrics_data is not None and _has_points(metrics_data):
-            sdk_rows, hists = self._converter.rows(metrics_data, step)
-        if self._need_rows:
-            rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
-            rows.extend(sdk_rows)
-        if self._need_md:
-            md = self._metrics_data(metrics_data, points, step)
-        row_spans: list[SpanRow] = []
-        otel_spans: list[ReadableSpan] = []
-        if spans:
-            recs = [s for _, s in spans if isinstance(s, SpanRecord)]
-            sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
-            if self._need_rows or self._channel is not None:  # spans go out from every rank
-                row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self._converter)
-            if self._need_spans:
-                otel_spans = [_readable_span(r, self._resource) for r in recs] + sdk_spans
+        self._drops.report(step, records)
+        if not self._channels or (not records and not spans and not has_points(metrics_data)):
+            return  # no backend wants anything: draining bounded the memory, converting would waste CPU
+        window = self._builder.build(self._builder.run_for(self._resource.attributes), metrics_data, records,
+                                     spans, step)
         self.windows += 1
-        self.points += len(points) + len(sdk_rows) + len(hists)
-        if self._channel is not None:
+        self.points += len(window.points) + len(window.metrics) + len(window.histograms)
+        for channel in self._channels:
             try:
-                if self._channel_metrics:
-                    self._channel.send_window(run, points, sdk_rows, hists, row_spans)
-                else:
-                    self._channel.send_window(run, (), (), (), row_spans)
+                channel.send_window(window.run, window.points, window.metrics, window.histograms, window.spans)
             except Exception:
-                self._log.warning("channel", "handing a window to the exporter process failed", exc_info=True)
-        if not self._workers:
-            return
-        batch = _Batch(Window(rows, hists, row_spans), md, otel_spans)
-        for w in self._workers:
-            w.submit(batch)
-
-    def _log_points(self, records: list[tuple[Any, ...]]) -> list[tuple[str, int, float, int]]:
-        out: list[Any] = []
-        append = out.append
-        slow = []
-        for _, step, mapping, t in records:
-            if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
-                t = mapping[1] + self._wall_offset_ns
-                mapping = StepEnd.from_times(step, mapping)
-            for key, value in mapping.items():
-                if type(value) is float and valid_name(key):  # the common case: nothing to convert
-                    append((key, step, value, t))
-                else:  # tensors, ints, bad names: converted together below, order kept
-                    slow.append((len(out), key, step, value, t))
-                    append(None)
-        if not slow:
-            return out
-        floats = to_floats([s[3] for s in slow])
-        for (idx, key, step, raw, t), value in zip(slow, floats):
-            if value is None:
-                self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
-                                  "skipped (warned once per key)", key, type(raw).__name__)
-            elif not valid_name(key):
-                self._log.warning(f"name:{key!r}", "otel_train.log: key %r is not a non-empty string; skipped "
-                                  "(warned once per key)", key)
-            else:
-                out[idx] = (key, step, value, t)
-        return [p for p in out if p is not None]
-
-    def _report_drops(self, step: int, records: list[tuple[Any, ...]]) -> None:
-        drops = (
-            self.log_buffer.dropped,
-            self.span_buffer.dropped,
-            sum(w.dropped_batches for w in self._workers),
-        )
-        if drops != self._reported_drops:
-            self._reported_drops = drops
-            self._log.warning("dropped", "otel-train dropped data to keep memory bounded: %d log records, "
-                              "%d spans, %d export windows so far (warned once; see otel_train.dropped_* "
-                              "metrics)", *drops)
-            t = time.time_ns()
-            records.append((-1, step, {"otel_train.dropped_records": drops[0], "otel_train.dropped_spans":
-                                       drops[1], "otel_train.dropped_batches": drops[2]}, t))
-
-    def _metrics_data(self, sdk: MetricsData | None, points: list[tuple[str, int, float, int]],
-                      step: int) -> MetricsData:
-        """OTel data for plain exporters (OTLP): `ot.log` gauges plus SDK points, all with `train.step`."""
-        by_key: dict[str, list[NumberDataPoint]] = {}
-        for key, s, v, t in points:
-            by_key.setdefault(key, []).append(NumberDataPoint({STEP_ATTRIBUTE: s}, t, t, v))
-        ours = ScopeMetrics(_SCOPE, [_otel_metric(k, Gauge(p)) for k, p in by_key.items()], "")
-        resource_metrics = []
-        if sdk is not None:
-            for rm in sdk.resource_metrics:
-                scopes = [ScopeMetrics(sm.scope, [_stamp(m, step) for m in sm.metrics], sm.schema_url)
-                          for sm in rm.scope_metrics]
-                resource_metrics.append(ResourceMetrics(rm.resource, scopes, rm.schema_url))
-        if by_key:
-            if resource_metrics:
-                first = resource_metrics[0]
-                resource_metrics[0] = ResourceMetrics(first.resource, [*first.scope_metrics, ours], first.schema_url)
-            else:
-                resource_metrics.append(ResourceMetrics(self._resource, [ours], ""))
-        return _merge_metrics_data(resource_metrics)  # the SDK's meters may use our scope too
+                self._log.warning(f"channel:{type(channel).__name__}", "handing a window to %s failed",
+                                  "the exporter process" if channel is self._channel else "the backends",
+                                  exc_info=True)
 
     def resume(self, step: int) -> None:
         """The run restarts at `step` (`otel_train.resume`): collect what was recorded before (on the calling
-        thread), then tell every row exporter and the exporter process, in order after it. Never waits
+        thread), then tell every backend, here and in the exporter process, in order after it. Never waits
         for a backend."""
         if self._shutdown:
             return
         self._collect_window()
         with self._collect_lock:  # no collection in flight: the resume follows every window sent so far
-            run = self._converter.run_for(self._resource.attributes)
-            if self._channel is not None:
+            run = self._builder.run_for(self._resource.attributes)
+            for channel in self._channels:
                 try:
-                    self._channel.send_resume(run, step)
+                    channel.send_resume(run, step)
                 except Exception:
-                    self._log.warning("channel-resume", "handing a resume to the exporter process failed",
-                                      exc_info=True)
-            for w in self._workers:
-                if isinstance(w.exporter, RowExporter):
-                    w.submit(_Batch(Window(), None, (), (run, step)))
+                    self._log.warning("channel-resume", "handing a resume to the backends failed", exc_info=True)
 
     # -- flush / shutdown ---------------------------------------------------------------------
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        """Collect now (on the collector thread) and wait until every exporter has written it."""
-        return self._flush(time.monotonic() + timeout_millis / 1000, wait_channel=True)
+        """Collect now (on the collector thread) and wait until every backend has written it."""
+        return self._flush(time.monotonic() + timeout_millis / 1000)
 
-    def _flush(self, deadline: float, wait_channel: bool) -> bool:
-        if self._shutdown:
-            return True
+    def _collect_now(self, deadline: float) -> bool:
+        """Collect on the collector thread (or here, when that is this thread or gone), by `deadline`."""
         caller_step = current_step()  # a flush inside a step stamps that step, not the previous one
         if caller_step is not None:
             self._last_step = caller_step
@@ -661,117 +361,51 @@ class StepAlignedMetricReader(MetricReader):
             done = threading.Event()
             self._flush_requests.append(done)
             self._wake.set()
-            if not done.wait(timeout=max(0.0, deadline - time.monotonic())):
-                return False
-        else:
-            self._collect_window()
-        ok = all([w.wait_idle(deadline) for w in self._workers])  # wait for each, not the first failure
-        if wait_channel and self._channel is not None:
-            ok = self._channel.flush(deadline) and ok
-        for w in self._workers:
-            w.flush(deadline)
-        return ok
+            return done.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self._collect_window()
+        return True
+
+    def _flush(self, deadline: float) -> bool:
+        if self._shutdown:
+            return True
+        if not self._collect_now(deadline):
+            return False
+        # Each channel waits on its own state, bounded by `deadline`: no thread per call.
+        return all([channel.flush(deadline) for channel in self._channels])  # each, not the first failure
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        """Flush, then stop the threads and shut every exporter down, within `timeout_millis`."""
+        """Collect the last window, then hand off to every backend and shut it down, within `timeout_millis`."""
         if self._shutdown:
             return
         deadline = time.monotonic() + timeout_millis / 1000
-        self._flush(time.monotonic() + timeout_millis * 0.8 / 1000, wait_channel=False)
-        if self._channel is not None:
-            self._channel.close(deadline)  # waits for the exporter process's backends up to `deadline`
+        self._collect_now(deadline)
         self._shutdown = True
         self._stop = True
         self._wake.set()
-        for w in self._workers:
-            w.submit(None)  # the worker shuts its exporter down on its own thread
-        for w in self._workers:
-            if not w.join(deadline):
-                _logger.warning("exporter `%s` did not shut down in time; abandoned",
-                                getattr(w.exporter, "name", w.exporter))
-        for ex in self._unused:
-            try:
-                ex.shutdown()
-            except Exception as err:
-                _logger.warning("exporter %r failed to shut down: %s", ex, err)
+        if self._local is not None:
+            self._local.stop()  # delivers while the exporter process does
+        if self._channel is not None:
+            self._channel.close(deadline)  # waits for the exporter process's backends up to `deadline`
+        if self._local is not None:
+            self._local.close(deadline)
 
     @property
     def exporters(self) -> list[Any]:
-        return [w.exporter for w in self._workers] + self._unused
+        """The exporter objects this reader feeds in this process."""
+        return list(self._local.exporters) if self._local is not None else []
 
     def stats(self) -> dict[str, Any]:
-        """Counters for the shutdown summary: points, windows, drops, failures per exporter."""
-        dropped = self.log_buffer.dropped + self.span_buffer.dropped + sum(
-            w.dropped_batches + getattr(w.exporter, "dropped_windows", 0) for w in self._workers)
-        failures = {getattr(w.exporter, "name", type(w.exporter).__name__):
-                    w.failures + getattr(w.exporter, "failures", 0) for w in self._workers}
-        return {"points": self.points, "windows": self.windows, "dropped": dropped, "failures": failures}
+        """Counters for the shutdown summary: points, windows, drops, failures per backend of this process."""
+        local = self._local
+        dropped = self.log_buffer.dropped + self.span_buffer.dropped + (local.dropped_windows if local else 0)
+        return {"points": self.points, "windows": self.windows, "dropped": dropped,
+                "failures": local.failures() if local is not None else {}}
+
+    @property
+    def dropped_windows(self) -> int:
+        """Windows the backends of this process dropped (a full queue, or given up after retries)."""
+        return self._local.dropped_windows if self._local is not None else 0
 
     @property
     def failures(self) -> int:
-        return sum(w.failures for w in self._workers) + sum(
-            getattr(w.exporter, "failures", 0) for w in self._workers
-        )
-
-
-def _wants_metrics(exporter: Any) -> bool:
-    if isinstance(exporter, RowExporter):
-        return exporter.handles_metrics
-    return isinstance(exporter, MetricExporter)
-
-
-def _wants_spans(exporter: Any) -> bool:
-    if isinstance(exporter, RowExporter):
-        return exporter.handles_spans
-    return isinstance(exporter, SpanExporter)
-
-
-def _has_points(md: MetricsData | None) -> bool:
-    return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
-
-
-def _stamp(metric: Metric, step: int) -> Metric:
-    """Give every point without `train.step` (observable instruments' points) the step that ended the window."""
-    data: Any = metric.data  # a union of point containers, each with `data_points`
-    points = getattr(data, "data_points", None)
-    if not points or all(STEP_ATTRIBUTE in (p.attributes or {}) for p in points):
-        return metric
-    stamped = [
-        p if STEP_ATTRIBUTE in (p.attributes or {})
-        else dataclasses.replace(p, attributes={**(p.attributes or {}), STEP_ATTRIBUTE: step})
-        for p in points
-    ]
-    return dataclasses.replace(metric, data=dataclasses.replace(data, data_points=stamped))
-
-
-def _span_attributes(rec: SpanRecord) -> dict[str, Any]:
-    attrs: dict[str, Any] = dict(rec.attributes or {})
-    attrs[THREAD_ID] = rec.thread_id
-    attrs[THREAD_NAME] = rec.thread_name
-    if rec.step is not None:
-        attrs[STEP_ATTRIBUTE] = rec.step
-    if rec.error:
-        attrs["error.message"] = rec.error
-    return attrs
-
-
-def _span_row(run: Any, rec: SpanRecord) -> SpanRow:
-    return SpanRow(run, rec.name, rec.trace_id, rec.span_id, rec.parent_id, rec.start_ns, rec.end_ns,
-                   rec.thread_id, rec.thread_name, rec.step, _span_attributes(rec), rec.error is not None,
-                   rec.error or "")
-
-
-def _readable_span(rec: SpanRecord, resource: Resource) -> ReadableSpan:
-    flags = TraceFlags(TraceFlags.SAMPLED)
-    ctx = SpanContext(rec.trace_id, rec.span_id, False, flags)
-    parent = SpanContext(rec.trace_id, rec.parent_id, False, flags) if rec.parent_id else None
-    status = Status(StatusCode.ERROR, rec.error) if rec.error else Status(StatusCode.UNSET)
-    return ReadableSpan(rec.name, ctx, parent, resource, _span_attributes(rec), status=status,
-                        start_time=rec.start_ns, end_time=rec.end_ns, instrumentation_scope=_SCOPE)
-
-
-def _otel_metric(key: str, data: Gauge) -> Metric:
-    """An `ot.log` key as an OTel metric: under its instrument name, the key itself in the description
-    where it had to be mapped (`otel_train.names.otlp_name`)."""
-    name = otlp_name(key)
-    return Metric(name, "" if name == key else KEY_DESCRIPTION_PREFIX + key, "", data)
+        return sum(self._local.failures().values()) if self._local is not None else 0

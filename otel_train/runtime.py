@@ -23,6 +23,7 @@ from typing import Any
 
 from otel_train import config as cfg
 from otel_train import semconv
+from otel_train._internal import sdk
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.errors import ConfigError
 from otel_train.instrument import (
@@ -896,12 +897,7 @@ def _install_hooks() -> None:
     if not _hooks_installed:
         _hooks_installed = True
         atexit.register(_at_exit)
-        register_early = getattr(threading, "_register_atexit", None)  # CPython >= 3.9: before every atexit hook
-        if register_early is not None:
-            try:
-                register_early(_before_exit_hooks)
-            except RuntimeError:  # the interpreter is already shutting down
-                pass
+        sdk.register_before_atexit(_before_exit_hooks)  # before every atexit hook (a backend client's own)
     if threading.current_thread() is not threading.main_thread():
         _logger.debug("init() outside the main thread: no signal handlers installed")
         return

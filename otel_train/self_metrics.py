@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from otel_train import semconv
-from otel_train.exporters.base import Window
+from otel_train.backend import Window
 from otel_train.records import MetricRow, RunInfo
 
 __all__ = ["SelfMetrics"]

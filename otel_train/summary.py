@@ -49,7 +49,7 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         steps_order_dropped: Backend name -> rows not written because of their step (shown with the above).
         spool_failed_appends: Windows the spool could not write ahead (disk full); shown when non-zero.
         dropped_by: What makes up `dropped`: its cause with its unit (``values over the log buffer``) -> count.
-        rows_lost: Backend name -> cause (`otel_train.exporters.base.LOSS_CAUSES`, ``queue_full``) -> rows
+        rows_lost: Backend name -> cause (`otel_train.backend.LOSS_CAUSES`, ``queue_full``) -> rows
             that backend did not write.
 
     Example:

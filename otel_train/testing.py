@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from otel_train.exporters.base import RowExporter
+from otel_train.backend import RowExporter
 from otel_train.records import ExporterOptions, HistogramRow, MetricRow, SpanRow
 
 __all__ = ["InMemoryRowExporter", "OtlpPoint", "metrics_request", "set_any_value"]
@@ -18,7 +18,7 @@ class InMemoryRowExporter(RowExporter):
     """Keeps every row it is given; `fail_times` makes the first N writes raise (fault injection).
 
     Example:
-        >>> from otel_train.exporters.base import Window
+        >>> from otel_train.backend import Window
         >>> from otel_train.records import MetricRow, RunInfo
         >>> mem = InMemoryRowExporter()
         >>> _ = mem.export_window(Window([MetricRow(RunInfo("r", "r"), 1, "loss", "loss", 0.5, "gauge", 0)]))

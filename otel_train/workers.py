@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train._internal.values import to_float, valid_name
-from otel_train.exporters.base import Window
+from otel_train.backend import Window
 from otel_train.records import MetricRow, RunInfo, SpanRow
 from otel_train.step import coerce_step
 

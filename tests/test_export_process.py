@@ -36,7 +36,7 @@ TRAIN = textwrap.dedent("""
     cfg = json.loads(sys.argv[1])
     session = ot.init(exporters=cfg["exporters"], dir=cfg["dir"], run_name=cfg["run"], run_id=cfg["run"],
                       **cfg.get("kw", {}))
-    print("CHILD", session.export_process.pid, flush=True)
+    print("CHILD", getattr(session.export_process, "pid", 0), flush=True)
     for step in range(cfg["steps"]):
         with ot.step(step):
             with ot.span("fwd"):
@@ -123,14 +123,19 @@ def _tb_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int]:
     return sorted(step for step, _ in tb_scalars(directory / run)[tag])
 
 
-def test_every_backend_through_the_exporter_process(tmp_path: Path) -> None:
+#: Where backends run: the same tests pass in each (`OTEL_TRAIN_EXPORT_PROCESS`).
+PLACEMENTS = {"exporter_process": "on", "in_process": "off"}
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_every_backend_in_every_placement(tmp_path: Path, placement: str) -> None:
     from mlflow.tracking import MlflowClient
 
     steps, run, directory = 40, "all-six", tmp_path / "runs"
     cfg = {"exporters": ["tensorboard", "chrome_trace", "jsonl", "wandb", "mlflow", "trackio", "clearml"],
            "dir": str(directory), "run": run, "steps": steps, "trackio_project": "otel-train",
            "kw": {"shutdown_timeout_s": 120}}  # `shutdown()` returns when every backend has everything
-    proc = _start(tmp_path, cfg, _env(tmp_path))
+    proc = _start(tmp_path, cfg, _env(tmp_path, OTEL_TRAIN_EXPORT_PROCESS=PLACEMENTS[placement]))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "timed out" not in err
@@ -267,6 +272,46 @@ def test_sigterm_hands_off_within_the_timeout_with_a_hanging_backend(tmp_path: P
     assert _jsonl_steps(directory, run) == list(range(20))  # jsonl had everything: replay added nothing
 
 
+HANG_FLUSH = textwrap.dedent("""
+    import json, sys, threading, time
+    import otel_train as ot
+    cfg = json.loads(sys.argv[1])
+    session = ot.init(exporters=["wandb", "jsonl"], dir=cfg["dir"], run_name="hang", run_id="hang",
+                      shutdown_timeout_s=1)
+    for step in range(5):
+        with ot.step(step):
+            ot.log({"train/loss": float(step)})
+    first = ot.flush(timeout_s=0.5)  # W&B hangs in its first write: never everything
+    threads = threading.active_count()
+    flushed = [ot.flush(timeout_s=0.01) for _ in range(50)]
+    after = threading.active_count()
+    start = time.monotonic()
+    ot.shutdown()
+    print(json.dumps({"first": first, "flushed": flushed, "threads": [threads, after],
+                      "shutdown_s": time.monotonic() - start}), flush=True)
+""")
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_a_hanging_backend_bounds_flush_and_shutdown_in_every_placement(tmp_path: Path, placement: str) -> None:
+    """One flush path: with a backend hanging in its write, `ot.flush()` answers False by its deadline and
+    starts no thread per call; the other backend has every step; `shutdown()` returns by its timeout."""
+    directory = tmp_path / "runs"
+    script = tmp_path / "hang.py"
+    script.write_text(HANG_FLUSH)
+    env = _env(tmp_path, **_fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_EXPORT_PROCESS=PLACEMENTS[placement],
+               OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
+    done = subprocess.run([sys.executable, str(script), json.dumps({"dir": str(directory)})], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["first"] is False and result["flushed"] == [False] * 50
+    threads_before, threads_after = result["threads"]
+    assert threads_after <= threads_before  # 50 flushes left no thread behind (before: one each, all hanging)
+    assert result["shutdown_s"] < 1 + 4  # bounded by its timeout (1 s), with room for a loaded machine
+    assert _jsonl_steps(directory, "hang") == list(range(5))
+
+
 def test_kill_9_of_the_training_process_loses_nothing_the_child_received(tmp_path: Path) -> None:
     reps, rng = 10, random.Random(9)
     runs = []
@@ -315,9 +360,11 @@ def test_replay_of_a_folder_without_a_spool_says_so(tmp_path: Path, capsys: pyte
     assert capsys.readouterr().out == f"nothing to replay: no spool under {tmp_path}\n"
 
 
-def test_config_reported_after_init_reaches_a_backend_in_the_exporter_process(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_config_reported_after_init_reaches_a_backend_in_every_placement(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str) -> None:
     isolated_wandb_env(monkeypatch, tmp_path)  # the exporter process inherits this environment
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", PLACEMENTS[placement])
     directory = tmp_path / "runs"
     session = ot.init(exporters=["wandb"], dir=directory, run_id="cfg", run_name="cfg", config={"lr": 0.1})
     session.add_config({"batch_size": 32})  # as a framework integration does before training starts

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_train as ot
@@ -50,31 +51,46 @@ def _end(reader: StepAlignedMetricReader, step: int) -> None:
     reader.on_step_end(StepEnd(step, 0.01, 0.01 * (step + 1), step + 1, None))
 
 
+class NotifyingRowExporter(InMemoryRowExporter):
+    """Wakes a waiting test when rows arrive (no polling with sleeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived = threading.Condition()
+
+    def write_metrics(self, rows: Sequence[Any], histograms: Sequence[Any]) -> None:
+        super().write_metrics(rows, histograms)
+        with self.arrived:
+            self.arrived.notify_all()
+
+    def wait_for(self, tag: str, n: int, timeout_s: float = 10.0) -> list[tuple[int, float]]:
+        """The (step, value) points of `tag` once there are at least `n` (or `timeout_s` passed)."""
+        def points() -> list[tuple[int, float]]:
+            return [(r.step, r.value) for r in self.metrics if r.tag == tag]
+
+        with self.arrived:
+            self.arrived.wait_for(lambda: len(points()) >= n, timeout=timeout_s)
+        return points()
+
+
 def test_export_every_n_steps_windows(run_dir: Path) -> None:
-    mem = InMemoryRowExporter()
+    mem = NotifyingRowExporter()
     session = ot.init(exporters=[mem], dir=run_dir, export_every=4, export_interval_s=3600)
-
-    def wait_for_windows(n: int) -> None:  # the collector runs on its own thread: poll with a deadline
-        deadline = time.monotonic() + 10
-        while session.reader.windows < n and time.monotonic() < deadline:
-            time.sleep(0.005)
-
     for i in ot.steps(range(3)):
         ot.log({"loss": float(i)})
-    time.sleep(0.15)  # past the reader's 0.1 s between collections of `ot.log`-only steps
+    time.sleep(0.15)  # not a wait for a thread: time passing the 0.1 s throttle must not make a window due
     assert session.reader.windows == 0  # three steps: no window due yet
     with ot.step(3):
         ot.log({"loss": 3.0})
-    wait_for_windows(1)
+    assert mem.wait_for("loss", 4) == [(i, float(i)) for i in range(4)]
     assert session.reader.windows == 1
-    assert mem.values("loss") == [(i, float(i)) for i in range(4)]
     for i in ot.steps(range(4, 8), start=4):
         ot.log({"loss": float(i)})
         time.sleep(0.03)
-    wait_for_windows(2)
+    assert mem.wait_for("loss", 8) == [(i, float(i)) for i in range(8)]
     assert session.reader.windows == 2
     ot.flush()
-    assert mem.values("loss") == [(i, float(i)) for i in range(8)]
+    assert mem.wait_for("loss", 8) == [(i, float(i)) for i in range(8)]
 
 
 def test_log_only_step_ends_wake_the_collector_at_most_every_0_1_s() -> None:
@@ -157,7 +173,7 @@ def test_plugged_into_users_own_meter_provider() -> None:
     mem = InMemoryRowExporter()
     otel_metrics = CapturingMetricExporter()
     reader = StepAlignedMetricReader([mem, otel_metrics], export_interval_s=3600)
-    provider = MeterProvider(metric_readers=[reader])
+    provider = MeterProvider(metric_readers=[reader], resource=Resource.create({"deployment.environment": "lab"}))
     counter = provider.get_meter("user").create_counter("samples")
     for i in range(3):
         counter.add(10, {"train.step": i})
@@ -167,6 +183,9 @@ def test_plugged_into_users_own_meter_provider() -> None:
     # The plain OTel exporter gets SDK data (DELTA) with train.step on every point.
     pts = otel_metrics.points()
     assert [(a["train.step"], v) for n, a, v in pts if n == "samples"] == [(0, 10), (1, 10), (2, 10)]
+    # ... under the provider's own Resource.
+    resources = [rm.resource.attributes for md in otel_metrics.batches for rm in md.resource_metrics]
+    assert resources and all(r.get("deployment.environment") == "lab" for r in resources)
     provider.shutdown()
 
 
@@ -236,14 +255,31 @@ def test_hanging_exporter_blocks_neither_training_nor_other_exporters(run_dir: P
         ot.flush(timeout_s=0.2)  # bounded even though one backend hangs
     assert hang.entered.is_set()
     assert good.values("loss") == [(i, float(i)) for i in range(8)]
-    worker = next(w for w in session.reader._workers if w.exporter is hang)
-    # The hanging backend's queue stayed bounded: windows merged into one while it was busy.
-    assert len(worker._queue) <= 2
-    assert sum(len(b.window.metrics) for b in worker._queue if b) <= 8 * 4
+    backend = next(b for b in session.reader._local.delivery._backends if b.exporter is hang)
+    # The hanging backend's queue stayed bounded: windows merged into its last one while it was busy.
+    assert len(backend._queue) <= 2
+    assert sum(len(w.metrics) for _, _, w in backend._queue) <= 8 * 4
     start = time.monotonic()
     ot.shutdown()
     assert time.monotonic() - start < 5  # never hangs the process
     hang.release.set()
+
+
+def test_flush_with_a_hanging_backend_starts_no_thread_per_call(run_dir: Path) -> None:
+    """`ot.flush()` waits on the delivery's own state with its deadline: 50 flushes while a backend hangs leave
+    no thread behind (before, each call started one per exporter)."""
+    hang = HangingExporter()
+    ot.init(exporters=[hang], dir=run_dir, shutdown_timeout_s=1)
+    with ot.step(0):
+        ot.log({"loss": 0.0})
+    assert not ot.flush(timeout_s=0.05) and hang.entered.wait(10)
+    before = threading.active_count()
+    for _ in range(50):
+        assert not ot.flush(timeout_s=0.01)
+    assert threading.active_count() == before
+    hang.release.set()
+    assert ot.flush(timeout_s=10)
+    assert hang.values("loss") == {0: 0.0}
 
 
 def test_log_buffer_is_bounded_and_counts_drops(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:

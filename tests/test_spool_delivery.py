@@ -149,6 +149,28 @@ def test_without_a_spool_a_full_queue_pushes_back_and_nothing_accepted_is_lost()
     assert d.close(time.monotonic() + 30)
 
 
+def test_in_process_a_busy_backend_gets_merged_windows_and_loses_none() -> None:
+    """The training process's mode (`put`, never waiting): while a backend is busy its windows merge into
+    its last queued one instead of being dropped; once it moves it writes every step once, in order."""
+    release = threading.Event()
+
+    class Busy(InMemoryRowExporter):
+        def write_metrics(self, rows: Any, histograms: Any) -> None:
+            release.wait(30)
+            super().write_metrics(rows, histograms)
+
+    busy = Busy()
+    d = Delivery({"busy": busy}, None, queue_windows=2)
+    for step in range(50):
+        d.put(decode_window(window(step)), step)
+    release.set()
+    assert d.flush(time.monotonic() + 30)
+    assert [(r.step, r.value) for r in busy.metrics] == [(s, float(s)) for s in range(50)]
+    assert d.backend_stats()["busy"]["exports"] <= 3  # the first window, then the merged rest
+    assert d.backend_stats()["busy"]["dropped"] == 0
+    assert d.close(time.monotonic() + 30)
+
+
 def test_without_a_spool_a_failed_write_is_reported_and_a_failed_flush_answers_false() -> None:
     errors: list[str] = []
     bad = InMemoryRowExporter()

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.exporters.base import RowExporter
+from otel_train.backend import RowExporter
 from otel_train.exporters.chrome_trace import json_safe, span_event
 from otel_train.records import ExporterOptions, SpanRow
 

@@ -43,7 +43,7 @@ from otel_train.sink.pool import BackendPool
 from otel_train.sink.temporality import SeriesLedger
 
 if TYPE_CHECKING:
-    from otel_train.exporters.base import RowExporter
+    from otel_train.backend import RowExporter
 
 __all__ = ["ExporterFactory", "Overloaded", "Router", "spool_folder"]
 
@@ -130,7 +130,7 @@ class _Run:
     def put(self, item: Decoded) -> int:
         """Queue one request's rows for every backend (under self.lock, after `behind` said yes): written
         ahead to the spool if there is one. Returns the bytes spooled."""
-        from otel_train.exporters.base import Window
+        from otel_train.backend import Window
 
         steps = [r.step for r in item.metrics] + [h.step for h in item.histograms]
         max_step = max(steps, default=-1)

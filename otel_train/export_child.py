@@ -1,0 +1,254 @@
+"""The exporter process's side: build the backends, spool each window and feed them through `Delivery`.
+
+Started by `otel_train.export_process.ExportProcess` as a fresh interpreter (never a fork); the messages
+between the two are described there. Also what `otel-train replay` (`otel_train.replay`) rebuilds backends with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import signal
+import struct
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from otel_train.delivery import Delivery
+from otel_train.errors import ConfigError
+from otel_train.framing import encode_resume
+from otel_train.records import ExporterOptions, RunInfo
+from otel_train.self_metrics import SelfMetrics
+from otel_train.spool import Spool, mark_draining
+from otel_train.workers import WorkerListener
+
+__all__ = ["ID", "META", "WINDOW", "boot", "build_backends", "child_main", "exports_metrics", "preempt", "set_hparams"]
+
+_logger = logging.getLogger("otel_train")
+WINDOW = struct.Struct("<qq")  # a ``W`` frame's seq and max step
+ID = struct.Struct("<q")  # a request's id
+_ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
+#: What `otel-train replay` needs to rebuild a spool's backends, in its folder.
+META = "exporters.pickle"
+
+
+def build_backends(names: Sequence[str], options: ExporterOptions) -> dict[str, Any]:
+    """Build the named exporters (the registry's classes); on failure shut the built ones down.
+
+    Raises:
+        ConfigError: one line naming the exporter that could not start.
+    """
+    from otel_train.registry import check_available, get_spec, load_class
+
+    specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
+    for spec in specs:
+        check_available(spec)
+    built: dict[str, Any] = {}
+    for spec in specs:
+        try:
+            built[spec.name] = load_class(spec)(options)
+        except Exception as err:
+            for ex in built.values():
+                ex.shutdown()
+            if isinstance(err, (ImportError, ConfigError)):
+                raise
+            raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
+                              f"{type(err).__name__}: {err}") from err
+    return built
+
+
+# -- the child ------------------------------------------------------------------------------------------
+def boot(fd: int) -> None:
+    """The exporter process's entry point: read its configuration from `fd`, then run `child_main`."""
+    conn = Connection(fd)
+    try:
+        config = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    child_main(conn, config)
+    os._exit(0)
+
+
+def _place(cpus: Sequence[int], nice: int) -> None:
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, set(cpus))
+        except OSError as err:
+            _logger.warning("OTEL_TRAIN_EXPORT_CPUS: cannot pin the exporter process to %s: %s", list(cpus), err)
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError as err:
+            _logger.warning("OTEL_TRAIN_EXPORT_NICE: cannot renice the exporter process: %s", err)
+
+
+class _Forward(logging.Handler):
+    """Sends the exporter process's log records to the training process (its own stderr once that is gone)."""
+
+    def __init__(self, reply: Any) -> None:
+        super().__init__()
+        self._reply = reply
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += "\n" + logging.Formatter().formatException(record.exc_info)
+            if not self._reply("log", record.levelno, record.name, text):  # stderr is `LOG_FILE` in the spool
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                sys.stderr.write(f"{stamp} otel-train exporter process (pid {os.getpid()}): {record.levelname} {text}\n")
+                sys.stderr.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def child_main(conn: Connection, config: dict[str, Any]) -> None:
+    """The exporter process: build the backends, then spool and deliver until the trainer is done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we drain on its hand-off
+    drain_s = float(config["drain_timeout_s"])
+    send_lock = threading.Lock()
+
+    def reply(*msg: Any) -> bool:
+        with send_lock:
+            try:
+                conn.send(msg)
+                return True
+            except (OSError, ValueError):
+                return False  # the trainer is gone; we drain anyway
+
+    logging.basicConfig(level=logging.WARNING, handlers=[_Forward(reply)], force=True)
+    _place(config["cpus"], config["nice"])
+
+    try:
+        spool = Spool(Path(config["spool"]))
+        options = config["options"]
+        backends = build_backends(config["names"], dataclasses.replace(options, resume_step=None))
+        if options.resume_step is not None:
+            _spool_resume(spool, config["run"], options.resume_step, backends)
+    except ConfigError as err:
+        reply("error", str(err))
+        return
+    except Exception as err:
+        reply("error", f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process could not start: {type(err).__name__}: {err}")
+        return
+    _write_meta(spool.path, config)
+    delivery = Delivery(backends, spool)
+    if config.get("self_metrics"):
+        delivery.annotate = SelfMetrics(delivery.backend_stats, lambda: delivery.spool_failed_appends)
+    listener = None
+    if config.get("workers"):
+        try:
+            listener = WorkerListener(config["workers"], config["run"], delivery.submit_side,
+                                      lambda: delivery.last_step, metrics=config.get("export_metrics", True))
+        except OSError as err:
+            _logger.warning("child processes cannot reach this run: listening on %s failed: %s",
+                            config["workers"], err)
+    reply("ready", spool.last_seq)
+
+    def flush_later(rid: int) -> None:
+        ok = delivery.flush(time.monotonic() + drain_s)
+        reply("done", rid, ok, delivery.progress())
+
+    close_id = None
+    last_ack = 0.0
+    while True:
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        kind = frame[:1]
+        if kind == b"W":
+            seq, step = WINDOW.unpack_from(frame, 1)
+            delivery.submit(seq, step, frame[1 + WINDOW.size:])
+            now = time.monotonic()
+            if now - last_ack >= _ACK_EVERY_S and not conn.poll(0):  # a few acks a second wake the trainer
+                reply("spooled", seq)
+                last_ack = now
+            continue
+        if kind == b"H":
+            config["options"] = dataclasses.replace(config["options"], hparams=pickle.loads(frame[1:]))
+            set_hparams(delivery.exporters(), config["options"].hparams)
+            _write_meta(spool.path, config)
+            continue
+        (rid,) = ID.unpack_from(frame, 1)
+        if kind == b"F":
+            delivery.sync()
+            reply("durable", rid, delivery.progress())
+            threading.Thread(target=flush_later, args=(rid,), daemon=True).start()
+        elif kind == b"P":
+            reply("progress", rid, delivery.progress())
+        elif kind == b"C":
+            close_id = rid
+            cause = frame[1 + ID.size:].decode(errors="replace")
+            if cause:  # the trainer ended on a preemption signal: the backends mark their runs before closing
+                preempt(delivery.exporters(), cause)
+            break
+    # The trainer handed off (or died): never outlive the drain deadline, whatever a backend does.
+    mark_draining(int(config.get("lock_fd", -1)))  # a restarted attempt waits for us instead of mixing in
+    if listener is not None:
+        listener.close()
+    deadline = time.monotonic() + drain_s
+    watchdog = threading.Timer(drain_s + 5.0, os._exit, args=(0,))
+    watchdog.daemon = True
+    watchdog.start()
+    delivery.sync()
+    if close_id is not None:
+        reply("durable", close_id, delivery.progress())
+    ok = delivery.close(deadline)
+    if close_id is not None:
+        reply("done", close_id, ok, delivery.progress())
+    if not ok:
+        _logger.warning("drain deadline reached: %s; `otel-train replay` delivers the rest",
+                        delivery.progress().summary())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def exports_metrics(run: RunInfo, options: ExporterOptions) -> bool:
+    """Whether this rank exports metrics (`OTEL_TRAIN_RANKS`, or a backend's `_RANKS=all`), child values included."""
+    routes = options.routes or {}
+    return run.rank == 0 or options.ranks == "all" or any(r.ranks == "all" for r in routes.values())
+
+
+def preempt(exporters: Sequence[Any], cause: str) -> None:
+    for exporter in exporters:
+        if hasattr(exporter, "preempt_at_close"):
+            exporter.preempt_at_close(cause)
+
+
+def _spool_resume(spool: Spool, run: RunInfo, step: int, backends: Mapping[str, Any]) -> None:
+    """`init(resume_step=N)`: spool the resume after the earlier attempt's windows, so that what a `kill -9`
+    left undelivered is cut at N and every backend applies the resume once, in order (also after a restart
+    or in `otel-train replay`). If the spool cannot be written, each backend applies it when it opens, as
+    in-process."""
+    earlier = spool.last_seq
+    if spool.append(earlier + 1, -1, encode_resume(run, step, earlier)):
+        spool.sync()
+        return
+    for exporter in backends.values():
+        options = getattr(exporter, "options", None)
+        if isinstance(options, ExporterOptions):
+            exporter.options = dataclasses.replace(options, resume_step=step)
+
+
+def set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:
+    for exporter in exporters:
+        options = getattr(exporter, "options", None)
+        if isinstance(options, ExporterOptions):
+            exporter.options = dataclasses.replace(options, hparams=dict(config))
+
+
+def _write_meta(path: Path, config: dict[str, Any]) -> None:
+    """What `otel-train replay` needs to rebuild the backends of this spool (pickled: options hold paths,
+    routes and step selections; read only by the same otel-train)."""
+    tmp = path / (META + ".tmp")
+    options = dataclasses.replace(config["options"], resume_step=None)  # a replay never resumes the run again
+    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": options}))
+    os.replace(tmp, path / META)

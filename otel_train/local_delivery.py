@@ -1,0 +1,95 @@
+"""The backends of the training process, fed by the same `Delivery` as the exporter process's.
+
+Exporter objects passed to `init(exporters=[...])` (otel-train backends and plain OTel exporters alike),
+third-party entry-point backends, and every named backend under `OTEL_TRAIN_EXPORT_PROCESS=off` run here.
+The reader hands this channel each window as it hands the exporter process one (`send_window`,
+`send_resume`, `flush`, `close`); here the window is not encoded, it goes straight into a memory-only
+`otel_train.delivery.Delivery`: one thread and one bounded queue per backend, windows merged while a
+backend is busy, the oldest dropped (and counted) past that, the same retry, flush and shutdown. Plain
+OTel exporters are adapted by `otel_train.otel_adapter`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from otel_train.backend import RowExporter, Window
+from otel_train.delivery import Delivery
+from otel_train.framing import Resume
+from otel_train.otel_adapter import as_row_exporter
+from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.resources import Resource
+
+__all__ = ["LocalDelivery"]
+
+_logger = logging.getLogger(__name__)
+
+
+class LocalDelivery:
+    """In-process backends behind the reader's window channel.
+
+    Args:
+        exporters: `RowExporter`s and plain OTel `MetricExporter` / `SpanExporter`s.
+        queue_windows: Windows queued per backend (merged while it is busy) before the oldest is dropped.
+        resource: The Resource plain OTel exporters' requests carry (the reader's).
+    """
+
+    def __init__(self, exporters: Sequence[Any], queue_windows: int = 16,
+                 resource: Callable[[], Resource] | None = None) -> None:
+        self.exporters = list(exporters)
+        backends: dict[str, RowExporter] = {}
+        for exporter in self.exporters:
+            row_exporter = as_row_exporter(exporter, resource)
+            name, n = row_exporter.name, 1
+            while name in backends:  # two exporters of one kind: distinct threads and counters
+                n += 1
+                name = f"{row_exporter.name}-{n}"
+            backends[name] = row_exporter
+        self.delivery = Delivery(backends, None, max(1, queue_windows), thread_name="otel-train-export")
+
+    def send_window(self, run: RunInfo, points: Sequence[tuple[str, int, float, int]],
+                    metrics: Sequence[MetricRow] = (), histograms: Sequence[HistogramRow] = (),
+                    spans: Sequence[SpanRow] = ()) -> None:
+        """Queue one window for every backend (never waits)."""
+        rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
+        rows.extend(metrics)
+        if not rows and not histograms and not spans:
+            return
+        max_step = max((r.step for r in rows), default=-1)
+        self.delivery.put(Window(rows, histograms, spans), max_step)
+
+    def send_resume(self, run: RunInfo, step: int) -> None:
+        """The run restarts at `step`: each backend applies it after every window queued before it."""
+        self.delivery.put(Resume(run, step, 0), -1)
+
+    def flush(self, deadline: float) -> bool:
+        """Wait until every backend has written and flushed everything queued so far, or `deadline`."""
+        return self.delivery.flush(deadline)
+
+    def stop(self) -> None:
+        """Start the hand-off (each backend delivers what is left, then shuts down); `close` waits for it."""
+        self.delivery.stop()
+
+    def close(self, deadline: float) -> bool:
+        """Deliver what is left and shut every backend down, by `deadline`; a backend still busy then is
+        abandoned (its thread is a daemon) and named in a warning."""
+        ok = self.delivery.close(deadline)
+        for name in self.delivery.still_running():
+            _logger.warning("exporter `%s` did not shut down in time; abandoned", name)
+        return ok
+
+    def restart_after_fork(self) -> None:
+        self.delivery.restart_after_fork()
+
+    @property
+    def dropped_windows(self) -> int:
+        """Windows dropped from a full queue, over every backend, and by backends after their retries."""
+        return sum(int(s["dropped"]) for s in self.delivery.backend_stats().values())
+
+    def failures(self) -> dict[str, int]:
+        """Per backend: failed writes."""
+        return {name: int(s["failures"]) for name, s in self.delivery.backend_stats().items()}

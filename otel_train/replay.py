@@ -1,0 +1,89 @@
+"""`otel-train replay`: deliver what a run's spool holds and its backends have not acknowledged."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from pathlib import Path
+
+from otel_train.delivery import Delivery, Progress
+from otel_train.export_child import META, build_backends
+from otel_train.spool import Spool, holder, try_lock
+
+__all__ = ["replay"]
+
+_logger = logging.getLogger("otel_train")
+
+
+def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
+           report_every_s: float = 10.0) -> dict[str, Progress]:
+    """Deliver every spooled window a backend has not acknowledged, for each rank under `run_dir`.
+
+    Idempotent: each backend resumes after its durable cursor, so a second replay writes nothing. Every
+    `report_every_s` it logs, per rank and backend, how many windows are left; a backend that makes no
+    progress for `stall_s` is given up on (its windows stay in the spool for a later replay), so a backend
+    that cannot deliver costs `stall_s`, not `timeout_s`. A rank whose folder another process is writing
+    (a training or draining exporter process holds its lock) is skipped with a warning.
+
+    Returns:
+        Spool folder name -> progress after the replay.
+    """
+    results: dict[str, Progress] = {}
+    for meta_file in sorted(Path(run_dir).glob(f"spool/*/{META}")):
+        rank_dir = meta_file.parent
+        fd = try_lock(rank_dir)
+        if fd is None:
+            who = holder(rank_dir)
+            _logger.warning("%s: skipped: another process (pid %s on %s, %s) is writing it; replay once it has "
+                            "exited", rank_dir.name, who.get("pid", "?"), who.get("host", "?"),
+                            who.get("state", "state unknown"))
+            continue
+        try:
+            meta = pickle.loads(meta_file.read_bytes())  # written by our own exporter process
+            delivery = Delivery(build_backends(meta["names"], meta["options"]), Spool(rank_dir))
+            results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)
+        finally:
+            os.close(fd)
+    return results
+
+
+def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: float,
+                 report_every_s: float) -> Progress:
+    """Wait while some backend still makes progress (see `replay`), saying what is left; then close."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    acked: dict[str, int] = {}
+    moved_at: dict[str, float] = {}
+    given_up: set[str] = set()
+    next_report = start + report_every_s
+    while True:
+        now = time.monotonic()
+        progress = delivery.progress()
+        left = {name: progress.spooled - seq for name, seq in progress.delivered.items() if seq < progress.spooled}
+        for name, n_left in left.items():
+            if acked.get(name) != progress.delivered[name]:
+                acked[name], moved_at[name] = progress.delivered[name], now
+            if name not in given_up and now - moved_at[name] >= stall_s:
+                given_up.add(name)
+                _logger.warning("%s: giving up on `%s`: no progress for %.0f s (%d failure(s)); its %d window(s) "
+                                "left stay in the spool for a later `otel-train replay`", label, name, stall_s,
+                                progress.failures.get(name, 0), n_left)
+        # Handed every window without a failure, it waits only for its store, which its close completes (W&B's
+        # service writes the run file's last block at `finish`): close now rather than after `stall_s`.
+        stats = delivery.backend_stats()
+        only_store = {name for name in left if not stats[name]["backlog"] and not stats[name]["failures"]}
+        if not left or set(left) <= given_up | only_store or now >= deadline:
+            break
+        if now >= next_report:
+            next_report = now + report_every_s
+            waiting = ", ".join(f"`{name}` {n} window(s) left" for name, n in left.items() if name not in given_up)
+            _logger.info("%s: waiting for %s (%.0f s of at most %.0f s)", label, waiting, now - start, timeout_s)
+        time.sleep(0.1)
+    # Given up (or out of time): closing only shuts the backends down, briefly.
+    delivery.close(min(deadline, time.monotonic() + (5.0 if set(left) - only_store else timeout_s)))
+    progress = delivery.progress()
+    if progress.behind():
+        _logger.warning("%s: %s", label, progress.summary())
+    return progress

@@ -1,0 +1,164 @@
+"""One collection's data as one window, converted once: what the reader hands every channel.
+
+The collector drains the `ot.log` and span buffers and collects the SDK's instruments; `WindowBuilder`
+turns that into the parts of a window: ``(tag, step, value, time)`` tuples for `ot.log` values (and the
+per-step phase timings), rows for the SDK's points and histograms (only where this rank exports metrics),
+and span rows (from every rank). `DropCounter` adds the drop counts to the window once they change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import MetricsData
+
+from otel_train._internal.ratelimit import LogOnce
+from otel_train._internal.values import to_floats, valid_name
+from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.phases import PhaseTimer
+from otel_train.records import (
+    THREAD_ID,
+    THREAD_NAME,
+    HistogramRow,
+    MetricRow,
+    MetricsConverter,
+    RunInfo,
+    SpanRow,
+    span_rows,
+)
+from otel_train.step import STEP_ATTRIBUTE, StepEnd
+
+__all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points"]
+
+_logger = logging.getLogger("otel_train.reader")
+
+
+@dataclasses.dataclass
+class WindowParts:
+    """One window, as the channels take it (`send_window`)."""
+
+    run: RunInfo
+    points: list[tuple[str, int, float, int]]
+    metrics: list[MetricRow]
+    histograms: list[HistogramRow]
+    spans: list[SpanRow]
+
+
+class WindowBuilder:
+    """Converts what one collection drained into `WindowParts`.
+
+    Args:
+        export_metrics: Whether this rank exports metrics (else a window holds only its spans).
+        phases: Add per-step ``phase/<name>_s`` points computed from the spans of each step.
+    """
+
+    def __init__(self, export_metrics: bool = True, phases: bool = True) -> None:
+        self.export_metrics = export_metrics
+        self.converter = MetricsConverter()
+        self._phases = PhaseTimer() if phases and export_metrics else None
+        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
+        self._log = LogOnce(_logger)
+
+    def run_for(self, resource_attributes: Any) -> RunInfo:
+        return self.converter.run_for(resource_attributes)
+
+    def build(self, run: RunInfo, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
+              spans: list[tuple[Any, Any]], step: int) -> WindowParts:
+        """The window of one collection; `step` is the step that ends it (for SDK points without one)."""
+        points = self._log_points(records)
+        if self._phases is not None:  # phase timings are plain gauges from here on
+            points.extend(self._phases.points([s for _, s in spans], points))
+        sdk_rows: list[MetricRow] = []
+        hists: list[HistogramRow] = []
+        # Metric rows only where this rank exports metrics (spans: every rank).
+        if self.export_metrics and has_points(metrics_data):
+            sdk_rows, hists = self.converter.rows(metrics_data, step)  # type: ignore[arg-type]
+        row_spans: list[SpanRow] = []
+        if spans:
+            recs = [s for _, s in spans if isinstance(s, SpanRecord)]
+            sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
+            row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self.converter)
+        return WindowParts(run, points if self.export_metrics else [], sdk_rows, hists, row_spans)
+
+    def _log_points(self, records: list[tuple[Any, ...]]) -> list[tuple[str, int, float, int]]:
+        out: list[Any] = []
+        append = out.append
+        slow = []
+        for _, step, mapping, t in records:
+            if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
+                t = mapping[1] + self._wall_offset_ns
+                mapping = StepEnd.from_times(step, mapping)
+            for key, value in mapping.items():
+                if type(value) is float and valid_name(key):  # the common case: nothing to convert
+                    append((key, step, value, t))
+                else:  # tensors, ints, bad names: converted together below, order kept
+                    slow.append((len(out), key, step, value, t))
+                    append(None)
+        if not slow:
+            return out
+        floats = to_floats([s[3] for s in slow])
+        for (idx, key, step, raw, t), value in zip(slow, floats):
+            if value is None:
+                self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
+                                  "skipped (warned once per key)", key, type(raw).__name__)
+            elif not valid_name(key):
+                self._log.warning(f"name:{key!r}", "otel_train.log: key %r is not a non-empty string; skipped "
+                                  "(warned once per key)", key)
+            else:
+                out[idx] = (key, step, value, t)
+        return [p for p in out if p is not None]
+
+
+class DropCounter:
+    """Counts what was dropped to keep memory bounded; warns once and adds the counts to the next window
+    whenever they change (``otel_train.dropped_records`` / ``_spans`` / ``_batches``).
+
+    Args:
+        log_buffer, span_buffer: The buffers whose drops count.
+        dropped_windows: Windows the backends of this process dropped so far.
+    """
+
+    def __init__(self, log_buffer: LogBuffer, span_buffer: SpanBuffer, dropped_windows: Callable[[], int]) -> None:
+        self._log_buffer = log_buffer
+        self._span_buffer = span_buffer
+        self._dropped_windows = dropped_windows
+        self._reported = (0, 0, 0)
+        self._log = LogOnce(_logger)
+
+    def report(self, step: int, records: list[tuple[Any, ...]]) -> None:
+        """Append a record of the counts at `step` to `records` when they changed since the last call."""
+        drops = (self._log_buffer.dropped, self._span_buffer.dropped, self._dropped_windows())
+        if drops == self._reported:
+            return
+        self._reported = drops
+        self._log.warning("dropped", "otel-train dropped data to keep memory bounded: %d log records, "
+                          "%d spans, %d export windows so far (warned once; see otel_train.dropped_* "
+                          "metrics)", *drops)
+        records.append((-1, step, {"otel_train.dropped_records": drops[0], "otel_train.dropped_spans": drops[1],
+                                   "otel_train.dropped_batches": drops[2]}, time.time_ns()))
+
+
+def has_points(md: MetricsData | None) -> bool:
+    """Whether `md` holds any metric."""
+    return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
+
+
+def _span_attributes(rec: SpanRecord) -> dict[str, Any]:
+    attrs: dict[str, Any] = dict(rec.attributes or {})
+    attrs[THREAD_ID] = rec.thread_id
+    attrs[THREAD_NAME] = rec.thread_name
+    if rec.step is not None:
+        attrs[STEP_ATTRIBUTE] = rec.step
+    if rec.error:
+        attrs["error.message"] = rec.error
+    return attrs
+
+
+def _span_row(run: RunInfo, rec: SpanRecord) -> SpanRow:
+    return SpanRow(run, rec.name, rec.trace_id, rec.span_id, rec.parent_id, rec.start_ns, rec.end_ns,
+                   rec.thread_id, rec.thread_name, rec.step, _span_attributes(rec), rec.error is not None,
+                   rec.error or "")
