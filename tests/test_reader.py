@@ -279,7 +279,7 @@ def test_flush_with_a_hanging_backend_starts_no_thread_per_call(run_dir: Path) -
     assert threading.active_count() == before
     hang.release.set()
     assert ot.flush(timeout_s=10)
-    assert hang.values("loss") == {0: 0.0}
+    assert hang.values("loss") == [(0, 0.0)]
 
 
 def test_log_buffer_is_bounded_and_counts_drops(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
