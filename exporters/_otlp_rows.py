@@ -39,7 +39,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
-from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 from otel_train.semconv import THREAD_ID, THREAD_NAME
 from otel_train.semconv import TRAIN_STEP as STEP_ATTRIBUTE
 

@@ -36,8 +36,10 @@ from typing import Any
 
 from otel_train.delivery import Delivery, Progress
 from otel_train.errors import ConfigError
+from otel_train.exporter_options import ExporterOptions, options_from_json, options_to_json
 from otel_train.framing import encode_resume, encode_window
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 from otel_train.self_metrics import SelfMetrics
 from otel_train.spool import Spool, holder, mark_draining, spool_dir, try_lock
 from otel_train.workers import WorkerListener, listen_address
@@ -51,7 +53,8 @@ _START_TIMEOUT_S = 60.0  # building W&B / ClearML runs can take seconds; a stuck
 _BACKLOG = 4096  # windows kept until the child confirms they are spooled (a restart resends them)
 _BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
 _ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
-_META = "exporters.pickle"
+_META = "exporters.json"
+_OLD_META = "exporters.pickle"  # an earlier otel-train's: refused, never unpickled
 #: The exporter process's stdout/stderr, in the rank's spool folder: its messages once the trainer is gone.
 LOG_FILE = "exporter.log"
 _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
@@ -563,11 +566,10 @@ def _set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:
 
 
 def _write_meta(path: Path, config: dict[str, Any]) -> None:
-    """What `otel-train replay` needs to rebuild the backends of this spool (pickled: options hold paths,
-    routes and step selections; read only by the same otel-train)."""
+    """What `otel-train replay` needs to rebuild the backends of this spool, as JSON (reading it runs no code)."""
     tmp = path / (_META + ".tmp")
     options = dataclasses.replace(config["options"], resume_step=None)  # a replay never resumes the run again
-    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": options}))
+    tmp.write_text(json.dumps({"names": list(config["names"]), "options": options_to_json(options)}))
     os.replace(tmp, path / _META)
 
 
@@ -585,6 +587,11 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
         Spool folder name -> progress after the replay.
     """
     results: dict[str, Progress] = {}
+    for old in sorted(Path(run_dir).glob(f"spool/*/{_OLD_META}")):
+        if not (old.parent / _META).exists():
+            _logger.warning("%s: skipped: its spool was written by an earlier otel-train (%s), which this version "
+                            "never unpickles; replay it with the otel-train version that wrote it", old.parent.name,
+                            _OLD_META)
     for meta_file in sorted(Path(run_dir).glob(f"spool/*/{_META}")):
         rank_dir = meta_file.parent
         fd = try_lock(rank_dir)
@@ -595,8 +602,13 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
                             who.get("state", "state unknown"))
             continue
         try:
-            meta = pickle.loads(meta_file.read_bytes())  # written by our own exporter process
-            delivery = Delivery(build_backends(meta["names"], meta["options"]), Spool(rank_dir))
+            try:
+                meta = json.loads(meta_file.read_text())
+                names, options = [str(n) for n in meta["names"]], options_from_json(meta["options"])
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                _logger.warning("%s: skipped: %s is unreadable (%s)", rank_dir.name, _META, err)
+                continue
+            delivery = Delivery(build_backends(names, options), Spool(rank_dir))
             results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)
         finally:
             os.close(fd)
