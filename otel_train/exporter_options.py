@@ -76,7 +76,14 @@ def options_to_json(options: ExporterOptions) -> dict[str, Any]:
         "trace_counters": options.trace_counters, "routes": routes, "trace_steps": steps,
         "trace_gzip": options.trace_gzip, "step_order": options.step_order, "resume_step": options.resume_step,
     }
-    return json.loads(json.dumps(out, default=str))  # one pass turns whatever is not JSON into its str
+    converted: dict[str, Any] = json.loads(json.dumps(out, default=str))  # whatever is not JSON becomes its str
+    return converted
+
+
+def _route(route: Any, fields: Mapping[str, Any]) -> Route:
+    kwargs = {f: (tuple(v) if isinstance(v, list) else v) for f, v in fields.items() if f in _ROUTE_FIELDS}
+    built: Route = route(**kwargs)
+    return built
 
 
 def options_from_json(data: Mapping[str, Any]) -> ExporterOptions:
@@ -97,9 +104,7 @@ def options_from_json(data: Mapping[str, Any]) -> ExporterOptions:
                                   tuple((int(a), int(b)) for a, b in raw_steps["periodic"]))
         raw_routes = data.get("routes")
         routes = None if raw_routes is None else {
-            str(name): Route(**{f: (tuple(v) if isinstance(v, list) else v) for f, v in fields.items()
-                                if f in _ROUTE_FIELDS})
-            for name, fields in dict(raw_routes).items()}
+            str(name): _route(Route, fields) for name, fields in dict(raw_routes).items()}
         hparams = data.get("hparams")
         resume = data.get("resume_step")
         return ExporterOptions(

@@ -64,6 +64,7 @@ class MetricsConverter:
             ExponentialHistogram,
             Gauge,
             Histogram,
+            HistogramDataPoint,
             Sum,
         )
 
@@ -100,7 +101,7 @@ class MetricsConverter:
                     elif isinstance(d, (Histogram, ExponentialHistogram)):
                         for hp in d.data_points:
                             attrs = hp.attributes or {}
-                            if isinstance(d, Histogram):
+                            if isinstance(hp, HistogramDataPoint):
                                 exp = None
                                 bounds, counts = tuple(hp.explicit_bounds), tuple(hp.bucket_counts)
                             else:
