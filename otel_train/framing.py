@@ -23,7 +23,9 @@ import dataclasses
 import numbers
 import threading
 from collections.abc import Mapping, Sequence
-from operator import attrgetter, itemgetter
+from functools import partial
+from itertools import repeat, starmap
+from operator import and_, attrgetter, itemgetter, lshift, or_, rshift
 from typing import Any
 
 import msgpack
@@ -45,10 +47,12 @@ _GET_RUN = attrgetter("run")
 _METRIC = attrgetter(*[f.name for f in dataclasses.fields(MetricRow)][1:])
 _HIST = attrgetter(*[f.name for f in dataclasses.fields(HistogramRow)][1:])
 _SPAN = attrgetter(*[f.name for f in dataclasses.fields(SpanRow)][1:])
-_SPAN_NAME = attrgetter("name")
+_SPAN_TAIL_COLUMNS = tuple(attrgetter(f.name) for f in dataclasses.fields(SpanRow)[3:])  # after run, name, trace_id
+_NAME = attrgetter("name")
+_TRACE_ID = attrgetter("trace_id")
+_STEP = attrgetter("step")
 _FIRST, _SECOND, _THIRD, _FOURTH = (itemgetter(i) for i in range(4))
 _LOW = (1 << 64) - 1
-_SPAN_TAIL = attrgetter(*[f.name for f in dataclasses.fields(SpanRow)][3:])  # after run, name, trace_id
 _OLD = ("written by an earlier otel-train (a pickle), which this version never unpickles: "
         "deliver it with the otel-train version that wrote it")
 
@@ -131,24 +135,28 @@ def encode_window(
         points: ``(tag, step, value, time_unix_nano)`` of `ot.log` gauges.
         metrics, histograms, spans: Rows from the SDK's instruments and spans (any runs).
     """
-    max_step = max(p[1] for p in points) if points else -1
+    columns = _point_columns(points)
+    max_step = max(columns[2]) if points else -1
     if metrics:
-        max_step = max(max_step, max(r.step for r in metrics))
+        max_step = max(max_step, max(map(_STEP, metrics)))
     runs: dict[RunInfo, int] = {run: 0}
     m = [(i, list(map(_METRIC, rows))) for i, rows in _by_run(metrics, runs)]
     h = [(i, list(map(_HIST, rows))) for i, rows in _by_run(histograms, runs)]
     s = [(i, *_span_columns(rows)) for i, rows in _by_run(spans, runs)]
-    payload = _packb((_VERSION, [_RUN(r) for r in runs], _point_columns(points), m, h, s))
+    payload = _packb((_VERSION, [_RUN(r) for r in runs], columns, m, h, s))
     return _WINDOW_MAGIC + payload, max_step
 
 
+# Rows travel as tuples of their fields, built by `attrgetter` and rebuilt by `starmap`: C-level loops both
+# ways, with no Python frame per row (what pickling the same tuples cost before).
+
+
 def _point_columns(points: Sequence[tuple[str, int, float, int]]) -> tuple[Any, ...]:
-    """`ot.log` points as columns: each tag once, then per point its tag's index, step, value and time. Every
-    pass is a C-level `map`; a run logs the same keys every step, so the tags table is small."""
+    """`ot.log` points as columns: each tag once, then per point its tag's index, step, value and time (a run
+    logs the same keys every step, so the tags table is small)."""
     tags = list(map(_FIRST, points))
-    table = list(dict.fromkeys(tags))
-    index = {tag: i for i, tag in enumerate(table)}
-    return (table, list(map(index.__getitem__, tags)), list(map(_SECOND, points)), list(map(_THIRD, points)),
+    index = {tag: i for i, tag in enumerate(dict.fromkeys(tags))}
+    return (list(index), list(map(index.__getitem__, tags)), list(map(_SECOND, points)), list(map(_THIRD, points)),
             list(map(_FOURTH, points)))
 
 
@@ -166,15 +174,16 @@ def _by_run(rows: Sequence[Any], runs: dict[RunInfo, int]) -> list[tuple[int, Se
 
 
 def _span_columns(rows: Sequence[SpanRow]) -> tuple[Any, ...]:
-    """Span rows as (names, high and low 64 bits of the trace ids, the other fields): a 128-bit trace id as
-    two native ints, not one msgpack extension (a Python call) each; out of range, it goes in the fields."""
-    try:
-        high = [r.trace_id >> 64 for r in rows]
-        if max(high) >= 1 << 64 or min(high) < 0:
-            raise OverflowError
-    except (OverflowError, TypeError):
+    """Spans as columns (one list per field after the trace id) plus the names and the high and low 64 bits
+    of the trace ids: a 128-bit trace id as two native ints, not one msgpack extension (a Python call) each,
+    and every span rebuilt by one C-level `map`. A trace id outside 128 bits: the fields as tuples, the id as
+    an extension."""
+    ids = list(map(_TRACE_ID, rows))
+    high = list(map(rshift, ids, repeat(64)))
+    if max(high) > _LOW or min(high) < 0:
         return (None, None, None, list(map(_SPAN, rows)))
-    return (list(map(_SPAN_NAME, rows)), high, [r.trace_id & _LOW for r in rows], list(map(_SPAN_TAIL, rows)))
+    return (list(map(_NAME, rows)), high, list(map(and_, ids, repeat(_LOW))),
+            [list(map(get, rows)) for get in _SPAN_TAIL_COLUMNS])
 
 
 def encode_resume(run: RunInfo, step: int, cut_after: int) -> bytes:
@@ -226,26 +235,22 @@ def decode_window(payload: bytes) -> Window:
     run = runs[0]
     table, tag_index, steps, values, times = points
     keys = list(map(table.__getitem__, tag_index))
-    rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in zip(keys, steps, values, times, strict=True)]
+    rows = list(map(MetricRow, repeat(run), steps, keys, keys, values, repeat("gauge"), times))
     for i, group in metrics:
-        run = runs[i]
-        rows.extend([MetricRow(run, *t) for t in group])
-    histograms = []
+        rows.extend(starmap(partial(MetricRow, runs[i]), group))
+    histograms: list[HistogramRow] = []
     for i, group in hists:
-        run = runs[i]
-        for t in group:
-            row = HistogramRow(run, *t)
-            if row.exponential is not None:
-                row.exponential = ExponentialBuckets(*row.exponential)
-            histograms.append(row)
+        histograms.extend(starmap(partial(HistogramRow, runs[i]), group))
+    for h in histograms:
+        if h.exponential is not None:
+            h.exponential = ExponentialBuckets(*h.exponential)
     span_rows: list[SpanRow] = []
     for i, names, high, low, fields in spans:
-        run = runs[i]
         if names is None:
-            span_rows.extend([SpanRow(run, *t) for t in fields])
+            span_rows.extend(starmap(partial(SpanRow, runs[i]), fields))
         else:
-            span_rows.extend([SpanRow(run, name, hi << 64 | lo, *t)
-                              for name, hi, lo, t in zip(names, high, low, fields, strict=True)])
+            ids = map(or_, map(lshift, high, repeat(64)), low)
+            span_rows.extend(map(SpanRow, repeat(runs[i]), names, ids, *fields))
     return Window(rows, histograms, span_rows)
 
 
