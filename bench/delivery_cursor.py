@@ -14,9 +14,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.jsonl import JsonlExporter
-from otel_train.records import ExporterOptions, MetricRow, RunInfo
+from otel_train.rows import MetricRow
+from otel_train.run_identity import RunInfo
 from otel_train.spool import Spool
 
 RUN = RunInfo("bench", "bench")

@@ -183,7 +183,7 @@ def collector_down(down_s: float) -> None:
 
 def hanging_backend(deadline_s: float) -> None:
     import otel_train as ot
-    from otel_train.records import HistogramRow, MetricRow
+    from otel_train.rows import HistogramRow, MetricRow
     from otel_train.testing import InMemoryRowExporter
 
     class Hanging(InMemoryRowExporter):

@@ -167,7 +167,7 @@ def main() -> int:
 def _start_sink(directory: Path) -> Any:
     """An `otel-train sink` writing TensorBoard files, on a free loopback gRPC port, in this process."""
     from otel_train.config import SinkSettings
-    from otel_train.records import ExporterOptions
+    from otel_train.exporter_options import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
 
     settings = SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0")

@@ -7,11 +7,14 @@ there only rows exist. What each row becomes on the wire:
 * counter / up-down sum rows from DELTA points -> Sum points, DELTA, with the collection's own value
   (`MetricRow.delta`), as the SDK pipeline of the training process sent them; a sum row without it
   (from a CUMULATIVE source) -> a Gauge of its running total;
-* histograms -> Histogram points, DELTA (their ``name/count`` ... scalar rows are not sent again);
+* histograms -> Histogram points, DELTA (their ``name/count`` ... scalar rows are not sent again); one
+  that came as an exponential histogram (`HistogramRow.exponential`) -> an ExponentialHistogram point with
+  its own scale and buckets;
 * spans -> `ReadableSpan`s with their ids, parent, times, status, attributes, events, kind and links.
 
-Names: a key that breaks OTel's instrument-name rule goes under `otel_train.names.otlp_name` with the key in the
-metric's description, which `otel-train sink` reads back. Every point carries ``train.step``; every request carries the run's Resource, built as the training
+Each metric keeps the unit and description its rows carry. Names: a key that breaks OTel's instrument-name
+rule goes under `otel_train.names.otlp_name` with the key in the metric's description (in place of the
+instrument's own), which `otel-train sink` reads back. Every point carries ``train.step``; every request carries the run's Resource, built as the training
 process builds it (`Resource.create` of the run's attributes, so ``OTEL_RESOURCE_ATTRIBUTES`` too).
 Requests hold at most `MAX_POINTS` points or spans.
 """
@@ -23,6 +26,9 @@ from typing import Any
 
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
+    Buckets,
+    ExponentialHistogram,
+    ExponentialHistogramDataPoint,
     Gauge,
     Histogram,
     HistogramDataPoint,
@@ -39,7 +45,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
-from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 from otel_train.semconv import THREAD_ID, THREAD_NAME
 from otel_train.semconv import TRAIN_STEP as STEP_ATTRIBUTE
 
@@ -77,32 +84,48 @@ class RowsToOTLP:
 
     # -- building ----------------------------------------------------------------------------------
     def _metrics_data(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> MetricsData:
-        # (run, metric name, shape) -> points; a dict keeps first-seen order
-        groups: dict[tuple[RunInfo, str, str], list[Any]] = {}
+        # (run, metric name, shape) -> (unit, description, points); a dict keeps first-seen order
+        groups: dict[tuple[RunInfo, str, str], tuple[str, str, list[Any]]] = {}
         for r in rows:
             attrs = _with_step(r.attributes, r.step)
             if r.kind in ("counter", "sum") and r.delta is not None:
                 shape, value = r.kind, r.delta
             else:
                 shape, value = "gauge", r.value
-            groups.setdefault((r.run, r.name, shape), []).append(
-                NumberDataPoint(attrs, r.time_unix_nano, r.time_unix_nano, value))
+            key = (r.run, r.name, shape)
+            group = groups.get(key) or groups.setdefault(key, (r.unit, r.description, []))
+            group[2].append(NumberDataPoint(attrs, r.time_unix_nano, r.time_unix_nano, value))
         for h in histograms:
-            groups.setdefault((h.run, h.name, "histogram"), []).append(HistogramDataPoint(
-                _with_step(h.attributes, h.step), h.time_unix_nano, h.time_unix_nano, h.count, h.sum,
-                list(h.bucket_counts), list(h.explicit_bounds), h.min, h.max))
+            attrs = _with_step(h.attributes, h.step)
+            e = h.exponential
+            point: HistogramDataPoint | ExponentialHistogramDataPoint
+            if e is None:
+                shape = "histogram"
+                point = HistogramDataPoint(attrs, h.time_unix_nano, h.time_unix_nano, h.count, h.sum,
+                                           list(h.bucket_counts), list(h.explicit_bounds), h.min, h.max)
+            else:
+                shape = "exponential"
+                point = ExponentialHistogramDataPoint(
+                    attrs, h.time_unix_nano, h.time_unix_nano, h.count, h.sum, e.scale, e.zero_count,
+                    Buckets(e.positive_offset, list(e.positive_counts)),
+                    Buckets(e.negative_offset, list(e.negative_counts)), 0, h.min, h.max)
+            key = (h.run, h.name, shape)
+            group = groups.get(key) or groups.setdefault(key, (h.unit, h.description, []))
+            group[2].append(point)
         by_run: dict[RunInfo, list[Metric]] = {}
-        for (run, name, shape), points in groups.items():
-            data: Gauge | Sum | Histogram
+        for (run, name, shape), (unit, own_description, points) in groups.items():
+            data: Gauge | Sum | Histogram | ExponentialHistogram
             if shape == "gauge":
                 data = Gauge(points)
             elif shape == "histogram":
                 data = Histogram(points, AggregationTemporality.DELTA)
+            elif shape == "exponential":
+                data = ExponentialHistogram(points, AggregationTemporality.DELTA)
             else:
                 data = Sum(points, AggregationTemporality.DELTA, is_monotonic=shape == "counter")
             wire = otlp_name(name)
-            description = None if wire == name else KEY_DESCRIPTION_PREFIX + name
-            by_run.setdefault(run, []).append(Metric(wire, description, None, data))
+            description = own_description or None if wire == name else KEY_DESCRIPTION_PREFIX + name
+            by_run.setdefault(run, []).append(Metric(wire, description, unit or None, data))
         return MetricsData([ResourceMetrics(self.resource(run), [ScopeMetrics(_SCOPE, metrics, "")], "")
                             for run, metrics in by_run.items()])
 

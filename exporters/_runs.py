@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.records import CONFIG_HASH, RUN_ID, ExporterOptions, RunInfo, config_hash, series_tag
-from otel_train.records import run_folder as records_run_folder
+from otel_train.exporter_options import ExporterOptions
+from otel_train.rows import series_tag
+from otel_train.run_identity import CONFIG_HASH, RUN_ID, RunInfo, config_hash
+from otel_train.run_paths import run_folder as records_run_folder
 from otel_train.semconv import display_name
 
 __all__ = [

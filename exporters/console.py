@@ -23,8 +23,10 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import RunInfo
 
 __all__ = ["ConsoleExporter"]
 

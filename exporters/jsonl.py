@@ -34,8 +34,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow, run_folder
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
+from otel_train.run_paths import run_folder
 
 __all__ = ["JsonlExporter", "jsonl_path", "read_jsonl", "resolve_resumes"]
 

@@ -41,6 +41,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._runs import (
     RANK_SUFFIX_KEY,
     StepGate,
@@ -53,16 +54,8 @@ from otel_train.exporters._runs import (
 )
 from otel_train.exporters.base import RowExporter
 from otel_train.names import key_hash
-from otel_train.records import (
-    CONFIG_HASH,
-    PREEMPTED,
-    RUN_ID,
-    ExporterOptions,
-    HistogramRow,
-    MetricRow,
-    RunInfo,
-    series_tag,
-)
+from otel_train.rows import HistogramRow, MetricRow, series_tag
+from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RUN_ID, RunInfo
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient

@@ -29,9 +29,10 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel_train.errors import ConfigError
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._otlp_rows import RowsToOTLP
 from otel_train.exporters.base import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
 
 __all__ = ["OTLPExporter"]
 

@@ -7,6 +7,7 @@ between the two are described there. Also what `otel-train replay` (`otel_train.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import pickle
@@ -22,8 +23,9 @@ from typing import Any
 
 from otel_train.delivery import Delivery
 from otel_train.errors import ConfigError
+from otel_train.exporter_options import ExporterOptions, options_to_json
 from otel_train.framing import encode_resume
-from otel_train.records import ExporterOptions, RunInfo
+from otel_train.run_identity import RunInfo
 from otel_train.self_metrics import SelfMetrics
 from otel_train.spool import Spool, mark_draining
 from otel_train.workers import WorkerListener
@@ -35,7 +37,8 @@ WINDOW = struct.Struct("<qq")  # a ``W`` frame's seq and max step
 ID = struct.Struct("<q")  # a request's id
 _ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
 #: What `otel-train replay` needs to rebuild a spool's backends, in its folder.
-META = "exporters.pickle"
+META = "exporters.json"
+OLD_META = "exporters.pickle"  # an earlier otel-train's: refused, never unpickled
 
 
 def build_backends(names: Sequence[str], options: ExporterOptions) -> dict[str, Any]:
@@ -246,9 +249,8 @@ def set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:
 
 
 def _write_meta(path: Path, config: dict[str, Any]) -> None:
-    """What `otel-train replay` needs to rebuild the backends of this spool (pickled: options hold paths,
-    routes and step selections; read only by the same otel-train)."""
+    """What `otel-train replay` needs to rebuild the backends of this spool, as JSON (reading it runs no code)."""
     tmp = path / (META + ".tmp")
     options = dataclasses.replace(config["options"], resume_step=None)  # a replay never resumes the run again
-    tmp.write_bytes(pickle.dumps({"names": config["names"], "options": options}))
+    tmp.write_text(json.dumps({"names": list(config["names"]), "options": options_to_json(options)}))
     os.replace(tmp, path / META)

@@ -44,9 +44,11 @@ from otel_train.export_child import (
     preempt,
     set_hparams,
 )
+from otel_train.exporter_options import ExporterOptions
 from otel_train.framing import encode_resume, encode_window
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
 from otel_train.replay import replay
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 from otel_train.self_metrics import SelfMetrics
 from otel_train.spool import Spool, spool_dir
 from otel_train.workers import listen_address

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import pickle
 import time
 from pathlib import Path
 
 from otel_train.delivery import Delivery, Progress
-from otel_train.export_child import META, build_backends
+from otel_train.export_child import META, OLD_META, build_backends
+from otel_train.exporter_options import options_from_json
 from otel_train.spool import Spool, holder, try_lock
 
 __all__ = ["replay"]
@@ -31,6 +32,11 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
         Spool folder name -> progress after the replay.
     """
     results: dict[str, Progress] = {}
+    for old in sorted(Path(run_dir).glob(f"spool/*/{OLD_META}")):
+        if not (old.parent / META).exists():
+            _logger.warning("%s: skipped: its spool was written by an earlier otel-train (%s), which this version "
+                            "never unpickles; replay it with the otel-train version that wrote it", old.parent.name,
+                            OLD_META)
     for meta_file in sorted(Path(run_dir).glob(f"spool/*/{META}")):
         rank_dir = meta_file.parent
         fd = try_lock(rank_dir)
@@ -41,8 +47,13 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
                             who.get("state", "state unknown"))
             continue
         try:
-            meta = pickle.loads(meta_file.read_bytes())  # written by our own exporter process
-            delivery = Delivery(build_backends(meta["names"], meta["options"]), Spool(rank_dir))
+            try:
+                meta = json.loads(meta_file.read_text())
+                names, options = [str(n) for n in meta["names"]], options_from_json(meta["options"])
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                _logger.warning("%s: skipped: %s is unreadable (%s)", rank_dir.name, META, err)
+                continue
+            delivery = Delivery(build_backends(names, options), Spool(rank_dir))
             results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)
         finally:
             os.close(fd)

@@ -196,7 +196,7 @@ def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
 
 
 #: What a session that exported nothing leaves in its rank's spool folder (written at `init()`).
-_UNUSED_SPOOL_FILES = frozenset({"writer.lock", "exporters.pickle", "exporter.log"})
+_UNUSED_SPOOL_FILES = frozenset({"writer.lock", "exporters.json", "exporter.log"})
 
 
 def _remove_unused_run_folder(spool: Path, wait_s: float = 5.0) -> None:

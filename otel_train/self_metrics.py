@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 
 from otel_train import semconv
 from otel_train.backend import Window
-from otel_train.records import MetricRow, RunInfo
+from otel_train.rows import MetricRow
+from otel_train.run_identity import RunInfo
 
 __all__ = ["SelfMetrics"]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.records import run_folder
+from otel_train.run_paths import run_folder
 
 __all__ = ["RunClaim", "Spool", "claim_run", "holder", "spool_dir", "try_lock"]
 

@@ -10,7 +10,9 @@ import pytest
 MODULES = [
     "otel_train",
     "otel_train.step",
-    "otel_train.records",
+    "otel_train.rows",
+    "otel_train.run_paths",
+    "otel_train.framing",
     "otel_train.reader",
     "otel_train.testing",
     "otel_train.sink.temporality",

@@ -142,7 +142,7 @@ def test_otlp_sends_instrument_names_and_the_sink_restores_the_keys(
     from otel_train.exporters._otlp_rows import RowsToOTLP
     from otel_train.exporters.base import Window
     from otel_train.exporters.otlp import OTLPExporter
-    from otel_train.records import RunInfo
+    from otel_train.run_identity import RunInfo
 
     run = RunInfo("otlp-keys", "otlp-keys")
     rows = [row(run, s, key, value(i, s), 1_700_000_000_000_000_000 + s) for s in range(STEPS)

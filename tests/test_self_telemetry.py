@@ -9,10 +9,11 @@ import pytest
 
 import otel_train as ot
 from otel_train.delivery import Delivery, Progress
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters import base
 from otel_train.exporters.tensorboard import TensorBoardExporter
 from otel_train.framing import encode_window
-from otel_train.records import ExporterOptions, RunInfo
+from otel_train.run_identity import RunInfo
 from otel_train.self_metrics import SelfMetrics
 from otel_train.testing import InMemoryRowExporter
 

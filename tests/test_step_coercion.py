@@ -14,7 +14,7 @@ import pytest
 
 import otel_train as ot
 from otel_train.exporters.jsonl import read_jsonl
-from otel_train.records import run_folder
+from otel_train.run_paths import run_folder
 from otel_train.step import coerce_step
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.backend import RowExporter
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.chrome_trace import json_safe, span_event
-from otel_train.records import ExporterOptions, SpanRow
+from otel_train.rows import SpanRow
 
 __all__ = ["RAW_PHASES", "TimelineDump", "raw_events"]
 

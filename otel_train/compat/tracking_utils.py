@@ -133,8 +133,8 @@ def init_tracking(args: Any) -> None:
     names: list[Any] = list(kwargs.pop("exporters"))
     if wandb:  # a W&B entity/group: build that exporter here with the session's options
         from otel_train.config import load_settings
+        from otel_train.exporter_options import ExporterOptions
         from otel_train.exporters.wandb import WandbExporter
-        from otel_train.records import ExporterOptions
 
         s = load_settings(exporters=[n for n in names if isinstance(n, str)], **kwargs)
         options = ExporterOptions.from_settings(s)

@@ -17,8 +17,9 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from otel_train.names import key_from_description
-from otel_train.records import RUN_ID, HistogramRow, MetricRow, RunInfo, SpanRow, series_tag
+from otel_train.names import KEY_DESCRIPTION_PREFIX, key_from_description
+from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow, explicit_buckets, series_tag
+from otel_train.run_identity import RUN_ID, RunInfo
 from otel_train.sink.otlp import (
     BAD_STEP,
     MAX_RUN_ID_BYTES,
@@ -41,7 +42,6 @@ from otel_train.sink.temporality import (
     GAUGE,
     STEPLESS,
     SeriesLedger,
-    exponential_buckets,
 )
 from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
@@ -293,21 +293,28 @@ def _sum_mode(s: Any) -> int:
     return CUMULATIVE_COUNTER if s.is_monotonic else CUMULATIVE_UPDOWN
 
 
-def _one_point(p: Any, name: str, kind: str, run: RunInfo) -> MetricRow:
+def _one_point(p: Any, name: str, kind: str, run: RunInfo, unit: str = "", description: str = "") -> MetricRow:
     step, extra = point_attributes(p.attributes)
     tag = series_tag(name, extra) if extra else name
     return MetricRow(run, STEPLESS if step is None else step, name, tag, p.as_double or float(p.as_int), kind,
-                     p.time_unix_nano, extra)
+                     p.time_unix_nano, extra, None, unit, description)
 
 
-def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: Decoded) -> None:
+def _unit_description(metric: Any) -> tuple[str, str]:
+    """The metric's unit and description as rows keep them (not a description that carries the key)."""
+    description = metric.description
+    return metric.unit, "" if description.startswith(KEY_DESCRIPTION_PREFIX) else description
+
+
+def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: Decoded, metric: Any) -> None:
     """Pending rows of gauge or sum points given as protobuf objects (OTLP/JSON requests)."""
+    unit, description = _unit_description(metric)
     rows: list[tuple[MetricRow, int, int, str]] = []
     tags = seen.tags_of(run)
     sender = seen.sender
     hi = -1
     for p in points:
-        row = _one_point(p, name, kind, run)
+        row = _one_point(p, name, kind, run, unit, description)
         if row.step == BAD_STEP:
             seen.refuse("bad_step", name)
             continue
@@ -362,6 +369,7 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
         else:
             _other_metric(metric, kind, name, run, out)
             continue
+        unit, description = _unit_description(metric)
         append = rows.append
         plain = False
         for raw in points:
@@ -384,7 +392,7 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                     entry = entries.get(rem) or cache.decode(rem)
             if entry is WHOLE:
                 p = number_point(raw)
-                row = _one_point(p, name, row_kind, run)
+                row = _one_point(p, name, row_kind, run, unit, description)
                 if row.step == BAD_STEP:
                     out.refuse("bad_step", name)
                     continue
@@ -410,9 +418,10 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
             if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
                 hi = step
             if mode == GAUGE and step != STEPLESS:
-                gauge_rows(MetricRow(run, step, name, tag, value, row_kind, t, extra))
+                gauge_rows(MetricRow(run, step, name, tag, value, row_kind, t, extra, None, unit, description))
             else:
-                append((MetricRow(run, step, name, tag, value, row_kind, t, extra), mode, start, sender))
+                append((MetricRow(run, step, name, tag, value, row_kind, t, extra, None, unit, description), mode,
+                        start, sender))
         if plain:
             tags.add(name)
         if mode != GAUGE:
@@ -434,7 +443,8 @@ def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: D
             if len(p.explicit_bounds) >= MAX_BUCKETS:
                 out.refuse("too_many_buckets", name)
                 continue
-            _pending_histogram(out, run, name, p, tuple(p.explicit_bounds), tuple(p.bucket_counts), cumulative, True)
+            _pending_histogram(out, run, name, p, tuple(p.explicit_bounds), tuple(p.bucket_counts), cumulative, True,
+                               metric)
     elif kind == "exponential_histogram":
         h = metric.exponential_histogram
         cumulative = h.aggregation_temporality != _DELTA
@@ -442,16 +452,19 @@ def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: D
             if len(p.positive.bucket_counts) + len(p.negative.bucket_counts) >= MAX_BUCKETS:
                 out.refuse("too_many_buckets", name)  # before expanding them: 8M buckets fit in 8 MiB
                 continue
-            bounds, counts = exponential_buckets(
-                p.scale, p.zero_count, (p.positive.offset, p.positive.bucket_counts),
-                (p.negative.offset, p.negative.bucket_counts))
-            _pending_histogram(out, run, name, p, bounds, counts, cumulative, True)
+            # Kept as they came for DELTA points (the `otlp` backend sends them on); a CUMULATIVE point's
+            # increase is computed on the explicit form, so its row has that form only.
+            exp = ExponentialBuckets(p.scale, p.zero_count, p.positive.offset, tuple(p.positive.bucket_counts),
+                                     p.negative.offset, tuple(p.negative.bucket_counts), p.zero_threshold)
+            bounds, counts = explicit_buckets(exp)
+            _pending_histogram(out, run, name, p, bounds, counts, cumulative, True, metric,
+                               None if cumulative else exp)
     elif kind == "summary":
         for p in metric.summary.data_points:  # count and sum are cumulative by the data model
             if len(p.quantile_values) >= MAX_BUCKETS:
                 out.refuse("too_many_buckets", name)
                 continue
-            row = _pending_histogram(out, run, name, p, (), (), True, False)
+            row = _pending_histogram(out, run, name, p, (), (), True, False, metric)
             if row is None:
                 continue
             tags = out.tags_of(run)
@@ -475,7 +488,8 @@ def _has(p: Any, field: str) -> bool:
 
 
 def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tuple[float, ...],
-                       counts: tuple[int, ...], cumulative: bool, buckets: bool) -> HistogramRow | None:
+                       counts: tuple[int, ...], cumulative: bool, buckets: bool, metric: Any,
+                       exponential: ExponentialBuckets | None = None) -> HistogramRow | None:
     """The pending row of a histogram or summary point; None (counted) when its step is no step."""
     attrs = attributes(p.attributes)
     step = _step(attrs)
@@ -492,7 +506,8 @@ def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tu
     for stat in ("count", "sum", "min", "max"):
         tags.add(series_tag(f"{name}/{stat}", extra) if extra else f"{name}/{stat}")
     out.saw(run, step)
-    row = HistogramRow(run, step, name, tag, int(p.count), total, lo, hi, bounds, counts, p.time_unix_nano, extra)
+    row = HistogramRow(run, step, name, tag, int(p.count), total, lo, hi, bounds, counts, p.time_unix_nano, extra,
+                       *_unit_description(metric), exponential)
     out._hists.append((row, cumulative, p.start_time_unix_nano, buckets, out.sender))
     return row
 
@@ -525,10 +540,10 @@ def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
         run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
         for name, kind, metric in _named_metrics(rm.scope_metrics):
             if kind == "gauge":
-                _numbers(metric.gauge.data_points, name, "gauge", GAUGE, run, out)
+                _numbers(metric.gauge.data_points, name, "gauge", GAUGE, run, out, metric)
             elif kind == "sum":
                 s = metric.sum
-                _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", _sum_mode(s), run, out)
+                _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", _sum_mode(s), run, out, metric)
             else:
                 _other_metric(metric, kind, name, run, out)
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import copyreg
 import functools
 import json
 from collections.abc import Mapping
@@ -33,13 +32,7 @@ __all__ = [
 MAX_RUN_ID_BYTES = 255
 #: Shared by rows without extra attributes (read-only).
 NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
-# The sink writes rows ahead to a run's spool (a pickle): read-only attributes go there as plain dicts.
-copyreg.pickle(MappingProxyType, lambda m: (_as_dict, (dict(m),)))
-
-
-def _as_dict(items: dict[str, Any]) -> Any:
-    """Unpickles a spooled read-only mapping (as a plain dict)."""
-    return items
+# The sink's spool writes read-only attributes as plain maps (`otel_train.framing`).
 
 
 class DecodeError(ValueError):

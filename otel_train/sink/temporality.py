@@ -43,7 +43,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from otel_train.records import HistogramRow, MetricRow, MetricsConverter
+from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, explicit_buckets
+from otel_train.sdk_rows import MetricsConverter
 
 __all__ = [
     "CUMULATIVE_COUNTER",
@@ -81,27 +82,8 @@ def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequen
         ((0.0, 2.0, 4.0), (1, 2, 3, 0))
     """
 
-    def edge(index: int) -> float:
-        try:
-            return float(2.0 ** (index * 2.0 ** -scale))
-        except OverflowError:
-            return math.inf
-
-    bounds: list[float] = []
-    counts: list[int] = []
-    neg_offset, neg_counts = negative
-    for i in range(len(neg_counts) - 1, -1, -1):  # most negative first
-        bounds.append(-edge(neg_offset + i))
-        counts.append(int(neg_counts[i]))
-    if zero_count or neg_counts or positive[1]:
-        bounds.append(0.0)
-        counts.append(int(zero_count))
-    pos_offset, pos_counts = positive
-    for i, c in enumerate(pos_counts):
-        bounds.append(edge(pos_offset + i + 1))
-        counts.append(int(c))
-    counts.append(0)
-    return tuple(bounds), tuple(counts)
+    return explicit_buckets(ExponentialBuckets(scale, zero_count, positive[0], tuple(positive[1]), negative[0],
+                                               tuple(negative[1])))
 
 
 def _combine(pick: Callable[[float, float], float], a: float, b: float) -> float:

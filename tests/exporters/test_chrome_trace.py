@@ -16,9 +16,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.chrome_trace import ERROR_CNAME, ChromeTraceExporter, trace_path
-from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
+from otel_train.rows import MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 from otel_train.trace_merge import load_trace
 
 T0 = 1_700_000_000_000_000_000  # ns
@@ -176,7 +178,9 @@ _CRASH = textwrap.dedent("""
     import os, sys, time
     from otel_train.exporters.base import Window
     from otel_train.exporters.chrome_trace import ChromeTraceExporter
-    from otel_train.records import ExporterOptions, MetricRow, RunInfo, SpanRow
+    from otel_train.exporter_options import ExporterOptions
+    from otel_train.rows import MetricRow, SpanRow
+    from otel_train.run_identity import RunInfo
     run = RunInfo("rid", "crash", rank=3)
     exp = ChromeTraceExporter(ExporterOptions(directory=sys.argv[1], trace_gzip=sys.argv[3:] == ["gzip"]))
     for step in range(4):

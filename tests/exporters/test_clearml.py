@@ -13,8 +13,10 @@ from typing import Any, ClassVar
 import pytest
 from backendkit import events, isolated_clearml_env, row, two_ranks
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.records import ExporterOptions, HistogramRow, RunInfo, config_hash
+from otel_train.rows import HistogramRow
+from otel_train.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
 RUN_ID = "cml-run-1"

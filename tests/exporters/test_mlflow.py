@@ -14,15 +14,11 @@ import backendkit
 import pytest
 from backendkit import history, isolated_mlflow_env, two_ranks
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.records import (
-    ExporterOptions,
-    HistogramRow,
-    MetricRow,
-    MetricsConverter,
-    RunInfo,
-    config_hash,
-)
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import RunInfo, config_hash
+from otel_train.sdk_rows import MetricsConverter
 
 HPARAMS = {"lr": 0.01, "optim": {"name": "adam", "betas": [0.9, 0.99]}}
 RUN_ID = "mlf-run-1"
@@ -87,7 +83,9 @@ RESUME_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from otel_train.exporters.base import Window
     from otel_train.exporters.mlflow import MLflowExporter
-    from otel_train.records import ExporterOptions, MetricRow, RunInfo
+    from otel_train.exporter_options import ExporterOptions
+    from otel_train.rows import MetricRow
+    from otel_train.run_identity import RunInfo
 
     run = RunInfo(sys.argv[2], "mlf")
     exp = MLflowExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-mlflow-test",

@@ -136,7 +136,7 @@ def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Pa
     failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(failed) == 1 and "exporter `otlp` failed" in failed[0] and "UNAVAILABLE" in failed[0], failed
     from otel_train.config import SinkSettings
-    from otel_train.records import ExporterOptions
+    from otel_train.exporter_options import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
 
     sink = Sink(SinkSettings(grpc=f"127.0.0.1:{port}", http="127.0.0.1:0"),
@@ -170,7 +170,8 @@ def test_shutdown_with_collector_down_is_bounded(monkeypatch: pytest.MonkeyPatch
 def test_a_window_half_sent_is_not_sent_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Metrics taken, spans refused: the retry sends only the spans (a DELTA counter re-sent would count twice)."""
     from otel_train.exporters.base import Window
-    from otel_train.records import MetricRow, RunInfo, SpanRow
+    from otel_train.rows import MetricRow, SpanRow
+    from otel_train.run_identity import RunInfo
 
     sink = make_sink(tmp_path)
     try:

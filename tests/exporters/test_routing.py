@@ -130,8 +130,8 @@ def test_the_sink_routes_its_backends_the_same(tmp_path: Path, monkeypatch: pyte
     from opentelemetry.sdk.resources import Resource
 
     from otel_train.config import SinkSettings
+    from otel_train.exporter_options import ExporterOptions
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
-    from otel_train.records import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
 
     monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_INCLUDE", "train/*")

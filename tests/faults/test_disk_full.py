@@ -21,7 +21,7 @@ import pytest
 from faultkit import SERIES, expected, jsonl_points, tb_points, value
 
 import otel_train as ot
-from otel_train.records import run_folder
+from otel_train.run_paths import run_folder
 
 STEPS = 40
 

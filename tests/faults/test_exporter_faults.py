@@ -11,7 +11,7 @@ import pytest
 from faultkit import SERIES, expected, jsonl_points, value
 
 import otel_train as ot
-from otel_train.records import HistogramRow, MetricRow
+from otel_train.rows import HistogramRow, MetricRow
 from otel_train.testing import InMemoryRowExporter
 
 

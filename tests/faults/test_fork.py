@@ -72,8 +72,8 @@ def test_fork_in_the_middle_of_a_step(tmp_path: Path) -> None:
 def _pending_then_fork(tmp_path: Path, start_child: Any) -> list[tuple[str, int, float]]:
     """20 steps logged and left uncollected (no window yet), then a child forked: the child collects, records a raw
     OTel counter and flushes what its reader holds; the parent then logs 5 more steps and shuts down."""
+    from otel_train.exporter_options import ExporterOptions
     from otel_train.exporters.jsonl import JsonlExporter
-    from otel_train.records import ExporterOptions
 
     obj = JsonlExporter(ExporterOptions(directory=tmp_path / "object"))  # an exporter object passed to init
     session = ot.init(exporters=["jsonl", obj], dir=tmp_path, run_id="pend", run_name="pend", export_every=10_000,

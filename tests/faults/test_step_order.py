@@ -12,8 +12,10 @@ import pytest
 from faultkit import jsonl_points, tb_points
 
 import otel_train as ot
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.records import ExporterOptions, MetricRow, RunInfo
+from otel_train.rows import MetricRow
+from otel_train.run_identity import RunInfo
 from otel_train.step_order import StepOrder
 
 RUN = RunInfo("r", "r")

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from otel_train.records import MetricRow, RunInfo, config_hash
+from otel_train.rows import MetricRow
+from otel_train.run_identity import RunInfo, config_hash
 
 
 def row(run: RunInfo, step: int, tag: str, value: float, time_ns: int = 0, **attrs: Any) -> MetricRow:
