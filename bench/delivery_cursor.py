@@ -19,7 +19,7 @@ from otel_train.exporters.base import Window
 from otel_train.exporters.jsonl import JsonlExporter
 from otel_train.rows import MetricRow
 from otel_train.run_identity import RunInfo
-from otel_train.spool import Spool
+from otel_train.ship.spool import Spool
 
 RUN = RunInfo("bench", "bench")
 WINDOW = Window(metrics=[MetricRow(RUN, 0, f"m{i}", f"m{i}", float(i), "gauge", 1) for i in range(20)])

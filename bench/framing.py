@@ -1,5 +1,5 @@
 """The hand-off cost of one window between the training process and the exporter process: the msgpack
-encoding (`otel_train.framing`) against the pickle of tuples it replaced, side by side in one run.
+encoding (`otel_train.ship.framing`) against the pickle of tuples it replaced, side by side in one run.
 
 A window as a run sends it: `--keys` `ot.log` keys x `--steps` steps (the reader's point tuples), 5 SDK
 gauges per step (rows), a histogram per step, and `--spans` spans per step with the attributes `ot.span`
@@ -19,9 +19,9 @@ from operator import attrgetter
 from typing import Any
 
 from otel_train.exporters.base import Window
-from otel_train.framing import decode_window, encode_window
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
+from otel_train.ship.framing import decode_window, encode_window
 
 RUN = RunInfo("bench-run", "bench-run", 0, 0, 8, "otel-train", "host-1", 4242, "abcd1234")
 

@@ -34,7 +34,9 @@ complete file).
 Example:
     >>> import tempfile
     >>> from otel_train.exporters.base import Window
-    >>> from otel_train.records import ExporterOptions, RunInfo, SpanRow
+    >>> from otel_train.exporter_options import ExporterOptions
+    >>> from otel_train.rows import SpanRow
+    >>> from otel_train.run_identity import RunInfo
     >>> run = RunInfo("r1", "demo")
     >>> span = SpanRow(run, "forward", 1, 2, None, 1_000_000, 3_000_000, 7, "MainThread", 0, {"train.step": 0})
     >>> with ChromeTraceExporter(ExporterOptions(directory=tempfile.mkdtemp())) as exp:

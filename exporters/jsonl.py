@@ -16,7 +16,9 @@ to the same floats). Trace and span ids are lower-case hex, as in OTLP/JSON.
 Example:
     >>> import tempfile
     >>> from otel_train.exporters.base import Window
-    >>> from otel_train.records import ExporterOptions, MetricRow, RunInfo
+    >>> from otel_train.exporter_options import ExporterOptions
+    >>> from otel_train.rows import MetricRow
+    >>> from otel_train.run_identity import RunInfo
     >>> d = tempfile.mkdtemp()
     >>> row = MetricRow(RunInfo("r1", "demo"), 3, "train/loss", "train/loss", 0.5, "gauge", 1)
     >>> with JsonlExporter(ExporterOptions(directory=d)) as exp:

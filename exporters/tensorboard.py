@@ -26,8 +26,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, run_folder
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import RunInfo
+from otel_train.run_paths import run_folder
 
 __all__ = ["TensorBoardExporter"]
 
@@ -122,7 +125,9 @@ class TensorBoardExporter(RowExporter):
     Example:
         >>> import tempfile
         >>> from otel_train.exporters.base import Window
-        >>> from otel_train.records import ExporterOptions, MetricRow, RunInfo
+        >>> from otel_train.exporter_options import ExporterOptions
+        >>> from otel_train.rows import MetricRow
+        >>> from otel_train.run_identity import RunInfo
         >>> d = tempfile.mkdtemp()
         >>> with TensorBoardExporter(ExporterOptions(directory=d)) as tb:
         ...     _ = tb.export_window(Window([MetricRow(RunInfo("r1", "demo"), 0, "loss", "loss", 1.5, "gauge", 0)]))

@@ -27,6 +27,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._runs import (
     StepGate,
     by_step,
@@ -37,7 +38,8 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import PREEMPTED, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import PREEMPTED, RUN_ID, RunInfo
 
 __all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter"]
 

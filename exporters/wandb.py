@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._runs import (
     StepGate,
     by_step,
@@ -49,7 +50,8 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.records import PREEMPTED, ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import PREEMPTED, RunInfo
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run

@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from otel_train._internal.session_type import RunIdentity, Session
+from otel_train.capture.instrument import NO_SPAN
+from otel_train.capture.step import STEP_ATTRIBUTE, current_step, step, steps
 from otel_train.config import Route
 from otel_train.errors import ConfigError, OtelTrainError, StepOrderError
-from otel_train.instrument import NO_SPAN
-from otel_train.step import STEP_ATTRIBUTE, current_step, step, steps
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -200,12 +200,12 @@ def step_ended(step: int) -> None:
 
 
 def _child_client() -> Any:
-    """The run's connection in a spawned child process (`otel_train.workers`), else None."""
+    """The run's connection in a spawned child process (`otel_train.ship.workers`), else None."""
     import os
 
     if not os.environ.get("OTEL_TRAIN_WORKER_ADDRESS"):  # config.OTEL_TRAIN_WORKER_ADDRESS; keeps import light
         return None
-    from otel_train.workers import client_from_env
+    from otel_train.ship.workers import client_from_env
 
     return client_from_env()
 
@@ -248,7 +248,7 @@ def traced(name: str | Callable[..., Any] | None = None) -> Any:
     Usable as ``@traced``, ``@traced()`` or ``@traced("name")``; the default name is the
     function's qualified name.
     """
-    from otel_train.instrument import traced_with
+    from otel_train.capture.instrument import traced_with
 
     if callable(name):
         return traced_with(_span_for_decorator, None, name)
@@ -285,7 +285,7 @@ def resume(step: int) -> None:
         step: The first step of the new attempt (an integer >= 0).
 
     Raises:
-        ConfigError: before `init()`, `step` is not an integer >= 0 (see `otel_train.step.coerce_step`); after
+        ConfigError: before `init()`, `step` is not an integer >= 0 (see `otel_train.capture.step.coerce_step`); after
             it, such a step is warned about once and ignored.
         OtelTrainError: called before `init()`.
 
@@ -295,7 +295,7 @@ def resume(step: int) -> None:
         >>> ot.resume(100)
         >>> ot.shutdown()
     """
-    from otel_train.step import coerce_step
+    from otel_train.capture.step import coerce_step
 
     s = _session
     try:

@@ -48,15 +48,10 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from otel_train import routing
 from otel_train._internal import sdk
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.records import (
-    ExporterOptions,
-    HistogramRow,
-    MetricRow,
-    MetricsConverter,
-    RunInfo,
-    SpanRow,
-    span_rows,
-)
+from otel_train.collect.sdk_rows import MetricsConverter, span_rows
+from otel_train.exporter_options import ExporterOptions
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
@@ -124,7 +119,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
       `durable_step`, `write_resume`, `mark_preempted`, `preload`; `mark_written` to call from a write
       that is not all-or-nothing.
 
-    The rest is called by delivery (`otel_train.delivery`) or an OTel pipeline and is not overridden:
+    The rest is called by delivery (`otel_train.ship.delivery`) or an OTel pipeline and is not overridden:
     `export_window` (routing, step order, retry, row isolation), `resume`, `force_flush`, `shutdown`,
     `preempt_at_close`, `forget_pending_after_fork`, and the OTel entry point `export`.
 

@@ -53,7 +53,7 @@ def _trace_merge(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from otel_train.export_process import replay
+    from otel_train.ship.export_process import replay
 
     results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every)
     if not results:

@@ -511,7 +511,7 @@ def _validate_kwarg(field: str, value: Any) -> Any:
     if field in ("export_every", "queue_size", "buffer_size"):
         return _parse_int(field, str(value), 1)
     if field == "resume_step":
-        from otel_train.step import coerce_step
+        from otel_train.capture.step import coerce_step
 
         try:
             step = coerce_step(value, "resume_step")

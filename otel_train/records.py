@@ -4,13 +4,14 @@
 - `otel_train.run_identity`: `RunInfo`, the Resource attribute names, `config_hash`;
 - `otel_train.run_paths`: `run_folder`, `folder_name`;
 - `otel_train.exporter_options`: `ExporterOptions`;
-- `otel_train.sdk_rows`: `MetricsConverter`, `span_rows` (SDK export objects -> rows).
+- `otel_train.collect.sdk_rows`: `MetricsConverter`, `span_rows` (SDK export objects -> rows).
 
 Import from those; this module stays only while code outside the package moves over.
 """
 
 from __future__ import annotations
 
+from otel_train.collect.sdk_rows import MetricsConverter, span_rows
 from otel_train.exporter_options import ExporterOptions
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow, series_tag
 from otel_train.run_identity import (
@@ -26,7 +27,6 @@ from otel_train.run_identity import (
     config_hash,
 )
 from otel_train.run_paths import folder_name, run_folder
-from otel_train.sdk_rows import MetricsConverter, span_rows
 
 __all__ = [
     "CONFIG_HASH",

@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, TypeVar
 
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, SpanRow
+from otel_train.exporter_options import ExporterOptions
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.semconv import DISPLAY_NAMES, display_name
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class RowFilter:
 
     Example:
         >>> from otel_train.config import Route
-        >>> from otel_train.records import RunInfo
+        >>> from otel_train.run_identity import RunInfo
         >>> f = RowFilter(Route(include="train/*", every=2), rank0_only=False, display_names=True)
         >>> rows = [MetricRow(RunInfo("r", "r"), s, n, n, 1.0, "gauge", 0)
         ...         for s in (1, 2) for n in ("train/loss", "train.iterations", "eval/acc")]

@@ -1,7 +1,7 @@
 """Rows: the one shape every backend consumes.
 
 Both paths end here. In-process, the step-aligned reader turns SDK `MetricsData` and spans into rows
-(`otel_train.sdk_rows`); in the sink, OTLP requests become the same rows (`otel_train.sink.decode`). A
+(`otel_train.collect.sdk_rows`); in the sink, OTLP requests become the same rows (`otel_train.sink.decode`). A
 backend is written once against `MetricRow`, `HistogramRow` and `SpanRow`.
 
 Rows carry what OTLP carries besides the values — a metric's unit and description, an exponential
@@ -16,8 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 from otel_train.run_identity import RunInfo
-from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 __all__ = [
     "ExponentialBuckets",

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_train import semconv
-from otel_train.step import RANK_ATTRIBUTE
+from otel_train.capture.step import RANK_ATTRIBUTE
 
 __all__ = [
     "CONFIG_HASH",

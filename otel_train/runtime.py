@@ -25,8 +25,7 @@ from otel_train import config as cfg
 from otel_train import semconv
 from otel_train._internal import sdk
 from otel_train._internal.at_fork import after_fork_in_child
-from otel_train.errors import ConfigError
-from otel_train.instrument import (
+from otel_train.capture.instrument import (
     NO_SPAN,
     LogBuffer,
     ProfiledSpanScope,
@@ -34,9 +33,7 @@ from otel_train.instrument import (
     SpanScope,
     open_span_scopes,
 )
-from otel_train.records import ExporterOptions, RunInfo, config_hash
-from otel_train.registry import check_available, get_spec, load_class
-from otel_train.step import (
+from otel_train.capture.step import (
     StepEnd,
     _current,
     check_log_step,
@@ -47,6 +44,10 @@ from otel_train.step import (
     set_step_order,
     step_end_hook,
 )
+from otel_train.errors import ConfigError
+from otel_train.exporter_options import ExporterOptions
+from otel_train.registry import check_available, get_spec, load_class
+from otel_train.run_identity import RunInfo, config_hash
 
 __all__ = ["TRUNCATED_ATTRIBUTE", "Session", "resolve_run_id", "start"]
 
@@ -203,7 +204,7 @@ def _remove_unused_run_folder(spool: Path, wait_s: float = 5.0) -> None:
     """Remove the rank's spool folder of a session that exported nothing, and its run folder if nothing else
     is in it. Only once this process holds the folder's claim (the session's exporter process has exited) and
     only when it holds nothing but what `init()` wrote (an empty exporter log: a non-empty one is kept)."""
-    from otel_train.spool import LOCK_FILE, try_lock
+    from otel_train.ship.spool import LOCK_FILE, try_lock
 
     deadline = time.monotonic() + wait_s
     try:
@@ -260,7 +261,7 @@ class Session:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
 
-        from otel_train.reader import StepAlignedMetricReader, ThreadSpanProcessor
+        from otel_train.collect.reader import StepAlignedMetricReader, ThreadSpanProcessor
 
         self.settings = settings
         rank = _env_rank(env)
@@ -290,7 +291,7 @@ class Session:
             undo.callback(_undo, self.run_claim.release)
             self.export_process = None
             if remote:
-                from otel_train.export_process import ExportProcess
+                from otel_train.ship.export_process import ExportProcess
 
                 self.export_process = ExportProcess(
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
@@ -330,7 +331,7 @@ class Session:
             self.tracer_provider.add_span_processor(ThreadSpanProcessor(self.span_buffer))
             self.sampler = None
             if settings.system_metrics and self.export_metrics:
-                from otel_train.system_metrics import SystemSampler
+                from otel_train.collect.system_metrics import SystemSampler
 
                 self.sampler = SystemSampler(self.log_buffer.append, settings.system_interval_s)
                 self.sampler.start()
@@ -357,7 +358,7 @@ class Session:
         # Spawned children (DataLoader workers, multiprocessing) find the run here: the one variable
         # otel-train sets, because a spawned child has nothing else of ours. Removed at shutdown.
         os.environ[cfg.OTEL_TRAIN_WORKER_ADDRESS] = self._worker_address or "none"
-        from otel_train.workers import WorkerClient
+        from otel_train.ship.workers import WorkerClient
 
         self._worker_class = WorkerClient
         after_fork_in_child(self._after_fork_in_child)  # held weakly: a shut-down session is freed
@@ -365,7 +366,7 @@ class Session:
     def _after_fork_in_child(self) -> None:
         # A forked child (e.g. a DataLoader worker) shares the parent's open files, backend runs and
         # exporter-process socket: it must use none of them. Its `ot.log`/`ot.span` go through a
-        # connection of its own to the exporter process (`otel_train.workers`), opened on first use.
+        # connection of its own to the exporter process (`otel_train.ship.workers`), opened on first use.
         if not self._closed:
             self.worker = self._worker_class(self._worker_address)
         self._closed = True
@@ -375,7 +376,7 @@ class Session:
         self._lock = threading.Lock()
 
     def export_progress(self, timeout_s: float = 5.0) -> Any:
-        """The exporter process's progress (`otel_train.delivery.Progress`: windows spooled, per backend
+        """The exporter process's progress (`otel_train.ship.delivery.Progress`: windows spooled, per backend
         the last durable window and step, `behind()`), or None when every backend runs in this process."""
         if self.export_process is None:
             return None
@@ -536,7 +537,7 @@ class Session:
             _restore_signal_handlers()
 
     def _write_summary(self) -> None:
-        from otel_train.records import run_folder
+        from otel_train.run_paths import run_folder
         from otel_train.summary import summary_line, write_summary
 
         try:
@@ -605,8 +606,8 @@ def _undo(part: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
 
 
 def _claim(directory: Path, run: RunInfo, drain_timeout_s: float) -> Any:
-    """Become the one writer of this rank's run folder, or of a distinct run (`otel_train.spool.claim_run`)."""
-    from otel_train.spool import claim_run
+    """Become the one writer of this rank's run folder, or of a distinct run (`otel_train.ship.spool.claim_run`)."""
+    from otel_train.ship.spool import claim_run
 
     # An earlier attempt's exporter process drains for at most its drain timeout (+ its watchdog's grace).
     return claim_run(directory, run.run_id, run.run_name, run.rank, wait_s=drain_timeout_s + 5.0)

@@ -50,7 +50,7 @@ DROPPED_RECORDS = "otel_train.dropped_records"
 DROPPED_SPANS = "otel_train.dropped_spans"
 DROPPED_BATCHES = "otel_train.dropped_batches"
 
-# -- self-telemetry from the exporter process (`otel_train.self_metrics`, every window) ---------------
+# -- self-telemetry from the exporter process (`otel_train.ship.self_metrics`, every window) ---------------
 SELF_POINTS = "otel_train.points"
 SELF_WINDOWS = "otel_train.windows"
 SELF_BACKLOG = "otel_train.backlog_windows"

@@ -48,7 +48,8 @@ class StepOrder:
         backend: Name used in the warning.
 
     Example:
-        >>> from otel_train.records import MetricRow, RunInfo
+        >>> from otel_train.rows import MetricRow
+        >>> from otel_train.run_identity import RunInfo
         >>> run = RunInfo("r", "r")
         >>> rows = [MetricRow(run, s, "loss", "loss", float(s), "gauge", 0) for s in (1, 2, 0, 3)]
         >>> order = StepOrder("drop")

@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from otel_train.backend import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, SpanRow
+from otel_train.exporter_options import ExporterOptions
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
 
 __all__ = ["InMemoryRowExporter", "OtlpPoint", "metrics_request", "set_any_value"]
 
@@ -19,7 +20,8 @@ class InMemoryRowExporter(RowExporter):
 
     Example:
         >>> from otel_train.backend import Window
-        >>> from otel_train.records import MetricRow, RunInfo
+        >>> from otel_train.rows import MetricRow
+        >>> from otel_train.run_identity import RunInfo
         >>> mem = InMemoryRowExporter()
         >>> _ = mem.export_window(Window([MetricRow(RunInfo("r", "r"), 1, "loss", "loss", 0.5, "gauge", 0)]))
         >>> mem.values("loss")

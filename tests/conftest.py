@@ -29,7 +29,7 @@ def _no_session() -> Iterator[None]:
 
     import otel_train
 
-    step_mod = importlib.import_module("otel_train.step")  # the module, not the `step` class it exports
+    step_mod = importlib.import_module("otel_train.capture.step")  # the module, not the `step` class it exports
 
     otel_train._session = None
     step_mod._reset_for_tests()

@@ -22,7 +22,8 @@ import pytest
 
 import otel_train as ot
 from otel_train.exporters import RowExporter
-from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "backend-plugin"
 

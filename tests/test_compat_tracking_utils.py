@@ -61,7 +61,7 @@ def _native_loop() -> None:
 def _reset_step_state() -> None:
     import importlib
 
-    importlib.import_module("otel_train.step")._reset_for_tests()
+    importlib.import_module("otel_train.capture.step")._reset_for_tests()
 
 
 def _wandb_written() -> None:

@@ -74,3 +74,23 @@ def test_readme_example_runs_and_lands_every_step(tmp_path: Path) -> None:
     assert loss[-1][1] < loss[0][1] / 100  # the model in the example learns
     assert len([e for e in acc.Scalars("train/grad_norm")]) == 200
     assert (run / "trace" / "rank0.trace.json").stat().st_size > 0
+
+
+def test_the_layout_section_names_every_module_of_the_tree() -> None:
+    """The Layout section of docs/architecture.md lists the package's modules folder by folder: a module added,
+    moved or removed without it fails here."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layout = _code_blocks(text.split("## Layout", 1)[1], "")[0]
+    listed: set[str] = set()
+    folder = ""
+    for line in layout.splitlines():
+        name = line.strip().split("  ")[0]
+        if line.startswith("  ") and not line.startswith("    ") and name.endswith("/"):
+            folder = name
+        for module in re.findall(r"(\w+\.py)", name):
+            listed.add((folder if line.startswith("    ") else "") + module)
+    tree = {str(p.relative_to(ROOT / "otel_train")) for p in (ROOT / "otel_train").glob("*.py")}
+    tree |= {str(p.relative_to(ROOT / "otel_train")) for sub in ("capture", "collect", "ship")
+             for p in (ROOT / "otel_train" / sub).glob("*.py") if p.name != "__init__.py"}
+    assert sorted(tree - listed) == [], "modules missing from the Layout section"
+    assert sorted(listed - tree) == [], "the Layout section names modules that are gone"

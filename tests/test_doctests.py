@@ -9,20 +9,20 @@ import pytest
 
 MODULES = [
     "otel_train",
-    "otel_train.step",
+    "otel_train.capture.step",
     "otel_train.rows",
     "otel_train.run_paths",
-    "otel_train.framing",
-    "otel_train.reader",
+    "otel_train.ship.framing",
+    "otel_train.collect.reader",
     "otel_train.testing",
     "otel_train.sink.temporality",
     "otel_train.sink.decode",
     "otel_train.sink.event_loop",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",
-    "otel_train.phases",
+    "otel_train.collect.phases",
     "otel_train.summary",
-    "otel_train.system_metrics",
+    "otel_train.collect.system_metrics",
     "otel_train.trace_merge",
 ]
 

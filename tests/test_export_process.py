@@ -401,7 +401,7 @@ def test_replay_says_what_is_left_and_gives_up_on_a_backend_that_always_fails(tm
         assert f"rank{rank}: `wandb` behind by" in done.stdout
     assert "window(s) left" in done.stderr
     # Nothing was acknowledged for W&B: its windows stay in each rank's spool for a later replay.
-    from otel_train.spool import Spool, spool_dir
+    from otel_train.ship.spool import Spool, spool_dir
 
     for rank in (0, 1):
         spool = Spool(spool_dir(directory, run, rank))

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otel_train.exporter_options import ExporterOptions, options_from_json, options_to_json
-from otel_train.framing import Resume, decode_window, encode_resume, encode_window
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
+from otel_train.ship.framing import Resume, decode_window, encode_resume, encode_window
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 STEP = st.integers(0, (1 << 63) - 1)
@@ -130,9 +130,9 @@ def _replay(run_dir: Path) -> subprocess.CompletedProcess[str]:
 def test_replay_never_runs_a_crafted_pickle_in_the_run_folder(tmp_path: Path) -> None:
     """An earlier version's exporter description (or a crafted one) is refused with one line; a crafted window in
     an otherwise valid spool is skipped with a message while the windows around it are delivered."""
-    from otel_train.export_child import _write_meta
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
-    from otel_train.spool import Spool, spool_dir
+    from otel_train.ship.export_child import _write_meta
+    from otel_train.ship.spool import Spool, spool_dir
 
     directory, marker = tmp_path / "runs", tmp_path / "ran"
     crafted = pickle.dumps(_Plant(marker), protocol=5)

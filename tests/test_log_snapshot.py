@@ -64,7 +64,7 @@ def test_tensors_mutated_after_log_keep_the_logged_value(tmp_path: Path) -> None
 
 
 def test_device_scalars_are_copied_once_per_device_and_dtype() -> None:
-    from otel_train.instrument import _copy_on_device
+    from otel_train.capture.instrument import _copy_on_device
 
     a, b = torch.tensor(1.0), torch.tensor(2.0)
     c = torch.tensor(3, dtype=torch.int64)
@@ -89,7 +89,7 @@ def test_device_scalars_are_copied_once_per_device_and_dtype() -> None:
 
 
 def test_the_snapshot_detaches_and_leaves_floats_alone() -> None:
-    from otel_train.instrument import _snapshot
+    from otel_train.capture.instrument import _snapshot
 
     loss = torch.tensor(2.0, requires_grad=True) * 3.0
     mapping = {"plain": 1.0, "loss": loss, "vector": torch.ones(3, requires_grad=True) * 2}

@@ -9,7 +9,7 @@ import pytest
 from backendkit import by_step, tb_scalars
 
 import otel_train as ot
-from otel_train.phases import DURATION_KEY, PhaseTimer, Span, phase_values
+from otel_train.collect.phases import DURATION_KEY, PhaseTimer, Span, phase_values
 from otel_train.semconv import display_name
 
 

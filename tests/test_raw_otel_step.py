@@ -97,7 +97,7 @@ def test_a_starved_collector_never_overflows_the_sdks_limit() -> None:
     more per-step attribute sets (the SDK would fold them into an `otel.metric.overflow` series)."""
     from opentelemetry.sdk.metrics import MeterProvider
 
-    from otel_train.reader import StepAlignedMetricReader
+    from otel_train.collect.reader import StepAlignedMetricReader
 
     mem = InMemoryRowExporter()
     reader = StepAlignedMetricReader([mem], export_every=1, export_interval_s=3600)

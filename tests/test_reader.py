@@ -16,9 +16,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_train as ot
-from otel_train.instrument import LogBuffer
-from otel_train.reader import StepAlignedMetricReader
-from otel_train.step import StepEnd
+from otel_train.capture.instrument import LogBuffer
+from otel_train.capture.step import StepEnd
+from otel_train.collect.reader import StepAlignedMetricReader
 from otel_train.testing import InMemoryRowExporter
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import otel_train as ot
-from otel_train.instrument import LogBuffer, SpanBuffer
+from otel_train.capture.instrument import LogBuffer, SpanBuffer
 from otel_train.testing import InMemoryRowExporter
 
 
@@ -219,13 +219,13 @@ def test_a_failed_init_leaves_nothing_behind(run_dir: Path, monkeypatch: pytest.
     exporter process, thread, handler, environment variable or claim on the run folder is left."""
     import opentelemetry.sdk.metrics
 
-    import otel_train.reader
+    import otel_train.collect.reader
 
     children_before = _live_children()
     handler_before = signal.getsignal(signal.SIGTERM)
     mem = InMemoryRowExporter()
     if where == "reader":
-        monkeypatch.setattr(otel_train.reader, "StepAlignedMetricReader", _raise)
+        monkeypatch.setattr(otel_train.collect.reader, "StepAlignedMetricReader", _raise)
     else:
         monkeypatch.setattr(opentelemetry.sdk.metrics, "MeterProvider", _raise)
     with pytest.raises(_Injected):

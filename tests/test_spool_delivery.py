@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from otel_train import spool as spool_mod
-from otel_train.delivery import Delivery
-from otel_train.framing import decode_window, encode_window
-from otel_train.records import ExporterOptions, RunInfo
-from otel_train.spool import Spool
+from otel_train.exporter_options import ExporterOptions
+from otel_train.run_identity import RunInfo
+from otel_train.ship import spool as spool_mod
+from otel_train.ship.delivery import Delivery
+from otel_train.ship.framing import decode_window, encode_window
+from otel_train.ship.spool import Spool
 from otel_train.testing import InMemoryRowExporter
 
 RUN = RunInfo("run", "run")

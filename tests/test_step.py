@@ -9,7 +9,7 @@ import threading
 import pytest
 
 import otel_train as ot
-from otel_train.step import StepEnd, add_step_end_listener, remove_step_end_listener
+from otel_train.capture.step import StepEnd, add_step_end_listener, remove_step_end_listener
 
 
 def test_no_step_before_any() -> None:
@@ -66,7 +66,7 @@ def test_asyncio_tasks_see_their_own_step() -> None:
 
 
 def test_backwards_step_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="otel_train.step"):
+    with caplog.at_level(logging.WARNING, logger="otel_train.capture.step"):
         for i in (5, 3, 2, 6):
             with ot.step(i):
                 pass

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import otel_train as ot
+from otel_train.capture.step import coerce_step
 from otel_train.exporters.jsonl import read_jsonl
 from otel_train.run_paths import run_folder
-from otel_train.step import coerce_step
 
 
 def _metric_rows(folder: Path, name: str) -> list[tuple[int, float]]:

@@ -11,7 +11,7 @@ import pytest
 from backendkit import by_step, tb_scalars
 
 import otel_train as ot
-from otel_train.system_metrics import SystemSampler
+from otel_train.collect.system_metrics import SystemSampler
 
 
 def _gpus_visible() -> int:

@@ -13,7 +13,7 @@ import pytest
 
 import otel_train as ot
 from otel_train._internal import values as V
-from otel_train.instrument import LogBuffer
+from otel_train.capture.instrument import LogBuffer
 from otel_train.testing import InMemoryRowExporter
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency; the tensor cases need it")

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from otel_train.records import MetricRow, RunInfo, series_tag
+from otel_train.rows import MetricRow, series_tag
+from otel_train.run_identity import RunInfo
 
 __all__ = ["Aggregator"]
 

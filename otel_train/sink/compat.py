@@ -22,7 +22,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from otel_train.records import MetricRow, RunInfo, SpanRow, series_tag
+from otel_train.rows import MetricRow, SpanRow, series_tag
+from otel_train.run_identity import RunInfo
 from otel_train.sink.otlp import MAX_RUN_ID_BYTES
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""OTLP requests (protobuf or JSON) -> rows of `otel_train.records`.
+"""OTLP requests (protobuf or JSON) -> rows of `otel_train.rows`.
 
 Decoding is pure: a request is turned into a `Decoded` batch without touching any state, so a
 malformed request fails as a whole and nothing of it is written. The run's rules (temporality,
@@ -17,6 +17,7 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 from otel_train.names import KEY_DESCRIPTION_PREFIX, key_from_description
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow, explicit_buckets, series_tag
 from otel_train.run_identity import RUN_ID, RunInfo
@@ -43,7 +44,6 @@ from otel_train.sink.temporality import (
     STEPLESS,
     SeriesLedger,
 )
-from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 __all__ = [
     "DecodeCache", "DecodeError", "Decoded", "decode_metrics", "decode_traces", "fallback_run_id", "parse_metrics",

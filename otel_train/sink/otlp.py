@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from otel_train.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
+from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 __all__ = [
     "BAD_STEP",
@@ -32,7 +32,7 @@ __all__ = [
 MAX_RUN_ID_BYTES = 255
 #: Shared by rows without extra attributes (read-only).
 NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
-# The sink's spool writes read-only attributes as plain maps (`otel_train.framing`).
+# The sink's spool writes read-only attributes as plain maps (`otel_train.ship.framing`).
 
 
 class DecodeError(ValueError):

@@ -147,7 +147,7 @@ class _Kind:
 
 
 class BackendPool:
-    """Bounded threads per backend kind for every run's backends (`otel_train.delivery.BackendPool`).
+    """Bounded threads per backend kind for every run's backends (`otel_train.ship.delivery.BackendPool`).
 
     Args:
         threads: Workers per backend kind.

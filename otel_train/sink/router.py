@@ -1,7 +1,7 @@
 """Routes decoded rows to one set of backends per training run.
 
 Rows are grouped by `train.run.id`; each run gets its own exporter instances (one backend run per
-training run, all ranks inside it: rows carry their rank), fed by `otel_train.delivery.Delivery` —
+training run, all ranks inside it: rows carry their rank), fed by `otel_train.ship.delivery.Delivery` —
 the code that feeds the exporter process's backends. Runs do not get threads of their own: every
 run's backends take turns on a few threads per backend kind (`otel_train.sink.pool.BackendPool`), so a
 backend never sees two windows at once, and a slow or hung one stalls only its own run. Requests are
@@ -14,7 +14,7 @@ request for a run that is being closed just then is refused with a short retry-a
 files never have two writers).
 
 Accept and hold: with a spool folder, every request is written ahead to its run's spool (the exporter
-process's `otel_train.spool.Spool`), so a slow backend only makes its run's spool grow. A run is refused
+process's `otel_train.ship.spool.Spool`), so a slow backend only makes its run's spool grow. A run is refused
 (`Overloaded`: HTTP 503 / gRPC UNAVAILABLE, with a retry-after hint) only while it holds more than its
 budget of bytes its backends have not taken yet, or all runs together more than theirs; without a spool,
 while one of its backends has `queue_windows` requests queued. Never by waiting: a refusal is immediate.
@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.records import MetricRow, RunInfo
+from otel_train.rows import MetricRow
+from otel_train.run_identity import RunInfo
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.pool import BackendPool
@@ -75,8 +76,8 @@ class _Run:
     def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
                  aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None],
                  spool_path: Path | None = None, pool: BackendPool | None = None) -> None:
-        from otel_train.delivery import Delivery  # lazy: it pulls in the framing of the exporter process
-        from otel_train.spool import Spool
+        from otel_train.ship.delivery import Delivery  # lazy: it pulls in the framing of the exporter process
+        from otel_train.ship.spool import Spool
 
         self.run_id = run_id
         self.run_name = run_id
@@ -139,7 +140,7 @@ class _Run:
             # Cannot fail: room was checked under this lock and only the backends' threads take from the queues.
             self.delivery.submit_window(window, max_step, 0.0)
             return 0
-        from otel_train.framing import encode_window
+        from otel_train.ship.framing import encode_window
 
         payload, _ = encode_window(_NO_RUN, (), item.metrics, item.histograms, item.spans)
         self._seq += 1

@@ -1,6 +1,6 @@
 """Distinct runs stay distinct: a run name that one run id holds is given to no other run id.
 
-Every local backend names a run's folder after the run's *name* (`otel_train.records.run_folder`),
+Every local backend names a run's folder after the run's *name* (`otel_train.run_paths.run_folder`),
 and names are not unique: two jobs both called ``exp1`` would write one folder. The sink gives each
 name to the first run id that arrives with it (recorded on disk, so a restarted sink keeps the
 choice) and every later run id with that name the name ``<name>~<hash of its run id>``.
@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from otel_train.records import run_folder
+from otel_train.run_paths import run_folder
 
 __all__ = ["CLAIM_FILE", "RunNames"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.config import SinkSettings
-from otel_train.records import ExporterOptions
+from otel_train.exporter_options import ExporterOptions
 from otel_train.sink.core import SinkCore
 from otel_train.sink.router import ExporterFactory
 

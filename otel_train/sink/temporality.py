@@ -43,8 +43,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from otel_train.collect.sdk_rows import MetricsConverter
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, explicit_buckets
-from otel_train.sdk_rows import MetricsConverter
 
 __all__ = [
     "CUMULATIVE_COUNTER",

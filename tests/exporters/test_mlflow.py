@@ -14,11 +14,11 @@ import backendkit
 import pytest
 from backendkit import history, isolated_mlflow_env, two_ranks
 
+from otel_train.collect.sdk_rows import MetricsConverter
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import RunInfo, config_hash
-from otel_train.sdk_rows import MetricsConverter
 
 HPARAMS = {"lr": 0.01, "optim": {"name": "adam", "betas": [0.9, 0.99]}}
 RUN_ID = "mlf-run-1"

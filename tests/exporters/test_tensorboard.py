@@ -16,9 +16,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import otel_train as ot
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.tensorboard import TensorBoardExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import RunInfo
 
 
 def _scalars(path: Path, tag: str) -> dict[int, float]:

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from otel_train.records import ExporterOptions, config_hash
+from otel_train.exporter_options import ExporterOptions
+from otel_train.run_identity import config_hash
 
 HPARAMS = {"lr": 0.3, "data": {"bs": 8}}
 
@@ -28,7 +29,9 @@ SCRIPT = textwrap.dedent("""
     from trackio.sqlite_storage import SQLiteStorage
     from otel_train.exporters.base import Window
     from otel_train.exporters.trackio import TrackioExporter
-    from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, config_hash
+    from otel_train.exporter_options import ExporterOptions
+    from otel_train.rows import HistogramRow, MetricRow
+    from otel_train.run_identity import RunInfo, config_hash
 
     phase, directory = sys.argv[1], Path(sys.argv[2])
     hp = json.loads(sys.argv[3])

@@ -16,8 +16,10 @@ import backendkit
 import pytest
 from backendkit import isolated_wandb_env, read_run, two_ranks, wandb_files
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, config_hash
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.1, "optim": {"beta": 0.9}}
 RUN_ID = "job/77"  # "/" is reserved in W&B ids: becomes "-"
@@ -96,7 +98,9 @@ RESUME_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from otel_train.exporters.base import Window
     from otel_train.exporters.wandb import WandbExporter
-    from otel_train.records import ExporterOptions, MetricRow, RunInfo
+    from otel_train.exporter_options import ExporterOptions
+    from otel_train.rows import MetricRow
+    from otel_train.run_identity import RunInfo
 
     run = RunInfo(sys.argv[2], "wb", world_size=2)
     exp = WandbExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-wandb-test", ranks="all"))

@@ -31,7 +31,7 @@ import otel_train as ot
 from otel_train.cli import main as cli_main
 from otel_train.exporters import jsonl as _jsonl  # noqa: F401  (imported before fork)
 from otel_train.exporters import tensorboard as _tb  # noqa: F401
-from otel_train.spool import Spool, spool_dir
+from otel_train.ship.spool import Spool, spool_dir
 
 _MAX_STEPS = 5000
 _FLUSH_EVERY = 5

@@ -29,7 +29,7 @@ FULL_DISK = textwrap.dedent("""
     # Loaded at start by every interpreter of the test (the exporter process too): the spool's segment
     # writes number FROM..TO-1 fail as on a full disk (a short write first, then ENOSPC).
     import errno, io, os
-    import otel_train.spool as spool
+    import otel_train.ship.spool as spool
     FROM, TO = map(int, os.environ["FAKE_ENOSPC"].split(":"))
     count = [0]
 
@@ -140,7 +140,7 @@ def test_a_segment_that_cannot_be_opened_is_skipped_then_retried(tmp_path: Path,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     import errno
 
-    from otel_train import spool as spool_module
+    from otel_train.ship import spool as spool_module
 
     spool = spool_module.Spool(tmp_path / "rank0")
     assert spool.append(1, 0, b"one")

@@ -1,6 +1,6 @@
 """`os.fork()` in the middle of a step: the parent's points are intact, the child's reach the run as documented.
 
-A forked child sends through its own connection to the exporter process (`otel_train.workers`): its
+A forked child sends through its own connection to the exporter process (`otel_train.ship.workers`): its
 metrics are `name{worker=<pid>}`, at the `step=` given, else at the run's latest step as the exporter
 process sees it when the child's data arrives (the step before the fork's, or a later one when the
 data arrives after the parent moved on); its spans sit on the track `worker <pid> (pid <pid>)`,

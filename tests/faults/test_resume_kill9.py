@@ -21,8 +21,8 @@ import pytest
 from faultkit import SERIES, f32, jsonl_points, tb_points, value
 
 import otel_train as ot
-from otel_train.export_process import replay
-from otel_train.spool import Spool, spool_dir
+from otel_train.ship.export_process import replay
+from otel_train.ship.spool import Spool, spool_dir
 
 RUN = "job-kill9-resume"
 KILLED_STEPS = 30  # the first attempt logs 0..29, all spooled, then the job is killed

@@ -10,7 +10,7 @@ import pytest
 from faultkit import SERIES, expected, f32, jsonl_points, tb_points, value
 
 import otel_train as ot
-from otel_train.export_process import replay
+from otel_train.ship.export_process import replay
 
 RUN = "job-runtime-resume"
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
-from otel_train.spool import spool_dir
+from otel_train.ship.spool import spool_dir
 
 # One seed of a training job: init, wait until every other writer has init'ed too, then log 300 steps.
 SEED = textwrap.dedent("""
@@ -233,7 +233,7 @@ def test_rank_1_exports_no_child_values_with_ranks_0(tmp_path: Path) -> None:
 def test_claims_in_one_process(tmp_path: Path, caplog: Any) -> None:
     import threading
 
-    from otel_train.spool import claim_run, holder, mark_draining
+    from otel_train.ship.spool import claim_run, holder, mark_draining
 
     first = claim_run(tmp_path, "job", "job", 0, wait_s=0)
     other_rank = claim_run(tmp_path, "job", "job", 1, wait_s=0)  # ranks never contend

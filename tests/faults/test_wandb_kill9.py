@@ -20,8 +20,8 @@ import pytest
 from backendkit import isolated_wandb_env, read_run, wandb_files
 from faultkit import expected, jsonl_points, value
 
-from otel_train.export_process import replay
-from otel_train.spool import Spool, spool_dir
+from otel_train.ship.export_process import replay
+from otel_train.ship.spool import Spool, spool_dir
 
 RUN = "job-wandb-kill9"
 STEPS = 400  # spooled before the kill; a few 32 KiB blocks of W&B's run file

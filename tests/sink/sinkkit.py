@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.config import SinkSettings
-from otel_train.records import ExporterOptions
+from otel_train.exporter_options import ExporterOptions
 
 
 def make_sink(tmp_path: Path, exporters: tuple[str, ...] = ("tensorboard",), **settings: Any) -> Any:

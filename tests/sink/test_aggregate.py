@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from otel_train.records import MetricRow, RunInfo, series_tag
+from otel_train.rows import MetricRow, series_tag
+from otel_train.run_identity import RunInfo
 from otel_train.sink.aggregate import Aggregator
 
 

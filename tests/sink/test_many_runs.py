@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.records import ExporterOptions
 from otel_train.sink import exporter_factory
 from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
 from otel_train.sink.router import Overloaded, Router

@@ -19,7 +19,7 @@ import pytest
 from sinkkit import make_sink
 
 from otel_train.exporters.jsonl import read_jsonl
-from otel_train.records import run_folder
+from otel_train.run_paths import run_folder
 from otel_train.testing import OtlpPoint, metrics_request
 
 _METHOD = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sinkkit import scalars
 
-from otel_train.records import ExporterOptions
+from otel_train.exporter_options import ExporterOptions
 from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
 from otel_train.sink.router import Router
 from otel_train.sink.service import exporter_factory
@@ -203,7 +203,8 @@ def test_tensorboard_overflow_bucket_ends_at_the_max_or_is_left_out(tmp_path: Pa
 
 
 def test_gauge_tables_are_bounded_per_run_across_ranks() -> None:
-    from otel_train.records import MetricRow, RunInfo
+    from otel_train.rows import MetricRow
+    from otel_train.run_identity import RunInfo
 
     ledger = SeriesLedger(max_entries=4)
     rows = [MetricRow(RunInfo("r", "r", rank=rank), step, "g", "g", 1.0, "gauge", 0)

@@ -11,8 +11,11 @@ import csv
 from collections.abc import Sequence
 from typing import IO
 
+from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, run_folder
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import RunInfo
+from otel_train.run_paths import run_folder
 
 __all__ = ["CsvExporter"]
 

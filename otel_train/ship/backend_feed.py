@@ -1,4 +1,4 @@
-"""One backend's feed in `otel_train.delivery`: its thread, its queue and its durable cursor.
+"""One backend's feed in `otel_train.ship.delivery`: its thread, its queue and its durable cursor.
 
 The thread takes everything queued at once and hands it to the backend in writes of at most `MERGE_ROWS`
 rows (`RowExporter.export_window`), reading back from the spool whatever the queue could not hold; it
@@ -18,12 +18,12 @@ from typing import Protocol
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.backend import RowExporter, Window
-from otel_train.framing import Resume, cut_window, decode_window
-from otel_train.spool import Spool
+from otel_train.ship.framing import Resume, cut_window, decode_window
+from otel_train.ship.spool import Spool
 
 __all__ = ["MERGE_ROWS", "BackendFeed", "BackendPool", "rows_in"]
 
-_logger = logging.getLogger("otel_train.delivery")
+_logger = logging.getLogger("otel_train.ship.delivery")
 MERGE_ROWS = 50_000  # rows one merged write may hold
 FLUSH_EVERY_S = 1.0  # how stale a backend's durable cursor may get while data flows
 _HANDED_KEPT = 4096  # (seq, step) marks kept for a backend whose store lags (`RowExporter.durable_step`)

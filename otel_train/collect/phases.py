@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from otel_train import semconv
-from otel_train.step import STEP_ATTRIBUTE
+from otel_train.capture.step import STEP_ATTRIBUTE
 
 __all__ = ["DURATION_KEY", "PhaseTimer", "Span", "phase_values", "span_of"]
 

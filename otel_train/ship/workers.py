@@ -33,8 +33,9 @@ from typing import Any
 
 from otel_train._internal.values import to_float, valid_name
 from otel_train.backend import Window
-from otel_train.records import MetricRow, RunInfo, SpanRow
-from otel_train.step import coerce_step
+from otel_train.capture.step import coerce_step
+from otel_train.rows import MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 
 __all__ = ["WorkerClient", "WorkerListener", "client_from_env"]
 
@@ -265,7 +266,7 @@ class WorkerClient:
             self._points.extend(points)
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None) -> Any:
-        from otel_train.instrument import NO_SPAN
+        from otel_train.capture.instrument import NO_SPAN
 
         if not self._usable():
             return NO_SPAN

@@ -1,7 +1,7 @@
 """The exporter process's side: build the backends, spool each window and feed them through `Delivery`.
 
-Started by `otel_train.export_process.ExportProcess` as a fresh interpreter (never a fork); the messages
-between the two are described there. Also what `otel-train replay` (`otel_train.replay`) rebuilds backends with.
+Started by `otel_train.ship.export_process.ExportProcess` as a fresh interpreter (never a fork); the messages
+between the two are described there. Also what `otel-train replay` (`otel_train.ship.replay`) rebuilds backends with.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from otel_train.delivery import Delivery
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions, options_to_json
-from otel_train.framing import encode_resume
 from otel_train.run_identity import RunInfo
-from otel_train.self_metrics import SelfMetrics
-from otel_train.spool import Spool, mark_draining
-from otel_train.workers import WorkerListener
+from otel_train.ship.delivery import Delivery
+from otel_train.ship.framing import encode_resume
+from otel_train.ship.self_metrics import SelfMetrics
+from otel_train.ship.spool import Spool, mark_draining
+from otel_train.ship.workers import WorkerListener
 
 __all__ = ["ID", "META", "WINDOW", "boot", "build_backends", "child_main", "exports_metrics", "preempt", "set_hparams"]
 

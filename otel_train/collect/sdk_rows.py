@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from otel_train.capture.step import STEP_ATTRIBUTE
 from otel_train.rows import (
     ExponentialBuckets,
     HistogramRow,
@@ -21,7 +22,6 @@ from otel_train.rows import (
     series_tag,
 )
 from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo, as_int
-from otel_train.step import STEP_ATTRIBUTE
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData

@@ -1,7 +1,7 @@
 """Plain OpenTelemetry exporter objects (a user's `MetricExporter` / `SpanExporter`) as row backends.
 
 `init(exporters=[...])` and `StepAlignedMetricReader(exporters=[...])` accept the SDK's own exporters (OTLP,
-console, in-memory, a vendor's). They are fed like every other backend, by `otel_train.delivery`: the
+console, in-memory, a vendor's). They are fed like every other backend, by `otel_train.ship.delivery`: the
 adapter is a `RowExporter` that builds the SDK's export objects from each window's rows (the same
 conversion the `otlp` backend uses) and calls the exporter. So they get the same queue, merging, retry,
 flush and shutdown as every backend, wherever it runs.
@@ -21,7 +21,9 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_train.backend import RowExporter
-from otel_train.records import ExporterOptions, HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.exporter_options import ExporterOptions
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource

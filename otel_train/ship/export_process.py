@@ -1,8 +1,8 @@
 """The exporter process: named backends run in a child of the training process, not in it.
 
-The training process encodes each window (`otel_train.framing`) and writes it to a Unix socket;
+The training process encodes each window (`otel_train.ship.framing`) and writes it to a Unix socket;
 the child (started with a fresh interpreter, never forked: the trainer may hold CUDA) spools it
-(`otel_train.spool`) and feeds every backend through `otel_train.delivery`. The child sits in its own
+(`otel_train.ship.spool`) and feeds every backend through `otel_train.ship.delivery`. The child sits in its own
 session, so a Ctrl-C to the job's process group does not reach it; once the trainer hands off or
 dies it keeps delivering for at most `OTEL_TRAIN_DRAIN_TIMEOUT_S`, then exits. If it dies, the
 trainer restarts it once (it resumes from the spool); if it dies again, the trainer exports in
@@ -33,9 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
-from otel_train.delivery import Delivery, Progress
 from otel_train.errors import ConfigError
-from otel_train.export_child import (
+from otel_train.exporter_options import ExporterOptions
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
+from otel_train.ship.delivery import Delivery, Progress
+from otel_train.ship.export_child import (
     ID,
     WINDOW,
     build_backends,
@@ -44,14 +47,11 @@ from otel_train.export_child import (
     preempt,
     set_hparams,
 )
-from otel_train.exporter_options import ExporterOptions
-from otel_train.framing import encode_resume, encode_window
-from otel_train.replay import replay
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
-from otel_train.self_metrics import SelfMetrics
-from otel_train.spool import Spool, spool_dir
-from otel_train.workers import listen_address
+from otel_train.ship.framing import encode_resume, encode_window
+from otel_train.ship.replay import replay
+from otel_train.ship.self_metrics import SelfMetrics
+from otel_train.ship.spool import Spool, spool_dir
+from otel_train.ship.workers import listen_address
 
 __all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
 
@@ -62,7 +62,7 @@ _BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
 #: The exporter process's stdout/stderr, in the rank's spool folder: its messages once the trainer is gone.
 LOG_FILE = "exporter.log"
 _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
-         "from otel_train.export_child import boot; boot(int(sys.argv[1]))")
+         "from otel_train.ship.export_child import boot; boot(int(sys.argv[1]))")
 
 
 class Backlog:
@@ -110,8 +110,8 @@ class ExportProcess:
         drain_timeout_s: How long the child may keep delivering after a hand-off.
         cpus: CPUs the child pins itself to (empty: inherit).
         nice: Niceness the child adds.
-        self_metrics: Add otel-train's own health rows to every window (`otel_train.self_metrics`).
-        lock_fd: The run folder's lock (`otel_train.spool.claim_run`): the child inherits it and holds the
+        self_metrics: Add otel-train's own health rows to every window (`otel_train.ship.self_metrics`).
+        lock_fd: The run folder's lock (`otel_train.ship.spool.claim_run`): the child inherits it and holds the
             claim until it has drained (-1: none).
 
     Raises:
@@ -131,7 +131,7 @@ class ExportProcess:
         self.log_path = self.spool_path / LOG_FILE
         self._lock_fd = lock_fd
         self._options = options
-        #: Where child processes (DataLoader workers) connect to this run (`otel_train.workers`).
+        #: Where child processes (DataLoader workers) connect to this run (`otel_train.ship.workers`).
         self.worker_address = listen_address(self.spool_path)
         self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice,

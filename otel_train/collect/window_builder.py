@@ -18,23 +18,16 @@ from opentelemetry.sdk.metrics.export import MetricsData
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
-from otel_train.instrument import LogBuffer, SpanBuffer, SpanRecord
-from otel_train.phases import PhaseTimer
-from otel_train.records import (
-    THREAD_ID,
-    THREAD_NAME,
-    HistogramRow,
-    MetricRow,
-    MetricsConverter,
-    RunInfo,
-    SpanRow,
-    span_rows,
-)
-from otel_train.step import STEP_ATTRIBUTE, StepEnd
+from otel_train.capture.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd
+from otel_train.collect.phases import PhaseTimer
+from otel_train.collect.sdk_rows import MetricsConverter, span_rows
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo
 
 __all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points"]
 
-_logger = logging.getLogger("otel_train.reader")
+_logger = logging.getLogger("otel_train.collect.reader")
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.context.context import Context as _Context
 
 from otel_train._internal.sdk import SPAN_KEY as _SPAN_KEY
-from otel_train.step import _current, current_step
+from otel_train.capture.step import _current, current_step
 
 if TYPE_CHECKING:
     from contextvars import Token

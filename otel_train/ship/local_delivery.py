@@ -4,9 +4,9 @@ Exporter objects passed to `init(exporters=[...])` (otel-train backends and plai
 third-party entry-point backends, and every named backend under `OTEL_TRAIN_EXPORT_PROCESS=off` run here.
 The reader hands this channel each window as it hands the exporter process one (`send_window`,
 `send_resume`, `flush`, `close`); here the window is not encoded, it goes straight into a memory-only
-`otel_train.delivery.Delivery`: one thread and one bounded queue per backend, windows merged while a
+`otel_train.ship.delivery.Delivery`: one thread and one bounded queue per backend, windows merged while a
 backend is busy, the oldest dropped (and counted) past that, the same retry, flush and shutdown. Plain
-OTel exporters are adapted by `otel_train.otel_adapter`.
+OTel exporters are adapted by `otel_train.ship.otel_adapter`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from otel_train.backend import RowExporter, Window
-from otel_train.delivery import Delivery
-from otel_train.framing import Resume
-from otel_train.otel_adapter import as_row_exporter
-from otel_train.records import HistogramRow, MetricRow, RunInfo, SpanRow
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
+from otel_train.ship.delivery import Delivery
+from otel_train.ship.framing import Resume
+from otel_train.ship.otel_adapter import as_row_exporter
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource

@@ -1,7 +1,7 @@
 """The one delivery engine: windows in, a spool, one thread and one durable cursor per backend.
 
 Every backend is fed by it, wherever it runs: in the exporter process and `otel-train replay` (encoded
-windows, spool-backed: `submit`), in the training process (`otel_train.local_delivery`: memory only,
+windows, spool-backed: `submit`), in the training process (`otel_train.ship.local_delivery`: memory only,
 never waiting: `put`, a busy backend's windows merged, the oldest dropped past its queue) and, one per
 run, in `otel-train sink` (memory only: `submit_window` waits for room instead, so a full queue pushes
 back on the sender and the sender's own retry takes the place of the spool). Each backend
@@ -20,7 +20,7 @@ A child process's window (a DataLoader worker's values, `submit_side`) is not sp
 backend in stream order, right after the last window queued when it arrived, so its values (stamped with
 that window's step) never reach a backend after later steps (W&B drops writes to earlier steps).
 
-A `Resume` in the stream (`otel_train.framing`) is applied by each backend in order (`RowExporter.resume`)
+A `Resume` in the stream (`otel_train.ship.framing`) is applied by each backend in order (`RowExporter.resume`)
 and then acknowledged like a window. Windows of the earlier attempt (seq <= its `cut_after`) that a backend
 is handed once the resume is known lose their rows at steps >= the resume step (`framing.cut_window`): after
 a `kill -9`, the earlier attempt's undelivered windows must not bring back steps the new attempt supersedes.
@@ -36,9 +36,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from otel_train.backend import RowExporter, Window
-from otel_train.backend_feed import BackendFeed, BackendPool
-from otel_train.framing import Resume, decode_window, is_resume
-from otel_train.spool import Spool
+from otel_train.ship.backend_feed import BackendFeed, BackendPool
+from otel_train.ship.framing import Resume, decode_window, is_resume
+from otel_train.ship.spool import Spool
 
 __all__ = ["BackendPool", "Delivery", "Progress"]
 
@@ -185,7 +185,7 @@ class Delivery:
 
     def put(self, window: Window, max_step: int) -> None:
         """Queue a decoded window for every backend, memory only, never waiting (the in-process backends:
-        `otel_train.local_delivery`). A backend whose queue is full merges it into its last queued window
+        `otel_train.ship.local_delivery`). A backend whose queue is full merges it into its last queued window
         (at most `_MERGE_ROWS` rows), else drops its oldest window (counted)."""
         with self._lock:
             self._last_seq += 1

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from otel_train.step import current_step
+from otel_train.capture.step import current_step
 
 __all__ = ["SystemSampler"]
 

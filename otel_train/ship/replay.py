@@ -8,10 +8,10 @@ import os
 import time
 from pathlib import Path
 
-from otel_train.delivery import Delivery, Progress
-from otel_train.export_child import META, OLD_META, build_backends
 from otel_train.exporter_options import options_from_json
-from otel_train.spool import Spool, holder, try_lock
+from otel_train.ship.delivery import Delivery, Progress
+from otel_train.ship.export_child import META, OLD_META, build_backends
+from otel_train.ship.spool import Spool, holder, try_lock
 
 __all__ = ["replay"]
 

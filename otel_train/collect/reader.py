@@ -4,9 +4,9 @@ Flow: the training thread only appends to buffers and, at the end of every `expo
 step, wakes the collector thread. The collector collects the SDK's instruments (DELTA, so
 per-step attribute sets are freed after each collection), drains the `ot.log` / span buffers,
 converts everything once into one window (`ot.log` points, SDK rows, span rows) and hands it to
-its channels: the exporter process (`otel_train.export_process`, which encodes it once) and the
-backends of this process (`otel_train.local_delivery`). Both feed backends with the one delivery
-engine, `otel_train.delivery`: queueing, merging, retry, flush and shutdown do not depend on where
+its channels: the exporter process (`otel_train.ship.export_process`, which encodes it once) and the
+backends of this process (`otel_train.ship.local_delivery`). Both feed backends with the one delivery
+engine, `otel_train.ship.delivery`: queueing, merging, retry, flush and shutdown do not depend on where
 a backend runs.
 """
 
@@ -27,11 +27,11 @@ from otel_train._internal import sdk
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.backend import DELTA_TEMPORALITY
-from otel_train.instrument import LogBuffer, SpanBuffer
-from otel_train.local_delivery import LocalDelivery
-from otel_train.records import THREAD_ID, THREAD_NAME
-from otel_train.step import STEP_ATTRIBUTE, StepEnd, current_step
-from otel_train.window_builder import DropCounter, WindowBuilder, has_points
+from otel_train.capture.instrument import LogBuffer, SpanBuffer
+from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd, current_step
+from otel_train.collect.window_builder import DropCounter, WindowBuilder, has_points
+from otel_train.run_identity import THREAD_ID, THREAD_NAME
+from otel_train.ship.local_delivery import LocalDelivery
 
 __all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
 
