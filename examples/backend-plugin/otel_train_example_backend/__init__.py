@@ -11,8 +11,8 @@ import csv
 from collections.abc import Sequence
 from typing import IO
 
+from otel_train.backend import RowExporter
 from otel_train.exporter_options import ExporterOptions
-from otel_train.exporters import RowExporter
 from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import RunInfo
 from otel_train.run_paths import run_folder
