@@ -11,7 +11,9 @@
   already holds, so steps it holds keep the earlier attempt's values; with `OTEL_TRAIN_RESUME_STEP`
   the restart step is in the run config as ``otel_train.resume_step``.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the same run, and the run's
-  group is `train.run.id`.
+  group is `train.run.id`. Trackio keys a run record by an id it draws at random unless it resumes a record
+  it finds, and creates the record with its first write, so ranks starting together would make one record
+  each: a new run takes an id derived from (project, run name, `train.run.id`) instead, the same on every rank.
 - Hyperparameters: the run config (with `train.config.hash`). Histograms: `trackio.Histogram`.
 - Preemption: a run whose process ended on SIGTERM or SIGUSR1 gets a WARN alert titled ``preempted``
   (Trackio versions without alerts: the config key ``otel_train.preempted``, best effort).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +42,7 @@ from otel_train.exporters._runs import (
 from otel_train.exporters.base import RowExporter
 from otel_train.records import PREEMPTED, RUN_ID, ExporterOptions, HistogramRow, MetricRow, RunInfo
 
-__all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter"]
+__all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter", "shared_run_id"]
 
 _logger = logging.getLogger(__name__)
 
@@ -148,17 +151,33 @@ class TrackioExporter(RowExporter):
         # A fresh context: trackio.init would finish whatever run is current in the caller's context.
         run = contextvars.Context().run(trackio.init, **kwargs)
         self._runs[info.run_id] = run
+        next_step = getattr(run, "_next_step", 0)
+        resumed = isinstance(next_step, int) and next_step > 0  # Trackio found a record of this name
+        if not resumed and isinstance(getattr(run, "id", None), str):
+            run.id = shared_run_id(self.options.project, name, info.run_id)  # before the first write
         # Trackio continues a resumed run after its last step; below that nothing is written again. Each rank's
         # floor is the last step of its own series: another rank of the same job writing into the run (its
         # `{rank=N}` series) is not an earlier attempt of this one.
-        next_step = getattr(run, "_next_step", 0)
-        if isinstance(next_step, int) and next_step > 0:
+        if resumed:
             last = _last_steps_by_rank(self.options.project, name)
             for rank in range(max(1, info.world_size)):
                 floor = next_step - 1 if last is None else last.get(rank)
                 if floor is not None:
                     self._gate.set_floor((info.run_id, rank), floor)
         return run
+
+
+_RUN_IDS = uuid.UUID("5c4f3b7e-0d1a-4e7b-9a51-6f1e2d8c7a90")  # the namespace of `shared_run_id`
+
+
+def shared_run_id(project: str, name: str, train_run_id: str) -> str:
+    """The Trackio run id every rank of one training run gives a new run record (Trackio's own ids are random).
+
+    Example:
+        >>> shared_run_id("p", "n", "job-1") == shared_run_id("p", "n", "job-1") != shared_run_id("p", "n", "job-2")
+        True
+    """
+    return uuid.uuid5(_RUN_IDS, f"{project}\0{name}\0{train_run_id}").hex
 
 
 _RANK_IN_KEY = re.compile(r"[{,]rank=(\d+)[,}]")
