@@ -15,6 +15,9 @@
   it finds, and creates the record with its first write, so ranks starting together would make one record
   each: a new run takes an id derived from (project, run name, `train.run.id`) instead, the same on every rank.
 - Hyperparameters: the run config (with `train.config.hash`). Histograms: `trackio.Histogram`.
+- Durability: Trackio writes its queue to SQLite from a thread of its own (every 0.5 s). `flush` has it write
+  the queue now, and `durable_step` reads the store back (the rows of the steps logged since the last look), so
+  delivery's cursor never claims a step the database lacks: after a `kill -9`, `otel-train replay` writes it.
 - Preemption: a run whose process ended on SIGTERM or SIGUSR1 gets a WARN alert titled ``preempted``
   (Trackio versions without alerts: the config key ``otel_train.preempted``, best effort).
 - Trackio keeps its current run in a context variable; the run is opened in a context of its own, so
@@ -24,8 +27,10 @@
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
+import sqlite3
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -74,6 +79,8 @@ class TrackioExporter(RowExporter):
         super().__init__(options)
         self._runs: dict[str, Any] = {}  # train.run.id -> trackio Run
         self._gate = StepGate("trackio", monotonic=False)
+        # Steps logged to a local run and not yet seen in its database: Trackio run id -> step -> a key logged.
+        self._unseen: dict[str, dict[int, str]] = {}
 
     @property
     def steps_dropped(self) -> int:
@@ -103,7 +110,50 @@ class TrackioExporter(RowExporter):
                             data[key] = hist
                 if data:
                     run.log(data, step=step)
+                    if getattr(run, "_is_local", False) and isinstance(getattr(run, "id", None), str):
+                        self._unseen.setdefault(run.id, {}).setdefault(step, next(iter(data)))
                 self.mark_written(step_rows)  # a retry after a later step's failure does not log it again
+
+    def flush(self) -> None:
+        """Have Trackio write its queue to its database now, as its own thread does every 0.5 s."""
+        for run in self._runs.values():
+            write, lock = getattr(run, "_flush_queues_inline", None), getattr(run, "_client_lock", None)
+            if getattr(run, "_is_local", False) and callable(write) and lock is not None:
+                with lock:  # the lock Trackio's thread holds around the same call
+                    write()
+
+    def durable_step(self) -> int | None:
+        """None when the database holds every step logged to a local run, else the highest step below the first
+        one it lacks (read back; also after `close`)."""
+        if not any(self._unseen.values()):
+            return None
+        try:
+            self._look_up_unseen()
+        except (sqlite3.Error, OSError, ValueError) as err:  # not readable now: claim nothing new
+            self._log.warning("read-back", "trackio: cannot read its database back (%s); the steps since are "
+                              "kept for replay until it can", err)
+        first = min((min(steps) for steps in self._unseen.values() if steps), default=None)
+        return None if first is None else first - 1
+
+    def _look_up_unseen(self) -> None:
+        from trackio.sqlite_storage import SQLiteStorage
+
+        path = SQLiteStorage.get_project_db_path(self.options.project)
+        if not path.exists():
+            return
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+        try:
+            for run_id, steps in self._unseen.items():
+                if not steps:
+                    continue
+                found = conn.execute("SELECT step, metrics FROM metrics WHERE run_id = ? AND step BETWEEN ? AND ?",
+                                     (run_id, min(steps), max(steps)))
+                for step, metrics in found.fetchall():
+                    key = steps.get(step)
+                    if key is not None and _holds(json.loads(metrics), key):
+                        del steps[step]
+        finally:
+            conn.close()
 
     def mark_preempted(self, cause: str) -> None:
         """A Trackio alert (level WARN, title ``preempted``) on every run written, where the installed
@@ -205,6 +255,11 @@ def _last_steps_by_rank(project: str, name: str) -> dict[int, int] | None:
             if step > out.get(rank, -1):
                 out[rank] = step
     return out
+
+
+def _holds(stored: Any, key: str) -> bool:
+    """Whether a stored metrics record has `key` (Trackio stores a reserved key such as ``step`` as ``__step``)."""
+    return isinstance(stored, dict) and (key in stored or f"__{key}" in stored)
 
 
 def _stored_run_id(project: str, name: str) -> str | None:
