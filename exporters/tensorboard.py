@@ -5,7 +5,11 @@ lists runs by name); with ``OTEL_TRAIN_RANKS=all`` and several ranks, ``<dir>/<r
 Scalars are `simple_value` summaries tagged with the series tag (``train/loss``); histograms are
 TensorBoard histograms; hyperparameters go to the HParams plugin. A resumed run
 (`OTEL_TRAIN_RESUME_STEP` = N) starts each event file with a ``SessionLog.START`` event at step N, so
-TensorBoard's readers purge the steps >= N the earlier attempt wrote.
+TensorBoard's readers purge the steps >= N the earlier attempt wrote; so does `ot.resume(N)` later on.
+
+A step going backwards in a series without a declared restart is skipped here (counted, one warning naming the
+series): TensorBoard's data server takes it for a restart and hides the series' later steps already logged
+(its Python reader shows a zig-zag instead), so the series shows what was logged first, in every reader.
 
 Records are framed by TensorBoard's `RecordWriter` and protos come from `tensorboard.compat.proto`.
 We do not use its `EventFileWriter`: without TensorFlow it opens and closes the file for every
@@ -132,6 +136,7 @@ class TensorBoardExporter(RowExporter):
 
     name = "tensorboard"
     kill_safe_writes = True  # every window is appended and handed to the OS before export_window returns
+    stores_older_steps = False  # TensorBoard's data server would hide the later steps (module docstring)
     display_names = True
     handles_metrics = True
     handles_spans = False

@@ -2,12 +2,13 @@
 
 - Run identity: the W&B run id is `train.run.id` (characters W&B reserves become `-`), opened with
   ``resume="allow"``, so a restarted job continues the same run. The name is `train.run.name`.
-- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call. Steps going backwards
-  follow `OTEL_TRAIN_STEP_ORDER` first (``drop``/``raise``: they never get here). Under ``warn`` the other
-  backends write them, but W&B cannot store a step older than its last: it is dropped here and counted
-  (`steps_dropped`, one warning that names the cure) instead of W&B's silent drop with a warning per
-  call. A row for the step written last is merged into it (W&B commits a step when a later one
-  arrives, or at `finish`).
+- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call, steps in increasing order
+  within a window. A row whose step went backwards in its series (without a declared restart) is skipped and
+  counted under every `OTEL_TRAIN_STEP_ORDER` (W&B cannot store it; TensorBoard skips it too). W&B has one step
+  axis per run: a row of another series for a step older than the last step written is dropped here too and
+  counted (`steps_dropped`, one warning that names the cure) instead of W&B's drop with a warning per call.
+  A row for the step written last is merged into it (W&B commits a step when a later one arrives, or at
+  `finish`), so W&B holds one value per series and step: the last.
 - Resume (`OTEL_TRAIN_RESUME_STEP` = N): online, the run is rewound with W&B's ``resume_from``
   (``<id>?_step=N``), so the new values replace steps >= N; when W&B refuses (offline, or rewind not
   enabled for the account) the run is resumed with ``resume="allow"`` and steps it already holds
@@ -91,6 +92,7 @@ class WandbExporter(RowExporter):
     """
 
     name = "wandb"
+    stores_older_steps = False  # a run's history cannot go back (module docstring)
     display_names = True
     handles_metrics = True
     handles_spans = False
