@@ -97,18 +97,25 @@ class TrackioExporter(RowExporter):
         for run_id, (info, run_rows) in per_run.items():
             run = self._run(info)
             for step, step_rows in by_step(run_rows):
-                data: dict[str, Any] = {}
+                # One `log` per step; a series logged twice at one step (two `ot.log` calls) gets a second record
+                # for its second value, as Trackio keeps records, not one value per step.
+                records: list[dict[str, Any]] = []
                 for row in step_rows:
                     if not self._gate.admit((run_id, row.run.rank), step):
                         continue
                     key = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
                     if isinstance(row, MetricRow):
-                        data[key] = row.value
+                        value: Any = row.value
                     else:
-                        hist = _histogram(row)
-                        if hist is not None:
-                            data[key] = hist
-                if data:
+                        value = _histogram(row)
+                        if value is None:
+                            continue
+                    data = next((d for d in records if key not in d), None)
+                    if data is None:
+                        data = {}
+                        records.append(data)
+                    data[key] = value
+                for data in records:
                     run.log(data, step=step)
                     if getattr(run, "_is_local", False) and isinstance(getattr(run, "id", None), str):
                         self._unseen.setdefault(run.id, {}).setdefault(step, next(iter(data)))

@@ -625,6 +625,7 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
     moved_at: dict[str, float] = {}
     given_up: set[str] = set()
     next_report = start + report_every_s
+    next_flush = start
     while True:
         now = time.monotonic()
         progress = delivery.progress()
@@ -639,6 +640,13 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
                                 progress.failures.get(name, 0), n_left)
         if not left or set(left) <= given_up or now >= deadline:
             break
+        if now >= next_flush:  # as often as delivery flushes a backend on its own (a failing one is retried)
+            next_flush = now + 1.0
+            if delivery.flush(time.monotonic() + 0.1):
+                # Every window handed and flushed: a backend whose store lags (W&B keeps its last step open until
+                # `finish`) has the rest once closed, so waiting for its cursor would only run into `stall_s`.
+                left = {}
+                break
         if now >= next_report:
             next_report = now + report_every_s
             waiting = ", ".join(f"`{name}` {n} window(s) left" for name, n in left.items() if name not in given_up)

@@ -46,6 +46,7 @@ SCRIPT = textwrap.dedent("""
         ok = exp.export_window(Window(metrics=[
             row(r0, 1, "train/loss", 0.5), row(r0, 0, "train/loss", 1.0), row(r0, 2, "train/loss", 0.25),
             row(r0, 1, "eval/acc{split=val}", 0.75, split="val"), row(r1, 0, "train/loss", 1.5),
+            row(r0, 1, "train/twice", 1.0), row(r0, 1, "train/twice", 2.0),  # two `ot.log` calls in one step
         ], histograms=[HistogramRow(r0, 2, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)]))
     else:  # a restarted job: steps 1 and 2 are already stored
         ok = exp.export_window(Window(metrics=[row(r0, s, "train/loss", 10.0 + s) for s in range(1, 5)]))
@@ -87,8 +88,9 @@ def phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     return {"first": run_phase("first", root, script), "resume": run_phase("resume", root, script)}
 
 
-def series(logs: list[dict[str, Any]], key: str) -> dict[int, Any]:
-    return {entry["step"]: entry[key] for entry in logs if key in entry}
+def series(logs: list[dict[str, Any]], key: str) -> list[tuple[int, Any]]:
+    """(step, value) of every stored record with `key`, as a list: a point stored twice shows."""
+    return sorted(((entry["step"], entry[key]) for entry in logs if key in entry), key=lambda p: p[0])
 
 
 def test_every_step_and_value_in_the_local_store(phases: dict[str, dict[str, Any]]) -> None:
@@ -96,10 +98,12 @@ def test_every_step_and_value_in_the_local_store(phases: dict[str, dict[str, Any
     assert first["ok"] and first["runs"] == ["trk"]
     assert "otel-trackio-test.db" in first["files"]  # under TRACKIO_DIR, no Space, no server
     logs = first["logs"]
-    assert series(logs, "train/loss") == {0: 1.0, 1: 0.5, 2: 0.25}
-    assert series(logs, "eval/acc{split=val}") == {1: 0.75}
-    assert series(logs, "train/loss{rank=1}") == {0: 1.5}  # rank 1: same run, suffixed
-    assert series(logs, "grad")[2]["_type"] == "trackio.histogram"
+    assert series(logs, "train/loss") == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert series(logs, "eval/acc{split=val}") == [(1, 0.75)]
+    assert series(logs, "train/loss{rank=1}") == [(0, 1.5)]  # rank 1: same run, suffixed
+    assert series(logs, "train/twice") == [(1, 1.0), (1, 2.0)]  # both values, as JSONL holds them
+    ((step, hist),) = series(logs, "grad")
+    assert step == 2 and hist["_type"] == "trackio.histogram"
 
 
 def test_config_has_hparams_hash_and_group(phases: dict[str, dict[str, Any]]) -> None:

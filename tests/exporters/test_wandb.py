@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,3 +196,51 @@ def test_missing_wandb_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[wandb\]'") as err:
         WandbExporter(ExporterOptions())
     assert err.value.name == "wandb"
+
+
+REPLAY_JOB = textwrap.dedent("""
+    import os, sys
+    import otel_train as ot
+    session = ot.init(exporters=["wandb", "jsonl"], dir=sys.argv[1], run_id="rp", run_name="rp")
+    print(session.export_process.pid, flush=True)
+    rank = int(os.environ["RANK"])
+    for s in ot.steps(range(6)):
+        ot.log({"loss": s + rank / 10})
+    ot.shutdown()
+""")
+
+
+def test_replay_twice_after_wandb_failed_writes_every_rank_step_once(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks whose W&B failed during the job (online, not logged in: `wandb.init` raises) leave W&B's windows
+    in their spools; `otel-train replay` with a working (offline) W&B writes every step of every rank, step 0
+    included, and a second replay writes nothing more."""
+    from otel_train.export_process import replay
+
+    isolated_wandb_env(monkeypatch, tmp_path / "wandb-home")
+    script, runs = tmp_path / "job.py", tmp_path / "runs"
+    script.write_text(REPLAY_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(WANDB_MODE="online", WANDB_API_KEY="", OTEL_TRAIN_RANKS="all", WORLD_SIZE="2",
+               OTEL_TRAIN_SHUTDOWN_TIMEOUT_S="3", OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(runs)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+        exporter = int(out.split()[0])
+        for _ in range(600):  # its exporter process drains a moment longer; replay waits for it to be gone
+            if not Path(f"/proc/{exporter}").exists() or "Z" in Path(f"/proc/{exporter}/stat").read_text().split()[2]:
+                break
+            time.sleep(0.05)
+    assert not any(wandb_files(runs, "rp", wid) for wid in ("rp", "rp-rank1"))  # W&B held nothing yet
+
+    def held() -> list[tuple[str, int, float]]:
+        return sorted((wid, step, row["loss"]) for wid in ("rp", "rp-rank1") for path in wandb_files(runs, "rp", wid)
+                      for step, row in read_run(path)["history"].items() if "loss" in row)
+
+    want = sorted((wid, s, s + rank / 10) for rank, wid in enumerate(("rp", "rp-rank1")) for s in range(6))
+    for _ in range(2):
+        progress = replay(runs / "rp", timeout_s=120, stall_s=60)
+        assert {k: p.behind() for k, p in progress.items()} == {"rank0": {}, "rank1": {}}
+        assert held() == want  # a list: a step held twice (over several run files) shows
