@@ -245,7 +245,10 @@ class TensorBoardExporter(RowExporter):
         Event = self._event_pb2.Event
         for run_, (events, written) in grouped.items():
             encoded = []
-            for step, (values, t) in events.items():
+            # In step order: one event holds every series of a step, so events in the order their steps first came
+            # would put a series' step before its earlier one (rows of another series leading), and TensorBoard's
+            # data server would hide the later one. Each series reaches here in step order (`stores_older_steps`).
+            for step, (values, t) in sorted(events.items()):
                 summary = b"".join(values)
                 header = Event(wall_time=t / 1e9, step=step).SerializeToString()
                 encoded.append(header + self._summary_key + _varint(len(summary)) + summary)
