@@ -367,6 +367,18 @@ def user_points(points: list[Point]) -> list[Point]:
     return [p for p in points if not builtin(_RANK_MARK.sub("", p.name.split("] ", 1)[-1]))]
 
 
+def out_of_order(points: list[Point]) -> list[str]:
+    """Series whose steps go back in the order the event files hold them: TensorBoard's data server (its default
+    reader) would take that for a restart and hide the later steps, although its Python reader shows them."""
+    last: dict[str, int] = {}
+    out = []
+    for p in points:
+        if p.step is not None and p.step < last.get(p.name, -1):
+            out.append(f"tensorboard: {p.name!r} goes back to step {p.step} after {last[p.name]} in its event files")
+        last[p.name] = max(last.get(p.name, -1), p.step if p.step is not None else -1)
+    return out
+
+
 def differences(want: list[Point], got: list[Point]) -> list[str]:
     """Missing, extra and wrong points; a point held twice counts as extra."""
     def order(p: Point) -> tuple[str, str, float]:  # a step a backend wrote as a string must still sort
@@ -420,6 +432,8 @@ def test_every_backend_holds_what_the_program_logged(job: dict[str, Any], sink: 
             if not compared(backend, len(job["ranks"])):  # not even run: see PENDING
                 continue
             got = user_points(observed(backend, root, run, len(job["ranks"]), sink_root))
+            if backend == "tensorboard":
+                report.extend(out_of_order(got))
             want = expected_wandb(job, got) if backend == "wandb" else expected(backend, job)
             diffs = differences(want, got)
             if diffs:  # a summary line per backend, then its first differences
@@ -466,6 +480,9 @@ def test_reference_steps_and_logged_values() -> None:
         (Point("a", 5, 1.0), False, False), (Point("a", 3, 2.0), True, True), (Point("b", 3, 3.0), False, True)]
     assert expected("tensorboard", {"ranks": [back]}) == [Point("[rank0] a", 5, 1.0), Point("[rank0] b", 3, 3.0)]
     assert expected_wandb({"ranks": [back]}, []) == [Point("[rank0] a", 5, 1.0)]  # b at 3: W&B may hold it
+    assert out_of_order([Point("a", 1, 0.0), Point("b", 0, 0.0), Point("a", 1, 2.0)]) == []
+    assert out_of_order([Point("a", 1, 0.0), Point("a", 0, 0.0)]) == [
+        "tensorboard: 'a' goes back to step 0 after 1 in its event files"]
     assert expected_wandb({"ranks": [back]}, [Point("[rank0] b", 3, 3.0)])[-1] == Point("[rank0] b", 3, 3.0)
     assert mlflow_name("val/mAP@0.5", 1) == "val/mAP_0.5_909d36__rank-1"  # README "Keys": mapped + hash
     assert clearml_name("lr", 1) == "lr/lr{rank=1}" and clearml_name("a/b/c", 0) == "a/b/c"
