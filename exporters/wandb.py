@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
 _FILE_FLUSH_S = 0.25  # how often W&B's service writes the run file (its default, 15 s, is what a kill loses)
+_FINISH_WAIT_S = 10.0  # at close, how long to wait for the run file to hold the last step (then: a later replay)
 
 
 def wandb_run_id(run: RunInfo) -> str:
@@ -163,7 +165,15 @@ class WandbExporter(RowExporter):
         for key, run in list(self._runs.items()):
             try:
                 run.finish()
-                self._write_marker(key, max(self._held(key) or -1, self._gate.last(key)))
+                # W&B's service writes the run file on its own schedule, also after `finish` returned: wait a
+                # moment for it, so delivery's cursor can claim the rest now, not at the next replay. The marker
+                # claims only what the file holds (without a run file: what was handed, as before).
+                held = self._held(key)
+                deadline = time.monotonic() + _FINISH_WAIT_S
+                while held is not None and held < self._gate.last(key) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    held = self._held(key)
+                self._write_marker(key, self._gate.last(key) if held is None else held)
             except Exception as err:  # one failing run must not keep the others open
                 _logger.error("wandb: finishing run %s failed: %s", key[0], err)
         self._runs.clear()

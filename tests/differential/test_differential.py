@@ -166,6 +166,15 @@ def clearml_name(key: str, rank: int) -> str:
     return f"{title}/{rank_suffix(series, rank)}"
 
 
+def trackio_name(key: str, rank: int) -> str:
+    """README "Keys": Trackio's own rule renames a key it reserves (`step`, `time`, `timestamp`, ...) or one starting
+    with `__` to ``__<key>``; rank N > 0 adds ``{rank=N}`` first."""
+    from trackio.utils import RESERVED_KEYS
+
+    name = rank_suffix(key, rank)
+    return f"__{name}" if name in RESERVED_KEYS or name.startswith("__") else name
+
+
 def float32(v: float) -> float:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a float64 beyond float32's range becomes ±inf
@@ -196,7 +205,7 @@ MAPPINGS: dict[str, Mapping] = {
     "chrome_trace": Mapping(per_rank_store, keeps=math.isfinite, has_step=False),  # counters: finite, no step
     "mlflow": Mapping(mlflow_name, value=mlflow_value),
     "wandb": Mapping(per_rank_store),  # rank N > 0: its own run `<run id>-rank<N>`
-    "trackio": Mapping(rank_suffix),
+    "trackio": Mapping(trackio_name),
     "clearml": Mapping(clearml_name, value=clearml_value),
     "sink": Mapping(per_rank_store),  # OTLP through `otel-train sink`, which writes JSONL per rank
 }
@@ -486,3 +495,5 @@ def test_reference_steps_and_logged_values() -> None:
     assert expected_wandb({"ranks": [back]}, [Point("[rank0] b", 3, 3.0)])[-1] == Point("[rank0] b", 3, 3.0)
     assert mlflow_name("val/mAP@0.5", 1) == "val/mAP_0.5_909d36__rank-1"  # README "Keys": mapped + hash
     assert clearml_name("lr", 1) == "lr/lr{rank=1}" and clearml_name("a/b/c", 0) == "a/b/c"
+    assert trackio_name("__x", 1) == "____x{rank=1}" and trackio_name("step", 0) == "__step"
+    assert trackio_name("a/__b", 0) == "a/__b"
