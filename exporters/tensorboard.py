@@ -5,7 +5,11 @@ lists runs by name); with ``OTEL_TRAIN_RANKS=all`` and several ranks, ``<dir>/<r
 Scalars are `simple_value` summaries tagged with the series tag (``train/loss``); histograms are
 TensorBoard histograms; hyperparameters go to the HParams plugin. A resumed run
 (`OTEL_TRAIN_RESUME_STEP` = N) starts each event file with a ``SessionLog.START`` event at step N, so
-TensorBoard's readers purge the steps >= N the earlier attempt wrote.
+TensorBoard's readers purge the steps >= N the earlier attempt wrote; so does `ot.resume(N)` later on.
+
+A step going backwards in a series without a declared restart is skipped here (counted, one warning naming the
+series): TensorBoard's data server takes it for a restart and hides the series' later steps already logged
+(its Python reader shows a zig-zag instead), so the series shows what was logged first, in every reader.
 
 Records are framed by TensorBoard's `RecordWriter` and protos come from `tensorboard.compat.proto`.
 We do not use its `EventFileWriter`: without TensorFlow it opens and closes the file for every
@@ -137,6 +141,7 @@ class TensorBoardExporter(RowExporter):
 
     name = "tensorboard"
     kill_safe_writes = True  # every window is appended and handed to the OS before export_window returns
+    stores_older_steps = False  # TensorBoard's data server would hide the later steps (module docstring)
     display_names = True
     handles_metrics = True
     handles_spans = False
@@ -245,7 +250,10 @@ class TensorBoardExporter(RowExporter):
         Event = self._event_pb2.Event
         for run_, (events, written) in grouped.items():
             encoded = []
-            for step, (values, t) in events.items():
+            # In step order: one event holds every series of a step, so events in the order their steps first came
+            # would put a series' step before its earlier one (rows of another series leading), and TensorBoard's
+            # data server would hide the later one. Each series reaches here in step order (`stores_older_steps`).
+            for step, (values, t) in sorted(events.items()):
                 summary = b"".join(values)
                 header = Event(wall_time=t / 1e9, step=step).SerializeToString()
                 encoded.append(header + self._summary_key + _varint(len(summary)) + summary)

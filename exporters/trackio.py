@@ -11,8 +11,13 @@
   already holds, so steps it holds keep the earlier attempt's values; with `OTEL_TRAIN_RESUME_STEP`
   the restart step is in the run config as ``otel_train.resume_step``.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the same run, and the run's
-  group is `train.run.id`.
+  group is `train.run.id`. Trackio keys a run record by an id it draws at random unless it resumes a record
+  it finds, and creates the record with its first write, so ranks starting together would make one record
+  each: a new run takes an id derived from (project, run name, `train.run.id`) instead, the same on every rank.
 - Hyperparameters: the run config (with `train.config.hash`). Histograms: `trackio.Histogram`.
+- Durability: Trackio writes its queue to SQLite from a thread of its own (every 0.5 s). `flush` has it write
+  the queue now, and `durable_step` reads the store back (the rows of the steps logged since the last look), so
+  delivery's cursor never claims a step the database lacks: after a `kill -9`, `otel-train replay` writes it.
 - Preemption: a run whose process ended on SIGTERM or SIGUSR1 gets a WARN alert titled ``preempted``
   (Trackio versions without alerts: the config key ``otel_train.preempted``, best effort).
 - Trackio keeps its current run in a context variable; the run is opened in a context of its own, so
@@ -22,8 +27,11 @@
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
+import sqlite3
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,7 +49,7 @@ from otel_train.exporters.base import RowExporter
 from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import PREEMPTED, RUN_ID, RunInfo
 
-__all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter"]
+__all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter", "shared_run_id"]
 
 _logger = logging.getLogger(__name__)
 
@@ -73,6 +81,8 @@ class TrackioExporter(RowExporter):
         super().__init__(options)
         self._runs: dict[str, Any] = {}  # train.run.id -> trackio Run
         self._gate = StepGate("trackio", monotonic=False)
+        # Steps logged to a local run and not yet seen in its database: Trackio run id -> step -> a key logged.
+        self._unseen: dict[str, dict[int, str]] = {}
 
     @property
     def steps_dropped(self) -> int:
@@ -89,20 +99,70 @@ class TrackioExporter(RowExporter):
         for run_id, (info, run_rows) in per_run.items():
             run = self._run(info)
             for step, step_rows in by_step(run_rows):
-                data: dict[str, Any] = {}
+                # One `log` per step; a series logged twice at one step (two `ot.log` calls) gets a second record
+                # for its second value, as Trackio keeps records, not one value per step.
+                records: list[dict[str, Any]] = []
                 for row in step_rows:
                     if not self._gate.admit((run_id, row.run.rank), step):
                         continue
                     key = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
                     if isinstance(row, MetricRow):
-                        data[key] = row.value
+                        value: Any = row.value
                     else:
-                        hist = _histogram(row)
-                        if hist is not None:
-                            data[key] = hist
-                if data:
+                        value = _histogram(row)
+                        if value is None:
+                            continue
+                    data = next((d for d in records if key not in d), None)
+                    if data is None:
+                        data = {}
+                        records.append(data)
+                    data[key] = value
+                for data in records:
                     run.log(data, step=step)
+                    if getattr(run, "_is_local", False) and isinstance(getattr(run, "id", None), str):
+                        self._unseen.setdefault(run.id, {}).setdefault(step, next(iter(data)))
                 self.mark_written(step_rows)  # a retry after a later step's failure does not log it again
+
+    def flush(self) -> None:
+        """Have Trackio write its queue to its database now, as its own thread does every 0.5 s."""
+        for run in self._runs.values():
+            write, lock = getattr(run, "_flush_queues_inline", None), getattr(run, "_client_lock", None)
+            if getattr(run, "_is_local", False) and callable(write) and lock is not None:
+                with lock:  # the lock Trackio's thread holds around the same call
+                    write()
+
+    def durable_step(self) -> int | None:
+        """None when the database holds every step logged to a local run, else the highest step below the first
+        one it lacks (read back; also after `close`)."""
+        if not any(self._unseen.values()):
+            return None
+        try:
+            self._look_up_unseen()
+        except (sqlite3.Error, OSError, ValueError) as err:  # not readable now: claim nothing new
+            self._log.warning("read-back", "trackio: cannot read its database back (%s); the steps since are "
+                              "kept for replay until it can", err)
+        first = min((min(steps) for steps in self._unseen.values() if steps), default=None)
+        return None if first is None else first - 1
+
+    def _look_up_unseen(self) -> None:
+        from trackio.sqlite_storage import SQLiteStorage
+
+        path = SQLiteStorage.get_project_db_path(self.options.project)
+        if not path.exists():
+            return
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+        try:
+            for run_id, steps in self._unseen.items():
+                if not steps:
+                    continue
+                found = conn.execute("SELECT step, metrics FROM metrics WHERE run_id = ? AND step BETWEEN ? AND ?",
+                                     (run_id, min(steps), max(steps)))
+                for step, metrics in found.fetchall():
+                    key = steps.get(step)
+                    if key is not None and _holds(json.loads(metrics), key):
+                        del steps[step]
+        finally:
+            conn.close()
 
     def mark_preempted(self, cause: str) -> None:
         """A Trackio alert (level WARN, title ``preempted``) on every run written, where the installed
@@ -150,17 +210,33 @@ class TrackioExporter(RowExporter):
         # A fresh context: trackio.init would finish whatever run is current in the caller's context.
         run = contextvars.Context().run(trackio.init, **kwargs)
         self._runs[info.run_id] = run
+        next_step = getattr(run, "_next_step", 0)
+        resumed = isinstance(next_step, int) and next_step > 0  # Trackio found a record of this name
+        if not resumed and isinstance(getattr(run, "id", None), str):
+            run.id = shared_run_id(self.options.project, name, info.run_id)  # before the first write
         # Trackio continues a resumed run after its last step; below that nothing is written again. Each rank's
         # floor is the last step of its own series: another rank of the same job writing into the run (its
         # `{rank=N}` series) is not an earlier attempt of this one.
-        next_step = getattr(run, "_next_step", 0)
-        if isinstance(next_step, int) and next_step > 0:
+        if resumed:
             last = _last_steps_by_rank(self.options.project, name)
             for rank in range(max(1, info.world_size)):
                 floor = next_step - 1 if last is None else last.get(rank)
                 if floor is not None:
                     self._gate.set_floor((info.run_id, rank), floor)
         return run
+
+
+_RUN_IDS = uuid.UUID("5c4f3b7e-0d1a-4e7b-9a51-6f1e2d8c7a90")  # the namespace of `shared_run_id`
+
+
+def shared_run_id(project: str, name: str, train_run_id: str) -> str:
+    """The Trackio run id every rank of one training run gives a new run record (Trackio's own ids are random).
+
+    Example:
+        >>> shared_run_id("p", "n", "job-1") == shared_run_id("p", "n", "job-1") != shared_run_id("p", "n", "job-2")
+        True
+    """
+    return uuid.uuid5(_RUN_IDS, f"{project}\0{name}\0{train_run_id}").hex
 
 
 _RANK_IN_KEY = re.compile(r"[{,]rank=(\d+)[,}]")
@@ -188,6 +264,11 @@ def _last_steps_by_rank(project: str, name: str) -> dict[int, int] | None:
             if step > out.get(rank, -1):
                 out[rank] = step
     return out
+
+
+def _holds(stored: Any, key: str) -> bool:
+    """Whether a stored metrics record has `key` (Trackio stores a reserved key such as ``step`` as ``__step``)."""
+    return isinstance(stored, dict) and (key in stored or f"__{key}" in stored)
 
 
 def _stored_run_id(project: str, name: str) -> str | None:

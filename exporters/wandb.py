@@ -2,12 +2,13 @@
 
 - Run identity: the W&B run id is `train.run.id` (characters W&B reserves become `-`), opened with
   ``resume="allow"``, so a restarted job continues the same run. The name is `train.run.name`.
-- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call. Steps going backwards
-  follow `OTEL_TRAIN_STEP_ORDER` first (``drop``/``raise``: they never get here). Under ``warn`` the other
-  backends write them, but W&B cannot store a step older than its last: it is dropped here and counted
-  (`steps_dropped`, one warning that names the cure) instead of W&B's silent drop with a warning per
-  call. A row for the step written last is merged into it (W&B commits a step when a later one
-  arrives, or at `finish`).
+- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call, steps in increasing order
+  within a window. A row whose step went backwards in its series (without a declared restart) is skipped and
+  counted under every `OTEL_TRAIN_STEP_ORDER` (W&B cannot store it; TensorBoard skips it too). W&B has one step
+  axis per run: a row of another series for a step older than the last step written is dropped here too and
+  counted (`steps_dropped`, one warning that names the cure) instead of W&B's drop with a warning per call.
+  A row for the step written last is merged into it (W&B commits a step when a later one arrives, or at
+  `finish`), so W&B holds one value per series and step: the last.
 - Resume (`OTEL_TRAIN_RESUME_STEP` = N): online, the run is rewound with W&B's ``resume_from``
   (``<id>?_step=N``), so the new values replace steps >= N; when W&B refuses (offline, or rewind not
   enabled for the account) the run is resumed with ``resume="allow"`` and steps it already holds
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +67,7 @@ PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
 _FILE_FLUSH_S = 0.25  # how often W&B's service writes the run file (its default, 15 s, is what a kill loses)
+_FINISH_WAIT_S = 10.0  # at close, how long to wait for the run file to hold the last step (then: a later replay)
 
 
 def wandb_run_id(run: RunInfo) -> str:
@@ -93,6 +96,7 @@ class WandbExporter(RowExporter):
     """
 
     name = "wandb"
+    stores_older_steps = False  # a run's history cannot go back (module docstring)
     display_names = True
     handles_metrics = True
     handles_spans = False
@@ -163,7 +167,15 @@ class WandbExporter(RowExporter):
         for key, run in list(self._runs.items()):
             try:
                 run.finish()
-                self._write_marker(key, max(self._held(key) or -1, self._gate.last(key)))
+                # W&B's service writes the run file on its own schedule, also after `finish` returned: wait a
+                # moment for it, so delivery's cursor can claim the rest now, not at the next replay. The marker
+                # claims only what the file holds (without a run file: what was handed, as before).
+                held = self._held(key)
+                deadline = time.monotonic() + _FINISH_WAIT_S
+                while held is not None and held < self._gate.last(key) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    held = self._held(key)
+                self._write_marker(key, self._gate.last(key) if held is None else held)
             except Exception as err:  # one failing run must not keep the others open
                 _logger.error("wandb: finishing run %s failed: %s", key[0], err)
         self._runs.clear()

@@ -139,6 +139,9 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     #: Every successful `export_window` has appended the window to the backend's own files and handed it to
     #: the OS, so delivery may record it as written at once: a process killed later does not write it again.
     kill_safe_writes: bool = False
+    #: Whether the backend holds a row whose step went backwards in its series as logged; False (TensorBoard, W&B):
+    #: under `OTEL_TRAIN_STEP_ORDER=warn` such a row is skipped and counted here (`otel_train.step_order`).
+    stores_older_steps: bool = True
     #: Failed windows kept for retry before the oldest is dropped, tries of one window before it is dropped
     #: (0: never), and the waits between tries: a backend whose failures are outages (a collector) keeps more.
     max_pending_windows: int = 64
@@ -172,7 +175,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self._landed_ids: set[int] = set()
         self._preempted: str | None = None
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters, applied in `export_window`.
-        self.step_order = StepOrder(self.options.step_order, self.name)
+        self.step_order = StepOrder(self.options.step_order, self.name, self.stores_older_steps)
 
     # -- hooks -------------------------------------------------------------------------------
     @classmethod

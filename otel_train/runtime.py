@@ -552,7 +552,9 @@ class Session:
             dropped_by = {"values over the log buffer": int(getattr(reader.log_buffer, "dropped", 0)),
                           "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
                           "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
-                          - int(reader.span_buffer.dropped)}
+                          - int(reader.span_buffer.dropped),
+                          "values at a refused step": self.refused_step_values}
+            dropped += self.refused_step_values
             lost = {ex.name: {k: v for k, v in ex.rows_lost.items() if v}
                     for ex in in_process if getattr(ex, "rows_lost", None)}
             if self.export_process is not None:  # the exporter process's backends: its last progress report
@@ -566,6 +568,9 @@ class Session:
                 lost.update(progress.rows_lost)
                 dropped_by["windows the exporter process could not take or its backends dropped"] = (
                     self.export_process.dropped + sum(progress.dropped.values()))
+                children = getattr(progress, "children_lost", None) or {}  # child processes' values
+                dropped_by.update(children)
+                dropped += sum(children.values())
             write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
                                        failures, str(run_folder(self.settings.dir, self.run.run_name)),
                                        steps_backwards=backwards, steps_order_dropped=order_dropped,

@@ -4,10 +4,11 @@ A series is one tag of one rank of one run. A row whose step is lower than the l
 seen for its series "goes backwards" (equal steps are fine: several `log` calls in one step).
 `OTEL_TRAIN_STEP_ORDER` says what happens to it:
 
-- ``warn`` (default): written as given, counted, warned (at most once a minute per backend). Backends that can store
-  an older step (TensorBoard, JSONL, MLflow, ClearML, Trackio) store it. W&B cannot: it keeps such
-  rows out, counts them in its own `steps_dropped` and says so in one warning (nothing silent).
-  TensorBoard then shows two points at one step.
+- ``warn`` (default): counted, warned (at most once a minute per backend), and written as given by the backends
+  that hold an older step as it was logged (JSONL, MLflow, ClearML, Trackio). TensorBoard and W&B cannot
+  (`stores_older=False`): TensorBoard's reader takes a step going back for a restart and hides the series' later
+  steps that were already logged, W&B drops it. They skip the row instead, counted with the drops: both show the
+  series as first logged. A declared restart (`ot.resume`) is not a step going backwards (`restart`).
 - ``drop``: dropped by every backend (each keeps its own per-series table, so a row is counted and
   warned once per backend), at most once a minute per backend. Every backend then shows the same points.
 - ``raise``: on the training thread, `ot.step(i)` below the latest step entered, and `ot.log(...,
@@ -46,6 +47,8 @@ class StepOrder:
     Args:
         policy: ``warn``, ``drop`` or ``raise`` (see the module docstring).
         backend: Name used in the warning.
+        stores_older: Whether the backend holds a row going backwards as logged; False: it drops such rows
+            under ``warn`` too.
 
     Example:
         >>> from otel_train.rows import MetricRow
@@ -59,12 +62,12 @@ class StepOrder:
         (1, 1)
     """
 
-    def __init__(self, policy: str = "warn", backend: str = "otel-train") -> None:
+    def __init__(self, policy: str = "warn", backend: str = "otel-train", stores_older: bool = True) -> None:
         if policy not in POLICIES:
             raise ValueError(f"step order policy {policy!r} is not allowed; use one of {', '.join(POLICIES)}")
         self.policy = policy
         self._backend = backend
-        self._drop = policy != "warn"
+        self._drop = policy != "warn" or not stores_older
         self._last: dict[tuple[str, int], dict[str, int]] = {}  # (run id, rank) -> tag -> last step
         self._series = 0
         self._log = LogOnce(_logger, interval_s=60.0)
@@ -119,10 +122,13 @@ class StepOrder:
 
     def _warn(self, key: tuple[str, int, str], step: int, prev: int) -> None:
         run_id, rank, tag = key
-        if self._drop:
+        if self.policy != "warn":
             what = "dropped from every backend"
+        elif self._drop:
+            what = ("not written here (this backend would hide or drop it; JSONL, MLflow, ClearML and Trackio keep "
+                    "it; declare a restart with otel_train.resume(step))")
         else:
-            what = "written as given (W&B cannot store an older step: it drops it there, counted)"
+            what = "written as given (TensorBoard and W&B skip it, counted)"
         self._log.warning(
             "backwards",
             "%s: series %r (run %s, rank %d) went back to step %d after step %d: %s "

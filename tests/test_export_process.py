@@ -66,6 +66,9 @@ FAKE_WANDB = textwrap.dedent("""
         def log(self, data, step):
             if os.environ.get("FAKE_WANDB") == "hang":
                 time.sleep(3600)
+            if os.environ.get("FAKE_WANDB") == "slow" and not getattr(_Run, "warm", False):
+                _Run.warm = True
+                time.sleep(3)  # a slow first write (a store being created, a service starting on a busy machine)
             if os.environ.get("FAKE_WANDB") == "fail":
                 raise RuntimeError("W&B is down")
             with open(os.path.join(os.environ["FAKE_WANDB_DIR"], "logged.jsonl"), "a") as f:
@@ -375,6 +378,21 @@ def test_config_reported_after_init_reaches_a_backend_in_every_placement(
     run = read_run(wandb_files(directory, "cfg", "cfg")[0])
     assert run["config"]["lr"] == 0.1 and run["config"]["batch_size"] == 32
     assert sorted(run["history"]) == [0, 1, 2]
+
+
+def test_the_drain_time_counts_after_the_trainers_wait(tmp_path: Path) -> None:
+    """A drain time shorter than the shutdown timeout does not cut the trainer's wait short: shutdown returns with
+    every step in a backend whose first write takes 3 s, and `flush(timeout_s=)` waits as long as asked."""
+    directory, run = tmp_path / "runs", "slow"
+    env = _env(tmp_path, **_fake_wandb_env(tmp_path, "slow"), OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
+    cfg = {"exporters": ["wandb", "jsonl"], "dir": str(directory), "run": run, "steps": 5, "flush_every": 4,
+           "kw": {"shutdown_timeout_s": 60}}
+    proc = _start(tmp_path, cfg, env)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "timed out" not in err, err[-3000:]
+    logged = [json.loads(x)["step"] for x in (tmp_path / "wandb-out" / "logged.jsonl").read_text().splitlines()]
+    assert logged == list(range(5))
 
 
 def test_replay_says_what_is_left_and_gives_up_on_a_backend_that_always_fails(tmp_path: Path) -> None:

@@ -64,6 +64,8 @@ class Progress:
     spool_failed_appends: int = 0
     #: Per backend: rows it did not write, by cause (`otel_train.backend.LOSS_CAUSES`; only non-zero).
     rows_lost: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    #: Values child processes lost before sending them (a refused step, a full buffer), by cause (`workers`).
+    children_lost: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def behind(self) -> dict[str, int]:
         """Backends that lack windows, with how many steps they are behind."""
@@ -129,6 +131,8 @@ class Delivery:
         #: Called with each decoded window and its max step; returns the window the backends get
         #: (the exporter process adds its self-telemetry rows here; they are not spooled).
         self.annotate: Callable[[Window, int], Window] | None = None
+        self._side_lost: dict[str, int] = {}
+        self._side_lost_lock = threading.Lock()
 
     @property
     def last_step(self) -> int:
@@ -293,7 +297,16 @@ class Delivery:
                         {n: int(s["dropped"]) for n, s in stats.items()},
                         {n: int(s["backwards"]) for n, s in stats.items()},
                         {n: int(s["order_dropped"]) for n, s in stats.items()},
-                        self.spool_failed_appends, self.rows_lost())
+                        self.spool_failed_appends, self.rows_lost(), self._children_lost_now())
+
+    def count_side_lost(self, cause: str, n: int) -> None:
+        """Count `n` values a child process lost before sending (`WorkerListener`'s ``lost``); any thread."""
+        with self._side_lost_lock:
+            self._side_lost[cause] = self._side_lost.get(cause, 0) + n
+
+    def _children_lost_now(self) -> dict[str, int]:
+        with self._side_lost_lock:
+            return dict(self._side_lost)
 
     def exporters(self) -> list[Any]:
         return [b.exporter for b in self._backends]

@@ -148,17 +148,19 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     if config.get("workers"):
         try:
             listener = WorkerListener(config["workers"], config["run"], delivery.submit_side,
-                                      lambda: delivery.last_step, metrics=config.get("export_metrics", True))
+                                      lambda: delivery.last_step, metrics=config.get("export_metrics", True),
+                                      lost=delivery.count_side_lost)
         except OSError as err:
             _logger.warning("child processes cannot reach this run: listening on %s failed: %s",
                             config["workers"], err)
     reply("ready", spool.last_seq)
 
-    def flush_later(rid: int) -> None:
-        ok = delivery.flush(time.monotonic() + drain_s)
+    def flush_later(rid: int, wait_s: float) -> None:
+        ok = delivery.flush(time.monotonic() + wait_s)
         reply("done", rid, ok, delivery.progress())
 
     close_id = None
+    trainer_wait_s = 0.0  # a trainer that died waits for nothing
     last_ack = 0.0
     while True:
         try:
@@ -183,12 +185,13 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         if kind == b"F":
             delivery.sync()
             reply("durable", rid, delivery.progress())
-            threading.Thread(target=flush_later, args=(rid,), daemon=True).start()
+            threading.Thread(target=flush_later, args=(rid, _trainer_wait(frame, drain_s)), daemon=True).start()
         elif kind == b"P":
             reply("progress", rid, delivery.progress())
         elif kind == b"C":
             close_id = rid
-            cause = frame[1 + ID.size:].decode(errors="replace")
+            cause = frame[1 + ID.size:].decode(errors="replace").partition("\n")[0]
+            trainer_wait_s = _trainer_wait(frame, 0.0)  # OTEL_TRAIN_DRAIN_TIMEOUT_S counts after the trainer's wait
             if cause:  # the trainer ended on a preemption signal: the backends mark their runs before closing
                 preempt(delivery.exporters(), cause)
             break
@@ -196,8 +199,8 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     mark_draining(int(config.get("lock_fd", -1)))  # a restarted attempt waits for us instead of mixing in
     if listener is not None:
         listener.close()
-    deadline = time.monotonic() + drain_s
-    watchdog = threading.Timer(drain_s + 5.0, os._exit, args=(0,))
+    deadline = time.monotonic() + trainer_wait_s + drain_s
+    watchdog = threading.Timer(trainer_wait_s + drain_s + 5.0, os._exit, args=(0,))
     watchdog.daemon = True
     watchdog.start()
     delivery.sync()
@@ -212,6 +215,15 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _trainer_wait(frame: bytes, default: float) -> float:
+    """How long the trainer waits for a flush or close request: the number after the cause (seconds)."""
+    waits = frame[1 + ID.size:].decode(errors="replace").partition("\n")[2]
+    try:
+        return min(max(0.0, float(waits)), 24 * 3600.0) if waits else default
+    except ValueError:
+        return default
 
 
 def exports_metrics(run: RunInfo, options: ExporterOptions) -> bool:

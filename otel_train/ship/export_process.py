@@ -304,7 +304,8 @@ class ExportProcess:
         The id is 0 when the in-process fallback answered."""
         cause = self.preempted if kind == b"C" else None
         if self.fallback is None:
-            rid = self._request(kind, cause.encode() if cause else b"")
+            # Say how long the trainer waits: a flush waits that long; a close drains OTEL_TRAIN_DRAIN_TIMEOUT_S after.
+            rid = self._request(kind, f"{cause or ''}\n{max(0.0, deadline - time.monotonic()):.3f}".encode())
             reply = self._wait(rid, "done", deadline)
             if self.fallback is None:
                 return rid, bool(reply and reply.get("done"))

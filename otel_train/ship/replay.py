@@ -69,6 +69,7 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
     moved_at: dict[str, float] = {}
     given_up: set[str] = set()
     next_report = start + report_every_s
+    next_flush = start
     while True:
         now = time.monotonic()
         progress = delivery.progress()
@@ -87,6 +88,14 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
         only_store = {name for name in left if not stats[name]["backlog"] and not stats[name]["failures"]}
         if not left or set(left) <= given_up | only_store or now >= deadline:
             break
+        if now >= next_flush:  # as often as delivery flushes a backend on its own (a failing one is retried)
+            next_flush = now + 1.0
+            if delivery.flush(time.monotonic() + 0.1):
+                # Every window handed and flushed: a backend whose store lags (W&B keeps its last step open until
+                # `finish`) has the rest once closed, so waiting for its cursor would only run into `stall_s`.
+                left = {}
+                only_store = set()
+                break
         if now >= next_report:
             next_report = now + report_every_s
             waiting = ", ".join(f"`{name}` {n} window(s) left" for name, n in left.items() if name not in given_up)

@@ -37,7 +37,7 @@ from otel_train.capture.step import coerce_step
 from otel_train.rows import MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 
-__all__ = ["WorkerClient", "WorkerListener", "client_from_env"]
+__all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "WorkerClient", "WorkerListener", "client_from_env"]
 
 _logger = logging.getLogger("otel_train")
 _LEN = struct.Struct("<I")
@@ -45,6 +45,10 @@ _SEND_EVERY_S = 0.2
 _CONNECT_TIMEOUT_S = 2.0
 _SEND_TIMEOUT_S = 5.0  # a stalled exporter process: give up and drop, never block the worker's exit for long
 _MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropped (counted)
+#: What a child lost, as the trainer's shutdown summary words it (`WorkerListener.lost`).
+LOST_REFUSED_STEP = "values at a refused step in child processes"
+LOST_BUFFER = "values over a child process's buffer"
+LOST_SPANS = "spans over a child process's buffer"
 
 
 _warned_step = False
@@ -86,13 +90,16 @@ class WorkerListener:
         address: Unix socket path (replaced if a stale one is there).
         run: The run every child row belongs to (the trainer's rank and pid track).
         submit: Takes a `Window` of child rows (`Delivery.submit_side`).
+        lost: Takes ``(cause, count)`` of values a child lost before sending (`Delivery.count_side_lost`).
         last_step: The run's latest step, for values logged without one.
         metrics: Whether this rank exports metrics (`OTEL_TRAIN_RANKS`); if not, children's values are dropped
             here like the trainer's own (their spans are kept).
     """
 
-    def __init__(self, address: str, run: RunInfo, submit: Any, last_step: Any, *, metrics: bool = True) -> None:
+    def __init__(self, address: str, run: RunInfo, submit: Any, last_step: Any, *, metrics: bool = True,
+                 lost: Any = None) -> None:
         self.address = address
+        self._lost = lost
         self._metrics = metrics
         self._run = run
         self._submit = submit
@@ -128,8 +135,13 @@ class WorkerListener:
             try:
                 _, worker, pid = _recv(conn)
                 while True:
-                    points, spans = _recv(conn)
-                    self._submit(self._window(int(worker), int(pid), points, spans))
+                    frame = _recv(conn)
+                    points, spans = frame[0], frame[1]
+                    if len(frame) > 2 and self._lost is not None:
+                        for cause, n in dict(frame[2]).items():
+                            self._lost(str(cause), int(n))
+                    if points or spans:
+                        self._submit(self._window(int(worker), int(pid), points, spans))
             except (EOFError, OSError):
                 return
             except Exception as err:  # a malformed frame ends this child's connection only
@@ -235,6 +247,8 @@ class WorkerClient:
         self._warned = False
         self._stack = threading.local()
         self.dropped = 0
+        #: Lost here and not yet told to the exporter process (which tells the trainer's summary): cause -> count.
+        self._lost: dict[str, int] = {}
         self.trace_id = secrets.randbits(128) or 1
 
     # -- recording (any thread of the child) ------------------------------------------------------------
@@ -247,7 +261,7 @@ class WorkerClient:
             try:
                 s = coerce_step(step, "otel_train.log(step=) in a child process")
             except ValueError as err:  # never raised into the child's loop: warned once, its values go nowhere
-                self.dropped += len(mapping)
+                self._lose(LOST_REFUSED_STEP, len(mapping))
                 _warn_step_once(err)
                 return
         points = []
@@ -261,9 +275,13 @@ class WorkerClient:
             points.append((key, s, v, t))
         with self._lock:
             if len(self._points) + len(points) > _MAX_BUFFERED:
-                self.dropped += len(points)
+                self._lose(LOST_BUFFER, len(points))
                 return
             self._points.extend(points)
+
+    def _lose(self, cause: str, n: int) -> None:
+        self.dropped += n
+        self._lost[cause] = self._lost.get(cause, 0) + n
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None) -> Any:
         from otel_train.capture.instrument import NO_SPAN
@@ -287,7 +305,7 @@ class WorkerClient:
     def add_span(self, fields: tuple[Any, ...]) -> None:
         with self._lock:
             if len(self._spans) >= _MAX_BUFFERED:
-                self.dropped += 1
+                self._lose(LOST_SPANS, 1)
                 return
             self._spans.append(fields)
 
@@ -339,13 +357,13 @@ class WorkerClient:
     def send_now(self) -> None:
         """Ship what is buffered (drops it with one warning when the exporter process is unreachable)."""
         with self._lock:
-            points, spans = self._points, self._spans
-            self._points, self._spans = [], []
+            points, spans, lost = self._points, self._spans, self._lost
+            self._points, self._spans, self._lost = [], [], {}
             sock = self._sock
-            if not (points or spans) or sock is None or self._state != "open":
+            if not (points or spans or lost) or sock is None or self._state != "open":
                 return
             try:
-                _send(sock, (points, spans))
+                _send(sock, (points, spans, lost))
             except OSError as err:
                 self._sock = None
                 sock.close()

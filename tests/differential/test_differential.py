@@ -36,27 +36,16 @@ import pytest
 import readback
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
-from reference import Point, SpanPoint, expected_points, expected_spans, iter_steps, same_value
+from reference import Point, SpanPoint, expected_points, expected_spans, iter_steps, logged_value, same_value
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' helpers
 
 from sinkkit import make_sink
 
-# Features the current main gets wrong (issue 20): generated only once their item has landed.
-# Remove each as its issue 20 item lands (the coordinator empties this set after merging the fixes).
-# Features a backend still gets wrong: generated only once fixed. Issue 20's items 1, 2, 4, 6 and 10(e) have landed.
-PENDING: set[str] = {
-    # Two ranks starting Trackio together make two run records of one name (Trackio creates the record at the
-    # first log, not at `trackio.init`), so a reader by name sees one rank. Sequential ranks share one run.
-    "trackio_ranks",
-    # A step that goes backwards (under the default OTEL_TRAIN_STEP_ORDER=warn, "written as given"): TensorBoard's
-    # own reader takes it for a restart and purges the later steps it had read. Which of the two (document the
-    # purge as TensorBoard's mapping, or skip such rows in TensorBoard as W&B does) is still to be decided.
-    "tensorboard_backwards",
-    # W&B cannot store a step below its last one (README: dropped there and counted); which rows of a program
-    # going backwards land depends on where the export windows fall, which the reference does not model.
-    "wandb_backwards",
-}
+# Features a backend still gets wrong: generated only once fixed (each with its reason). Issue 20 has landed whole:
+# Trackio ranks starting together share one run record, and a step going backwards is modelled per backend (see
+# `expected`). A feature a future issue adds starts here until its backends hold it.
+PENDING: set[str] = set()
 # A local run can generate them anyway: OTEL_TRAIN_DIFF_FEATURES=all, or a comma list of the names above.
 _FORCED = os.environ.get("OTEL_TRAIN_DIFF_FEATURES", "")
 PENDING -= set(PENDING if _FORCED == "all" else _FORCED.split(","))
@@ -177,6 +166,15 @@ def clearml_name(key: str, rank: int) -> str:
     return f"{title}/{rank_suffix(series, rank)}"
 
 
+def trackio_name(key: str, rank: int) -> str:
+    """README "Keys": Trackio's own rule renames a key it reserves (`step`, `time`, `timestamp`, ...) or one starting
+    with `__` to ``__<key>``; rank N > 0 adds ``{rank=N}`` first."""
+    from trackio.utils import RESERVED_KEYS
+
+    name = rank_suffix(key, rank)
+    return f"__{name}" if name in RESERVED_KEYS or name.startswith("__") else name
+
+
 def float32(v: float) -> float:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # a float64 beyond float32's range becomes ±inf
@@ -207,16 +205,81 @@ MAPPINGS: dict[str, Mapping] = {
     "chrome_trace": Mapping(per_rank_store, keeps=math.isfinite, has_step=False),  # counters: finite, no step
     "mlflow": Mapping(mlflow_name, value=mlflow_value),
     "wandb": Mapping(per_rank_store),  # rank N > 0: its own run `<run id>-rank<N>`
-    "trackio": Mapping(rank_suffix),
+    "trackio": Mapping(trackio_name),
     "clearml": Mapping(clearml_name, value=clearml_value),
     "sink": Mapping(per_rank_store),  # OTLP through `otel-train sink`, which writes JSONL per rank
 }
 
 
+#: Backends that skip a row whose step went backwards in its series (README "Steps going backwards"): TensorBoard's
+#: data server would take it for a restart and hide the later steps, W&B cannot store it. The others keep it.
+SKIPS_BACKWARDS = {"tensorboard", "wandb"}
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One logged point and where it stands in its rank's step order."""
+
+    point: Point
+    series_back: bool  # below the last step of its series: skipped by TensorBoard and W&B
+    run_back: bool  # below a step this rank logged or entered before: W&B's run may be past it already
+
+
+def logged_in_order(program: dict[str, Any]) -> list[Logged]:
+    """A rank's points in the order logged. W&B's run has one step axis, which every step logged or entered
+    (`ot.step`/`ot.steps`: its built-in series) moves; a point below it lands only when W&B received the higher
+    step in the same window (it writes a window in step order), which the program cannot know."""
+    out: list[Logged] = []
+    series: dict[str, int] = {}
+    run = -1
+    for step, it in iter_steps_with_kind(program):
+        for key, spec in it["logs"]:
+            p = Point(key, step, logged_value(spec))
+            back = step < series.get(key, -1)
+            out.append(Logged(p, back, step < run))
+            series[key] = max(series.get(key, -1), step)
+            run = max(run, step)
+        if it["entered"]:
+            run = max(run, step)
+    return out
+
+
+def iter_steps_with_kind(program: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """`iter_steps`, each iteration marked with whether it ran inside a step context (not `ot.log(step=)`)."""
+    kinds = [block["kind"] != "log_step" for block in program["blocks"] for _ in block["iters"]]
+    return [(step, {**it, "entered": entered}) for (step, it), entered in zip(iter_steps(program), kinds)]
+
+
 def expected(backend: str, job: dict[str, Any]) -> list[Point]:
     m = MAPPINGS[backend]
-    return [Point(m.name(p.name, rank), p.step if m.has_step else None, m.value(p.value))
-            for rank, program in enumerate(job["ranks"]) for p in expected_points(program) if m.keeps(p.value)]
+    return [Point(m.name(lg.point.name, rank), lg.point.step if m.has_step else None, m.value(lg.point.value))
+            for rank, program in enumerate(job["ranks"]) for lg in logged_in_order(program)
+            if m.keeps(lg.point.value) and not (backend in SKIPS_BACKWARDS and lg.series_back)]
+
+
+def expected_wandb(job: dict[str, Any], got: list[Point]) -> list[Point]:
+    """W&B's points, given what it holds where the model allows either: one value per series and step, the last
+    written. Points gone back in their series are absent; a point below the run's step axis (`run_back`) may be
+    absent, or may be the value W&B holds for its series and step."""
+    m = MAPPINGS["wandb"]
+    want: list[Point] = []
+    for rank, program in enumerate(job["ranks"]):
+        groups: dict[tuple[str, int | None], tuple[list[Point], list[Point]]] = {}
+        for lg in logged_in_order(program):
+            if lg.series_back:
+                continue
+            p = Point(m.name(lg.point.name, rank), lg.point.step, m.value(lg.point.value))
+            required, optional = groups.setdefault((p.name, p.step), ([], []))
+            (optional if lg.run_back else required).append(p)
+        for (name, step), (required, optional) in groups.items():
+            held = [g for g in got if (g.name, g.step) == (name, step)]
+            allowed = required[-1:] + optional
+            match = next((a for a in allowed for h in held if same_value(h.value, a.value)), None)
+            if match is not None:
+                want.append(match)
+            elif required:
+                want.append(required[-1])
+    return want
 
 
 # -- running a job and reading every backend back ------------------------------------------------------------
@@ -239,17 +302,6 @@ def sink() -> Iterator[SinkHandle]:
 
 def compared(backend: str, world: int) -> bool:
     return not (world > 1 and f"{backend}_ranks" in PENDING)
-
-
-def goes_backwards(job: dict[str, Any]) -> bool:
-    """Whether some rank logs a step below one it logged before (see PENDING `tensorboard_backwards`)."""
-    for program in job["ranks"]:
-        latest = -1
-        for p in expected_points(program):
-            if p.step is not None and p.step < latest:
-                return True
-            latest = max(latest, p.step if p.step is not None else latest)
-    return False
 
 
 def run_job(job: dict[str, Any], root: Path, run: str, sink: Any) -> None:
@@ -324,6 +376,18 @@ def user_points(points: list[Point]) -> list[Point]:
     return [p for p in points if not builtin(_RANK_MARK.sub("", p.name.split("] ", 1)[-1]))]
 
 
+def out_of_order(points: list[Point]) -> list[str]:
+    """Series whose steps go back in the order the event files hold them: TensorBoard's data server (its default
+    reader) would take that for a restart and hide the later steps, although its Python reader shows them."""
+    last: dict[str, int] = {}
+    out = []
+    for p in points:
+        if p.step is not None and p.step < last.get(p.name, -1):
+            out.append(f"tensorboard: {p.name!r} goes back to step {p.step} after {last[p.name]} in its event files")
+        last[p.name] = max(last.get(p.name, -1), p.step if p.step is not None else -1)
+    return out
+
+
 def differences(want: list[Point], got: list[Point]) -> list[str]:
     """Missing, extra and wrong points; a point held twice counts as extra."""
     def order(p: Point) -> tuple[str, str, float]:  # a step a backend wrote as a string must still sort
@@ -376,14 +440,15 @@ def test_every_backend_holds_what_the_program_logged(job: dict[str, Any], sink: 
         for backend in BACKENDS:
             if not compared(backend, len(job["ranks"])):  # not even run: see PENDING
                 continue
-            if f"{backend}_backwards" in PENDING and goes_backwards(job):
-                continue  # run, not compared: see PENDING
             got = user_points(observed(backend, root, run, len(job["ranks"]), sink_root))
-            diffs = differences(expected(backend, job), got)
+            if backend == "tensorboard":
+                report.extend(out_of_order(got))
+            want = expected_wandb(job, got) if backend == "wandb" else expected(backend, job)
+            diffs = differences(want, got)
             if diffs:  # a summary line per backend, then its first differences
                 kinds = {k: sum(d.startswith(k) for d in diffs) for k in ("missing", "extra")}
                 report.append(f"{backend}: {kinds['missing']} missing, {kinds['extra']} extra, of "
-                              f"{len(expected(backend, job))} logged; e.g. " + "; ".join(diffs[:3]))
+                              f"{len(want)} logged; e.g. " + "; ".join(diffs[:3]))
         report.extend(span_differences(job, root, run, sink_root))
     assert not report, "\n".join(report)
 
@@ -413,5 +478,22 @@ def test_reference_steps_and_logged_values() -> None:
     assert [s for s, _ in iter_steps(program)] == [2, 3, 4]
     assert expected_points(program) == [Point("lr", 2, float(np.float32(0.1))), Point("ok", 3, 1.0)]
     assert expected_spans(program) == [SpanPoint("fwd", 3)]
+    # Steps going backwards: `ot.steps()` continues after step 2 (the latest entered), below the `step=` logs.
+    back = {"blocks": [
+        {"kind": "step", "start": 2, "form": "int", "iters": [{"logs": []}]},
+        {"kind": "log_step", "start": 5, "form": "int", "iters": [{"logs": [["a", {"form": "int", "v": 1}]]}]},
+        {"kind": "steps", "start": 0, "form": "int", "omit_start": True, "iters": [
+            {"logs": [["a", {"form": "int", "v": 2}], ["b", {"form": "int", "v": 3}]]}]},
+    ]}
+    assert [(lg.point, lg.series_back, lg.run_back) for lg in logged_in_order(back)] == [
+        (Point("a", 5, 1.0), False, False), (Point("a", 3, 2.0), True, True), (Point("b", 3, 3.0), False, True)]
+    assert expected("tensorboard", {"ranks": [back]}) == [Point("[rank0] a", 5, 1.0), Point("[rank0] b", 3, 3.0)]
+    assert expected_wandb({"ranks": [back]}, []) == [Point("[rank0] a", 5, 1.0)]  # b at 3: W&B may hold it
+    assert out_of_order([Point("a", 1, 0.0), Point("b", 0, 0.0), Point("a", 1, 2.0)]) == []
+    assert out_of_order([Point("a", 1, 0.0), Point("a", 0, 0.0)]) == [
+        "tensorboard: 'a' goes back to step 0 after 1 in its event files"]
+    assert expected_wandb({"ranks": [back]}, [Point("[rank0] b", 3, 3.0)])[-1] == Point("[rank0] b", 3, 3.0)
     assert mlflow_name("val/mAP@0.5", 1) == "val/mAP_0.5_909d36__rank-1"  # README "Keys": mapped + hash
     assert clearml_name("lr", 1) == "lr/lr{rank=1}" and clearml_name("a/b/c", 0) == "a/b/c"
+    assert trackio_name("__x", 1) == "____x{rank=1}" and trackio_name("step", 0) == "__step"
+    assert trackio_name("a/__b", 0) == "a/__b"

@@ -205,3 +205,27 @@ def test_a_failed_append_leaves_no_partial_record_and_the_retry_writes_once(
     acc = EventAccumulator(str(tmp_path / "disk"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 1.0), (1, 1.0), (2, 2.0), (3, 3.0)]
+
+
+def _in_file_order(path: Path, tag: str) -> list[tuple[int, float]]:
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]  # a list, in the order the file holds them
+
+
+def test_each_series_is_written_in_step_order_and_a_step_going_back_is_skipped(tmp_path: Path) -> None:
+    """One event holds every series of a step: a window whose rows start with another series' later step must still
+    write each series in step order (TensorBoard's data server takes a step going back for a restart and hides the
+    later steps). A row going back in its own series is skipped and counted, never written."""
+    run = RunInfo("r", "order")
+
+    def row(step: int, tag: str, value: float) -> MetricRow:
+        return MetricRow(run, step, tag, tag, value, "gauge", 1_000 + step)
+
+    with TensorBoardExporter(ExporterOptions(directory=tmp_path)) as tb:
+        assert tb.export_window(Window([row(1, "b", 1.0), row(0, "a", 0.5), row(1, "a", 1.5), row(2, "b", 2.0)]))
+        assert tb.export_window(Window([row(3, "a", 3.5), row(2, "a", 99.0), row(4, "a", 4.5)]))
+        counts = tb.step_order.counts()
+    assert _in_file_order(tmp_path / "order", "a") == [(0, 0.5), (1, 1.5), (3, 3.5), (4, 4.5)]
+    assert _in_file_order(tmp_path / "order", "b") == [(1, 1.0), (2, 2.0)]
+    assert counts == {"backwards": 1, "dropped": 1}

@@ -49,6 +49,7 @@ SCRIPT = textwrap.dedent("""
         ok = exp.export_window(Window(metrics=[
             row(r0, 1, "train/loss", 0.5), row(r0, 0, "train/loss", 1.0), row(r0, 2, "train/loss", 0.25),
             row(r0, 1, "eval/acc{split=val}", 0.75, split="val"), row(r1, 0, "train/loss", 1.5),
+            row(r0, 1, "train/twice", 1.0), row(r0, 1, "train/twice", 2.0),  # two `ot.log` calls in one step
         ], histograms=[HistogramRow(r0, 2, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)]))
     else:  # a restarted job: steps 1 and 2 are already stored
         ok = exp.export_window(Window(metrics=[row(r0, s, "train/loss", 10.0 + s) for s in range(1, 5)]))
@@ -90,8 +91,9 @@ def phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     return {"first": run_phase("first", root, script), "resume": run_phase("resume", root, script)}
 
 
-def series(logs: list[dict[str, Any]], key: str) -> dict[int, Any]:
-    return {entry["step"]: entry[key] for entry in logs if key in entry}
+def series(logs: list[dict[str, Any]], key: str) -> list[tuple[int, Any]]:
+    """(step, value) of every stored record with `key`, as a list: a point stored twice shows."""
+    return sorted(((entry["step"], entry[key]) for entry in logs if key in entry), key=lambda p: p[0])
 
 
 def test_every_step_and_value_in_the_local_store(phases: dict[str, dict[str, Any]]) -> None:
@@ -99,10 +101,12 @@ def test_every_step_and_value_in_the_local_store(phases: dict[str, dict[str, Any
     assert first["ok"] and first["runs"] == ["trk"]
     assert "otel-trackio-test.db" in first["files"]  # under TRACKIO_DIR, no Space, no server
     logs = first["logs"]
-    assert series(logs, "train/loss") == {0: 1.0, 1: 0.5, 2: 0.25}
-    assert series(logs, "eval/acc{split=val}") == {1: 0.75}
-    assert series(logs, "train/loss{rank=1}") == {0: 1.5}  # rank 1: same run, suffixed
-    assert series(logs, "grad")[2]["_type"] == "trackio.histogram"
+    assert series(logs, "train/loss") == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert series(logs, "eval/acc{split=val}") == [(1, 0.75)]
+    assert series(logs, "train/loss{rank=1}") == [(0, 1.5)]  # rank 1: same run, suffixed
+    assert series(logs, "train/twice") == [(1, 1.0), (1, 2.0)]  # both values, as JSONL holds them
+    ((step, hist),) = series(logs, "grad")
+    assert step == 2 and hist["_type"] == "trackio.histogram"
 
 
 def test_config_has_hparams_hash_and_group(phases: dict[str, dict[str, Any]]) -> None:
@@ -132,3 +136,47 @@ def test_missing_trackio_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[trackio\]'"):
         TrackioExporter(ExporterOptions())
 
+
+
+CURSOR_SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from trackio.sqlite_storage import SQLiteStorage
+    from otel_train.delivery import Delivery
+    from otel_train.exporters.trackio import TrackioExporter
+    from otel_train.framing import encode_window
+    from otel_train.records import ExporterOptions, RunInfo
+    from otel_train.spool import Spool
+
+    run = RunInfo("cur-run", "cur")
+    exp = TrackioExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-trackio-cursor"))
+    d = Delivery({"trackio": exp}, Spool(Path(sys.argv[1]) / "spool"))
+    seen = []
+    for seq in range(1, 9):
+        d.submit(seq, seq - 1, encode_window(run, [("train/loss", seq - 1, float(seq), 1_000 + seq)])[0])
+        d.flush(time.monotonic() + 30)
+        # Right after the flush: what the cursor claims, then what the store holds (read second, so a write
+        # landing in between can only make the store hold more).
+        claimed = d.progress().delivered_step["trackio"]
+        held = [e["step"] for e in SQLiteStorage.get_logs("otel-trackio-cursor", "cur") if "train/loss" in e]
+        seen.append([claimed, held])
+    d.close(time.monotonic() + 60)
+    held = [e["step"] for e in SQLiteStorage.get_logs("otel-trackio-cursor", "cur") if "train/loss" in e]
+    print("RESULT" + json.dumps({"seen": seen, "final": held, "cursor": Spool(Path(sys.argv[1]) / "spool").cursor("trackio")}))
+""")
+
+
+def test_the_delivery_cursor_never_claims_a_step_the_store_lacks(tmp_path: Path) -> None:
+    """Trackio writes its queue to SQLite from a thread of its own: the exporter process's cursor (what a replay
+    after `kill -9` skips) may claim a window only once Trackio's database holds it."""
+    script = tmp_path / "cursor.py"
+    script.write_text(CURSOR_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRACKIO_", "HF_", "OTEL_TRAIN_"))}
+    env.update(HOME=str(tmp_path / "home"), TRACKIO_DIR=str(tmp_path / "trackio"), HF_HOME=str(tmp_path / "hf"))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT"):])
+    for claimed, held in result["seen"]:
+        assert all(step in held for step in range(claimed + 1)), (claimed, held)
+    assert result["final"] == list(range(8)) and result["cursor"] == 8

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,18 +43,20 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         r0, r1 = two_ranks(RUN_ID, "wb", HPARAMS)
         hist = HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 5_000)
         exporter = WandbExporter(options)
-        # Window 1: out of order inside the window, a suffixed series, a histogram, rank 1.
+        # Window 1: steps out of order across series inside the window (one `log` per step, in step order), a
+        # suffixed series, a histogram, rank 1.
         assert exporter.export_window(Window(metrics=[
-            row(r0, 2, "train/loss", 0.2), row(r0, 0, "train/loss", 1.0), row(r0, 1, "train/loss", 0.5),
-            row(r0, 1, "eval/acc{split=val}", 0.75, split="val"),
+            row(r0, 2, "train/acc", 0.9), row(r0, 0, "train/loss", 1.0), row(r0, 1, "train/loss", 0.5),
+            row(r0, 2, "train/loss", 0.2), row(r0, 1, "eval/acc{split=val}", 0.75, split="val"),
             row(r1, 0, "train/loss", 1.5), row(r1, 1, "train/loss", 1.25),
         ], histograms=[hist]))
-        # Window 2: a late value for the step written last (merged), an older step (dropped), new steps.
+        # Window 2: a late value for the step written last (merged), a step going back in its series (skipped, as
+        # in TensorBoard), an older step of another series (W&B's run is at step 2: dropped), new steps.
         assert exporter.export_window(Window(metrics=[
-            row(r0, 2, "eval/late", 7.0), row(r0, 1, "train/loss", 99.0),
+            row(r0, 2, "eval/late", 7.0), row(r0, 1, "train/loss", 99.0), row(r0, 1, "eval/older", 98.0),
             row(r0, 3, "train/loss", 0.1), row(r0, 4, "train/loss", 0.05),
         ]))
-        dropped = exporter.steps_dropped
+        dropped = exporter.steps_dropped, exporter.step_order.counts()
         exporter.shutdown()
         exporter.shutdown()  # idempotent
         import wandb
@@ -71,8 +74,10 @@ def test_offline_history_every_step_and_value(offline: dict[str, Any]) -> None:
     assert sorted(hist) == [0, 1, 2, 3, 4]
     assert {s: h["train/loss"] for s, h in hist.items()} == {0: 1.0, 1: 0.5, 2: 0.2, 3: 0.1, 4: 0.05}
     assert hist[1]["eval/acc{split=val}"] == 0.75
-    assert hist[2]["eval/late"] == 7.0  # same step in a later window: merged into step 2
-    assert offline["dropped"] == 1  # the step-1 row that came after step 2
+    assert hist[2]["eval/late"] == 7.0 and hist[2]["train/acc"] == 0.9  # same step in a later window: merged
+    assert "eval/older" not in hist[1]
+    # The step-1 row of `eval/older` that came after step 2; the one of `train/loss`, gone back in its series.
+    assert offline["dropped"] == (1, {"backwards": 1, "dropped": 1})
     # A histogram is stored as nested keys under its tag; outer edges are its min and max.
     assert hist[1]["grad/values"] == [1, 2, 1] and hist[1]["grad/bins"] == [0.5, 1.0, 2.0, 3.0]
 
@@ -164,7 +169,7 @@ def test_rank_zero_policy_and_one_log_per_step(fake_wandb: list[FakeRun], tmp_pa
     r0, r1 = RunInfo("r", "n", rank=0, world_size=2), RunInfo("r", "n", rank=1, world_size=2)
     with WandbExporter(ExporterOptions(directory=tmp_path, project="proj")) as exp:
         assert exp.export_window(Window(metrics=[
-            row(r0, 1, "a", 1.0), row(r0, 0, "a", 0.0), row(r0, 1, "b", 2.0), row(r1, 0, "a", 9.0)]))
+            row(r0, 1, "b", 2.0), row(r0, 0, "a", 0.0), row(r0, 1, "a", 1.0), row(r1, 0, "a", 9.0)]))
     assert len(fake_wandb) == 1  # rank 1 ignored with ranks "0"
     run = fake_wandb[0]
     assert run.calls == [(0, {"a": 0.0}), (1, {"a": 1.0, "b": 2.0})]
@@ -195,3 +200,51 @@ def test_missing_wandb_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[wandb\]'") as err:
         WandbExporter(ExporterOptions())
     assert err.value.name == "wandb"
+
+
+REPLAY_JOB = textwrap.dedent("""
+    import os, sys
+    import otel_train as ot
+    session = ot.init(exporters=["wandb", "jsonl"], dir=sys.argv[1], run_id="rp", run_name="rp")
+    print(session.export_process.pid, flush=True)
+    rank = int(os.environ["RANK"])
+    for s in ot.steps(range(6)):
+        ot.log({"loss": s + rank / 10})
+    ot.shutdown()
+""")
+
+
+def test_replay_twice_after_wandb_failed_writes_every_rank_step_once(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks whose W&B failed during the job (online, not logged in: `wandb.init` raises) leave W&B's windows
+    in their spools; `otel-train replay` with a working (offline) W&B writes every step of every rank, step 0
+    included, and a second replay writes nothing more."""
+    from otel_train.export_process import replay
+
+    isolated_wandb_env(monkeypatch, tmp_path / "wandb-home")
+    script, runs = tmp_path / "job.py", tmp_path / "runs"
+    script.write_text(REPLAY_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(WANDB_MODE="online", WANDB_API_KEY="", OTEL_TRAIN_RANKS="all", WORLD_SIZE="2",
+               OTEL_TRAIN_SHUTDOWN_TIMEOUT_S="3", OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(runs)], env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+        exporter = int(out.split()[0])
+        for _ in range(600):  # its exporter process drains a moment longer; replay waits for it to be gone
+            if not Path(f"/proc/{exporter}").exists() or "Z" in Path(f"/proc/{exporter}/stat").read_text().split()[2]:
+                break
+            time.sleep(0.05)
+    assert not any(wandb_files(runs, "rp", wid) for wid in ("rp", "rp-rank1"))  # W&B held nothing yet
+
+    def held() -> list[tuple[str, int, float]]:
+        return sorted((wid, step, row["loss"]) for wid in ("rp", "rp-rank1") for path in wandb_files(runs, "rp", wid)
+                      for step, row in read_run(path)["history"].items() if "loss" in row)
+
+    want = sorted((wid, s, s + rank / 10) for rank, wid in enumerate(("rp", "rp-rank1")) for s in range(6))
+    for _ in range(2):
+        progress = replay(runs / "rp", timeout_s=120, stall_s=60)
+        assert {k: p.behind() for k, p in progress.items()} == {"rank0": {}, "rank1": {}}
+        assert held() == want  # a list: a step held twice (over several run files) shows

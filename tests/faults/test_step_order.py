@@ -45,11 +45,13 @@ def test_warn_writes_backwards_rows_as_given_and_counts(tmp_path: Path, caplog: 
         session = log_backwards(tmp_path, "warn")
     assert jsonl_points(tmp_path, "so") == [("loss", s, float(s)) for s in range(4)] + [
         ("loss", 2, 20.0), ("loss", 4, 4.0)]
-    jsonl = next(e for e in session.exporters if e.name == "jsonl")
-    assert jsonl.step_order.counts() == {"backwards": 1, "dropped": 0}
+    counts = {e.name: e.step_order.counts() for e in session.exporters}
+    assert counts == {"jsonl": {"backwards": 1, "dropped": 0}, "tensorboard": {"backwards": 1, "dropped": 1}}
     assert any("went back to step 2 after step 3" in r.getMessage() for r in caplog.records)
-    # TensorBoard stores both: its reader shows two points at step 2 (in the order written).
-    assert tb_points(tmp_path / "so") == jsonl_points(tmp_path, "so")
+    # TensorBoard skips it (its data server would take it for a restart and hide step 3): the series as first logged.
+    assert tb_points(tmp_path / "so") == [("loss", s, float(s)) for s in range(5)]
+    assert any("tensorboard: series 'loss'" in r.getMessage() and "not written here" in r.getMessage()
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize("where", ["on", "off"])
@@ -127,10 +129,13 @@ def test_wandb_under_warn_drops_what_it_cannot_store_loudly(tmp_path: Path, monk
     exporter = WandbExporter(ExporterOptions(directory=tmp_path))
     with caplog.at_level(logging.WARNING):
         exporter.export_window(Window(rows(0, 1, 2)))
-        exporter.export_window(Window(rows(1) + rows(3)))
+        exporter.export_window(Window(rows(1) + rows(1, tag="acc") + rows(3)))
     exporter.shutdown()
-    assert [s for s, _ in run.logged] == [0, 1, 2, 3]
-    assert exporter.step_order.counts() == {"backwards": 1, "dropped": 0} and exporter.steps_dropped == 1
+    assert run.logged == [(0, {"loss": 0.0}), (1, {"loss": 1.0}), (2, {"loss": 2.0}), (3, {"loss": 3.0})]
+    # `loss` at 1 went backwards in its series: skipped by the step order, as in TensorBoard.
+    assert exporter.step_order.counts() == {"backwards": 1, "dropped": 1}
+    # `acc` at 1 did not, but the run's step axis is at 2: W&B cannot store it either.
+    assert exporter.steps_dropped == 1
     assert any("OTEL_TRAIN_STEP_ORDER=warn writes them to the other backends" in r.getMessage()
                for r in caplog.records)
 

@@ -1,0 +1,56 @@
+"""The shutdown summary counts values lost in child processes too: a step refused in a child (a DataLoader worker,
+a `multiprocessing` child) is warned once there and never written, and the trainer's "N dropped" says so, by cause,
+as it does for the trainer's own refused steps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+SCRIPT = textwrap.dedent("""
+    import multiprocessing as mp, sys
+    import otel_train as ot
+
+    def child():
+        ot.log({"w": 1.0}, step=2.5)          # refused: not an integer
+        ot.log({"w": 2.0, "v": 3.0}, step="x")  # refused: two values
+        ot.log({"w": 5.0}, step=3)            # written
+        ot.flush()
+
+    if __name__ == "__main__":
+        ot.init(exporters="jsonl", dir=sys.argv[1], run_id="cr", run_name="cr")
+        with ot.step(1):
+            ot.log({"p": 1.0})
+        ot.log({"p": 2.0}, step=float("nan"))  # refused in the trainer: one value
+        p = mp.get_context(sys.argv[2]).Process(target=child)
+        p.start()
+        p.join()
+        ot.shutdown()
+""")
+
+
+def _run(tmp_path: Path, method: str) -> tuple[str, list[tuple[str, int, float]]]:
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "runs"), method], capture_output=True,
+                         text=True, check=False, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [(r["tag"], r["step"], r["value"]) for r in read_jsonl(jsonl_path(tmp_path / "runs", "cr", 0))
+            if r["type"] == "metric" and r["tag"][0] in "pwv"]
+    return out.stderr, rows
+
+
+def test_values_at_a_step_refused_in_a_child_are_in_the_trainers_summary(tmp_path: Path) -> None:
+    err, rows = _run(tmp_path, "fork")
+    assert [(tag.split("{")[0], step, value) for tag, step, value in sorted(rows)] == [("p", 1, 1.0), ("w", 3, 5.0)]
+    (line,) = [x for x in err.splitlines() if x.startswith("otel-train: ") and " points in " in x]
+    assert "; 4 dropped (" in line, line
+    assert re.search(r"\(1 values? at a refused step, 3 values at a refused step in child processes\)", line), line
