@@ -52,6 +52,7 @@ def test_two_trials_write_their_series_and_spans(ray_local: None, tmp_path: Path
     tuner = tune.Tuner(
         _trainable,
         param_space={"lr": tune.grid_search([1.0, 2.0, -1.0])},
+        tune_config=tune.TuneConfig(reuse_actors=True),  # one worker for the trials that succeed: faster
         run_config=tune.RunConfig(storage_path=str(tmp_path / "ray"), callbacks=[callback], verbose=0),
     )
     results = tuner.fit()
