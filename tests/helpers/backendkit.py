@@ -61,6 +61,12 @@ def by_step(points: list[tuple[int, float]]) -> dict[int, float]:
     return out
 
 
+def approx_points(points: list[tuple[int, float]]) -> list[tuple[int, Any]]:
+    """(step, value) points with each value compared approximately, the steps and the count exactly: compare a
+    list read back with ``==`` against this, so a point written twice (or missing) fails."""
+    return [(step, pytest.approx(value)) for step, value in points]
+
+
 # -- Weights & Biases ---------------------------------------------------------------------------------
 def isolated_wandb_env(mp: pytest.MonkeyPatch, root: Path) -> None:
     """Offline W&B with every file it writes under `root` (never the user's home config)."""

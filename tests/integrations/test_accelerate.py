@@ -13,6 +13,7 @@ pytest.importorskip("accelerate", reason="the Accelerate integration test needs 
 import torch
 from accelerate import Accelerator
 from accelerate.state import PartialState
+from backendkit import approx_points
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata
 
@@ -38,20 +39,25 @@ def _hparams(acc: EventAccumulator) -> Any:
         acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]).hparams
 
 
-def _train(accelerator: Accelerator, steps: int) -> dict[int, float]:
+def _points(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
+    """Every point of `tag` as (step, value), in file order: a step written twice shows twice."""
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _train(accelerator: Accelerator, steps: int) -> list[tuple[int, float]]:
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(4 * steps, 4, generator=g), torch.randn(4 * steps, 1, generator=g))
     model = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer, loader = accelerator.prepare(model, optimizer, torch.utils.data.DataLoader(data, batch_size=4))
-    expected: dict[int, float] = {}
+    expected: list[tuple[int, float]] = []
     for i, (x, y) in enumerate(loader):
         loss = torch.nn.functional.mse_loss(model(x), y)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
         accelerator.log({"train/loss": loss.detach(), "train/lr": 0.1, "phase": "warmup"}, step=i)
-        expected[i] = loss.item()  # the test's own read, after logging
+        expected.append((i, loss.item()))  # the test's own read, after logging
     return expected
 
 
@@ -66,8 +72,8 @@ def test_accelerator_log_and_config_reach_tensorboard(runs: Path) -> None:
     assert session.closed  # the tracker started otel-train, so end_training() shut it down
 
     acc = _accumulator(runs / "acc")
-    assert {e.step: e.value for e in acc.Scalars("train/loss")} == pytest.approx(expected)
-    assert {e.step: e.value for e in acc.Scalars("train/lr")} == pytest.approx({i: 0.1 for i in range(5)})
+    assert _points(acc, "train/loss") == approx_points(expected)
+    assert _points(acc, "train/lr") == approx_points([(i, 0.1) for i in range(5)])
     assert "phase" not in acc.Tags()["scalars"]  # a string: skipped, not an error
     hparams = _hparams(acc)
     assert hparams["lr"].number_value == pytest.approx(0.1)
@@ -83,7 +89,7 @@ def test_a_user_session_gets_the_config_and_outlives_end_training(runs: Path) ->
     assert ot._session is session and not session.closed
     ot.shutdown()
     acc = _accumulator(runs / "mine")
-    assert sorted(e.step for e in acc.Scalars("train/loss")) == [0, 1]
+    assert [step for step, _ in _points(acc, "train/loss")] == [0, 1]
     assert _hparams(acc)["seed"].number_value == 7
 
 

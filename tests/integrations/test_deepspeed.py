@@ -10,16 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from backendkit import approx_points
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import otel_train as ot
 from otel_train.integrations.deepspeed import OtelTrainMonitor
 
 
-def _scalars(path: Path, tag: str) -> dict[int, float]:
+def _scalars(path: Path, tag: str) -> list[tuple[int, float]]:
+    """Every point of `tag` as (step, value), in file order: a step written twice shows twice."""
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0})
     acc.Reload()
-    return {e.step: e.value for e in acc.Scalars(tag)}
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 class _RecordingMonitor:
@@ -51,8 +53,8 @@ def test_monitor_interface_writes_at_deepspeeds_steps(run_dir: Path) -> None:
     assert ot._session is not None and ours._session.started  # it called init itself
     ours.close()
     assert ot._session.closed
-    assert _scalars(run_dir / "ds", "Train/Samples/train_loss") == pytest.approx({32: 0.5, 64: 1 / 3, 96: 0.25})
-    assert _scalars(run_dir / "ds", "Train/Samples/lr") == pytest.approx({32: 0.1, 64: 0.1, 96: 0.1})
+    assert _scalars(run_dir / "ds", "Train/Samples/train_loss") == approx_points([(32, 0.5), (64, 1 / 3), (96, 0.25)])
+    assert _scalars(run_dir / "ds", "Train/Samples/lr") == approx_points([(32, 0.1), (64, 0.1), (96, 0.1)])
     assert inner.events == [e for batch in events for e in batch]  # DeepSpeed's own monitors still get them
 
 
@@ -63,7 +65,7 @@ def test_user_session_is_not_shut_down(run_dir: Path) -> None:
     monitor.close()
     assert not ot._session.closed
     ot.shutdown()
-    assert _scalars(run_dir / "mine", "loss") == {5: 2.0}
+    assert _scalars(run_dir / "mine", "loss") == [(5, 2.0)]
 
 
 def _wait_for_points(path: Path, tag: str, count: int, timeout_s: float = 60.0) -> list[tuple[int, float]]:
@@ -127,8 +129,8 @@ def test_real_deepspeed_engine_on_cpu(single_process_group: None, run_dir: Path,
     monitor.close()
     assert live == [(8, 0.05), (16, 0.05), (24, 0.05)]  # on disk before close: each written step is a boundary
     lr = _scalars(run_dir / "ds-real", "Train/Samples/lr")
-    assert lr == pytest.approx({8: 0.05, 16: 0.05, 24: 0.05})  # DeepSpeed's own step: global_samples
-    assert sorted(_scalars(run_dir / "ds-real", "Train/Samples/elapsed_time_ms_step")) == [8, 16, 24]
+    assert lr == approx_points([(8, 0.05), (16, 0.05), (24, 0.05)])  # DeepSpeed's own step: global_samples
+    assert [s for s, _ in _scalars(run_dir / "ds-real", "Train/Samples/elapsed_time_ms_step")] == [8, 16, 24]
     assert (run_dir / "csv" / "theirs").exists()  # its configured monitors still write
 
 

@@ -13,6 +13,7 @@ pytest.importorskip("lightning", reason="the Lightning integration test needs `p
 
 import lightning.pytorch as pl
 import torch
+from backendkit import approx_points
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -61,10 +62,15 @@ def _trainer(tmp_path: Path, loggers: list[Any], callbacks: list[Any], **kwargs:
     )
 
 
-def _scalars(path: Path, tag: str) -> dict[int, float]:
+def _scalars(path: Path, tag: str) -> list[tuple[int, float]]:
+    """Every point of `tag` as (step, value), in file order: a step written twice shows twice."""
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
-    return {e.step: e.value for e in acc.Scalars(tag)}
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def _steps(points: list[tuple[int, float]]) -> list[int]:
+    return [step for step, _ in points]
 
 
 def _hparams(path: Path) -> Any:
@@ -77,9 +83,10 @@ def _hparams(path: Path) -> Any:
         acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG]).hparams
 
 
-def _csv_series(csv_logger: CSVLogger, key: str) -> dict[int, float]:
+def _csv_series(csv_logger: CSVLogger, key: str) -> list[tuple[int, float]]:
+    """Every (step, value) Lightning handed its CSVLogger for `key`, in the order it wrote them."""
     with open(Path(csv_logger.log_dir) / "metrics.csv") as f:
-        return {int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)}
+        return [(int(r["step"]), float(r[key])) for r in csv.DictReader(f) if r.get(key)]
 
 
 def _spans(run: Path) -> dict[str, list[dict[str, Any]]]:
@@ -109,10 +116,10 @@ def test_fit_values_at_lightning_steps_and_spans(tmp_path: Path, env: Path) -> N
 
     # What Lightning handed its loggers (log_every_n_steps=3: steps 2, 5, 8, ...) is what TensorBoard holds.
     expected = _csv_series(csv_logger, "train/loss")
-    assert sorted(expected) == [s for s in range(BATCHES_PER_EPOCH * EPOCHS) if (s + 1) % 3 == 0]
-    assert _scalars(env, "train/loss") == pytest.approx(expected)
-    assert _scalars(env, "val/loss") == pytest.approx(_csv_series(csv_logger, "val/loss"))
-    assert _scalars(env, "epoch") == pytest.approx(_csv_series(csv_logger, "epoch"))
+    assert _steps(expected) == [s for s in range(BATCHES_PER_EPOCH * EPOCHS) if (s + 1) % 3 == 0]
+    assert _scalars(env, "train/loss") == approx_points(expected)
+    assert _scalars(env, "val/loss") == approx_points(_csv_series(csv_logger, "val/loss"))
+    assert _scalars(env, "epoch") == approx_points(_csv_series(csv_logger, "epoch"))
 
     # save_hyperparameters() -> the run config, in TensorBoard's HParams plugin.
     hparams = _hparams(env)
@@ -120,7 +127,7 @@ def test_fit_values_at_lightning_steps_and_spans(tmp_path: Path, env: Path) -> N
     assert hparams["width"].number_value == 4
 
     # Batches ran inside otel_train.step(global_step): a step duration at every step.
-    assert sorted(_scalars(env, display_name(TRAIN_STEP_DURATION))) == list(range(BATCHES_PER_EPOCH * EPOCHS))
+    assert _steps(_scalars(env, display_name(TRAIN_STEP_DURATION))) == list(range(BATCHES_PER_EPOCH * EPOCHS))
 
     spans = _spans(env)
     assert [e["args"]["train.step"] for e in spans["train/batch"]] == list(range(BATCHES_PER_EPOCH * EPOCHS))
@@ -141,7 +148,7 @@ def test_user_session_gets_the_hyperparameters_and_is_left_running(tmp_path: Pat
     assert ot._session is session and not session.closed
     ot.shutdown()
     run = tmp_path / "runs" / "mine"
-    assert sorted(_scalars(run, "train/loss")) == [0, 1, 2]
+    assert _steps(_scalars(run, "train/loss")) == [0, 1, 2]
     assert _hparams(run)["lr"].number_value == pytest.approx(0.2)
 
 
@@ -160,7 +167,7 @@ def test_lightning_rank_feeds_the_resource_and_otel_train_ranks_decides(
     assert session.export_metrics is exported
     ot.shutdown()
     if exported:
-        assert _scalars(env, "train/loss") == {3: 0.25}  # the tensor, converted on the export thread
+        assert _scalars(env, "train/loss") == [(3, 0.25)]  # the tensor, converted on the export thread
     else:
         assert not list(env.glob("events.*"))
 
@@ -183,4 +190,4 @@ def test_an_exception_marks_the_open_spans_and_training_code_sees_it_unchanged(t
     assert [e["args"]["train.step"] for e in batches] == [0, 1, 2]
     assert "boom at batch 2" in batches[-1]["args"]["error"]
     assert "boom at batch 2" in spans["train/epoch"][0]["args"]["error"]
-    assert _scalars(env, "train/loss").keys() == {0, 1}
+    assert _steps(_scalars(env, "train/loss")) == [0, 1]

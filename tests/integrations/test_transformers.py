@@ -12,6 +12,7 @@ pytest.importorskip("transformers", reason="the Transformers integration test ne
                     "`pip install 'otel-train[transformers]'`")
 
 import torch
+from backendkit import approx_points
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import metadata
 from transformers import Trainer, TrainingArguments
@@ -38,8 +39,9 @@ def _data(n: int) -> list[dict[str, torch.Tensor]]:
     return [{"x": torch.randn(4, generator=g), "labels": torch.randn(1, generator=g)} for _ in range(n)]
 
 
-def _scalars(acc: EventAccumulator, tag: str) -> dict[int, float]:
-    return {e.step: e.value for e in acc.Scalars(tag)}
+def _scalars(acc: EventAccumulator, tag: str) -> list[tuple[int, float]]:
+    """Every point of `tag` as (step, value), in file order: a step written twice shows twice."""
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def test_train_logs_at_global_steps_config_and_spans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -62,16 +64,16 @@ def test_train_logs_at_global_steps_config_and_spans(tmp_path: Path, monkeypatch
     acc = EventAccumulator(str(run), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()
     history = trainer.state.log_history
-    train_loss = {h["step"]: h["loss"] for h in history if "loss" in h}
-    eval_loss = {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h}
-    assert sorted(train_loss) == [2, 4, 6]
-    assert _scalars(acc, "train/loss") == pytest.approx(train_loss)
-    assert _scalars(acc, "train/learning_rate") == pytest.approx(
-        {h["step"]: h["learning_rate"] for h in history if "learning_rate" in h})
-    # evaluations at steps 3 and 6, and the explicit evaluate() at 6 (the last value of a step wins)
-    assert _scalars(acc, "eval/loss") == pytest.approx(eval_loss)
-    assert sorted(eval_loss) == [3, 6]
-    assert 6 in _scalars(acc, "train/train_runtime")  # the end-of-training summary
+    train_loss = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    eval_loss = [(h["step"], h["eval_loss"]) for h in history if "eval_loss" in h]
+    assert [s for s, _ in train_loss] == [2, 4, 6]
+    assert _scalars(acc, "train/loss") == approx_points(train_loss)
+    assert _scalars(acc, "train/learning_rate") == approx_points(
+        [(h["step"], h["learning_rate"]) for h in history if "learning_rate" in h])
+    # evaluations at steps 3 and 6, and the explicit evaluate() at 6: each one a point of its own
+    assert [s for s, _ in eval_loss] == [3, 6, 6]
+    assert _scalars(acc, "eval/loss") == approx_points(eval_loss)
+    assert [s for s, _ in _scalars(acc, "train/train_runtime")] == [6]  # the end-of-training summary, once
 
     info = metadata.parse_session_start_info_plugin_data(
         acc.PluginTagToContent(metadata.PLUGIN_NAME)[metadata.SESSION_START_INFO_TAG])
@@ -87,7 +89,7 @@ def test_train_logs_at_global_steps_config_and_spans(tmp_path: Path, monkeypatch
     assert [e["args"]["train.step"] for e in spans["checkpoint/save"]] == [3, 6]
     assert len(spans["train/epoch"]) == 1
     # Every step ran inside otel_train.step(n): a step duration at 1..6.
-    assert sorted(_scalars(acc, display_name(TRAIN_STEP_DURATION))) == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in _scalars(acc, display_name(TRAIN_STEP_DURATION))] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("name", ["otel_train.integrations.transformers", "otel_train.integrations._hooks"])
