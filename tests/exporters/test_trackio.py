@@ -142,11 +142,11 @@ CURSOR_SCRIPT = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
     from trackio.sqlite_storage import SQLiteStorage
-    from otel_train.delivery import Delivery
+    from otel_train.ship.delivery import Delivery
     from otel_train.exporters.trackio import TrackioExporter
-    from otel_train.framing import encode_window
+    from otel_train.ship.framing import encode_window
     from otel_train.records import ExporterOptions, RunInfo
-    from otel_train.spool import Spool
+    from otel_train.ship.spool import Spool
 
     run = RunInfo("cur-run", "cur")
     exp = TrackioExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-trackio-cursor"))

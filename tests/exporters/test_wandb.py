@@ -219,7 +219,7 @@ def test_replay_twice_after_wandb_failed_writes_every_rank_step_once(tmp_path: P
     """Two ranks whose W&B failed during the job (online, not logged in: `wandb.init` raises) leave W&B's windows
     in their spools; `otel-train replay` with a working (offline) W&B writes every step of every rank, step 0
     included, and a second replay writes nothing more."""
-    from otel_train.export_process import replay
+    from otel_train.ship.export_process import replay
 
     isolated_wandb_env(monkeypatch, tmp_path / "wandb-home")
     script, runs = tmp_path / "job.py", tmp_path / "runs"

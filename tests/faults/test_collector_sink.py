@@ -151,4 +151,10 @@ def test_killed_and_restarted_mid_run(tmp_path: Path, victim: str) -> None:
           f"max {max(step_s[10:20]) * 1000:.1f} ms")
     assert len(points) == len(set(points)), "a point written twice"
     assert set(points) == expected(range(STEPS))
-    assert sorted(tb_points(out / "faults")) == sorted(expected(range(STEPS), as_f32=True))
+    tb = tb_points(out / "faults")
+    assert len(tb) == len(set(tb)), "a point written twice to TensorBoard"
+    want = expected(range(STEPS), as_f32=True)
+    assert set(tb) <= want
+    # A step recorded while the sink was down may arrive after later steps of its series; TensorBoard skips it
+    # (counted; its data server would take it for a restart and hide the later steps), JSONL above holds all.
+    assert {step for _, step, _ in want - set(tb)} <= set(range(10, 20))
