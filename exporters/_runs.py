@@ -151,9 +151,9 @@ class StepGate:
             self.dropped += 1
             self._log.warning(
                 f"late-{key}",
-                "%s: dropping rows for step %d that arrived after step %d: the backend cannot store an "
-                "older step (OTEL_TRAIN_STEP_ORDER=warn writes them to the other backends; `drop` keeps "
-                "every backend alike); counted in `steps_dropped`, warned once",
+                "%s: dropping rows for step %d that arrived after step %d: the run has one step axis and "
+                "cannot store an older step, so a row of another series below it lands in the other "
+                "backends only (under every OTEL_TRAIN_STEP_ORDER); counted in `steps_dropped`, warned once",
                 self._backend, step, last,
             )
             return False

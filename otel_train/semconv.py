@@ -138,8 +138,9 @@ CONVENTIONS: tuple[Convention, ...] = (
                "exporter process, `{exporter=X}`: rows whose step went backwards in their series, seen by X; "
                "once non-zero", display="otel_train/steps_backwards"),
     Convention(SELF_STEPS_ORDER_DROPPED, "metric", "int", "1",
-               "exporter process, `{exporter=X}`: rows X did not write because of their step (backwards under "
-               "`drop`/`raise`, older than W&B's last, held by a resumed run); once non-zero",
+               "exporter process, `{exporter=X}`: rows X did not write because of their step (backwards in "
+               "TensorBoard and W&B, everywhere under `drop`/`raise`; older than W&B's last; held by a resumed "
+               "run); once non-zero",
                display="otel_train/steps_order_dropped"),
     Convention("worker", "point, span", "int", "1",
                "DataLoader worker id (pid for other child processes) of child-process data"),
