@@ -134,7 +134,8 @@ def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
     loudly) when it cannot: data was already exported, or the session has exporter instances, which cannot
     be rebuilt. Returns `session` itself when the places agree.
     """
-    from otel_train.runtime import _placement, start
+    from otel_train.backend_setup import split_backends
+    from otel_train.runtime import start
 
     run = session.run
     wanted = {"rank": rank, "local_rank": local_rank, "world_size": world_size}
@@ -143,7 +144,7 @@ def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
         return session
     have = ", ".join(f"{k}={getattr(run, k)}" for k in differs)
     want = ", ".join(f"{k}={v}" for k, v in differs.items())
-    instances = len(session.exporters) > len(_placement(session.settings)[0])
+    instances = len(session.exporters) > len(split_backends(session.settings)[0])
     if session.reader.windows or instances:
         _logger.error("otel-train: the framework says this process is %s, but the running session (started by "
                       "init() before the framework's launcher set the rank) is %s and %s; its data is labelled "

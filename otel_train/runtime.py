@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 from otel_train import config as cfg
 from otel_train import exit_hooks
 from otel_train._internal.at_fork import after_fork_in_child
+from otel_train.backend_setup import build_backends, split_backends
 from otel_train.capture.instrument import (
     NO_SPAN,
     LogBuffer,
@@ -44,7 +44,6 @@ from otel_train.child_handoff import ChildHandOff, hand_off_disabled
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
 from otel_train.placement import _env_int, _env_rank, resolve_run_id
-from otel_train.registry import check_available, get_spec, load_class
 from otel_train.run_identity import RunInfo, config_hash
 from otel_train.summary import write_session_summary
 
@@ -98,7 +97,7 @@ class Session:
             r.ranks == "all" for r in settings.routes.values())
         directory = _check_dir(settings.dir)
         options = ExporterOptions.from_settings(settings, directory=directory)
-        local, remote = _placement(settings)
+        local, remote = split_backends(settings)
         self.run_claim = _claim(directory, self.run, settings.drain_timeout_s)
         self.run = dataclasses.replace(self.run, run_id=self.run_claim.run_id, run_name=self.run_claim.run_name)
         # A failed `init()` leaves nothing behind: each part built registers its undoing, run (last first)
@@ -113,7 +112,7 @@ class Session:
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
                     nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd)
                 undo.callback(_undo, self.export_process.end, 1.0)
-            self.exporters = self._build_exporters(local, options) + list(instances)
+            self.exporters = build_backends(local, options) + list(instances)
             for ex in self.exporters:  # the caller's instances too: `init()` took them, as `shutdown()` does
                 undo.callback(_undo, ex.shutdown)
             # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
@@ -192,26 +191,6 @@ class Session:
         if self.export_process is None:
             return None
         return self.export_process.progress(timeout_s)
-
-    @staticmethod
-    def _build_exporters(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:
-        specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
-        for spec in specs:
-            check_available(spec)
-        built = []
-        for spec in specs:
-            try:
-                built.append(load_class(spec)(options))
-            except (ImportError, ConfigError):
-                for ex in built:
-                    ex.shutdown()
-                raise
-            except Exception as err:
-                for ex in built:
-                    ex.shutdown()
-                raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
-                                  f"{type(err).__name__}: {err}") from err
-        return built
 
     def _install_globals(self) -> None:
         from otel_train._internal import global_providers
@@ -371,30 +350,6 @@ def _claim(directory: Path, run: RunInfo, drain_timeout_s: float) -> Any:
 
     # An earlier attempt's exporter process drains for at most its drain timeout (+ its watchdog's grace).
     return claim_run(directory, run.run_id, run.run_name, run.rank, wait_s=drain_timeout_s + 5.0)
-
-
-def _is_builtin(target: str) -> bool:
-    """Whether a registry target (``module:Class``) is one of our own backends."""
-    return target.partition(":")[0].split(".")[:2] == ["otel_train", "exporters"]
-
-
-def _placement(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Split the named exporters into (built here, built in the exporter process).
-
-    Built-in backends (`otlp` included) go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`.
-    Staying here: third-party names (entry points; their classes may not expect to run elsewhere).
-    Unknown names and missing packages fail here, before anything starts.
-    """
-    from otel_train.registry import check_available, get_spec
-
-    names = settings.exporters
-    for spec in [get_spec(n) for n in names]:
-        check_available(spec)
-    if settings.export_process == "off" or (settings.export_process == "auto" and (
-            os.name != "posix" or not sys.executable)):
-        return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start
-    remote = tuple(n for n in names if _is_builtin(get_spec(n).target))
-    return tuple(n for n in names if n not in remote), remote
 
 
 class DisabledSession:
