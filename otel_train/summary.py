@@ -124,7 +124,9 @@ def write_session_summary(session: Session) -> None:
         dropped_by = {"values over the log buffer": int(getattr(reader.log_buffer, "dropped", 0)),
                       "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
                       "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
-                      - int(reader.span_buffer.dropped)}
+                      - int(reader.span_buffer.dropped),
+                      "values at a refused step": session.refused_step_values}
+        dropped += session.refused_step_values
         lost = {ex.name: {k: v for k, v in ex.rows_lost.items() if v}
                 for ex in in_process if getattr(ex, "rows_lost", None)}
         if session.export_process is not None:  # the exporter process's backends: its last progress report
@@ -138,6 +140,9 @@ def write_session_summary(session: Session) -> None:
             lost.update(progress.rows_lost)
             dropped_by["windows the exporter process could not take or its backends dropped"] = (
                 session.export_process.dropped + sum(progress.dropped.values()))
+            children = getattr(progress, "children_lost", None) or {}  # child processes' values
+            dropped_by.update(children)
+            dropped += sum(children.values())
         write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
                                    failures, str(run_folder(session.settings.dir, session.run.run_name)),
                                    steps_backwards=backwards, steps_order_dropped=order_dropped,
