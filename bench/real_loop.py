@@ -166,9 +166,9 @@ def main() -> int:
 
 def _start_sink(directory: Path) -> Any:
     """An `otel-train sink` writing TensorBoard files, on a free loopback gRPC port, in this process."""
-    from otel_train.config import SinkSettings
     from otel_train.exporter_options import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
+    from otel_train.sink.settings import SinkSettings
 
     settings = SinkSettings(grpc="127.0.0.1:0", http="127.0.0.1:0")
     return Sink(settings, exporter_factory(("tensorboard",), ExporterOptions(directory, ranks="all"))).start()

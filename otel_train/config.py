@@ -1,4 +1,4 @@
-"""Every setting of otel-train, parsed and validated in one place.
+"""Every setting of a training process, parsed and validated in one place (the sink's: `otel_train.sink.settings`).
 
 Precedence: explicit keyword to `init()` > environment variable > default. The library never
 writes to `os.environ`. Each `OTEL_TRAIN_*` name is a module constant with a docstring giving its
@@ -8,17 +8,26 @@ type, unit and default; the table in docs/configuration.md lists the same.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from otel_train.config_values import (
+    choice,
+    parse_bool,
+    parse_config_json,
+    parse_cpus,
+    parse_exporters,
+    parse_int,
+    parse_nice,
+    parse_positive_float,
+    parse_text,
+)
 from otel_train.errors import ConfigError
 from otel_train.step_order import POLICIES
 
-__all__ = ["Route", "Settings", "SinkSettings", "StepSelection", "load_settings", "load_sink_settings", "parse_bool"]
+__all__ = ["Route", "Settings", "StepSelection", "load_settings"]
 
 OTEL_TRAIN_EXPORTERS = "OTEL_TRAIN_EXPORTERS"
 """Comma list of exporter names. Default ``tensorboard,chrome_trace``."""
@@ -138,9 +147,6 @@ JOB_ID_VARIABLES = (
     "SKYPILOT_TASK_ID",
 )
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
-
 T = TypeVar("T")
 
 ROUTE_FIELDS = ("include", "exclude", "every", "ranks")
@@ -180,7 +186,7 @@ class Route:
             if value is not None:
                 object.__setattr__(self, field, _patterns(getattr(self, f"{field}_setting"), value))
         if self.every is not None:
-            object.__setattr__(self, "every", _parse_int("every", str(self.every), 1))
+            object.__setattr__(self, "every", parse_int("every", str(self.every), 1))
         if self.ranks is not None:
             object.__setattr__(self, "ranks", _parse_ranks("ranks", str(self.ranks)))
 
@@ -288,45 +294,6 @@ class Settings:
     resume_step: int | None = None
 
 
-def parse_bool(name: str, raw: str) -> bool:
-    """Parse a boolean setting; raise `ConfigError` naming the variable on anything else."""
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ConfigError(f"{name}: {raw!r} is not a boolean; use one of 1, true, yes, on, 0, false, no, off")
-
-
-def _parse_int(name: str, raw: str, minimum: int) -> int:
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{name}: {raw!r} is not an integer; expected an integer >= {minimum}") from None
-    if value < minimum:
-        raise ConfigError(f"{name}: {value} is too small; expected an integer >= {minimum}")
-    return value
-
-
-def _parse_positive_float(name: str, raw: str) -> float:
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise ConfigError(f"{name}: {raw!r} is not a number; expected seconds > 0") from None
-    if not value > 0 or math.isinf(value):
-        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite number of seconds > 0")
-    return value
-
-
-def _parse_exporters(name: str, raw: str) -> tuple[str, ...]:
-    names = tuple(part.strip().lower() for part in raw.split(",") if part.strip())
-    seen: list[str] = []
-    for part in names:
-        if part not in seen:
-            seen.append(part)
-    return tuple(seen)
-
-
 def _parse_ranks(name: str, raw: str) -> str:
     value = raw.strip().lower()
     if value not in RANKS_ALLOWED:
@@ -334,90 +301,41 @@ def _parse_ranks(name: str, raw: str) -> str:
     return value
 
 
-def _choice(allowed: tuple[str, ...]) -> Callable[[str, str], str]:
-    """A parser accepting one of `allowed` (case-insensitive)."""
-    def parse(name: str, raw: str) -> str:
-        value = raw.strip().lower()
-        if value not in allowed:
-            raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(allowed)}")
-        return value
-    return parse
-
-
-_parse_step_order = _choice(STEP_ORDER_ALLOWED)
-_parse_export_process = _choice(EXPORT_PROCESS_ALLOWED)
-
-
-def _parse_config_json(name: str, raw: str) -> Mapping[str, Any]:
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{name}: not valid JSON ({err.msg} at char {err.pos}); expected a JSON object") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name}: {raw[:60]!r} is not allowed; expected a JSON object")
-    return value
-
-
-def _parse_cpus(name: str, raw: str) -> tuple[int, ...]:
-    """A CPU list as `taskset -c` takes it: ``1``, ``0,2``, ``8-9,12``."""
-    cpus: set[int] = set()
-    try:
-        for part in raw.replace(" ", "").split(","):
-            first, _, last = part.partition("-")
-            lo, hi = int(first), int(last or first)
-            if lo < 0 or hi < lo:
-                raise ValueError(part)
-            cpus.update(range(lo, hi + 1))
-    except ValueError:
-        raise ConfigError(f"{name}: {raw!r} is not a CPU list; expected e.g. `1`, `0,2` or `8-9,12`") from None
-    return tuple(sorted(cpus))
-
-
-def _parse_nice(name: str, raw: str) -> int:
-    value = _parse_int(name, raw, 0)
-    if value > 19:
-        raise ConfigError(f"{name}: {value} is too large; expected an integer from 0 to 19")
-    return value
-
-
-def _parse_text(name: str, raw: str) -> str:
-    value = raw.strip()
-    if not value:
-        raise ConfigError(f"{name}: empty value is not allowed; unset it or give a non-empty string")
-    return value
+_parse_step_order = choice(STEP_ORDER_ALLOWED)
+_parse_export_process = choice(EXPORT_PROCESS_ALLOWED)
 
 
 # field name -> (env variable, parser)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "exporters": (OTEL_TRAIN_EXPORTERS, _parse_exporters),
-    "dir": (OTEL_TRAIN_DIR, lambda n, r: Path(_parse_text(n, r)).expanduser()),
-    "run_name": (OTEL_TRAIN_RUN_NAME, _parse_text),
-    "run_id": (OTEL_TRAIN_RUN_ID, _parse_text),
-    "project": (OTEL_TRAIN_PROJECT, _parse_text),
-    "export_every": (OTEL_TRAIN_EXPORT_EVERY, lambda n, r: _parse_int(n, r, 1)),
-    "export_interval_s": (OTEL_TRAIN_EXPORT_INTERVAL_S, _parse_positive_float),
+    "exporters": (OTEL_TRAIN_EXPORTERS, parse_exporters),
+    "dir": (OTEL_TRAIN_DIR, lambda n, r: Path(parse_text(n, r)).expanduser()),
+    "run_name": (OTEL_TRAIN_RUN_NAME, parse_text),
+    "run_id": (OTEL_TRAIN_RUN_ID, parse_text),
+    "project": (OTEL_TRAIN_PROJECT, parse_text),
+    "export_every": (OTEL_TRAIN_EXPORT_EVERY, lambda n, r: parse_int(n, r, 1)),
+    "export_interval_s": (OTEL_TRAIN_EXPORT_INTERVAL_S, parse_positive_float),
     "ranks": (OTEL_TRAIN_RANKS, _parse_ranks),
-    "shutdown_timeout_s": (OTEL_TRAIN_SHUTDOWN_TIMEOUT_S, _parse_positive_float),
-    "queue_size": (OTEL_TRAIN_QUEUE_SIZE, lambda n, r: _parse_int(n, r, 1)),
-    "buffer_size": (OTEL_TRAIN_BUFFER_SIZE, lambda n, r: _parse_int(n, r, 1)),
+    "shutdown_timeout_s": (OTEL_TRAIN_SHUTDOWN_TIMEOUT_S, parse_positive_float),
+    "queue_size": (OTEL_TRAIN_QUEUE_SIZE, lambda n, r: parse_int(n, r, 1)),
+    "buffer_size": (OTEL_TRAIN_BUFFER_SIZE, lambda n, r: parse_int(n, r, 1)),
     "strict_sync": (OTEL_TRAIN_STRICT_SYNC, parse_bool),
-    "config": (OTEL_TRAIN_CONFIG_JSON, _parse_config_json),
+    "config": (OTEL_TRAIN_CONFIG_JSON, parse_config_json),
     "trace_counters": (OTEL_TRAIN_TRACE_COUNTERS, parse_bool),
-    "service_name": (OTEL_SERVICE_NAME, _parse_text),
+    "service_name": (OTEL_SERVICE_NAME, parse_text),
     "export_process": (OTEL_TRAIN_EXPORT_PROCESS, _parse_export_process),
-    "drain_timeout_s": (OTEL_TRAIN_DRAIN_TIMEOUT_S, _parse_positive_float),
-    "export_cpus": (OTEL_TRAIN_EXPORT_CPUS, _parse_cpus),
-    "export_nice": (OTEL_TRAIN_EXPORT_NICE, _parse_nice),
+    "drain_timeout_s": (OTEL_TRAIN_DRAIN_TIMEOUT_S, parse_positive_float),
+    "export_cpus": (OTEL_TRAIN_EXPORT_CPUS, parse_cpus),
+    "export_nice": (OTEL_TRAIN_EXPORT_NICE, parse_nice),
     "trace_steps": (OTEL_TRAIN_TRACE_STEPS, parse_step_selection),
     "trace_gzip": (OTEL_TRAIN_TRACE_GZIP, parse_bool),
     "phases": (OTEL_TRAIN_PHASES, parse_bool),
     "system_metrics": (OTEL_TRAIN_SYSTEM_METRICS, parse_bool),
-    "system_interval_s": (OTEL_TRAIN_SYSTEM_INTERVAL_S, _parse_positive_float),
+    "system_interval_s": (OTEL_TRAIN_SYSTEM_INTERVAL_S, parse_positive_float),
     "profiler_bridge": (OTEL_TRAIN_PROFILER_BRIDGE, parse_bool),
     "quiet": (OTEL_TRAIN_QUIET, parse_bool),
     "self_metrics": (OTEL_TRAIN_SELF_METRICS, parse_bool),
     "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
-    "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: _parse_int(n, r, 0)),
+    "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: parse_int(n, r, 0)),
 }
 
 
@@ -452,7 +370,7 @@ def _parse_route_env(env: Mapping[str, str]) -> dict[str, Route]:
         field = suffix.lower()
         values = found.setdefault(backend, {})
         if field == "every":
-            values[field] = _parse_int(var, raw, 1)
+            values[field] = parse_int(var, raw, 1)
         elif field == "ranks":
             values[field] = _parse_ranks(var, raw)
         else:
@@ -496,8 +414,8 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _validate_routes(value)
     if field == "exporters":
         if isinstance(value, str):
-            return _parse_exporters(var, value)
-        return _parse_exporters(var, ",".join(value))
+            return parse_exporters(var, value)
+        return parse_exporters(var, ",".join(value))
     if field == "config":
         if not isinstance(value, Mapping):
             raise ConfigError(f"config: {type(value).__name__} is not allowed; expected a mapping of hyperparameters")
@@ -509,7 +427,7 @@ def _validate_kwarg(field: str, value: Any) -> Any:
     if isinstance(value, str):
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
-        return _parse_int(field, str(value), 1)
+        return parse_int(field, str(value), 1)
     if field == "resume_step":
         from otel_train.capture.step import coerce_step
 
@@ -517,13 +435,13 @@ def _validate_kwarg(field: str, value: Any) -> Any:
             step = coerce_step(value, "resume_step")
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        return _parse_int(field, str(step), 0)
+        return parse_int(field, str(step), 0)
     if field in ("export_interval_s", "shutdown_timeout_s", "system_interval_s", "drain_timeout_s"):
-        return _parse_positive_float(field, str(value))
+        return parse_positive_float(field, str(value))
     if field == "export_nice":
-        return _parse_nice(field, str(value))
+        return parse_nice(field, str(value))
     if field == "export_cpus":
-        return _parse_cpus(field, ",".join(str(c) for c in value))
+        return parse_cpus(field, ",".join(str(c) for c in value))
     return value
 
 
@@ -561,150 +479,3 @@ def load_settings(environ: Mapping[str, str] | None = None, **overrides: Any) ->
         routes[backend] = route.merged_over(routes.get(backend, Route()))
     values["routes"] = routes
     return Settings(**values)
-
-
-# -- the sink (`otel-train sink`) ---------------------------------------------------------------
-OTEL_TRAIN_SINK_GRPC = "OTEL_TRAIN_SINK_GRPC"
-"""HOST:PORT the sink's OTLP/gRPC receiver binds. Default ``127.0.0.1:4317``."""
-OTEL_TRAIN_SINK_HTTP = "OTEL_TRAIN_SINK_HTTP"
-"""HOST:PORT the sink's OTLP/HTTP (+ JSON, health, runs, compat API) server binds. Default ``127.0.0.1:4318``."""
-OTEL_TRAIN_SINK_TOKEN = "OTEL_TRAIN_SINK_TOKEN"
-"""Bearer token required on both protocols when set. Default none (no auth; loopback only by default)."""
-OTEL_TRAIN_SINK_AGGREGATE = "OTEL_TRAIN_SINK_AGGREGATE"
-"""Comma list of cross-rank aggregates from ``mean,min,max``. Default none."""
-OTEL_TRAIN_SINK_IDLE_S = "OTEL_TRAIN_SINK_IDLE_S"
-"""Seconds without data after which the sink closes a run's backends (float > 0). Default 300."""
-OTEL_TRAIN_SINK_AGGREGATE_TIMEOUT_S = "OTEL_TRAIN_SINK_AGGREGATE_TIMEOUT_S"
-"""Seconds to wait for every rank of a step before writing its aggregate anyway (float > 0). Default 30."""
-OTEL_TRAIN_SINK_MAX_BODY_BYTES = "OTEL_TRAIN_SINK_MAX_BODY_BYTES"
-"""Largest request body / gRPC message accepted, in bytes (int >= 1024). Default 16 MiB."""
-OTEL_TRAIN_SINK_STATUS_INTERVAL_S = "OTEL_TRAIN_SINK_STATUS_INTERVAL_S"
-"""Seconds between the sink's status log lines (float > 0). Default 10."""
-OTEL_TRAIN_SINK_TOKEN_FILE = "OTEL_TRAIN_SINK_TOKEN_FILE"
-"""A file holding the bearer token (`OTEL_TRAIN_SINK_TOKEN` from a file; surrounding whitespace ignored)."""
-OTEL_TRAIN_SINK_BODY_TIMEOUT_S = "OTEL_TRAIN_SINK_BODY_TIMEOUT_S"
-"""Seconds an HTTP request body may take to arrive; a slower one is answered 408 and closed (float > 0). Default 30."""
-OTEL_TRAIN_SINK_MAX_CONNECTIONS = "OTEL_TRAIN_SINK_MAX_CONNECTIONS"
-"""Open HTTP connections at most; one more is closed at once (int >= 1). Default 1024."""
-OTEL_TRAIN_SINK_SPOOL_DIR = "OTEL_TRAIN_SINK_SPOOL_DIR"
-"""Where the sink holds each run's windows while its backends are behind. Default ``<OTEL_TRAIN_DIR>/.sink-spool``."""
-OTEL_TRAIN_SINK_SPOOL_RUN_MB = "OTEL_TRAIN_SINK_SPOOL_RUN_MB"
-"""MiB one run may hold for its backends before the sink refuses its requests (int >= 0; 0: no spool). Default 1024."""
-OTEL_TRAIN_SINK_SPOOL_TOTAL_MB = "OTEL_TRAIN_SINK_SPOOL_TOTAL_MB"
-"""MiB all runs together may hold before the sink refuses requests of runs that hold any (int >= 1). Default 8192."""
-OTEL_TRAIN_SINK_QUEUE_WINDOWS = "OTEL_TRAIN_SINK_QUEUE_WINDOWS"
-"""Requests held in memory per run and backend (int >= 1); without a spool, more are refused. Default 256."""
-OTEL_TRAIN_SINK_RETRY_AFTER_S = "OTEL_TRAIN_SINK_RETRY_AFTER_S"
-"""Seconds a refused sender is told to wait (HTTP Retry-After, gRPC RetryInfo; float > 0). Default 1."""
-OTEL_TRAIN_SINK_BACKEND_THREADS = "OTEL_TRAIN_SINK_BACKEND_THREADS"
-"""Threads per backend kind that every run's backends share (int >= 1). Default 4."""
-OTEL_TRAIN_SINK_MAX_OPEN_RUNS = "OTEL_TRAIN_SINK_MAX_OPEN_RUNS"
-"""Runs whose backends (and files) are open at once; one more closes the least recently used idle run, which
-reopens on its next request with its totals (int >= 1). Default 1000."""
-
-SINK_AGGREGATES_ALLOWED = ("mean", "min", "max")
-
-
-@dataclasses.dataclass(frozen=True)
-class SinkSettings:
-    """The validated settings of one `otel-train sink`."""
-
-    grpc: str = "127.0.0.1:4317"
-    http: str = "127.0.0.1:4318"
-    token: str | None = None
-    aggregate: tuple[str, ...] = ()
-    idle_s: float = 300.0
-    aggregate_timeout_s: float = 30.0
-    max_body_bytes: int = 16 * 1024 * 1024
-    status_interval_s: float = 10.0
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    body_timeout_s: float = 30.0
-    max_connections: int = 1024
-    spool_dir: Path | None = None
-    spool_run_mb: int = 1024
-    spool_total_mb: int = 8192
-    queue_windows: int = 256
-    retry_after_s: float = 1.0
-    backend_threads: int = 4
-    max_open_runs: int = 1000
-
-
-def _parse_token_file(name: str, raw: str) -> str:
-    try:
-        token = Path(raw.strip()).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{name}: cannot read {raw!r} ({getattr(err, 'strerror', None) or err}); give a "
-                          "readable file holding the token") from None
-    if not token:
-        raise ConfigError(f"{name}: {raw!r} is empty; the file must hold the token")
-    return token
-
-
-def _parse_host_port(name: str, raw: str) -> str:
-    host, sep, port = raw.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{name}: {raw!r} is not allowed; expected HOST:PORT, e.g. 127.0.0.1:4317")
-    return raw.strip()
-
-
-def _parse_aggregates(name: str, raw: str) -> tuple[str, ...]:
-    parts = tuple(p.strip().lower() for p in raw.split(",") if p.strip())
-    for part in parts:
-        if part not in SINK_AGGREGATES_ALLOWED:
-            raise ConfigError(f"{name}: unknown aggregate {part!r}; allowed: {', '.join(SINK_AGGREGATES_ALLOWED)}")
-    return parts
-
-
-_SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "grpc": (OTEL_TRAIN_SINK_GRPC, _parse_host_port),
-    "http": (OTEL_TRAIN_SINK_HTTP, _parse_host_port),
-    "token": (OTEL_TRAIN_SINK_TOKEN, _parse_text),
-    "aggregate": (OTEL_TRAIN_SINK_AGGREGATE, _parse_aggregates),
-    "idle_s": (OTEL_TRAIN_SINK_IDLE_S, _parse_positive_float),
-    "aggregate_timeout_s": (OTEL_TRAIN_SINK_AGGREGATE_TIMEOUT_S, _parse_positive_float),
-    "max_body_bytes": (OTEL_TRAIN_SINK_MAX_BODY_BYTES, lambda n, r: _parse_int(n, r, 1024)),
-    "status_interval_s": (OTEL_TRAIN_SINK_STATUS_INTERVAL_S, _parse_positive_float),
-    "token_file": (OTEL_TRAIN_SINK_TOKEN_FILE, _parse_token_file),
-    "body_timeout_s": (OTEL_TRAIN_SINK_BODY_TIMEOUT_S, _parse_positive_float),
-    "max_connections": (OTEL_TRAIN_SINK_MAX_CONNECTIONS, lambda n, r: _parse_int(n, r, 1)),
-    "spool_dir": (OTEL_TRAIN_SINK_SPOOL_DIR, lambda n, r: Path(_parse_text(n, r)).expanduser()),
-    "spool_run_mb": (OTEL_TRAIN_SINK_SPOOL_RUN_MB, lambda n, r: _parse_int(n, r, 0)),
-    "spool_total_mb": (OTEL_TRAIN_SINK_SPOOL_TOTAL_MB, lambda n, r: _parse_int(n, r, 1)),
-    "queue_windows": (OTEL_TRAIN_SINK_QUEUE_WINDOWS, lambda n, r: _parse_int(n, r, 1)),
-    "retry_after_s": (OTEL_TRAIN_SINK_RETRY_AFTER_S, _parse_positive_float),
-    "backend_threads": (OTEL_TRAIN_SINK_BACKEND_THREADS, lambda n, r: _parse_int(n, r, 1)),
-    "max_open_runs": (OTEL_TRAIN_SINK_MAX_OPEN_RUNS, lambda n, r: _parse_int(n, r, 1)),
-}
-
-
-def load_sink_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> SinkSettings:
-    """Build `SinkSettings` from the environment, then explicit overrides (CLI flags; ``None`` = not given).
-
-    String overrides are validated with the same parser as their variable, named by the flag
-    (``--grpc``); `tls_cert` / `tls_key` are paths.
-
-    Raises:
-        ConfigError: one line naming the setting, the bad value and what is allowed.
-    """
-    env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for field, (var, parser) in _SINK_ENV.items():
-        raw = env.get(var)
-        if raw is not None and raw.strip():
-            values[field] = parser(var, raw)
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        if key in ("tls_cert", "tls_key"):
-            values[key] = Path(value)
-        elif key in _SINK_ENV:
-            values[key] = _SINK_ENV[key][1](f"--{key.replace('_', '-')}", str(value))
-        else:
-            raise ConfigError(f"sink: unknown setting `{key}`; allowed: {', '.join(sorted(_SINK_ENV))}, tls_cert, tls_key")
-    token_file = values.pop("token_file", None)
-    # A token given here wins, then a token file given here, then the variables (the token over the file).
-    if token_file is not None and overrides.get("token") is None and (
-            overrides.get("token_file") is not None or "token" not in values):
-        values["token"] = token_file
-    return SinkSettings(**values)

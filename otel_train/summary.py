@@ -7,15 +7,22 @@ dropped before any backend saw it (a full buffer or queue, with its unit), and p
 write (a bad step or value, a row the backend refused, a window given up after its retries, a full queue,
 a step it cannot store). Rows a routing rule (`OTEL_TRAIN_<BACKEND>_*`) keeps from a backend are not a loss
 and not counted. The counts come from whoever delivers the windows (the step-aligned reader, the exporter
-process); this module only formats and writes them.
+process); this module gathers, formats and writes them.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["summary_line", "write_summary"]
+if TYPE_CHECKING:
+    from otel_train.runtime import Session
+
+__all__ = ["summary_line", "write_session_summary", "write_summary"]
+
+_logger = logging.getLogger("otel_train")
 
 #: How a backend's loss causes (`RowExporter.rows_lost`, delivery's ``queue_full``) read in the line.
 _CAUSES = {
@@ -98,3 +105,47 @@ def write_summary(line: str, quiet: bool = False) -> None:
         sys.stderr.flush()
     except (OSError, ValueError, AttributeError):  # stderr closed or gone at interpreter exit
         pass
+
+
+def write_session_summary(session: Session) -> None:
+    """Gather what `session` delivered and lost (its reader, its in-process backends, its exporter process's last
+    progress report) and write the line; never raises."""
+    from otel_train.run_paths import run_folder
+
+    try:
+        stats = session.reader.stats()
+        names = [str(getattr(ex, "name", type(ex).__name__)) for ex in session.exporters]
+        failures, dropped = dict(stats["failures"]), stats["dropped"]
+        in_process = [ex for ex in session.exporters if hasattr(ex, "step_order")]
+        backwards = {ex.name: ex.step_order.backwards for ex in in_process}
+        order_dropped = {ex.name: ex.step_order.dropped + int(getattr(ex, "steps_dropped", 0)) for ex in in_process}
+        spool_failed = 0
+        reader = session.reader
+        dropped_by = {"values over the log buffer": int(getattr(reader.log_buffer, "dropped", 0)),
+                      "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
+                      "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
+                      - int(reader.span_buffer.dropped),
+                      "values at a refused step": session.refused_step_values}
+        dropped += session.refused_step_values
+        lost = {ex.name: {k: v for k, v in ex.rows_lost.items() if v}
+                for ex in in_process if getattr(ex, "rows_lost", None)}
+        if session.export_process is not None:  # the exporter process's backends: its last progress report
+            names += list(session.export_process.names)
+            progress = session.export_process.last_progress
+            failures.update(progress.failures)
+            dropped += session.export_process.dropped + sum(progress.dropped.values())
+            backwards.update(progress.steps_backwards)
+            order_dropped.update(progress.steps_order_dropped)
+            spool_failed = progress.spool_failed_appends
+            lost.update(progress.rows_lost)
+            dropped_by["windows the exporter process could not take or its backends dropped"] = (
+                session.export_process.dropped + sum(progress.dropped.values()))
+            children = getattr(progress, "children_lost", None) or {}  # child processes' values
+            dropped_by.update(children)
+            dropped += sum(children.values())
+        write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
+                                   failures, str(run_folder(session.settings.dir, session.run.run_name)),
+                                   steps_backwards=backwards, steps_order_dropped=order_dropped,
+                                   spool_failed_appends=spool_failed, dropped_by=dropped_by, rows_lost=lost))
+    except Exception:
+        _logger.debug("no shutdown summary", exc_info=True)

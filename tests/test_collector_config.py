@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from otel_train.config import SinkSettings
+from otel_train.sink.settings import SinkSettings
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "collector-config"
 COLLECTOR_FILES = ("agent.yaml", "gateway.yaml")

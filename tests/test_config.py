@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from otel_train.config import load_settings, load_sink_settings
+from otel_train.config import load_settings
 from otel_train.errors import ConfigError
+from otel_train.sink.settings import load_sink_settings
 
 
 def test_defaults() -> None:

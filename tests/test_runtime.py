@@ -16,7 +16,7 @@ import pytest
 import otel_train as ot
 from otel_train.config import load_settings
 from otel_train.errors import ConfigError
-from otel_train.runtime import resolve_run_id
+from otel_train.placement import resolve_run_id
 from otel_train.testing import InMemoryRowExporter
 
 

@@ -15,6 +15,7 @@ from otel_train.run_identity import RunInfo
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.framing import encode_window
 from otel_train.ship.self_metrics import SelfMetrics
+from otel_train.summary import write_session_summary
 from otel_train.testing import InMemoryRowExporter
 
 RUN = RunInfo("health", "health")
@@ -83,6 +84,6 @@ def test_summary_names_the_exporter_process_failures(run_dir: Path, capsys: pyte
     ot.log({"train/loss": 1.0}, step=0)
     ot.shutdown()
     session.export_process.last_progress = Progress(failures={"tensorboard": 0, "jsonl": 3}, dropped={"jsonl": 1})
-    session._write_summary()  # what shutdown writes, with a child whose `jsonl` failed 3 times
+    write_session_summary(session)  # what shutdown writes, with a child whose `jsonl` failed 3 times
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "jsonl: 3 failures" in line and "tensorboard:" not in line and "; 1 dropped (1 windows the exporter process could not take or its backends dropped);" in line

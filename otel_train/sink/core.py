@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.config import SinkSettings
 from otel_train.sink.compat import CompatAPI
 from otel_train.sink.decode import (
     DecodeCache,
@@ -26,6 +25,7 @@ from otel_train.sink.decode import (
 )
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
+from otel_train.sink.settings import SinkSettings
 
 __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.config import SinkSettings
 from otel_train.exporter_options import ExporterOptions
 from otel_train.sink.core import SinkCore
 from otel_train.sink.router import ExporterFactory
+from otel_train.sink.settings import SinkSettings
 
 __all__ = ["Sink", "exporter_factory", "is_loopback"]
 

@@ -135,9 +135,9 @@ def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Pa
     # One line of ours, with the SDK's reason in it; none of the SDK's own per-attempt lines.
     failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(failed) == 1 and "exporter `otlp` failed" in failed[0] and "UNAVAILABLE" in failed[0], failed
-    from otel_train.config import SinkSettings
     from otel_train.exporter_options import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
+    from otel_train.sink.settings import SinkSettings
 
     sink = Sink(SinkSettings(grpc=f"127.0.0.1:{port}", http="127.0.0.1:0"),
                 exporter_factory(("tensorboard",), ExporterOptions(tmp_path / "runs", ranks="all"))).start()

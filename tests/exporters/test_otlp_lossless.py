@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' h
 
 from rotel_proc import Rotel
 
-from otel_train.config import SinkSettings
 from otel_train.exporter_options import ExporterOptions
 from otel_train.rows import ExponentialBuckets
+from otel_train.sink.settings import SinkSettings
 from otel_train.testing import InMemoryRowExporter
 
 VALUES = (0.0, 0.3, 1.0, 1.5, 2.0, 3.0, 7.5, 100.0)  # a histogram takes no negative values

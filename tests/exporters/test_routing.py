@@ -129,10 +129,10 @@ def test_the_sink_routes_its_backends_the_same(tmp_path: Path, monkeypatch: pyte
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
 
-    from otel_train.config import SinkSettings
     from otel_train.exporter_options import ExporterOptions
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
     from otel_train.sink import Sink, exporter_factory
+    from otel_train.sink.settings import SinkSettings
 
     monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_INCLUDE", "train/*")
     monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_EVERY", "3")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from otel_train.config import SinkSettings
 from otel_train.exporter_options import ExporterOptions
+from otel_train.sink.settings import SinkSettings
 
 
 def make_sink(tmp_path: Path, exporters: tuple[str, ...] = ("tensorboard",), **settings: Any) -> Any:

@@ -192,8 +192,8 @@ def test_a_stalled_run_does_not_slow_requests_of_other_runs_over_http(tmp_path: 
     import urllib.error
     import urllib.request
 
-    from otel_train.config import SinkSettings
     from otel_train.sink import Sink
+    from otel_train.sink.settings import SinkSettings
 
     gates = Gates()
     slow = gates.gate("slow")
@@ -228,8 +228,8 @@ def test_a_stalled_run_does_not_slow_requests_of_other_runs_over_http(tmp_path: 
 
 
 def test_budgets_queue_and_retry_hint_are_settings() -> None:
-    from otel_train.config import load_sink_settings
     from otel_train.errors import ConfigError
+    from otel_train.sink.settings import load_sink_settings
 
     s = load_sink_settings({"OTEL_TRAIN_SINK_SPOOL_RUN_MB": "64", "OTEL_TRAIN_SINK_SPOOL_TOTAL_MB": "512",
                             "OTEL_TRAIN_SINK_QUEUE_WINDOWS": "8", "OTEL_TRAIN_SINK_RETRY_AFTER_S": "2.5",
@@ -247,8 +247,8 @@ def test_grpc_refusal_carries_retry_info(tmp_path: Path) -> None:
     import grpc
     from google.rpc import error_details_pb2, status_pb2
 
-    from otel_train.config import SinkSettings
     from otel_train.sink import Sink
+    from otel_train.sink.settings import SinkSettings
 
     gates = Gates()
     slow = gates.gate("slow")

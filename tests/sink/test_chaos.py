@@ -19,8 +19,8 @@ from typing import Any
 from rotel_proc import Rotel
 from sinkkit import scalars
 
-from otel_train.config import SinkSettings
 from otel_train.exporter_options import ExporterOptions
+from otel_train.sink.settings import SinkSettings
 from otel_train.testing import OtlpPoint, metrics_request
 
 STALL_S = 3.0  # the `sdk` run's backends hang this long at the start: the sink must hold, not refuse or lose

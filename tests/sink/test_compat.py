@@ -102,8 +102,8 @@ def test_report_step_on_a_backlogged_run_refuses_without_losing(tmp_path: Path) 
     values buffered and the step unreported; the retry after the backend moved writes every value once."""
     import threading
 
-    from otel_train.config import SinkSettings
     from otel_train.sink import Sink
+    from otel_train.sink.settings import SinkSettings
     from otel_train.testing import InMemoryRowExporter
 
     release = threading.Event()

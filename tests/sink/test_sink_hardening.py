@@ -241,8 +241,8 @@ def test_a_token_on_the_command_line_is_refused(tmp_path: Path) -> None:
 
 
 def test_token_file(tmp_path: Path) -> None:
-    from otel_train.config import load_sink_settings
     from otel_train.errors import ConfigError
+    from otel_train.sink.settings import load_sink_settings
 
     path = tmp_path / "token"
     path.write_text("from-file\n")

@@ -161,8 +161,8 @@ def test_backends_far_behind_get_retry_later_and_the_sink_stays_up(tmp_path: Pat
 
     import grpc
 
-    from otel_train.config import SinkSettings
     from otel_train.sink import Sink
+    from otel_train.sink.settings import SinkSettings
     from otel_train.testing import InMemoryRowExporter
 
     release = threading.Event()

@@ -1,0 +1,58 @@
+"""The named backends of a session: which run in this process and which in the exporter process
+(`split_backends`), and building the ones that run here (`build_backends`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from otel_train import config as cfg
+from otel_train.errors import ConfigError
+from otel_train.exporter_options import ExporterOptions
+from otel_train.registry import check_available, get_spec, load_class
+
+__all__ = ["build_backends", "split_backends"]
+
+
+def build_backends(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:
+    """The backends named `names`, each given `options`; none left open when one fails (`ConfigError`)."""
+    specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
+    for spec in specs:
+        check_available(spec)
+    built = []
+    for spec in specs:
+        try:
+            built.append(load_class(spec)(options))
+        except (ImportError, ConfigError):
+            for ex in built:
+                ex.shutdown()
+            raise
+        except Exception as err:
+            for ex in built:
+                ex.shutdown()
+            raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
+                              f"{type(err).__name__}: {err}") from err
+    return built
+
+
+def _is_builtin(target: str) -> bool:
+    """Whether a registry target (``module:Class``) is one of our own backends."""
+    return target.partition(":")[0].split(".")[:2] == ["otel_train", "exporters"]
+
+
+def split_backends(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Split the named exporters into (built here, built in the exporter process).
+
+    Built-in backends (`otlp` included) go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`.
+    Staying here: third-party names (entry points; their classes may not expect to run elsewhere).
+    Unknown names and missing packages fail here, before anything starts.
+    """
+    names = settings.exporters
+    for spec in [get_spec(n) for n in names]:
+        check_available(spec)
+    if settings.export_process == "off" or (settings.export_process == "auto" and (
+            os.name != "posix" or not sys.executable)):
+        return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start
+    remote = tuple(n for n in names if _is_builtin(get_spec(n).target))
+    return tuple(n for n in names if n not in remote), remote
