@@ -17,6 +17,8 @@ MODULES = [
     "otel_train.testing",
     "otel_train.sink.temporality",
     "otel_train.sink.decode",
+    "otel_train.sink.decode_runs",
+    "otel_train.sink.run_feed",
     "otel_train.sink.event_loop",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",

@@ -19,10 +19,10 @@ from otel_train.sink.decode import (
     DecodeCache,
     DecodeError,
     decode_metrics,
-    decode_traces,
     parse_metrics,
     parse_traces,
 )
+from otel_train.sink.decode_traces import decode_traces
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
 from otel_train.sink.settings import SinkSettings
