@@ -16,7 +16,6 @@ MODULES = [
     "otel_train.collect.reader",
     "otel_train.testing",
     "otel_train.sink.temporality",
-    "otel_train.sink.decode",
     "otel_train.sink.decode_runs",
     "otel_train.sink.run_feed",
     "otel_train.sink.event_loop",

@@ -158,6 +158,7 @@ class SinkCore:
             "aggregate_rows_dropped": self.router.aggregate_dropped,
             "collisions": self.router.collisions(),
             "late_delta_points": self.router.late_deltas(),
+            "steps_order_skipped": self.router.order_skipped(),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

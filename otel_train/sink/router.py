@@ -106,6 +106,8 @@ class Router:
         self.pool = BackendPool(backend_threads)
         self._closer = ThreadPoolExecutor(4, thread_name_prefix="otel-train-sink-close")
         self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
+        #: Rows closed runs' backends skipped for their step order (a step that went back in its series).
+        self._order_skipped_closed: dict[str, dict[str, int]] = {}
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -181,6 +183,12 @@ class Router:
     def _finish_close(self, state: RunFeed, timeout_s: float, why: str) -> None:
         try:
             self._close_run(state, timeout_s)
+            skipped = _order_skipped(state)
+            if skipped:
+                with self._lock:
+                    kept = self._order_skipped_closed.setdefault(state.run_id, {})
+                    for name, n in skipped.items():
+                        kept[name] = kept.get(name, 0) + n
             _logger.info("run %r closed (%s)", state.run_id, why)
         except Exception:
             _logger.exception("run %r: closing failed", state.run_id)
@@ -361,6 +369,17 @@ class Router:
             ledgers = list(self._converters.items())
         return {run_id: ledger.collisions for run_id, ledger in ledgers if ledger.collisions}
 
+    def order_skipped(self) -> dict[str, dict[str, int]]:
+        """Per run and backend, rows skipped because their step went back in their series after a later step
+        was written (TensorBoard, W&B: `otel_train.step_order`), e.g. a request reordered by a collector."""
+        with self._lock:
+            out = {run_id: dict(counts) for run_id, counts in self._order_skipped_closed.items()}
+            states = list(self._runs.values()) + list(self._closing.values())
+        for state in states:
+            for name, n in _order_skipped(state).items():
+                out.setdefault(state.run_id, {})[name] = out.get(state.run_id, {}).get(name, 0) + n
+        return out
+
     def late_deltas(self) -> dict[str, dict[str, int]]:
         """Runs (open, or closed and remembered) with DELTA points that came after a later step was written."""
         with self._lock:
@@ -387,3 +406,13 @@ class Router:
             s["open"] = True
             runs.append(s)
         return {"runs": runs + closed[::-1]}
+
+
+def _order_skipped(state: RunFeed) -> dict[str, int]:
+    """A run's backends' step-order skips (only backends with some)."""
+    out: dict[str, int] = {}
+    for exporter in state.exporters:
+        n = int(getattr(getattr(exporter, "step_order", None), "dropped", 0) or 0)
+        if n:
+            out[str(getattr(exporter, "name", type(exporter).__name__))] = n
+    return out
