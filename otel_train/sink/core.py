@@ -19,10 +19,10 @@ from otel_train.sink.decode import (
     DecodeCache,
     DecodeError,
     decode_metrics,
-    decode_traces,
     parse_metrics,
     parse_traces,
 )
+from otel_train.sink.decode_traces import decode_traces
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
 from otel_train.sink.settings import SinkSettings
@@ -158,6 +158,7 @@ class SinkCore:
             "aggregate_rows_dropped": self.router.aggregate_dropped,
             "collisions": self.router.collisions(),
             "late_delta_points": self.router.late_deltas(),
+            "steps_order_skipped": self.router.order_skipped(),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

@@ -6,12 +6,11 @@ steps of step-less points; `otel_train.sink.temporality`) are applied afterwards
 with `Decoded.finish`.
 
 Gauge and sum points of protobuf requests are read from their encoding (`otel_train.sink.points`);
-OTLP/JSON, other metric kinds and traces through protobuf's objects.
+OTLP/JSON and other metric kinds through protobuf's objects; traces in `otel_train.sink.decode_traces`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,10 +19,10 @@ from typing import Any
 from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 from otel_train.names import KEY_DESCRIPTION_PREFIX, key_from_description
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow, explicit_buckets, series_tag
-from otel_train.run_identity import RUN_ID, RunInfo
+from otel_train.run_identity import RunInfo
+from otel_train.sink.decode_runs import DecodeCache, fallback_run_id, resource_run
 from otel_train.sink.otlp import (
     BAD_STEP,
-    MAX_RUN_ID_BYTES,
     NO_EXTRA,
     DecodeError,
     attributes,
@@ -35,7 +34,6 @@ from otel_train.sink.otlp import (
     step_value,
 )
 from otel_train.sink.points import DOUBLE, TIME, TIME_DOUBLE, WHOLE, AttributeCache, split_point
-from otel_train.sink.run_names import RunNames
 from otel_train.sink.temporality import (
     CUMULATIVE_COUNTER,
     CUMULATIVE_UPDOWN,
@@ -46,12 +44,10 @@ from otel_train.sink.temporality import (
 )
 
 __all__ = [
-    "DecodeCache", "DecodeError", "Decoded", "decode_metrics", "decode_traces", "fallback_run_id", "parse_metrics",
-    "parse_traces",
+    "DecodeCache", "DecodeError", "Decoded", "decode_metrics", "fallback_run_id", "parse_metrics", "parse_traces",
 ]
 
 _DELTA = 1  # AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA in the proto enum
-_STATUS_ERROR = 2  # Status.STATUS_CODE_ERROR
 _SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
 #: Buckets (or quantiles) one histogram point may have; a point with more is refused alone. OTel SDKs
 #: default to 16 explicit and 160 exponential buckets; the cap bounds what one request can expand to.
@@ -191,91 +187,6 @@ def _histogram_stats(h: HistogramRow) -> list[MetricRow]:
         tag = series_tag(stat_name, h.attributes) if h.attributes else stat_name
         out.append(MetricRow(h.run, h.step, stat_name, tag, value, "histogram", h.time_unix_nano, h.attributes))
     return out
-
-
-def _as_int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
-class DecodeCache:
-    """What decoding learns once and reuses: RunInfo by Resource attributes (every process of every
-    run has its own Resource) and decoded point attributes by their encoding. Both bounded.
-
-    Args:
-        names: Gives each run id a name no other run id holds (see `otel_train.sink.run_names`);
-            ``None``: names as the senders give them.
-    """
-
-    def __init__(self, max_entries: int = 10_000, names: RunNames | None = None) -> None:
-        self._runs: dict[tuple[tuple[str, Any], ...], RunInfo] = {}
-        self._max = max_entries
-        self._names = names
-        self.points = AttributeCache()
-
-    def run_for(self, resource_attributes: Mapping[str, Any]) -> RunInfo:
-        """The run of a Resource.
-
-        Raises:
-            DecodeError: its `train.run.id` holds a NUL or is over 255 bytes (no backend can name it).
-        """
-        key = tuple(sorted(resource_attributes.items(), key=lambda kv: kv[0]))
-        run = self._runs.get(key)
-        if run is None:
-            if len(self._runs) >= self._max:
-                self._runs.clear()
-            attrs = resource_attributes
-            if not attrs.get(RUN_ID):
-                attrs = {**attrs, RUN_ID: fallback_run_id(attrs)}
-            run = RunInfo.from_resource(attrs)
-            for what, value in (("train.run.id", run.run_id), ("train.run.name", run.run_name)):
-                if "\x00" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_RUN_ID_BYTES:
-                    raise DecodeError(f"resource attribute `{what}` {value[:60]!r}... is not allowed: it holds a NUL "
-                                      f"or is over {MAX_RUN_ID_BYTES} bytes")
-            if self._names is not None:
-                name = self._names.name_for(run.run_id, run.run_name)
-                if name != run.run_name:
-                    run = dataclasses.replace(run, run_name=name)
-            self._runs[key] = run
-        return run
-
-
-def sender_of(attrs: Mapping[str, Any]) -> str:
-    """Which process sent a Resource: its `service.instance.id` (the OTel SDKs set a UUID per process),
-    else its host and pid. Cumulative state is kept per sender, so two processes never read as restarts
-    of one another.
-
-    Example:
-        >>> sender_of({"service.instance.id": "7f3a"}), sender_of({"host.name": "n1", "process.pid": 42})
-        ('7f3a', 'n1/42')
-    """
-    instance = attrs.get("service.instance.id")
-    if instance:
-        return str(instance)
-    return f"{attrs.get('host.name', '')}/{attrs.get('process.pid', '')}"
-
-
-def fallback_run_id(attrs: Mapping[str, Any]) -> str:
-    """The run of a Resource without `train.run.id`, in this order: ``<service.name>-<service.instance.id>``
-    (the Python SDK sets a UUID per process), ``<service.name>@<host.name>``, ``<service.name>``, then
-    ``unknown-run``. Two apps with different service names never share a run.
-
-    Example:
-        >>> fallback_run_id({"service.name": "billing", "host.name": "node-3"})
-        'billing@node-3'
-        >>> fallback_run_id({"service.name": "billing", "service.instance.id": "7f3a"})
-        'billing-7f3a'
-    """
-    service = str(attrs.get("service.name") or "")
-    instance = attrs.get("service.instance.id")
-    if instance:
-        return f"{service}-{instance}" if service else str(instance)
-    if service:
-        host = attrs.get("host.name")
-        return f"{service}@{host}" if host else service
-    return "unknown-run"
 
 
 def _step(attrs: Mapping[str, Any]) -> int:
@@ -513,17 +424,6 @@ def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tu
 
 
 # -- requests -> rows ----------------------------------------------------------------------------
-def _resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: Decoded) -> RunInfo:
-    """The run of one Resource of a request; counts Resources without `train.run.id` by their run."""
-    run = runs.run_for(attrs)
-    out.sender = sender_of(attrs)
-    if RUN_ID not in attrs:
-        out.unattributed[run.run_id] = out.unattributed.get(run.run_id, 0) + 1
-    if has_data:
-        out.runs.setdefault(run, -1)
-    return run
-
-
 def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
     """Rows of an `ExportMetricsServiceRequest` (the usual class or `parse_metrics`'s lean one).
 
@@ -533,11 +433,11 @@ def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
     out = Decoded()
     if lean is not None and isinstance(request, lean):
         for rm in request.resource_metrics:
-            run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
+            run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
             _lean_resource(rm.scope_metrics, run, out, runs.points)
         return out
     for rm in request.resource_metrics:
-        run = _resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
+        run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
         for name, kind, metric in _named_metrics(rm.scope_metrics):
             if kind == "gauge":
                 _numbers(metric.gauge.data_points, name, "gauge", GAUGE, run, out, metric)
@@ -546,51 +446,4 @@ def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
                 _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", _sum_mode(s), run, out, metric)
             else:
                 _other_metric(metric, kind, name, run, out)
-    return out
-
-
-def _span_step(raw: Any) -> int | None:
-    """A span's step; a `train.step` that is no step leaves the span without one (the span is kept)."""
-    if raw is None:
-        return None
-    step = step_value(raw)
-    return None if step == BAD_STEP else step
-
-
-def _id(raw: bytes, size: int, what: str) -> int:
-    if len(raw) != size:
-        raise DecodeError(f"{what} has {len(raw)} bytes; expected {size}")
-    return int.from_bytes(raw, "big")
-
-
-def decode_traces(request: Any, runs: DecodeCache) -> Decoded:
-    """Span rows of an `ExportTraceServiceRequest`."""
-    out = Decoded()
-    for rs in request.resource_spans:
-        run = _resource_run(attributes(rs.resource.attributes), bool(rs.scope_spans), runs, out)
-        for ss in rs.scope_spans:
-            for span in ss.spans:
-                attrs = attributes(span.attributes)
-                step = attrs.get(STEP_ATTRIBUTE)
-                parent = _id(span.parent_span_id, 8, "parent_span_id") if span.parent_span_id else None
-                out.spans.append(SpanRow(
-                    run=run,
-                    name=span.name,
-                    trace_id=_id(span.trace_id, 16, "trace_id"),
-                    span_id=_id(span.span_id, 8, "span_id"),
-                    parent_span_id=parent,
-                    start_unix_nano=span.start_time_unix_nano,
-                    end_unix_nano=span.end_time_unix_nano or span.start_time_unix_nano,
-                    thread_id=_as_int(attrs.get("thread.id")),
-                    thread_name=str(attrs.get("thread.name", "")),
-                    step=_span_step(step),
-                    attributes=attrs,
-                    error=span.status.code == _STATUS_ERROR,
-                    status_message=span.status.message,
-                    events=tuple((e.name, e.time_unix_nano, attributes(e.attributes)) for e in span.events),
-                    kind=max(0, span.kind - 1),  # OTLP counts from UNSPECIFIED = 0, INTERNAL = 1
-                    links=tuple((int.from_bytes(link.trace_id, "big"), int.from_bytes(link.span_id, "big"),
-                                 attributes(link.attributes)) for link in span.links
-                                if len(link.trace_id) == 16 and len(link.span_id) == 8),  # a bad link only is left out
-                ))
     return out

@@ -25,22 +25,21 @@ A refused request changes nothing: admission of every run of a request is decide
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import shutil
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.pool import BackendPool
+from otel_train.sink.run_feed import RunFeed, spool_folder
 from otel_train.sink.temporality import SeriesLedger
 
 if TYPE_CHECKING:
@@ -55,7 +54,6 @@ ExporterFactory = Callable[[], "list[RowExporter]"]
 
 _KEEP_CLOSED = 100_000  # closed runs whose counter totals are kept, should they resume (~1 KiB each)
 _CLOSING_RETRY_S = 0.2  # the retry-after told to a sender whose run is being closed just then
-_NO_RUN = RunInfo(run_id="", run_name="")  # a spooled window's rows carry their own runs
 
 
 class Overloaded(RuntimeError):
@@ -68,155 +66,6 @@ class Overloaded(RuntimeError):
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-class _Run:
-    """One training run: its backends (fed by `Delivery`, on the pool's threads) and what it has seen."""
-
-    def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
-                 aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None],
-                 spool_path: Path | None = None, pool: BackendPool | None = None) -> None:
-        from otel_train.ship.delivery import Delivery  # lazy: it pulls in the framing of the exporter process
-        from otel_train.ship.spool import Spool
-
-        self.run_id = run_id
-        self.run_name = run_id
-        self.world_size = 1
-        self.exporters = exporters
-        self.converter = converter
-        self.aggregator = aggregator
-        self.lock = threading.Lock()
-        self.last_seen = time.monotonic()
-        self.last_step: dict[int, int] = {}
-        self.series: set[str] = set()
-        self.points = 0
-        self.spans = 0
-        self.write_errors = 0
-        self._on_error = on_error
-        self._queue_windows = queue_windows
-        self.spool = Spool(spool_path) if spool_path is not None else None
-        self._seq = self.spool.last_seq if self.spool is not None else 0
-        self._sizes: deque[tuple[int, int]] = deque()  # (seq, bytes) of spooled windows not yet handed over
-        self.held_bytes = 0
-        # Without a spool a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
-        self.spool_path = spool_path
-        self.delivery = Delivery(_named(exporters), self.spool, queue_windows, self._error,
-                                 thread_name=f"otel-train-sink[{run_id}]", pool=pool)
-
-    def _error(self, _backend: str) -> None:
-        self.write_errors += 1
-        self._on_error()
-
-    def release(self) -> int:
-        """Forget the spooled windows every backend has been handed; returns the bytes released."""
-        if self.spool is None:
-            return 0
-        handed = self._seq - self.delivery.pending
-        freed = 0
-        while self._sizes and self._sizes[0][0] <= handed:
-            freed += self._sizes.popleft()[1]
-        self.held_bytes -= freed
-        return freed
-
-    def behind(self, budget_bytes: int) -> str | None:
-        """Why this run cannot take a request now (None: it can). Changes nothing but the release of bytes."""
-        if self.spool is not None:
-            if self.held_bytes >= budget_bytes:
-                return f"holds {self.held_bytes:,} bytes its backends have not taken (budget {budget_bytes:,})"
-            return None
-        if not self.delivery.has_room():
-            return f"{self.delivery.pending} requests queued for its backends (queue {self._queue_windows})"
-        return None
-
-    def put(self, item: Decoded) -> int:
-        """Queue one request's rows for every backend (under self.lock, after `behind` said yes): written
-        ahead to the spool if there is one. Returns the bytes spooled."""
-        from otel_train.backend import Window
-
-        steps = [r.step for r in item.metrics] + [h.step for h in item.histograms]
-        max_step = max(steps, default=-1)
-        window = Window(item.metrics, item.histograms, item.spans)
-        if self.spool is None:
-            # Cannot fail: room was checked under this lock and only the backends' threads take from the queues.
-            self.delivery.submit_window(window, max_step, 0.0)
-            return 0
-        from otel_train.ship.framing import encode_window
-
-        payload, _ = encode_window(_NO_RUN, (), item.metrics, item.histograms, item.spans)
-        self._seq += 1
-        self.delivery.submit(self._seq, max_step, payload, window)
-        self._sizes.append((self._seq, len(payload)))
-        self.held_bytes += len(payload)
-        return len(payload)
-
-    def backlogged(self) -> bool:
-        return self.delivery.backlogged()
-
-    def flush(self, timeout_s: float) -> bool:
-        """Wait until every queued request is written and every backend flushed."""
-        return self.delivery.flush(time.monotonic() + timeout_s)
-
-    @property
-    def pending(self) -> int:
-        return self.delivery.pending
-
-    @property
-    def written(self) -> int:
-        return self.delivery.rows_written
-
-    def stop(self, timeout_s: float) -> bool:
-        """Finish the queues, then flush and close the backends; whether every backend holds everything."""
-        return self.delivery.close(time.monotonic() + timeout_s)
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "run_name": self.run_name,
-            "world_size": self.world_size,
-            "ranks": {str(r): {"last_step": s} for r, s in sorted(self.last_step.items())},
-            "last_step": max(self.last_step.values()) if self.last_step else None,
-            "series": len(self.series),
-            "points": self.points,
-            "spans": self.spans,
-            "written": self.written,
-            "queued": self.pending,
-            "write_errors": self.write_errors,
-            "held_bytes": self.held_bytes,
-            "collisions": self.converter.collisions,
-            "collided_series": list(self.converter.collided),
-            "late_points": self.converter.late_points,
-            "late_delta_points": self.converter.late_delta_points,
-            "stale_totals": self.converter.stale_totals,
-            "nan_points": self.converter.nan_points,
-            "idle_s": round(time.monotonic() - self.last_seen, 1),
-            "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
-        }
-
-
-def spool_folder(run_id: str) -> str:
-    """The folder of a run's spool: readable, and one per run id (two ids never share a spool).
-
-    Example:
-        >>> spool_folder("team/a"), spool_folder("team_a")
-        ('team_a-65f838a2fbff', 'team_a-112cd0cb52ee')
-    """
-    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64].lstrip(".") or "run"
-    return f"{readable}-{hashlib.sha256(run_id.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
-
-
-def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:
-    """Backend name -> exporter; a name given twice gets a numeric suffix. Names end in `` (sink)``: the
-    spool keeps a file per backend named after it, which must not look like a backend's own file
-    (``written.jsonl`` would be read as a JSONL log by whoever globs the output folder)."""
-    out: dict[str, RowExporter] = {}
-    for exporter in exporters:
-        name = base = str(getattr(exporter, "name", type(exporter).__name__)) + " (sink)"
-        n = 1
-        while name in out:
-            n += 1
-            name = f"{base}#{n}"
-        out[name] = exporter
-    return out
 
 
 class Router:
@@ -250,13 +99,15 @@ class Router:
         self._total_budget = spool_total_bytes
         self.retry_after_s = retry_after_s
         self.held_bytes = 0  # bytes all open runs hold for their backends (spool only)
-        self._runs: OrderedDict[str, _Run] = OrderedDict()  # least recently used first
-        self._closing: dict[str, _Run] = {}
+        self._runs: OrderedDict[str, RunFeed] = OrderedDict()  # least recently used first
+        self._closing: dict[str, RunFeed] = {}
         self._changed = threading.Condition()  # notified when a run has closed
         self.max_open_runs = max(1, max_open_runs)
         self.pool = BackendPool(backend_threads)
         self._closer = ThreadPoolExecutor(4, thread_name_prefix="otel-train-sink-close")
         self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
+        #: Rows closed runs' backends skipped for their step order (a step that went back in its series).
+        self._order_skipped_closed: dict[str, dict[str, int]] = {}
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._closed = False
@@ -273,7 +124,7 @@ class Router:
     def _error(self) -> None:
         self.errors += 1
 
-    def _run(self, run_id: str) -> _Run:
+    def _run(self, run_id: str) -> RunFeed:
         with self._lock:
             if self._closed:
                 raise Overloaded("the sink is shutting down", self.retry_after_s)
@@ -294,7 +145,7 @@ class Router:
                 exporters = self._make()
                 agg = Aggregator(self._aggregate, self._aggregate_timeout_s) if self._aggregate else None
                 spool = self._spool_dir / spool_folder(run_id) if self._spool_dir is not None else None
-                state = _Run(run_id, exporters, converter, agg, self._queue_windows, self._error, spool,
+                state = RunFeed(run_id, exporters, converter, agg, self._queue_windows, self._error, spool,
                              self.pool)
                 self._runs[run_id] = state
                 self._closed_summaries.pop(run_id, None)
@@ -324,14 +175,20 @@ class Router:
             self._closer.submit(self._finish_close, state, 30.0, "least recently used")
             excess -= 1
 
-    def _begin_close(self, state: _Run) -> None:
+    def _begin_close(self, state: RunFeed) -> None:
         """Take `state` out of the open runs (self._lock held); requests for it are refused until it is closed."""
         del self._runs[state.run_id]
         self._closing[state.run_id] = state
 
-    def _finish_close(self, state: _Run, timeout_s: float, why: str) -> None:
+    def _finish_close(self, state: RunFeed, timeout_s: float, why: str) -> None:
         try:
             self._close_run(state, timeout_s)
+            skipped = _order_skipped(state)
+            if skipped:
+                with self._lock:
+                    kept = self._order_skipped_closed.setdefault(state.run_id, {})
+                    for name, n in skipped.items():
+                        kept[name] = kept.get(name, 0) + n
             _logger.info("run %r closed (%s)", state.run_id, why)
         except Exception:
             _logger.exception("run %r: closing failed", state.run_id)
@@ -352,13 +209,13 @@ class Router:
             states = list(self._runs.values())
         return any(s.backlogged() for s in states)
 
-    def _release(self, state: _Run) -> None:
+    def _release(self, state: RunFeed) -> None:
         freed = state.release()
         if freed:
             with self._lock:
                 self.held_bytes -= freed
 
-    def _refusal(self, state: _Run) -> str | None:
+    def _refusal(self, state: RunFeed) -> str | None:
         """Why `state` cannot take a request now (its lock held), or None."""
         self._release(state)
         reason = state.behind(self._run_budget)
@@ -393,7 +250,7 @@ class Router:
             for state, _ in states:
                 state.lock.release()
 
-    def _take(self, state: _Run, part: Decoded) -> None:
+    def _take(self, state: RunFeed, part: Decoded) -> None:
         """Apply the run's rules to one admitted part and queue it (the run's lock held)."""
         run_id = state.run_id
         ledger = state.converter
@@ -425,13 +282,13 @@ class Router:
                 self.aggregate_rows += len(agg)
         self._put(state, part)
 
-    def _put(self, state: _Run, part: Decoded) -> None:
+    def _put(self, state: RunFeed, part: Decoded) -> None:
         held = state.put(part)
         if held:
             with self._lock:
                 self.held_bytes += held
 
-    def _emit_aggregates(self, state: _Run, rows: list[MetricRow]) -> None:
+    def _emit_aggregates(self, state: RunFeed, rows: list[MetricRow]) -> None:
         """Queue aggregate rows (the run's lock held). With a spool they always go in (they are few); without
         one, a full queue drops them, counted."""
         if rows:
@@ -445,7 +302,7 @@ class Router:
     def tick(self) -> None:
         """Housekeeping: write timed-out aggregates, close idle runs."""
         now = time.monotonic()
-        to_close: list[_Run] = []
+        to_close: list[RunFeed] = []
         with self._lock:
             states = list(self._runs.values())
         for state in states:
@@ -462,7 +319,7 @@ class Router:
         for state in to_close:
             self._closer.submit(self._finish_close, state, 30.0, f"after {self.idle_s:.0f} s idle")
 
-    def _close_run(self, state: _Run, timeout_s: float) -> None:
+    def _close_run(self, state: RunFeed, timeout_s: float) -> None:
         with state.lock:
             if state.aggregator is not None:
                 self._emit_aggregates(state, state.aggregator.drain())
@@ -512,6 +369,17 @@ class Router:
             ledgers = list(self._converters.items())
         return {run_id: ledger.collisions for run_id, ledger in ledgers if ledger.collisions}
 
+    def order_skipped(self) -> dict[str, dict[str, int]]:
+        """Per run and backend, rows skipped because their step went back in their series after a later step
+        was written (TensorBoard, W&B: `otel_train.step_order`), e.g. a request reordered by a collector."""
+        with self._lock:
+            out = {run_id: dict(counts) for run_id, counts in self._order_skipped_closed.items()}
+            states = list(self._runs.values()) + list(self._closing.values())
+        for state in states:
+            for name, n in _order_skipped(state).items():
+                out.setdefault(state.run_id, {})[name] = out.get(state.run_id, {}).get(name, 0) + n
+        return out
+
     def late_deltas(self) -> dict[str, dict[str, int]]:
         """Runs (open, or closed and remembered) with DELTA points that came after a later step was written."""
         with self._lock:
@@ -538,3 +406,13 @@ class Router:
             s["open"] = True
             runs.append(s)
         return {"runs": runs + closed[::-1]}
+
+
+def _order_skipped(state: RunFeed) -> dict[str, int]:
+    """A run's backends' step-order skips (only backends with some)."""
+    out: dict[str, int] = {}
+    for exporter in state.exporters:
+        n = int(getattr(getattr(exporter, "step_order", None), "dropped", 0) or 0)
+        if n:
+            out[str(getattr(exporter, "name", type(exporter).__name__))] = n
+    return out

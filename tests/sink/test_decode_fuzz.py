@@ -9,10 +9,10 @@ from otel_train.sink.decode import (
     DecodeCache,
     DecodeError,
     decode_metrics,
-    decode_traces,
     parse_metrics,
     parse_traces,
 )
+from otel_train.sink.decode_traces import decode_traces
 from otel_train.sink.temporality import SeriesLedger
 from otel_train.testing import OtlpPoint, metrics_request
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from otel_train.sink.decode import DecodeCache, decode_metrics, decode_traces, parse_metrics, parse_traces
+from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics, parse_traces
+from otel_train.sink.decode_traces import decode_traces
 from otel_train.sink.temporality import SeriesLedger
 
 

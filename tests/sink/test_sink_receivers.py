@@ -58,6 +58,8 @@ def test_grpc_and_http_interleaved_out_of_order(sink: Any, tmp_path: Path) -> No
     health = _get(sink, "/health")
     assert health["status"] == "ok" and health["points"] == 46 and health["runs_open"] == 2
     assert health["late_delta_points"] == {"a": {"points": 5, "stale_totals": 25}}
+    # What TensorBoard skipped above is counted: rank 1's steps 0-4 of both series.
+    assert health["steps_order_skipped"] == {"a": {"tensorboard": 10}}
     grpc_exp.shutdown()
     http_exp.shutdown()
 

@@ -1,0 +1,174 @@
+"""One run of the sink: its backends, fed by `otel_train.ship.delivery.Delivery` (on the pool's threads),
+its spool, and what it has seen (steps per rank, series, points); `otel_train.sink.router` holds the runs."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from otel_train.run_identity import RunInfo
+from otel_train.sink.aggregate import Aggregator
+from otel_train.sink.decode import Decoded
+from otel_train.sink.pool import BackendPool
+from otel_train.sink.temporality import SeriesLedger
+
+if TYPE_CHECKING:
+    from otel_train.backend import RowExporter
+
+__all__ = ["RunFeed", "spool_folder"]
+
+_NO_RUN = RunInfo(run_id="", run_name="")  # a spooled window's rows carry their own runs
+
+
+class RunFeed:
+    """One training run: its backends (fed by `Delivery`, on the pool's threads) and what it has seen."""
+
+    def __init__(self, run_id: str, exporters: list[RowExporter], converter: SeriesLedger,
+                 aggregator: Aggregator | None, queue_windows: int, on_error: Callable[[], None],
+                 spool_path: Path | None = None, pool: BackendPool | None = None) -> None:
+        from otel_train.ship.delivery import Delivery  # lazy: it pulls in the framing of the exporter process
+        from otel_train.ship.spool import Spool
+
+        self.run_id = run_id
+        self.run_name = run_id
+        self.world_size = 1
+        self.exporters = exporters
+        self.converter = converter
+        self.aggregator = aggregator
+        self.lock = threading.Lock()
+        self.last_seen = time.monotonic()
+        self.last_step: dict[int, int] = {}
+        self.series: set[str] = set()
+        self.points = 0
+        self.spans = 0
+        self.write_errors = 0
+        self._on_error = on_error
+        self._queue_windows = queue_windows
+        self.spool = Spool(spool_path) if spool_path is not None else None
+        self._seq = self.spool.last_seq if self.spool is not None else 0
+        self._sizes: deque[tuple[int, int]] = deque()  # (seq, bytes) of spooled windows not yet handed over
+        self.held_bytes = 0
+        # Without a spool a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
+        self.spool_path = spool_path
+        self.delivery = Delivery(_named(exporters), self.spool, queue_windows, self._error,
+                                 thread_name=f"otel-train-sink[{run_id}]", pool=pool)
+
+    def _error(self, _backend: str) -> None:
+        self.write_errors += 1
+        self._on_error()
+
+    def release(self) -> int:
+        """Forget the spooled windows every backend has been handed; returns the bytes released."""
+        if self.spool is None:
+            return 0
+        handed = self._seq - self.delivery.pending
+        freed = 0
+        while self._sizes and self._sizes[0][0] <= handed:
+            freed += self._sizes.popleft()[1]
+        self.held_bytes -= freed
+        return freed
+
+    def behind(self, budget_bytes: int) -> str | None:
+        """Why this run cannot take a request now (None: it can). Changes nothing but the release of bytes."""
+        if self.spool is not None:
+            if self.held_bytes >= budget_bytes:
+                return f"holds {self.held_bytes:,} bytes its backends have not taken (budget {budget_bytes:,})"
+            return None
+        if not self.delivery.has_room():
+            return f"{self.delivery.pending} requests queued for its backends (queue {self._queue_windows})"
+        return None
+
+    def put(self, item: Decoded) -> int:
+        """Queue one request's rows for every backend (under self.lock, after `behind` said yes): written
+        ahead to the spool if there is one. Returns the bytes spooled."""
+        from otel_train.backend import Window
+
+        steps = [r.step for r in item.metrics] + [h.step for h in item.histograms]
+        max_step = max(steps, default=-1)
+        window = Window(item.metrics, item.histograms, item.spans)
+        if self.spool is None:
+            # Cannot fail: room was checked under this lock and only the backends' threads take from the queues.
+            self.delivery.submit_window(window, max_step, 0.0)
+            return 0
+        from otel_train.ship.framing import encode_window
+
+        payload, _ = encode_window(_NO_RUN, (), item.metrics, item.histograms, item.spans)
+        self._seq += 1
+        self.delivery.submit(self._seq, max_step, payload, window)
+        self._sizes.append((self._seq, len(payload)))
+        self.held_bytes += len(payload)
+        return len(payload)
+
+    def backlogged(self) -> bool:
+        return self.delivery.backlogged()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued request is written and every backend flushed."""
+        return self.delivery.flush(time.monotonic() + timeout_s)
+
+    @property
+    def pending(self) -> int:
+        return self.delivery.pending
+
+    @property
+    def written(self) -> int:
+        return self.delivery.rows_written
+
+    def stop(self, timeout_s: float) -> bool:
+        """Finish the queues, then flush and close the backends; whether every backend holds everything."""
+        return self.delivery.close(time.monotonic() + timeout_s)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "run_name": self.run_name,
+            "world_size": self.world_size,
+            "ranks": {str(r): {"last_step": s} for r, s in sorted(self.last_step.items())},
+            "last_step": max(self.last_step.values()) if self.last_step else None,
+            "series": len(self.series),
+            "points": self.points,
+            "spans": self.spans,
+            "written": self.written,
+            "queued": self.pending,
+            "write_errors": self.write_errors,
+            "held_bytes": self.held_bytes,
+            "collisions": self.converter.collisions,
+            "collided_series": list(self.converter.collided),
+            "late_points": self.converter.late_points,
+            "late_delta_points": self.converter.late_delta_points,
+            "stale_totals": self.converter.stale_totals,
+            "nan_points": self.converter.nan_points,
+            "idle_s": round(time.monotonic() - self.last_seen, 1),
+            "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
+        }
+
+
+def spool_folder(run_id: str) -> str:
+    """The folder of a run's spool: readable, and one per run id (two ids never share a spool).
+
+    Example:
+        >>> spool_folder("team/a"), spool_folder("team_a")
+        ('team_a-65f838a2fbff', 'team_a-112cd0cb52ee')
+    """
+    readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64].lstrip(".") or "run"
+    return f"{readable}-{hashlib.sha256(run_id.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+
+
+def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:
+    """Backend name -> exporter; a name given twice gets a numeric suffix. Names end in `` (sink)``: the
+    spool keeps a file per backend named after it, which must not look like a backend's own file
+    (``written.jsonl`` would be read as a JSONL log by whoever globs the output folder)."""
+    out: dict[str, RowExporter] = {}
+    for exporter in exporters:
+        name = base = str(getattr(exporter, "name", type(exporter).__name__)) + " (sink)"
+        n = 1
+        while name in out:
+            n += 1
+            name = f"{base}#{n}"
+        out[name] = exporter
+    return out
