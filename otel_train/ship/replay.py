@@ -82,11 +82,7 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
                 _logger.warning("%s: giving up on `%s`: no progress for %.0f s (%d failure(s)); its %d window(s) "
                                 "left stay in the spool for a later `otel-train replay`", label, name, stall_s,
                                 progress.failures.get(name, 0), n_left)
-        # Handed every window without a failure, it waits only for its store, which its close completes (W&B's
-        # service writes the run file's last block at `finish`): close now rather than after `stall_s`.
-        stats = delivery.backend_stats()
-        only_store = {name for name in left if not stats[name]["backlog"] and not stats[name]["failures"]}
-        if not left or set(left) <= given_up | only_store or now >= deadline:
+        if not left or set(left) <= given_up or now >= deadline:
             break
         if now >= next_flush:  # as often as delivery flushes a backend on its own (a failing one is retried)
             next_flush = now + 1.0
@@ -94,7 +90,6 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
                 # Every window handed and flushed: a backend whose store lags (W&B keeps its last step open until
                 # `finish`) has the rest once closed, so waiting for its cursor would only run into `stall_s`.
                 left = {}
-                only_store = set()
                 break
         if now >= next_report:
             next_report = now + report_every_s
@@ -102,7 +97,7 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
             _logger.info("%s: waiting for %s (%.0f s of at most %.0f s)", label, waiting, now - start, timeout_s)
         time.sleep(0.1)
     # Given up (or out of time): closing only shuts the backends down, briefly.
-    delivery.close(min(deadline, time.monotonic() + (5.0 if set(left) - only_store else timeout_s)))
+    delivery.close(min(deadline, time.monotonic() + (5.0 if left else timeout_s)))
     progress = delivery.progress()
     if progress.behind():
         _logger.warning("%s: %s", label, progress.summary())
