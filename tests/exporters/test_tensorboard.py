@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from backendkit import approx_points
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import otel_train as ot
@@ -23,10 +24,11 @@ from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import RunInfo
 
 
-def _scalars(path: Path, tag: str) -> dict[int, float]:
+def _scalars(path: Path, tag: str) -> list[tuple[int, float]]:
+    """Every (step, value) of `tag` in file order: a step written twice shows twice."""
     acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
     acc.Reload()
-    return {e.step: e.value for e in acc.Scalars(tag)}
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def test_values_at_steps_through_init(run_dir: Path) -> None:
@@ -38,9 +40,9 @@ def test_values_at_steps_through_init(run_dir: Path) -> None:
         seen.add(32, {"train.step": i})
     ot.shutdown()
     path = run_dir / "tb-run"
-    assert _scalars(path, "train/loss") == {i: 10.0 - i for i in range(10)}
-    assert _scalars(path, "eval/acc") == pytest.approx({i: i / 10 for i in range(10)})
-    assert _scalars(path, "train/samples") == {i: 32.0 * (i + 1) for i in range(10)}  # a running total
+    assert _scalars(path, "train/loss") == [(i, 10.0 - i) for i in range(10)]
+    assert _scalars(path, "eval/acc") == approx_points([(i, i / 10) for i in range(10)])
+    assert _scalars(path, "train/samples") == [(i, 32.0 * (i + 1)) for i in range(10)]  # a running total
 
 
 def test_histograms_and_suffix_tags(tmp_path: Path) -> None:
@@ -81,8 +83,8 @@ def test_rank_subfolders_when_all_ranks_export(tmp_path: Path) -> None:
         rows = [MetricRow(RunInfo("r", "ddp", rank=k, world_size=2), 0, "loss", "loss", float(k), "gauge", 0)
                 for k in range(2)]
         tb.export_window(Window(rows))
-    assert _scalars(tmp_path / "ddp" / "rank0", "loss") == {0: 0.0}
-    assert _scalars(tmp_path / "ddp" / "rank1", "loss") == {0: 1.0}
+    assert _scalars(tmp_path / "ddp" / "rank0", "loss") == [(0, 0.0)]
+    assert _scalars(tmp_path / "ddp" / "rank1", "loss") == [(0, 1.0)]
 
 
 def _free_port() -> int:
@@ -150,7 +152,8 @@ def test_values_beyond_float32_are_infinite_like_protobufs(tmp_path: Path) -> No
     rows = [MetricRow(run, i, "x", "x", v, "gauge", 0) for i, v in enumerate((1e300, -1e300, 3.0e38, float("nan")))]
     with TensorBoardExporter(ExporterOptions(directory=tmp_path)) as tb:
         assert tb.export_window(Window(rows))
-    got = _scalars(tmp_path / "big", "x")
+    assert [s for s, _ in _scalars(tmp_path / "big", "x")] == [0, 1, 2, 3]
+    got = dict(_scalars(tmp_path / "big", "x"))
     assert got[0] == float("inf") and got[1] == float("-inf")
     assert got[2] == pytest.approx(3.0e38, rel=1e-6)
     assert got[3] != got[3]  # NaN
