@@ -3,6 +3,7 @@ rounds (rotated order), medians compared with the first row."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +59,31 @@ def table(results: dict[str, list[dict[str, Any]]], labels: dict[str, str], keys
 def load() -> str:
     one, five, _ = os.getloadavg()
     return f"load average {one:.1f} (5 min {five:.1f}), {os.cpu_count()} cores"
+
+
+def bench_main(doc: str, script: str, rows: Sequence[str], labels: dict[str, str], keys: dict[str, str],
+         worker: Callable[[str, int, int, Path], dict[str, Any]], count: str, count_default: int,
+         warmup_default: int, title: str) -> int:
+    """A bench's command line: `--worker ROW` runs one row (in its own process, from `run_rows`); otherwise every
+    row over `--rounds` interleaved rounds, then the table. `count` names the bench's size flag (`steps`,
+    `results`); `title` is formatted with it, ``rounds`` and ``warmup``; `keys` titles may use ``{warmup}``."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(f"--{count}", dest="count", type=int, default=count_default)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=warmup_default)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--worker", choices=rows, help=argparse.SUPPRESS)
+    p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args.count, args.warmup, args.dir)), flush=True)
+        return 0
+    before = load()
+    results = run_rows(script, rows, args.rounds, [f"--{count}", str(args.count), "--warmup", str(args.warmup)],
+                       args.timeout_s)
+    print(title.format(count=args.count, rounds=args.rounds, warmup=args.warmup)
+          + f"; {before} before, {load()} after\n")
+    print(table(results, labels, {k: v.format(warmup=args.warmup) for k, v in keys.items()}))
+    print(f"\n- otel-train values in TensorBoard per run: {[x.get('landed') for x in results['otel']]} "
+          f"(expected {5 * args.count})")
+    return 0

@@ -12,13 +12,11 @@ rounds interleaved, medians; the values otel-train wrote are read back from Tens
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from _integration_rows import load, run_rows, table
+from _integration_rows import bench_main
 
 ROWS = ("none", "tensorboard", "otel")
 LABELS = {"none": "no tracker", "tensorboard": "(a) Accelerate's TensorBoard tracker",
@@ -74,26 +72,10 @@ def worker(row: str, steps: int, warmup: int, root: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
-    p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.steps, args.warmup, args.dir)), flush=True)
-        return 0
-    before = load()
-    results = run_rows(__file__, ROWS, args.rounds, ["--steps", str(args.steps), "--warmup", str(args.warmup)],
-                       args.timeout_s)
-    print(f"Accelerate loop, {args.steps} steps, 5 values per accelerator.log, median of {args.rounds} interleaved "
-          f"rounds; {before} before, {load()} after\n")
-    print(table(results, LABELS, {"steady_ms": f"ms/step after step {args.warmup}", "loop_close_s": "loop + end_training s"}))
-    print(f"\n- otel-train values in TensorBoard per run: {[x.get('landed') for x in results['otel']]} "
-          f"(expected {5 * args.steps})")
-    return 0
+    return bench_main(__doc__ or "", __file__, ROWS, LABELS,
+                      {"steady_ms": "ms/step after step {warmup}", "loop_close_s": "loop + end_training s"},
+                      worker, "steps", 500, 100,
+                      "Accelerate loop, {count} steps, 5 values per accelerator.log, median of {rounds} interleaved rounds")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,12 @@ wrote are read back from TensorBoard.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from _integration_rows import load, run_rows, table
+from _integration_rows import bench_main
 
 ROWS = ("none", "tbx", "otel")
 LABELS = {"none": "no logger callback", "tbx": "(a) Tune's TBXLoggerCallback",
@@ -81,27 +79,10 @@ def worker(row: str, results: int, warmup: int, root: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--results", type=int, default=500)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--timeout-s", type=float, default=600.0)
-    p.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
-    p.add_argument("--dir", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args.results, args.warmup, args.dir)), flush=True)
-        return 0
-    before = load()
-    results = run_rows(__file__, ROWS, args.rounds, ["--results", str(args.results), "--warmup", str(args.warmup)],
-                       args.timeout_s)
-    print(f"Ray Tune, 1 trial reporting {args.results} results of 5 values, median of {args.rounds} interleaved "
-          f"rounds; {before} before, {load()} after\n")
-    print(table(results, LABELS, {"per_result_ms": f"driver ms/result after result {args.warmup}",
-                                  "fit_s": "Tuner.fit() s"}))
-    print(f"\n- otel-train values in TensorBoard per run: {[x.get('landed') for x in results['otel']]} "
-          f"(expected {5 * args.results})")
-    return 0
+    return bench_main(__doc__ or "", __file__, ROWS, LABELS,
+                      {"per_result_ms": "driver ms/result after result {warmup}", "fit_s": "Tuner.fit() s"},
+                      worker, "results", 500, 50,
+                      "Ray Tune, 1 trial reporting {count} results of 5 values, median of {rounds} interleaved rounds")
 
 
 if __name__ == "__main__":
