@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from backendkit import events as clearml_events
 from backendkit import isolated_wandb_env, read_run, tb_scalars, wandb_files
+from fake_wandb import fake_wandb_env
 
 import otel_train as ot
 from otel_train.config import load_settings
@@ -54,33 +55,6 @@ TRAIN = textwrap.dedent("""
         print("TRACKIO" + json.dumps(SQLiteStorage.get_logs(cfg["trackio_project"], cfg["run"]), default=str))
 """)
 
-# A stand-in `wandb` the exporter process imports from disk: it records every `log` or hangs in it.
-FAKE_WANDB = textwrap.dedent("""
-    import json, os, time, types
-    Settings = dict
-
-    class _Run:
-        starting_step = 0
-        def __init__(self):
-            self.settings = types.SimpleNamespace(wandb_dir=os.environ["FAKE_WANDB_DIR"])
-        def log(self, data, step):
-            if os.environ.get("FAKE_WANDB") == "hang":
-                time.sleep(3600)
-            if os.environ.get("FAKE_WANDB") == "slow" and not getattr(_Run, "warm", False):
-                _Run.warm = True
-                time.sleep(3)  # a slow first write (a store being created, a service starting on a busy machine)
-            if os.environ.get("FAKE_WANDB") == "fail":
-                raise RuntimeError("W&B is down")
-            with open(os.path.join(os.environ["FAKE_WANDB_DIR"], "logged.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, **data}) + "\\n")
-        def finish(self):
-            pass
-
-    def init(settings=None, **kwargs):
-        return _Run()
-""")
-
-
 def _env(root: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("OTEL_TRAIN_", "WANDB_", "MLFLOW_", "CLEARML_", "TRAINS_", "TRACKIO_", "HF_"))}
@@ -90,14 +64,6 @@ def _env(root: Path, **extra: str) -> dict[str, str]:
                TRACKIO_DIR=str(root / "trackio"), HF_HOME=str(root / "hf"), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
-
-
-def _fake_wandb_env(root: Path, mode: str) -> dict[str, str]:
-    fakes = root / "fakes"
-    (fakes / "wandb").mkdir(parents=True, exist_ok=True)
-    (fakes / "wandb" / "__init__.py").write_text(FAKE_WANDB)
-    (root / "wandb-out").mkdir(exist_ok=True)
-    return {"PYTHONPATH": str(fakes), "FAKE_WANDB": mode, "FAKE_WANDB_DIR": str(root / "wandb-out")}
 
 
 def _start(root: Path, cfg: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -247,7 +213,7 @@ def test_child_killed_is_restarted_once_then_in_process(run_dir: Path, caplog: p
 
 def test_sigterm_hands_off_within_the_timeout_with_a_hanging_backend(tmp_path: Path) -> None:
     directory, run = tmp_path / "runs", "hang"
-    env = _env(tmp_path, **_fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="3")
+    env = _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="3")
     cfg = {"exporters": ["wandb", "jsonl"], "dir": str(directory), "run": run, "steps": 20, "wait": True,
            "kw": {"shutdown_timeout_s": 2}}
     proc = _start(tmp_path, cfg, env)
@@ -264,7 +230,7 @@ def test_sigterm_hands_off_within_the_timeout_with_a_hanging_backend(tmp_path: P
     assert _wait_gone(child, 3 + 10)  # the child never outlives its drain deadline
     assert _jsonl_steps(directory, run) == list(range(20))
     # What W&B never got waits in the spool; `otel-train replay` delivers it once, a second replay nothing.
-    replay_env = _env(tmp_path, **_fake_wandb_env(tmp_path, "record"))
+    replay_env = _env(tmp_path, **fake_wandb_env(tmp_path, "record"))
     for _ in range(2):
         done = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / run)],
                               env=replay_env, capture_output=True, text=True, timeout=120, check=False)
@@ -302,7 +268,7 @@ def test_a_hanging_backend_bounds_flush_and_shutdown_in_every_placement(tmp_path
     directory = tmp_path / "runs"
     script = tmp_path / "hang.py"
     script.write_text(HANG_FLUSH)
-    env = _env(tmp_path, **_fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_EXPORT_PROCESS=PLACEMENTS[placement],
+    env = _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_EXPORT_PROCESS=PLACEMENTS[placement],
                OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
     done = subprocess.run([sys.executable, str(script), json.dumps({"dir": str(directory)})], env=env,
                           capture_output=True, text=True, timeout=120, check=False)
@@ -384,7 +350,7 @@ def test_the_drain_time_counts_after_the_trainers_wait(tmp_path: Path) -> None:
     """A drain time shorter than the shutdown timeout does not cut the trainer's wait short: shutdown returns with
     every step in a backend whose first write takes 3 s, and `flush(timeout_s=)` waits as long as asked."""
     directory, run = tmp_path / "runs", "slow"
-    env = _env(tmp_path, **_fake_wandb_env(tmp_path, "slow"), OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
+    env = _env(tmp_path, **fake_wandb_env(tmp_path, "slow"), OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
     cfg = {"exporters": ["wandb", "jsonl"], "dir": str(directory), "run": run, "steps": 5, "flush_every": 4,
            "kw": {"shutdown_timeout_s": 60}}
     proc = _start(tmp_path, cfg, env)
@@ -401,14 +367,14 @@ def test_replay_says_what_is_left_and_gives_up_on_a_backend_that_always_fails(tm
            "kw": {"shutdown_timeout_s": 1}}
     children = []
     for rank in (0, 1):  # two ranks whose W&B hung: its windows wait in each rank's spool
-        env = _env(tmp_path, **_fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="1",
+        env = _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="1",
                    OTEL_TRAIN_RANKS="all", RANK=str(rank), WORLD_SIZE="2")
         proc = _start(tmp_path, cfg, env)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]
         children.append(int(out.split()[1]))
     assert all(_wait_gone(child, 30) for child in children)
-    replay_env = _env(tmp_path, **_fake_wandb_env(tmp_path, "fail"))
+    replay_env = _env(tmp_path, **fake_wandb_env(tmp_path, "fail"))
     done = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / run), "--stall", "2",
                            "--report-every", "0.5"], env=replay_env, capture_output=True, text=True, timeout=300,
                           check=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_wandb import fake_wandb_env
 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.ship.spool import spool_dir
@@ -40,40 +41,11 @@ SEED = textwrap.dedent("""
     ot.shutdown()
 """)
 
-# A W&B stand-in for the exporter process: records each `log`, or hangs in it (a backend that cannot drain).
-FAKE_WANDB = textwrap.dedent("""
-    import json, os, time, types
-    Settings = dict
-
-    class _Run:
-        starting_step = 0
-        def __init__(self):
-            self.settings = types.SimpleNamespace(wandb_dir=os.environ["FAKE_WANDB_DIR"])
-        def log(self, data, step):
-            if os.environ.get("FAKE_WANDB") == "hang":
-                time.sleep(3600)
-            with open(os.path.join(os.environ["FAKE_WANDB_DIR"], "logged.jsonl"), "a") as f:
-                f.write(json.dumps({"step": step, **data}) + "\\n")
-        def finish(self):
-            pass
-
-    def init(settings=None, **kwargs):
-        return _Run()
-""")
-
-
 def _env(root: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "WANDB_", "RANK", "WORLD_SIZE"))}
     env.update(HOME=str(root / "home"), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
-
-
-def _fake_wandb(root: Path, mode: str) -> dict[str, str]:
-    (root / "fakes" / "wandb").mkdir(parents=True, exist_ok=True)
-    (root / "fakes" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
-    (root / "wandb-out").mkdir(exist_ok=True)
-    return {"PYTHONPATH": str(root / "fakes"), "FAKE_WANDB": mode, "FAKE_WANDB_DIR": str(root / "wandb-out")}
 
 
 def _seed(root: Path, name: str, cfg: dict[str, Any], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -147,13 +119,13 @@ def test_elastic_restart_waits_for_the_draining_exporter_process_then_continues_
     base = {"exporters": "wandb,jsonl", "dir": str(directory), "run": "el", "seed": 0, "steps": 20,
             "kw": {"shutdown_timeout_s": 1}}
     # Attempt 1: W&B hangs, so its exporter process keeps draining (4 s) after the training process ends.
-    first = _seed(tmp_path, "a1", base, _env(tmp_path, **_fake_wandb(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="4"))
+    first = _seed(tmp_path, "a1", base, _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="4"))
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err[-3000:]
     draining = int(out.split("CHILD ", 1)[1].split()[0])
     assert _alive(draining)
     # Attempt 2 (torchrun restarted the job): same run id, W&B healthy now, steps 20..39.
-    second = _seed(tmp_path, "a2", {**base, "start": 20}, _env(tmp_path, **_fake_wandb(tmp_path, "record")))
+    second = _seed(tmp_path, "a2", {**base, "start": 20}, _env(tmp_path, **fake_wandb_env(tmp_path, "record")))
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err[-3000:]
     assert "still drains" in err and "waiting up to" in err, err[-3000:]
@@ -172,7 +144,7 @@ def test_captured_output_ends_when_the_training_process_exits(tmp_path: Path) ->
     script.write_text(SEED)
     cfg = {"exporters": "wandb,jsonl", "dir": str(directory), "run": "tee", "seed": 0, "start": 0, "steps": 10,
            "kw": {"shutdown_timeout_s": 1}, "ready": str(tmp_path / "r"), "all_ready": [str(tmp_path / "r")]}
-    env = _env(tmp_path, **_fake_wandb(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="8")
+    env = _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="8")
     done = subprocess.run([sys.executable, str(script), json.dumps(cfg)], env=env, capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
