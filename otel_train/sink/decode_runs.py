@@ -16,14 +16,7 @@ from otel_train.sink.run_names import RunNames
 if TYPE_CHECKING:
     from otel_train.sink.decode import Decoded
 
-__all__ = ["DecodeCache", "as_int", "fallback_run_id", "resource_run", "sender_of"]
-
-
-def as_int(value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
+__all__ = ["DecodeCache", "fallback_run_id", "resource_run", "sender_of"]
 
 
 class DecodeCache:

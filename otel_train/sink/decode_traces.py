@@ -6,8 +6,9 @@ from typing import Any
 
 from otel_train.capture.step import STEP_ATTRIBUTE
 from otel_train.rows import SpanRow
+from otel_train.run_identity import as_int
 from otel_train.sink.decode import Decoded
-from otel_train.sink.decode_runs import DecodeCache, as_int, resource_run
+from otel_train.sink.decode_runs import DecodeCache, resource_run
 from otel_train.sink.otlp import BAD_STEP, DecodeError, attributes, step_value
 
 __all__ = ["decode_traces"]

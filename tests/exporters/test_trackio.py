@@ -145,7 +145,8 @@ CURSOR_SCRIPT = textwrap.dedent("""
     from otel_train.ship.delivery import Delivery
     from otel_train.exporters.trackio import TrackioExporter
     from otel_train.ship.framing import encode_window
-    from otel_train.records import ExporterOptions, RunInfo
+    from otel_train.exporter_options import ExporterOptions
+    from otel_train.run_identity import RunInfo
     from otel_train.ship.spool import Spool
 
     run = RunInfo("cur-run", "cur")
