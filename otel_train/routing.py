@@ -1,7 +1,7 @@
 """Per-backend routing: which rows one backend gets, applied on the export side.
 
-`RowExporter.export_window` passes every window through its `RowFilter` before the backend sees
-it, so routing runs off the training thread (in the exporter process where there is one) and the
+Each backend's `WindowWriter` (`otel_train.ship.window_writer`, behind `RowExporter.export_window`) passes
+every window through its `RowFilter` before the backend sees it, so routing runs off the training thread (in the exporter process where there is one) and the
 same in the sink, whose backends are built from the same `ExporterOptions`. The rules come from
 `OTEL_TRAIN_<BACKEND>_{INCLUDE,EXCLUDE,EVERY,RANKS}` and `init(routes=...)`, parsed in
 `otel_train.config`.

@@ -1,9 +1,10 @@
 """One backend's feed in `otel_train.ship.delivery`: its thread, its queue and its durable cursor.
 
 The thread takes everything queued at once and hands it to the backend in writes of at most `MERGE_ROWS`
-rows (`RowExporter.export_window`), reading back from the spool whatever the queue could not hold; it
-flushes the backend when asked and at least every `FLUSH_EVERY_S` while data flows with a spool, and
-moves the cursor over what the backend's store holds. A resume in the stream is never merged.
+rows (`RowExporter.export_window`, whose `otel_train.ship.window_writer` routes, orders, isolates and retries),
+reading back from the spool whatever the queue could not hold; it flushes the backend when asked and at least
+every `FLUSH_EVERY_S` while data flows with a spool, and moves the cursor over what the backend's store holds.
+A resume in the stream is never merged.
 """
 
 from __future__ import annotations
@@ -320,7 +321,7 @@ class BackendFeed:
     def _write(self, window: Window) -> bool:
         started = time.perf_counter()
         try:
-            ok = self.exporter.export_window(window)  # isolates and retries on its own
+            ok = self.exporter.export_window(window)  # isolates and retries on its own (`window_writer`)
         except Exception as err:
             self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
             ok = False

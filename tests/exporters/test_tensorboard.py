@@ -203,7 +203,7 @@ def test_a_failed_append_leaves_no_partial_record_and_the_retry_writes_once(
                                             for s in (1, 2)]))
         assert events.stat().st_size == size  # the half-written window was cut off
         failing["on"] = False
-        tb._retry_at = 0.0  # skip the backoff wait
+        tb.window_writer._retry_at = 0.0  # skip the backoff wait
         assert tb.export_window(Window([MetricRow(run, 3, "loss", "loss", 3.0, "gauge", 0)]))
     acc = EventAccumulator(str(tmp_path / "disk"))
     acc.Reload()

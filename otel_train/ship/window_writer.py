@@ -1,0 +1,322 @@
+"""The one retry policy: how a window reaches one backend's `write_*` hooks (`otel_train.backend`).
+
+Every `RowExporter` has one `WindowWriter`, which `export_window`, `resume`, `force_flush` and `shutdown`
+hand their work to, whoever calls them: delivery's feed of that backend (`otel_train.ship.backend_feed`) or an
+OTel SDK pipeline. It runs the backend's hooks one at a time (its lock) and never lets one raise:
+
+- Routing (`otel_train.routing`) filters each window first, then the step-order policy
+  (`otel_train.step_order`) takes out the rows going backwards that the backend is not to get.
+- Before a write, every row is checked (`row_problem`: the generic checks, plus the backend's own); a row
+  it refuses is skipped, counted in `rows_lost` by cause, and warned about once per series.
+- A write that raises is counted in `failures` and followed at once by one row at a time (each row its own
+  write, tried twice): a row that fails alone while others land is one the backend refuses (skipped,
+  counted, warned once); when none lands the backend is down and the rest of the window waits for a retry.
+- Waiting windows are retried in order, with backoff (`backoff_s`), before any new one; one retried
+  `max_attempts` times is dropped (given up, counted), and past `max_pending_windows` the oldest goes.
+- Rows a write has landed are never handed to the backend again: a backend whose window write is not
+  all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
+- A forked child forgets the windows waiting (its parent writes them); at shutdown what is waiting gets one
+  last try, then the backend is flushed, marked preempted if the run was, and closed, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from otel_train._internal.ratelimit import LogOnce
+from otel_train.backend import LOSS_CAUSES, Window
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.step_order import StepOrder
+
+if TYPE_CHECKING:
+    from otel_train.backend import RowExporter
+    from otel_train.routing import RowFilter
+    from otel_train.run_identity import RunInfo
+
+__all__ = ["WindowWriter"]
+
+_logger = logging.getLogger(__name__)
+_DOWN_AFTER = 4  # rows failing (twice each), none landing, after which a backend counts as down
+
+
+class WindowWriter:
+    """Writes windows to one backend through its hooks, with routing, step order, row checks and isolation,
+    retry with backoff and loss counting (see the module docstring). The backend's class attributes
+    (`max_pending_windows`, `max_attempts`, `backoff_s`, `isolate_rows`, `handles_*`) tune it.
+
+    Args:
+        backend: The backend whose hooks it calls.
+        route: The backend's row filter (`otel_train.routing.bind`); None: every row unchanged.
+    """
+
+    def __init__(self, backend: RowExporter, route: RowFilter | None) -> None:
+        self.backend = backend
+        self.route = route
+        #: Held around every hook call (reentrant: a backend's `shutdown` override may hold it around ours).
+        self.lock = threading.RLock()
+        #: Windows accepted and not written yet, oldest first (the head may be partly written).
+        self.pending: deque[Window] = deque()
+        self._attempts = 0
+        self._retry_at = 0.0
+        # ids of the head pending window's rows the backend has landed (a retry skips them).
+        self._landed_ids: set[int] = set()
+        self.closed = False
+        #: The cause `shutdown` marks the run preempted with (`RowExporter.preempt_at_close`).
+        self.preempted: str | None = None
+        self._log = LogOnce(_logger, interval_s=60.0)
+        #: Writes (and resumes, flushes) that raised.
+        self.failures = 0
+        #: Windows given up on (retried too often, or past `max_pending_windows`).
+        self.dropped_windows = 0
+        #: Rows (metric, histogram, span) this backend did not write, by cause (keys of `LOSS_CAUSES`).
+        self.rows_lost: dict[str, int] = {}
+        self._warned_series: set[tuple[str, str]] = set()
+        #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters.
+        self.step_order = StepOrder(backend.options.step_order, backend.name, backend.stores_older_steps)
+
+    # -- what RowExporter hands over ------------------------------------------------------------
+    def write(self, window: Window) -> bool:
+        """Write a window, retrying earlier failed ones first. Returns False if anything failed."""
+        with self.lock:
+            if self.closed:
+                return False
+            if window and self.route is not None:
+                window = Window(*self.route.apply(window.metrics, window.histograms, window.spans))
+            if window:
+                if self.backend.handles_metrics and (window.metrics or window.histograms):
+                    window = self._in_step_order(window)
+                self.pending.append(window)
+                while len(self.pending) > self.backend.max_pending_windows:
+                    if len(self.pending) > 1 and self._landed_ids:  # the head is partly written: drop the next
+                        self._lose_window(self.pending[1], "gave_up")
+                        del self.pending[1]
+                    else:
+                        self._lose_window(self.pending.popleft(), "gave_up")
+            return self.drain(force=False)
+
+    def resume(self, run: RunInfo, step: int) -> bool:
+        """Windows still pending first, then the backend's `write_resume`; the step order of `run`'s rank
+        restarts. Returns False if it failed."""
+        backend = self.backend
+        with self.lock:
+            if self.closed:
+                return False
+            if run.rank and backend.options.ranks == "0":
+                # This backend writes no metrics of that rank (`OTEL_TRAIN_RANKS`): nothing to supersede, and a
+                # marker there could supersede rank 0's steps (TensorBoard reads one folder as one run).
+                return True
+            ok = self.drain(force=True)
+            self.step_order.restart(run.run_id, run.rank)
+            try:
+                backend.write_resume(run, step)
+            except Exception as err:
+                self.failures += 1
+                self._log.error("resume", "exporter `%s` could not record the resume at step %d (%s: %s)",
+                                backend.name, step, type(err).__name__, err)
+                return False
+            return ok
+
+    def flush(self) -> bool:
+        """Retry what is pending now (no backoff wait), then the backend's `flush`."""
+        with self.lock:
+            if self.closed:
+                return True
+            ok = self.drain(force=True)
+            try:
+                self.backend.flush()
+            except Exception as err:
+                self.failures += 1
+                self._log.error("flush", "exporter `%s` flush failed: %s", self.backend.name, err)
+                return False
+            return ok
+
+    def close(self) -> None:
+        """One last try of what is pending, then `flush`, `mark_preempted` (if asked) and `close`; once."""
+        backend = self.backend
+        with self.lock:
+            if self.closed:
+                return
+            self.drain(force=True)
+            if self.pending:
+                _logger.warning("exporter `%s` closed with %d window(s) it could not write", backend.name,
+                                len(self.pending))
+            self.closed = True
+            if self.route is not None:
+                self.route.report()  # "pattern ... matched no metric", once
+            try:
+                backend.flush()
+            except Exception as err:
+                _logger.error("exporter `%s` flush at shutdown failed: %s", backend.name, err)
+            if self.preempted is not None:
+                try:
+                    backend.mark_preempted(self.preempted)
+                except Exception as err:
+                    _logger.error("exporter `%s` could not mark the run preempted: %s", backend.name, err)
+            try:
+                backend.close()
+            except Exception as err:
+                _logger.error("exporter `%s` close failed: %s", backend.name, err)
+
+    def forget_pending_after_fork(self) -> None:
+        """In a forked child: drop the windows waiting for a retry (the parent's rows: the parent writes
+        them) and the lock a parent's thread may have held at the fork."""
+        self.lock = threading.RLock()
+        self.pending.clear()
+        self._landed_ids.clear()
+        self._attempts = 0
+
+    def mark_landed(self, rows: Sequence[MetricRow | HistogramRow | SpanRow]) -> None:
+        """`rows` of the head window landed (`RowExporter.mark_written`): a retry skips them."""
+        self._landed_ids.update(map(id, rows))
+
+    # -- the retry loop -------------------------------------------------------------------------
+    def drain(self, force: bool) -> bool:
+        """Write the pending windows in order; False when one failed (it waits for the next try). Without
+        `force`, nothing is tried before the backoff of the last failure has passed."""
+        if not self.pending:
+            return True
+        if not force and self._attempts and time.monotonic() < self._retry_at:
+            return False
+        backend = self.backend
+        while self.pending:
+            window = self.pending[0]
+            try:
+                self._write_window(window)
+            except Exception as err:  # isolate the backend: find a refused row, else retry later
+                self.failures += 1
+                self._attempts += 1
+                isolate = backend.isolate_rows if backend.isolate_rows is not None else bool(backend.max_attempts)
+                rest = self._one_row_at_a_time(window) if isolate else window
+                if rest is None:
+                    self._done_with_head()
+                    continue
+                self.pending[0] = rest
+                if backend.max_attempts and self._attempts >= backend.max_attempts:
+                    # A window the backend rejects every time must not hold back every later one.
+                    self._done_with_head()
+                    self._lose_window(rest, "gave_up")
+                    self._log.error(
+                        "poison",
+                        "exporter `%s` rejected one window %d times (%s: %s); dropped it and moved on "
+                        "(logged at most once a minute)",
+                        backend.name, backend.max_attempts, type(err).__name__, err,
+                    )
+                    continue
+                delay = backend.backoff_s[min(self._attempts, len(backend.backoff_s)) - 1]
+                self._retry_at = time.monotonic() + delay
+                self._log.error(
+                    "write",
+                    "exporter `%s` failed (%s: %s); %d failure(s) so far, retrying in %.0f s "
+                    "(logged at most once a minute)",
+                    backend.name, type(err).__name__, err, self.failures, delay,
+                )
+                return False
+            self._done_with_head()
+        return True
+
+    def _done_with_head(self) -> None:
+        self.pending.popleft()
+        self._landed_ids.clear()
+        self._attempts = 0
+
+    def _in_step_order(self, window: Window) -> Window:
+        metrics = self.step_order.filter(window.metrics)
+        histograms = self.step_order.filter(window.histograms)
+        if metrics is window.metrics and histograms is window.histograms:
+            return window
+        return Window(metrics, histograms, window.spans)
+
+    def _write_window(self, window: Window) -> None:
+        """Hand the rows of `window` not landed yet to the backend; the rows it cannot take are lost here."""
+        backend = self.backend
+        landed = self._landed_ids
+        metrics, histograms, spans = window.metrics, window.histograms, window.spans
+        if landed:
+            metrics = [r for r in metrics if id(r) not in landed]
+            histograms = [h for h in histograms if id(h) not in landed]
+            spans = [s for s in spans if id(s) not in landed]
+        if backend.handles_metrics and (metrics or histograms):
+            metrics, histograms = self._writable(metrics), self._writable(histograms)
+            if metrics or histograms:
+                backend.write_metrics(metrics, histograms)
+                backend.mark_written(metrics)
+                backend.mark_written(histograms)
+        if backend.handles_spans and spans:
+            backend.write_spans(spans)
+            backend.mark_written(spans)
+
+    def _writable(self, rows: Sequence[Any]) -> Sequence[Any]:
+        problem = self.backend.row_problem
+        bad = [i for i, r in enumerate(rows) if problem(r) is not None]
+        if not bad:
+            return rows
+        for i in bad:
+            self._lose(rows[i], problem(rows[i]) or "refused", None)
+        skip = set(bad)
+        return [r for i, r in enumerate(rows) if i not in skip]
+
+    def _one_row_at_a_time(self, window: Window) -> Window | None:
+        """After a failed write: each row not landed yet as a write of its own (tried twice). When some row
+        lands, the backend is up: a row that failed alone is one it refuses (lost, counted, warned once).
+        When none lands, it is down: the rows from the first failure on are returned for a retry (None:
+        nothing is left)."""
+        singles: list[Window] = []
+        if self.backend.handles_metrics:
+            singles += [Window([r]) for r in window.metrics if id(r) not in self._landed_ids]
+            singles += [Window((), [h]) for h in window.histograms if id(h) not in self._landed_ids]
+        if self.backend.handles_spans:
+            singles += [Window(spans=[s]) for s in window.spans if id(s) not in self._landed_ids]
+        failed: list[tuple[Window, Exception]] = []
+        landed = False
+        for single in singles:
+            error: Exception | None = None
+            for _ in range(2):  # a row that fails twice in a row, alone
+                try:
+                    self._write_window(single)
+                except Exception as err:
+                    self.failures += 1
+                    error = err
+                    continue
+                landed, error = True, None
+                break
+            if error is not None:
+                failed.append((single, error))
+                if not landed and len(failed) >= _DOWN_AFTER:
+                    break
+        if not failed:
+            return None
+        if not landed:
+            rest = [_only_row(w) for w in singles[singles.index(failed[0][0]):]]
+            return Window([r for r in rest if isinstance(r, MetricRow)],
+                          [r for r in rest if isinstance(r, HistogramRow)], [r for r in rest if isinstance(r, SpanRow)])
+        for single, why in failed:
+            self._lose(_only_row(single), "refused", why)
+        return None
+
+    # -- loss counting --------------------------------------------------------------------------
+    def _lose(self, row: Any, cause: str, err: Exception | None) -> None:
+        self.rows_lost[cause] = self.rows_lost.get(cause, 0) + 1
+        series = str(getattr(row, "tag", None) or getattr(row, "name", "?"))
+        if (cause, series) in self._warned_series:
+            return
+        self._warned_series.add((cause, series))
+        detail = f" ({type(err).__name__}: {err})" if err is not None else ""
+        _logger.warning("exporter `%s` skipped a row of series `%s` at step %r: %s%s; the rest of its window is "
+                        "written, later rows of this series that fail the same way are counted, not warned "
+                        "about", self.backend.name, series, getattr(row, "step", None), LOSS_CAUSES.get(cause, cause),
+                        detail)
+
+    def _lose_window(self, window: Window, cause: str) -> None:
+        self.dropped_windows += 1
+        n = len(window.metrics) + len(window.histograms) + len(window.spans)
+        self.rows_lost[cause] = self.rows_lost.get(cause, 0) + n
+
+
+def _only_row(window: Window) -> MetricRow | HistogramRow | SpanRow:
+    rows: list[MetricRow | HistogramRow | SpanRow] = [*window.metrics, *window.histograms, *window.spans]
+    return rows[0]
