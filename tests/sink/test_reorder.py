@@ -151,6 +151,32 @@ def test_only_backends_that_skip_older_steps_are_held(tmp_path: Path) -> None:
     assert needs_hold(JsonlExporter(ExporterOptions(directory=tmp_path, step_order="drop")))
 
 
+def test_the_hold_is_a_setting() -> None:
+    from otel_train.errors import ConfigError
+    from otel_train.sink.settings import load_sink_settings
+
+    assert load_sink_settings({}).reorder_s == 5.0
+    assert load_sink_settings({"OTEL_TRAIN_SINK_REORDER_S": "0"}).reorder_s == 0.0  # no hold
+    assert load_sink_settings({"OTEL_TRAIN_SINK_REORDER_S": "0"}, reorder_s="2.5").reorder_s == 2.5
+    with pytest.raises(ConfigError, match=r"^OTEL_TRAIN_SINK_REORDER_S: 'soon' is not a number; expected seconds "
+                                          r">= 0 \(0: no hold\)$"):
+        load_sink_settings({"OTEL_TRAIN_SINK_REORDER_S": "soon"})
+    with pytest.raises(ConfigError, match=r"^--reorder-s: 'inf' is not allowed"):
+        load_sink_settings({}, reorder_s="inf")
+
+
+def test_reorder_s_0_turns_the_hold_off(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, reorder_s=0)
+    try:
+        _send(sink, _body("a", range(5, 10)), _body("a", range(5)))
+        assert sink.flush(10)
+        # TensorBoard is handed each request as it comes: the late steps 0-4 are skipped, counted
+        assert scalars(tmp_path / "runs" / "a")["train/loss"] == [(s, s / 2) for s in range(5, 10)]
+        assert sink.health()["steps_order_skipped"] == {"a": {"tensorboard": 5}}
+    finally:
+        sink.stop()
+
+
 # -- the real sink, real TensorBoard ----------------------------------------------------------------------
 def _body(run_id: str, steps: Iterable[int], rank: int = 0) -> bytes:
     return metrics_request({"train.run.id": run_id, "train.rank": rank},
