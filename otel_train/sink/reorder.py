@@ -12,15 +12,18 @@ came late and is still held therefore goes out before, never after, a higher one
 above every step released. A row arriving after a higher step of its series was released is skipped and
 counted by the backend's step-order rule, as without the hold.
 
-Rows are released by the backend's own feed, never by another thread: on each `export_window` and on each
-`force_flush` (delivery flushes at least every second while the run's spool holds windows the backend has not
-made durable, which held rows keep it from doing; without a spool the sink's housekeeping asks for a flush,
-`on_due`). An explicit flush after `drain_at_next_flush`, and `shutdown` (idle or least-recently-used close,
-sink stop), release everything.
+Rows are released by the backend's own feed, never by another thread, on `force_flush`: delivery flushes at
+least every second while the run's spool holds windows the backend has not made durable (held rows keep it from
+doing so); without a spool the sink's housekeeping asks for a flush (`on_due`). An explicit flush after
+`drain_at_next_flush`, and `shutdown` (idle or least-recently-used close, sink stop), release everything;
+`export_window` releases early only past `MAX_HELD_ROWS`.
 
 Durability: the wrapper is never `kill_safe_writes`, and its `durable_step` is one below the lowest step it
 holds (or the backend's own, if lower): the sink's spool cursor never passes a held row, so a sink killed with
-rows held hands them over again from the spool after a restart.
+rows held hands them over again from the spool after a restart. Releasing only in a flush lets delivery move the
+cursor over the released rows right after writing them (`BackendFeed._acknowledge`), so a kill rarely finds rows
+written and not acknowledged (those would be written again after the restart): only when ranks of a run are
+at steps far apart, as the cursor follows the lowest step held.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ class ReorderHold:
         now = self._clock()
         if window.metrics or window.histograms:
             self._hold(window.metrics, window.histograms, now)
-        metrics, histograms = self._take(now, everything=False)
+        metrics, histograms = self._take(now, everything=False, by_time=False)  # past the row budget only
         if not (metrics or histograms or window.spans):
             return True
         return bool(self._inner.export_window(Window(metrics, histograms, window.spans)))
@@ -215,8 +218,9 @@ class ReorderHold:
             heapq.heappush(self._by_key.setdefault(key, []), (chunk.low, next(self._tie), chunk))
             self.held += len(chunk)
 
-    def _take(self, now: float, everything: bool) -> tuple[list[MetricRow], list[HistogramRow]]:
-        """Rows to release now (the rule in the module docstring), each (run, rank) in step order."""
+    def _take(self, now: float, everything: bool, by_time: bool = True) -> tuple[list[MetricRow], list[HistogramRow]]:
+        """Rows to release now (the rule in the module docstring), each (run, rank) in step order; `by_time`
+        False: only what is past `MAX_HELD_ROWS`."""
         if not self._arrivals:
             return [], []
         limits: dict[_Key, float] = {}
@@ -224,7 +228,7 @@ class ReorderHold:
             limits = dict.fromkeys(self._by_key, math.inf)
             self._arrivals.clear()
         else:
-            cutoff = now - self.reorder_s
+            cutoff = now - self.reorder_s if by_time else -math.inf
             excess = self.held - MAX_HELD_ROWS
             arrivals = self._arrivals
             while arrivals and (arrivals[0].arrival <= cutoff or excess > 0):
