@@ -109,9 +109,8 @@ class SinkCore:
     def release_due_holds(self) -> None:
         """Housekeeping: ask the runs whose held points are due, and that nothing else flushes (no spool), to
         flush (the hold releases them on its backend's own thread)."""
-        now = time.monotonic()
         for hold in self.reorder_holds():
-            if hold.on_due is not None and hold.held and hold.due(now):
+            if hold.on_due is not None and hold.held and hold.due():
                 hold.on_due()
 
     # -- request entry points (called by both receivers) ---------------------------------------

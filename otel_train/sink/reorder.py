@@ -130,13 +130,9 @@ class ReorderHold:
             raise AttributeError(name)
         return getattr(self._inner, name)
 
-    @property
-    def inner(self) -> RowExporter:
-        return self._inner
-
     # -- delivery's calls ---------------------------------------------------------------------------
     def export_window(self, window: Window) -> bool:
-        """Hold the window's metric and histogram rows, hand over its spans and whatever is due."""
+        """Hold the window's metric and histogram rows (they go out in a flush); hand its spans over at once."""
         now = self._clock()
         if window.metrics or window.histograms:
             self._hold(window.metrics, window.histograms, now)
@@ -163,7 +159,8 @@ class ReorderHold:
         return bool(self._inner.resume(run, step))
 
     def durable_step(self) -> int | None:
-        """One below the lowest step held, or the backend's own if lower (None: everything handed is held)."""
+        """One below the lowest step held, or the backend's own if lower (None: nothing is held and the backend's
+        store holds everything it was handed)."""
         inner = self._inner.durable_step()
         low = min((heap[0][0] for heap in self._by_key.values() if heap), default=None)
         if low is None:
@@ -181,14 +178,13 @@ class ReorderHold:
         """Have the next `force_flush` release everything held (an explicit flush: write what was received)."""
         self._drains_asked += 1
 
-    def due(self, now: float | None = None) -> bool:
+    def due(self) -> bool:
         """Whether some held row has been held `reorder_s` (racy by design: a hint for housekeeping)."""
-        arrivals = self._arrivals
         try:
-            oldest = arrivals[0].arrival
+            oldest = self._arrivals[0].arrival
         except IndexError:
             return False
-        return (self._clock() if now is None else now) - oldest >= self.reorder_s
+        return self._clock() - oldest >= self.reorder_s
 
     # -- the hold ---------------------------------------------------------------------------------------
     def _release(self, everything: bool) -> bool:

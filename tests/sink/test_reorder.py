@@ -274,6 +274,7 @@ def test_a_sink_killed_while_holding_points_writes_them_after_a_restart(tmp_path
         post(first, _body("k", range(5, 10)))
         post(first, _body("k", range(5)))  # reordered: still in the hold when the sink dies
         assert first.get("/health")["reorder_held"] == 10
+        assert [r["reorder_held"] for r in first.get("/runs")["runs"]] == [10]
     finally:
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait(10)
