@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-open-runs", metavar="N", dest="max_open_runs",
                         help="runs whose backends and files are open at once (least recently used idle ones are "
                              "closed, reopened on demand) [env OTEL_TRAIN_SINK_MAX_OPEN_RUNS; default 1000]")
+    parser.add_argument("--reorder-s", metavar="S", dest="reorder_s",
+                        help="hold a run's points S seconds for TensorBoard and W&B, so that points a collector "
+                             "delivers late by less are written in step order, not skipped (0: no hold) "
+                             "[env OTEL_TRAIN_SINK_REORDER_S; default 5]")
     parser.add_argument("--log-level", metavar="LEVEL", default="INFO", dest="log_level",
                         help="logging level on stderr (DEBUG, INFO, WARNING) [default INFO]")
 
@@ -130,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
             spool_dir=args.spool_dir, spool_run_mb=args.spool_run_mb, spool_total_mb=args.spool_total_mb,
             queue_windows=args.queue_windows, retry_after_s=args.retry_after_s,
-            backend_threads=args.backend_threads, max_open_runs=args.max_open_runs)
+            backend_threads=args.backend_threads, max_open_runs=args.max_open_runs, reorder_s=args.reorder_s)
         if (settings.tls_cert is None) != (settings.tls_key is None):
             raise ConfigError("--tls-cert/--tls-key: give both (a PEM certificate and its key) or neither")
         for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):

@@ -10,8 +10,9 @@ import hmac
 import logging
 import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.sink.compat import CompatAPI
@@ -23,9 +24,13 @@ from otel_train.sink.decode import (
     parse_traces,
 )
 from otel_train.sink.decode_traces import decode_traces
+from otel_train.sink.reorder import ReorderHold, needs_hold
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
 from otel_train.sink.settings import SinkSettings
+
+if TYPE_CHECKING:
+    from otel_train.backend import RowExporter
 
 __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 
@@ -58,7 +63,9 @@ class SinkCore:
         self.settings = settings
         self.token = settings.token
         spool_bytes = settings.spool_run_mb << 20
-        self.router = Router(make_exporters, settings.aggregate, settings.aggregate_timeout_s, settings.idle_s,
+        self._holds: weakref.WeakSet[ReorderHold] = weakref.WeakSet()  # every run's reorder holds
+        self._holds_lock = threading.Lock()
+        self.router = Router(self._with_holds(make_exporters), settings.aggregate, settings.aggregate_timeout_s, settings.idle_s,
                              settings.queue_windows, settings.spool_dir if spool_bytes else None, spool_bytes,
                              settings.spool_total_mb << 20, settings.retry_after_s, settings.backend_threads,
                              settings.max_open_runs)
@@ -74,6 +81,37 @@ class SinkCore:
         self._stopped = False
         self._started_at = time.monotonic()
         self._lock = threading.Lock()
+
+    def _with_holds(self, make_exporters: ExporterFactory) -> ExporterFactory:
+        """`make_exporters` with a `ReorderHold` in front of each backend that skips late points (TensorBoard,
+        W&B); unchanged when `reorder_s` is 0."""
+        reorder_s = self.settings.reorder_s
+        if reorder_s <= 0:
+            return make_exporters
+
+        def make() -> list[RowExporter]:
+            out = []
+            for exporter in make_exporters():
+                if needs_hold(exporter):
+                    hold = ReorderHold(exporter, reorder_s)
+                    with self._holds_lock:
+                        self._holds.add(hold)
+                    exporter = cast("RowExporter", hold)
+                out.append(exporter)
+            return out
+
+        return make
+
+    def reorder_holds(self) -> list[ReorderHold]:
+        with self._holds_lock:
+            return list(self._holds)
+
+    def release_due_holds(self) -> None:
+        """Housekeeping: ask the runs whose held points are due, and that nothing else flushes (no spool), to
+        flush (the hold releases them on its backend's own thread)."""
+        for hold in self.reorder_holds():
+            if hold.on_due is not None and hold.held and hold.due():
+                hold.on_due()
 
     # -- request entry points (called by both receivers) ---------------------------------------
     def token_ok(self, header: str) -> bool:
@@ -159,6 +197,7 @@ class SinkCore:
             "collisions": self.router.collisions(),
             "late_delta_points": self.router.late_deltas(),
             "steps_order_skipped": self.router.order_skipped(),
+            "reorder_held": sum(h.held for h in self.reorder_holds()),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

@@ -15,6 +15,7 @@ from otel_train.run_identity import RunInfo
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.pool import BackendPool
+from otel_train.sink.reorder import ReorderHold
 from otel_train.sink.temporality import SeriesLedger
 
 if TYPE_CHECKING:
@@ -57,6 +58,12 @@ class RunFeed:
         self.spool_path = spool_path
         self.delivery = Delivery(_named(exporters), self.spool, queue_windows, self._error,
                                  thread_name=f"otel-train-sink[{run_id}]", pool=pool)
+        # Backends behind a reorder hold: with a spool, delivery flushes them every second while they hold rows
+        # (held rows keep its cursor back); without one, the sink's housekeeping asks for that flush.
+        self.holds = [e for e in exporters if isinstance(e, ReorderHold)]
+        if self.spool is None:
+            for hold in self.holds:
+                hold.on_due = self._flush_soon
 
     def _error(self, _backend: str) -> None:
         self.write_errors += 1
@@ -108,8 +115,20 @@ class RunFeed:
         return self.delivery.backlogged()
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until every queued request is written and every backend flushed."""
-        return self.delivery.flush(time.monotonic() + timeout_s)
+        """Wait until every queued request is written and every backend flushed, held rows included."""
+        deadline = time.monotonic() + timeout_s
+        ok = self.delivery.flush(deadline)
+        if self.holds:
+            # Every request is handed over now: whichever flush runs next releases all of it (a flush of the
+            # hold asked before a request was handed over could leave that request's rows held).
+            for hold in self.holds:
+                hold.drain_at_next_flush()
+            ok = self.delivery.flush(deadline) and ok
+        return ok
+
+    def _flush_soon(self) -> None:
+        """Ask every backend for a flush, without waiting (releases a hold's due rows)."""
+        self.delivery.flush(time.monotonic())
 
     @property
     def pending(self) -> int:
@@ -137,6 +156,7 @@ class RunFeed:
             "queued": self.pending,
             "write_errors": self.write_errors,
             "held_bytes": self.held_bytes,
+            "reorder_held": sum(h.held for h in self.holds),
             "collisions": self.converter.collisions,
             "collided_series": list(self.converter.collided),
             "late_points": self.converter.late_points,

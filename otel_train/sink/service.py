@@ -129,6 +129,7 @@ class Sink(SinkCore):
             try:
                 self.router.tick()
                 self.compat.tick()
+                self.release_due_holds()
             except Exception:
                 _logger.exception("sink housekeeping failed")
             now = time.monotonic()

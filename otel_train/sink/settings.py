@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -51,8 +52,15 @@ OTEL_TRAIN_SINK_BACKEND_THREADS = "OTEL_TRAIN_SINK_BACKEND_THREADS"
 OTEL_TRAIN_SINK_MAX_OPEN_RUNS = "OTEL_TRAIN_SINK_MAX_OPEN_RUNS"
 """Runs whose backends (and files) are open at once; one more closes the least recently used idle run, which
 reopens on its next request with its totals (int >= 1). Default 1000."""
+OTEL_TRAIN_SINK_REORDER_S = "OTEL_TRAIN_SINK_REORDER_S"
+"""Seconds the sink holds a run's points for TensorBoard and W&B, so that a point a collector delivers late (by
+less than this) is written in step order instead of skipped (float >= 0; 0: no hold). Default 5."""
 
 SINK_AGGREGATES_ALLOWED = ("mean", "min", "max")
+#: `OTEL_TRAIN_SINK_REORDER_S`'s default: parallel collector consumers reorder within one export round trip (well
+#: under a second); a request the sink refused comes back after its retry-after (1 s) plus the sender's backoff;
+#: TensorBoard's data server reloads every 5 s, so a dashboard shows the points at most one reload later.
+DEFAULT_REORDER_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +86,17 @@ class SinkSettings:
     retry_after_s: float = 1.0
     backend_threads: int = 4
     max_open_runs: int = 1000
+    reorder_s: float = DEFAULT_REORDER_S
+
+
+def _parse_reorder_s(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a number; expected seconds >= 0 (0: no hold)") from None
+    if not value >= 0 or math.isinf(value):
+        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite number of seconds >= 0 (0: no hold)")
+    return value
 
 
 def _parse_token_file(name: str, raw: str) -> str:
@@ -125,6 +144,7 @@ _SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "retry_after_s": (OTEL_TRAIN_SINK_RETRY_AFTER_S, parse_positive_float),
     "backend_threads": (OTEL_TRAIN_SINK_BACKEND_THREADS, lambda n, r: parse_int(n, r, 1)),
     "max_open_runs": (OTEL_TRAIN_SINK_MAX_OPEN_RUNS, lambda n, r: parse_int(n, r, 1)),
+    "reorder_s": (OTEL_TRAIN_SINK_REORDER_S, _parse_reorder_s),
 }
 
 

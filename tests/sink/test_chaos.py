@@ -1,7 +1,7 @@
 """Chaos (issue 21): several senders at once, through the real rotel collector and directly, with random
 refusals, duplicated and reordered requests, a stalled backend on one run and restarted senders. Every
 backend read back (JSONL and TensorBoard, as lists of (step, value)) equals one clean delivery of what
-was sent, and `/health`'s counters add up. Bounded to well under a minute."""
+was sent (TensorBoard through the sink's reorder hold, at its default), and `/health`'s counters add up. Bounded to well under a minute."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from backendkit import approx_points
 from rotel_proc import Rotel
 from sinkkit import scalars
 
@@ -213,22 +214,17 @@ def test_chaos_every_backend_equals_one_clean_delivery(tmp_path: Path) -> None:
         "raw": {"raw/count": [(s, v) for s, v in raw_count], "raw/loss": [(s, s / 4) for s in range(30)]},
     }
     written = 0
-    tb_missing = 0
     for run_id, series in expected.items():
         jsonl = _jsonl(out / run_id / "rank0.jsonl")
         tb = scalars(out / run_id)  # one rank: TensorBoard writes in the run's folder
         for tag, points in series.items():
             assert jsonl.get(tag) == points, (run_id, tag, jsonl.get(tag))
-            # TensorBoard skips a point that arrives after a later step of its series (counted below): its data
-            # server would take it for a restart and hide the later steps. What it holds is right, once, in order.
-            got = tb.get(tag, [])  # in file order; TensorBoard keeps float32
-            steps = [s for s, _ in got]
-            assert steps == sorted(set(steps)), (run_id, tag, got)
-            want = dict(points)
-            assert all(abs(v - want[s]) <= 1e-6 * max(1.0, abs(want[s])) for s, v in got), (run_id, tag, got)
-            tb_missing += len(points) - len(got)
+            # TensorBoard too, although requests came reordered: the sink's reorder hold writes a late point in its
+            # place (without it TensorBoard skips a point that comes after a later step of its series).
+            assert tb.get(tag) == approx_points(points), (run_id, tag, tb.get(tag))  # in file order; float32
         written += sum(len(p) for p in jsonl.values())
-    assert tb_missing == sum(e.step_order.dropped for e in made if e.name == "tensorboard")
+    assert [e.step_order.counts() for e in made if e.name == "tensorboard"] == [
+        {"backwards": 0, "dropped": 0}] * 3  # one TensorBoard per run, none saw a step go back
     from otel_train.exporters.jsonl import read_jsonl
 
     spans = sorted(r["step"] for r in read_jsonl(out / "ours" / "rank0.jsonl") if r.get("type") == "span")
@@ -236,4 +232,5 @@ def test_chaos_every_backend_equals_one_clean_delivery(tmp_path: Path) -> None:
     # /health adds up: every point taken was written once; every refusal was counted.
     assert health["points"] == written
     assert health["rejected"].get("overloaded", 0) == sink.router.refused >= injected > 0
-    assert sum(raw_refused) > 0 and health["held_bytes"] == 0
+    assert sum(raw_refused) > 0 and health["held_bytes"] == 0 and health["reorder_held"] == 0
+    assert health["steps_order_skipped"] == {}

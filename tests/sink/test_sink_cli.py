@@ -23,13 +23,14 @@ def test_help_lists_every_flag() -> None:
     out = _run("--help")
     assert out.returncode == 0
     for flag in ("--grpc", "--http", "--exporters", "--dir", "--token", "--aggregate", "--idle-s", "--tls-cert",
-                 "--tls-key", "--max-body-bytes", "OTEL_TRAIN_SINK_GRPC", "OTEL_TRAIN_SINK_TOKEN"):
+                 "--tls-key", "--max-body-bytes", "--reorder-s", "OTEL_TRAIN_SINK_GRPC", "OTEL_TRAIN_SINK_TOKEN"):
         assert flag in out.stdout
 
 
 @pytest.mark.parametrize(("args", "env", "message"), [
     (["--grpc", "nope"], {}, "--grpc: 'nope' is not allowed; expected HOST:PORT"),
     (["--idle-s", "-1"], {}, "--idle-s: '-1' is not allowed"),
+    (["--reorder-s", "-1"], {}, "--reorder-s: '-1' is not allowed; expected a finite number of seconds >= 0"),
     ([], {"OTEL_TRAIN_SINK_AGGREGATE": "avg"}, "OTEL_TRAIN_SINK_AGGREGATE: unknown aggregate 'avg'"),
     (["--exporters", "tensorboard,nosuch"], {}, "unknown exporter 'nosuch'; known:"),
     (["--exporters", "otlp"], {}, "`otlp` is not allowed in the sink"),
