@@ -1,8 +1,8 @@
 """OTLP backend: sends metrics and spans to an OpenTelemetry Collector (or straight to `otel-train sink`).
 
 A `RowExporter` like every backend, so it runs in the exporter process and feeds from the spool: the
-rows become the SDK's export objects again (`otel_train.exporters._otlp_rows`, which says what each row
-becomes on the wire) and the SDK's standard OTLP exporters encode and send them. The protocol comes
+rows become the SDK's export objects (`otel_train.ship.rows_to_sdk`, which says what each row becomes
+on the wire) and the SDK's standard OTLP exporters encode and send them. The protocol comes
 from ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or the ``_METRICS_`` / ``_TRACES_`` variants): ``grpc``
 (default) or ``http/protobuf``; the SDK only reads that variable in its auto-configuration, so we pick
 the class here. Endpoint, headers (e.g. ``authorization=Bearer <token>``), timeout, compression and
@@ -28,11 +28,11 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
+from otel_train.backend import RowExporter
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
-from otel_train.exporters._otlp_rows import RowsToOTLP
-from otel_train.exporters.base import RowExporter
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.ship.rows_to_sdk import RowsToSDK
 
 __all__ = ["OTLPExporter"]
 
@@ -136,7 +136,7 @@ class OTLPExporter(RowExporter):
         self._metrics = self._build_metrics(m_proto)
         self._traces = self._build_traces(t_proto)
         _SDK_LOG.attach()
-        self._encode = RowsToOTLP()
+        self._encode = RowsToSDK()
         # What of the window at the head of the retry queue already went out: a retry sends only the rest.
         self._progress: dict[str, tuple[object, int]] = {}
         self.sent = 0  # points and spans the collector took

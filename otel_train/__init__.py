@@ -149,11 +149,28 @@ def init(
         return session
 
 
-def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
+def log(mapping: Mapping[str, Any], step: int | None = None, attributes: Mapping[str, Any] | None = None) -> None:
     """Record each value of `mapping` as a gauge named by its key, at `step` (default: the current step).
 
     Outside any step the latest step entered is used (0 before the first). Numbers, NumPy
     scalars/0-d arrays and tensors are accepted; tensors are converted on the export thread.
+
+    Args:
+        mapping: Key -> value; the key is the series name in every backend.
+        step: The step (default: the current one), coerced as every step is.
+        attributes: Extra OTel attributes for every value of this call (e.g. ``{"trial_id": "a1"}``): each
+            makes a distinct series, ``name{trial_id=a1}`` (the Names contract), exactly as a gauge set with
+            those attributes. Checked as OTel checks attributes (str keys; str, bool, int, float or a sequence
+            of one of those); one that breaks the rule, or is ``train.step`` / ``train.rank``, is left out,
+            counted and warned about once, and the values are still logged. NaN and infinities are kept.
+            Pass it by keyword. (It is not keyword-only because CPython does not specialise calls to functions
+            with keyword-only parameters: that would cost every `log` call about 40 ns.)
+
+    Example:
+        >>> import otel_train as ot
+        >>> _ = ot.init(exporters=[], disabled=True)
+        >>> ot.log({"trial/loss": 0.5}, step=3, attributes={"trial_id": "a1"})
+        >>> ot.shutdown()
 
     Raises:
         StepOrderError: only under ``OTEL_TRAIN_STEP_ORDER=raise``, for an explicit `step` below the
@@ -163,7 +180,7 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
     if s is None:
         child = _child_client()
         if child is not None:  # a spawned child of a run (DataLoader worker): to the run's exporter process
-            child.log(mapping, step)
+            child.log(mapping, step, attributes)
             return
         raise OtelTrainError(
             "otel_train.log() was called before otel_train.init(); call init() first "
@@ -172,11 +189,11 @@ def log(mapping: Mapping[str, Any], step: int | None = None) -> None:
     if s.closed:
         worker = getattr(s, "worker", None)
         if worker is not None:  # a forked child: its own connection to the run's exporter process
-            worker.log(mapping, step)
+            worker.log(mapping, step, attributes)
             return
         _warn_closed(getattr(s, "forked", False))
         return
-    s.log(mapping, step)
+    s.log(mapping, step, attributes)
 
 
 def step_ended(step: int) -> None:

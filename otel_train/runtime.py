@@ -22,6 +22,7 @@ from otel_train import config as cfg
 from otel_train import exit_hooks
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.backend_setup import build_backends, split_backends
+from otel_train.capture.attributes import clean_attributes, refused_reason
 from otel_train.capture.instrument import (
     NO_SPAN,
     LogBuffer,
@@ -162,6 +163,9 @@ class Session:
         #: Values of `ot.log` calls whose step was refused (2.5, NaN, "3"): never written, counted here.
         self.refused_step_values = 0
         self._warned_step = False
+        #: Attributes of `ot.log(..., attributes=)` calls left out by OTel's rule (the values were still logged).
+        self.refused_attributes = 0
+        self._warned_attributes = False
         set_refused_step_hook(self.refuse_step)
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_hook = self.reader.step_end_hook()
@@ -204,7 +208,8 @@ class Session:
         global_providers.release(self.meter_provider, self.tracer_provider)
 
     # -- hot path ---------------------------------------------------------------------------
-    def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
+    def log(self, mapping: Mapping[str, Any], step: int | None = None,
+            attributes: Mapping[str, Any] | None = None) -> None:
         if step is None:
             step = _current.get()
             if step is None:
@@ -216,13 +221,31 @@ class Session:
                 except ValueError as err:  # never into the loop: counted, warned once, the values go nowhere
                     self.refuse_step(err, len(mapping) if isinstance(mapping, Mapping) else 0)
                     return
-            if self._check_step:
+            if self._check_step and attributes is None:  # attributed values: other series, checked per series
                 check_log_step(step)  # OTEL_TRAIN_STEP_ORDER=raise: API misuse, raised where it happens
         try:
-            self._append(step, dict(mapping))
+            if attributes is None:
+                self._append(step, dict(mapping))
+            else:  # the rare path: checked as OTel checks attributes; what it leaves out is counted, never raised
+                clean, refused = clean_attributes(attributes)
+                if refused:
+                    self.refuse_attributes(attributes, refused)
+                if clean:
+                    self.log_buffer.append_attributed(step, dict(mapping), clean)
+                else:
+                    self._append(step, dict(mapping))
         except (TypeError, ValueError):
             _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped",
                             type(mapping).__name__)
+
+    def refuse_attributes(self, attributes: Any, refused: list[Any]) -> None:
+        """Attributes of an `ot.log` call that OTel's rule leaves out (`clean_attributes`): counted and warned
+        once; the values are logged with the attributes that remain."""
+        self.refused_attributes += len(refused)
+        if not self._warned_attributes:
+            self._warned_attributes = True
+            _logger.warning("otel_train.log: %s; left out, the values are logged without it (warned once; "
+                            "`refused_attributes` counts them)", refused_reason(attributes, refused[0]))
 
     def refuse_step(self, err: ValueError, values: int = 0) -> None:
         """A step that is no step, given after `init()`: counted (with the `values` of its call, which go
@@ -365,7 +388,8 @@ class DisabledSession:
     def export_progress(self, timeout_s: float = 5.0) -> None:
         return None
 
-    def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
+    def log(self, mapping: Mapping[str, Any], step: int | None = None,
+            attributes: Mapping[str, Any] | None = None) -> None:
         return None
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:

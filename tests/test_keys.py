@@ -139,16 +139,16 @@ def test_otlp_sends_instrument_names_and_the_sink_restores_the_keys(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from sinkkit import make_sink
 
-    from otel_train.exporters._otlp_rows import RowsToOTLP
     from otel_train.exporters.base import Window
     from otel_train.exporters.otlp import OTLPExporter
     from otel_train.run_identity import RunInfo
+    from otel_train.ship.rows_to_sdk import RowsToSDK
 
     run = RunInfo("otlp-keys", "otlp-keys")
     rows = [row(run, s, key, value(i, s), 1_700_000_000_000_000_000 + s) for s in range(STEPS)
             for i, key in enumerate(KEYS)]
     # On the wire: valid OTel instrument names, the key in the description where it was mapped.
-    (request,) = list(RowsToOTLP().metrics(rows, ()))
+    (request,) = list(RowsToSDK().metrics(rows, ()))
     sent = {(m.name, m.description) for rm in request.resource_metrics for sm in rm.scope_metrics
             for m in sm.metrics}
     assert sent == {(otlp_name(k), None if otlp_name(k) == k else KEY_DESCRIPTION_PREFIX + k) for k in KEYS}

@@ -5,7 +5,6 @@ refusing an SDK outside it before anything starts, and every SDK internal we use
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import subprocess
@@ -182,13 +181,6 @@ def test_collect_returns_the_data_without_receiving_it(provider: Any) -> None:
     assert sdk.collect(InMemoryMetricReader(), 10_000) is None  # no provider registered it yet
 
 
-def test_a_nan_is_recorded_unchecked(provider: Any) -> None:
-    gauge = provider.get_meter("t").create_gauge("g")
-    assert sdk.record_unchecked(gauge, math.nan, {"train.step": 4})
-    [(name, value, attributes)] = _points(provider.reader)
-    assert (name, math.isnan(value), attributes) == ("g", True, {"train.step": 4})
-
-
 def test_the_span_key_is_the_one_the_api_uses() -> None:
     span = trace.NonRecordingSpan(trace.INVALID_SPAN_CONTEXT)
     assert trace.set_span_in_context(span).get(sdk.SPAN_KEY) is span
@@ -223,7 +215,6 @@ def test_fallbacks_where_the_internals_are_gone(caplog: pytest.LogCaptureFixture
     assert sdk.intercept_measurements(bare, lambda consume: consume) is False
     assert sdk.intercept_measurements(None, lambda consume: consume) is False
     assert sdk.empty_after_fork(bare) is False
-    assert sdk.record_unchecked(bare, math.nan, {}) is False
     sdk.discard_measurements(None)
 
     class NoCallback:

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SDK_REQUIREMENT", "SPAN_KEY", "check_supported", "collect", "discard_measurements", "empty_after_fork",
     "intercept_measurements", "provider_resource", "proxy_instruments", "reader_options", "reader_storage",
-    "record_unchecked", "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
+    "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -257,27 +257,6 @@ def with_attribute(measurement: Any, key: str, value: Any) -> Any:
             return dataclasses.replace(measurement, attributes=merged)
         except (TypeError, ValueError):
             return measurement
-
-
-def record_unchecked(gauge: Any, value: float, attributes: Mapping[str, Any]) -> bool:
-    """Record `value` on an SDK gauge without the SDK's check. The public `set` drops NaN and infinities with a
-    warning, but otel-train keeps them (a diverged run's curve). The measurement goes straight to the gauge's
-    private measurement consumer. Returns False, recording nothing, where the gauge has no consumer or
-    `Measurement` has another form (the caller then uses `set`)."""
-    consumer = getattr(gauge, "_measurement_consumer", None)
-    if consumer is None:
-        return False
-    try:
-        import time
-
-        from opentelemetry import context
-        from opentelemetry.sdk.metrics._internal.measurement import Measurement
-
-        measurement = Measurement(value, time.time_ns(), gauge, context.get_current(), dict(attributes))
-    except (ImportError, TypeError):
-        return False
-    consumer.consume_measurement(measurement)
-    return True
 
 
 # -- the API's proxies (OTel's global meter and tracer follow each session) ----------------------------------

@@ -63,8 +63,10 @@ class Session(Protocol):
     def run(self) -> RunIdentity | None:
         """The run and rank this process records, or None when disabled."""
 
-    def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
-        """`otel_train.log`: record each value of `mapping` as a gauge named by its key, at `step`."""
+    def log(self, mapping: Mapping[str, Any], step: int | None = None,
+            attributes: Mapping[str, Any] | None = None) -> None:
+        """`otel_train.log`: record each value of `mapping` as a gauge named by its key, at `step`, with the
+        extra `attributes` (each a distinct series)."""
 
     def span(self, name: str, attributes: Mapping[str, Any] | None = None) -> AbstractContextManager[Any]:
         """`otel_train.span`: a context manager timing a block as a span."""

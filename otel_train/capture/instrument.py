@@ -30,7 +30,7 @@ from otel_train.capture.step import _current, current_step
 if TYPE_CHECKING:
     from contextvars import Token
 
-__all__ = ["NO_SPAN", "LogBuffer", "ProfiledSpanScope", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
+__all__ = ["NO_SPAN", "AttributedValues", "LogBuffer", "ProfiledSpanScope", "SpanBuffer", "SpanRecord", "SpanScope", "traced_with"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
@@ -79,8 +79,20 @@ class _Bounded:
         return self._items.maxlen or 0
 
 
+class AttributedValues:
+    """The values of one `ot.log(..., attributes=)` call and their extra attributes (a `LogBuffer` record's
+    mapping; a plain dict everywhere else, so the collector tells them apart by type)."""
+
+    __slots__ = ("attributes", "values")
+
+    def __init__(self, values: Mapping[str, Any], attributes: Mapping[str, Any]) -> None:
+        self.values = values
+        self.attributes = attributes
+
+
 class LogBuffer(_Bounded):
-    """Records of `ot.log`: ``(seq, step, mapping, time_ns)``.
+    """Records of `ot.log`: ``(seq, step, mapping, time_ns)``; `mapping` is an `AttributedValues` for a call
+    with `attributes=`.
 
     With `strict` (`OTEL_TRAIN_STRICT_SYNC`), values that will cost a device sync per value when
     converted (device arrays with `.item()` that are not torch tensors: CuPy, JAX ...) and device
@@ -104,6 +116,16 @@ class LogBuffer(_Bounded):
                 mapping = _snapshot(mapping)
                 break
         self._items.append((next(self._seq), step, mapping, _time_ns() if time_ns is None else time_ns))
+
+    def append_attributed(self, step: int, mapping: Mapping[str, Any], attributes: Mapping[str, Any]) -> None:
+        """`append`, for values logged with extra `attributes` (already checked: `clean_attributes`)."""
+        for value in mapping.values():
+            if type(value) is not float:
+                if self.strict:
+                    self._check_sync(mapping)
+                mapping = _snapshot(mapping)
+                break
+        self._items.append((next(self._seq), step, AttributedValues(mapping, attributes), _time_ns()))
 
     def append_floats(self, step: int, mapping: Any) -> None:
         """Append a record known to hold only floats (anything with `items()`), unchecked."""

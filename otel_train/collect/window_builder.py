@@ -18,11 +18,11 @@ from opentelemetry.sdk.metrics.export import MetricsData
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_floats, valid_name
-from otel_train.capture.instrument import LogBuffer, SpanBuffer, SpanRecord
+from otel_train.capture.instrument import AttributedValues, LogBuffer, SpanBuffer, SpanRecord
 from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd
 from otel_train.collect.phases import PhaseTimer
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, MetricRow, SpanRow, series_tag
 from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo
 
 __all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points"]
@@ -62,7 +62,8 @@ class WindowBuilder:
     def build(self, run: RunInfo, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
               spans: list[tuple[Any, Any]], step: int) -> WindowParts:
         """The window of one collection; `step` is the step that ends it (for SDK points without one)."""
-        points = self._log_points(records)
+        attributed: list[MetricRow] = []
+        points = self._log_points(records, run, attributed)
         if self._phases is not None:  # phase timings are plain gauges from here on
             points.extend(self._phases.points([s for _, s in spans], points))
         sdk_rows: list[MetricRow] = []
@@ -75,16 +76,25 @@ class WindowBuilder:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
             row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self.converter)
-        return WindowParts(run, points if self.export_metrics else [], sdk_rows, hists, row_spans)
+        if not self.export_metrics:
+            return WindowParts(run, [], [], [], row_spans)
+        return WindowParts(run, points, attributed + sdk_rows if attributed else sdk_rows, hists, row_spans)
 
-    def _log_points(self, records: list[tuple[Any, ...]]) -> list[tuple[str, int, float, int]]:
+    def _log_points(self, records: list[tuple[Any, ...]], run: RunInfo,
+                    attributed: list[MetricRow]) -> list[tuple[str, int, float, int]]:
+        """The `ot.log` points of `records`; values logged with `attributes=` go to `attributed` as gauge rows
+        (the shape a gauge set with those attributes has), converted by the same rules."""
         out: list[Any] = []
         append = out.append
         slow = []
         for _, step, mapping, t in records:
-            if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
-                t = mapping[1] + self._wall_offset_ns
-                mapping = StepEnd.from_times(step, mapping)
+            if type(mapping) is not dict:
+                if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
+                    t = mapping[1] + self._wall_offset_ns
+                    mapping = StepEnd.from_times(step, mapping)
+                elif type(mapping) is AttributedValues:
+                    self._attributed_rows(run, step, mapping, t, attributed)
+                    continue
             for key, value in mapping.items():
                 if type(value) is float and valid_name(key):  # the common case: nothing to convert
                     append((key, step, value, t))
@@ -95,15 +105,30 @@ class WindowBuilder:
             return out
         floats = to_floats([s[3] for s in slow])
         for (idx, key, step, raw, t), value in zip(slow, floats):
-            if value is None:
-                self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
-                                  "skipped (warned once per key)", key, type(raw).__name__)
-            elif not valid_name(key):
-                self._log.warning(f"name:{key!r}", "otel_train.log: key %r is not a non-empty string; skipped "
-                                  "(warned once per key)", key)
-            else:
+            if self._usable(key, raw, value):
                 out[idx] = (key, step, value, t)
         return [p for p in out if p is not None]
+
+    def _attributed_rows(self, run: RunInfo, step: int, record: AttributedValues, t: int,
+                         rows: list[MetricRow]) -> None:
+        attrs = record.attributes
+        items = list(record.values.items())
+        floats = to_floats([v for _, v in items])
+        for (key, raw), value in zip(items, floats):
+            if self._usable(key, raw, value) and value is not None:
+                rows.append(MetricRow(run, step, key, series_tag(key, attrs), value, "gauge", t, attrs))
+
+    def _usable(self, key: Any, raw: Any, value: float | None) -> bool:
+        """Whether `key` -> `value` (converted from `raw`) is written; warns once per key when it is not."""
+        if value is None:
+            self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
+                              "skipped (warned once per key)", key, type(raw).__name__)
+            return False
+        if not valid_name(key):
+            self._log.warning(f"name:{key!r}", "otel_train.log: key %r is not a non-empty string; skipped "
+                              "(warned once per key)", key)
+            return False
+        return True
 
 
 class DropCounter:

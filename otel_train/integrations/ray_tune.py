@@ -6,7 +6,8 @@ world of 1) when the user has not. Trial workers need nothing; a trainable that 
 runs its own session in its worker.
 
 Every trial writes into the same run, one series per trial: the result key is the tag and ``trial_id`` is
-an attribute, so TensorBoard shows ``tune/loss{trial_id=ab12_00000}`` (the Names contract's suffix).
+an attribute (``otel_train.log(..., attributes={"trial_id": ...})``), so TensorBoard shows
+``tune/loss{trial_id=ab12_00000}`` (the Names contract's suffix).
 
 The step is the one Tune's own loggers use: ``timesteps_total`` when the trainable reports it, else
 ``training_iteration``, so the curves line up with Tune's TensorBoard output. Values are what Tune's
@@ -23,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -36,7 +36,6 @@ except ImportError as err:
     ) from err
 
 import otel_train as ot
-from otel_train._internal.sdk import record_unchecked
 from otel_train._internal.values import to_float
 from otel_train.integrations._hooks import LeftOut, flatten
 from otel_train.integrations._session import OwnedSession, session_running
@@ -76,13 +75,6 @@ def _numbers(result: Mapping[str, Any], left_out: LeftOut | None = None) -> dict
     return out
 
 
-def _set(gauge: Any, value: float, attributes: dict[str, Any]) -> None:
-    """`gauge.set`, except that NaN/+-inf are recorded too (the OTel SDK's `set` drops them with a warning;
-    `otel_train.log` keeps them, and so must a diverged trial's curve)."""
-    if math.isfinite(value) or not record_unchecked(gauge, value, attributes):
-        gauge.set(value, attributes)
-
-
 def _error_message(trial: Any) -> str:
     """The last line of the trial's error (Ray wraps it in a traceback), else where Tune saved it."""
     try:
@@ -114,7 +106,6 @@ class OtelTrainCallback(Callback):
         self.prefix = prefix
         self.config_attributes = config_attributes
         self._session = OwnedSession()
-        self._gauges: dict[str, Any] = {}
         self._spans: dict[str, Any] = {}
         # Kept through get_state/set_state, so a resumed experiment writes into the same run.
         self._run_id: str | None = None
@@ -181,14 +172,9 @@ class OtelTrainCallback(Callback):
             step = self._last_step.get(trial.trial_id, 0) + 1
         step = int(step)
         self._last_step[trial.trial_id] = step
-        attributes: dict[str, Any] = {ot.STEP_ATTRIBUTE: step, "trial_id": str(trial.trial_id)}
-        meter = ot.get_meter(__name__)
-        for key, value in _numbers(result, self._left_out).items():
-            name = self.prefix + key
-            gauge = self._gauges.get(name)
-            if gauge is None:
-                gauge = self._gauges[name] = meter.create_gauge(name)
-            _set(gauge, value, attributes)
+        values = {self.prefix + key: value for key, value in _numbers(result, self._left_out).items()}
+        if values:  # one series per trial: `trial_id` is an attribute (NaN/+-inf kept, as `ot.log` keeps them)
+            ot.log(values, step=step, attributes={"trial_id": str(trial.trial_id)})
         ot.step_ended(step)  # a result is a step boundary: collection follows the trials
 
     def _open_span(self, trial: Any) -> None:

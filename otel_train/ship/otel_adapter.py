@@ -2,8 +2,8 @@
 
 `init(exporters=[...])` and `StepAlignedMetricReader(exporters=[...])` accept the SDK's own exporters (OTLP,
 console, in-memory, a vendor's). They are fed like every other backend, by `otel_train.ship.delivery`: the
-adapter is a `RowExporter` that builds the SDK's export objects from each window's rows (the same
-conversion the `otlp` backend uses) and calls the exporter. So they get the same queue, merging, retry,
+adapter is a `RowExporter` that builds the SDK's export objects from each window's rows
+(`otel_train.ship.rows_to_sdk`, the conversion the `otlp` backend uses too) and calls the exporter. So they get the same queue, merging, retry,
 flush and shutdown as every backend, wherever it runs.
 
 What they receive: `ot.log` values and gauges as Gauge points, counters and up-down counters as DELTA Sum
@@ -24,6 +24,7 @@ from otel_train.backend import RowExporter
 from otel_train.exporter_options import ExporterOptions
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
+from otel_train.ship.rows_to_sdk import RowsToSDK
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
@@ -58,9 +59,7 @@ class OTelExporterAdapter(RowExporter):
         self.handles_spans = isinstance(exporter, SpanExporter)
         super().__init__(options if options is not None else ExporterOptions())
         # The rows -> SDK objects conversion the `otlp` backend uses: one conversion for both.
-        from otel_train.exporters._otlp_rows import RowsToOTLP
-
-        class _Rows(RowsToOTLP):
+        class _Rows(RowsToSDK):
             def resource(self, run: RunInfo) -> Resource:
                 return resource() if resource is not None else super().resource(run)
 

@@ -33,8 +33,9 @@ from typing import Any
 
 from otel_train._internal.values import to_float, valid_name
 from otel_train.backend import Window
+from otel_train.capture.attributes import clean_attributes, refused_reason
 from otel_train.capture.step import coerce_step
-from otel_train.rows import MetricRow, SpanRow
+from otel_train.rows import MetricRow, SpanRow, series_tag
 from otel_train.run_identity import RunInfo
 
 __all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "WorkerClient", "WorkerListener", "client_from_env"]
@@ -59,6 +60,16 @@ def _warn_step_once(err: ValueError) -> None:
     if not _warned_step:
         _warned_step = True
         _logger.warning("%s (warned once; such values are not written)", err)
+
+
+_warned_attributes = False
+
+
+def _warn_attributes_once(reason: str) -> None:
+    global _warned_attributes
+    if not _warned_attributes:
+        _warned_attributes = True
+        _logger.warning("otel_train.log in a child process: %s; left out (warned once)", reason)
 
 
 def _send(sock: socket.socket, obj: Any) -> None:
@@ -147,12 +158,11 @@ class WorkerListener:
             except Exception as err:  # a malformed frame ends this child's connection only
                 _logger.warning("a child process sent unreadable telemetry (%s); its connection is closed", err)
 
-    def _window(self, worker: int, pid: int, points: list[tuple[str, int, float, int]],
+    def _window(self, worker: int, pid: int, points: list[tuple[Any, ...]],
                 spans: list[tuple[Any, ...]]) -> Window:
         run, attrs = self._run, {"worker": worker}
         last = max(0, int(self._last_step()))
-        rows = [MetricRow(run, s if s >= 0 else last, key, f"{key}{{worker={worker}}}", v, "gauge", t, attrs)
-                for key, s, v, t in points] if self._metrics else []
+        rows = [_worker_row(run, last, attrs, *point) for point in points] if self._metrics else []
         track = f"worker {worker} (pid {pid})"
         span_rows = [SpanRow(run, name, trace_id, span_id, parent, start, end, pid, track, step,
                              {**attributes, "worker": worker}, error, message)
@@ -182,6 +192,13 @@ class WorkerListener:
         if parent.name.startswith("otel-train-w"):  # our own temporary folder (a long run path)
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+
+def _worker_row(run: RunInfo, last: int, worker: dict[str, Any], key: str, s: int, v: float, t: int,
+                extra: Mapping[str, Any] | None = None) -> MetricRow:
+    """A child's value as a row: ``worker=N`` beside the `attributes=` it was logged with (if any)."""
+    attrs = worker if extra is None else {**extra, **worker}
+    return MetricRow(run, s if s >= 0 else last, key, series_tag(key, attrs), v, "gauge", t, attrs)
 
 
 def listen_address(spool_path: Path) -> str:
@@ -240,7 +257,7 @@ class WorkerClient:
         self._address = address
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._points: list[tuple[str, int, float, int]] = []
+        self._points: list[tuple[Any, ...]] = []
         self._spans: list[tuple[Any, ...]] = []
         self._sock: socket.socket | None = None
         self._state = "new"  # new -> open | dead
@@ -252,9 +269,15 @@ class WorkerClient:
         self.trace_id = secrets.randbits(128) or 1
 
     # -- recording (any thread of the child) ------------------------------------------------------------
-    def log(self, mapping: Mapping[str, Any], step: int | None = None) -> None:
+    def log(self, mapping: Mapping[str, Any], step: int | None = None,
+            attributes: Mapping[str, Any] | None = None) -> None:
         if not self._usable():
             return
+        extra: dict[str, Any] | None = None
+        if attributes is not None:  # checked as in the training process; what is left out is warned about once
+            extra, refused = clean_attributes(attributes)
+            if refused:
+                _warn_attributes_once(refused_reason(attributes, refused[0]))
         t = time.time_ns()
         s = -1  # -1: the exporter process stamps the run's latest step
         if step is not None:
@@ -272,7 +295,7 @@ class WorkerClient:
                                 "skipped",
                                 key)
                 continue
-            points.append((key, s, v, t))
+            points.append((key, s, v, t, extra) if extra else (key, s, v, t))
         with self._lock:
             if len(self._points) + len(points) > _MAX_BUFFERED:
                 self._lose(LOST_BUFFER, len(points))

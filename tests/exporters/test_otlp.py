@@ -1,6 +1,6 @@
 """The `otlp` exporter against the real sink (gRPC and HTTP/protobuf), and with nothing listening.
 
-It is a `RowExporter`: SDK data handed to `export` becomes rows, then OTLP again (`_otlp_rows`)."""
+It is a `RowExporter`: SDK data handed to `export` becomes rows, then the SDK's export objects (`otel_train.ship.rows_to_sdk`) and OTLP."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from rotel_proc import Rotel
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.rows import ExponentialBuckets
+from otel_train.rows import explicit_buckets as explicit_buckets_of
 from otel_train.sink.settings import SinkSettings
 from otel_train.testing import InMemoryRowExporter
 
@@ -121,3 +122,36 @@ def test_through_rotel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         rotel.stop()
         sink.stop()
     _check(received, recorded)
+
+
+def test_the_exporter_process_hand_off_keeps_them_for_the_one_conversion() -> None:
+    """In a training process the rows reach the `otlp` backend through the exporter process's framing; from
+    there our one conversion (`RowsToSDK`) builds what the SDK's OTLP exporter encodes: an ExponentialHistogram
+    with its scale and buckets, and each metric's unit and description."""
+    from opentelemetry.sdk.metrics.export import ExponentialHistogram, Gauge
+
+    from otel_train.rows import HistogramRow, MetricRow
+    from otel_train.run_identity import RunInfo
+    from otel_train.ship.framing import decode_window, encode_window
+    from otel_train.ship.rows_to_sdk import RowsToSDK
+
+    run = RunInfo("lossless", "lossless")
+    buckets = ExponentialBuckets(3, 1, -2, (1, 0, 2), -1, (4,))
+    bounds, counts = explicit_buckets_of(buckets)
+    hist = HistogramRow(run, 3, "step_time", "step_time", 8, 12.5, -1.0, 7.5, bounds, counts, 10, {}, "ms",
+                        "time of one step", buckets)
+    lr = MetricRow(run, 3, "train/lr", "train/lr", 0.25, "gauge", 10, {}, None, "1", "learning rate")
+    payload, _ = encode_window(run, [], [lr], [hist])
+    window = decode_window(payload)
+    requests = list(RowsToSDK().metrics(window.metrics, window.histograms))
+    metrics = {m.name: m for request in requests for rm in request.resource_metrics for sm in rm.scope_metrics
+               for m in sm.metrics}
+    assert sorted(metrics) == ["step_time", "train/lr"]
+    sent = metrics["step_time"]
+    assert (sent.unit, sent.description, type(sent.data)) == ("ms", "time of one step", ExponentialHistogram)
+    (p,) = sent.data.data_points
+    assert (p.scale, p.zero_count, p.positive.offset, list(p.positive.bucket_counts), p.negative.offset,
+            list(p.negative.bucket_counts)) == (3, 1, -2, [1, 0, 2], -1, [4])
+    assert (p.count, p.sum, p.min, p.max, dict(p.attributes)) == (8, 12.5, -1.0, 7.5, {"train.step": 3})
+    assert (metrics["train/lr"].unit, metrics["train/lr"].description, type(metrics["train/lr"].data)) == (
+        "1", "learning rate", Gauge)

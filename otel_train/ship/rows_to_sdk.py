@@ -1,7 +1,12 @@
-"""Rows back into the OTel SDK's export objects, so the SDK's own OTLP exporters encode and send them.
+"""Rows to the OTel SDK's export objects (`MetricsData`, `ReadableSpan`): our one conversion on the way out.
 
-The `otlp` backend runs where every other backend runs (the exporter process, `otel-train sink`), and
-there only rows exist. What each row becomes on the wire:
+Whatever consumes the SDK's export objects is fed from rows through this module: the `otlp` backend (the SDK's
+own OTLP exporters then encode and send them) and `otel_train.ship.otel_adapter` (a user's plain
+`MetricExporter` / `SpanExporter`). It belongs to the core, so both import it from here and no core module
+imports a plugin.
+
+Backends run where only rows exist (the exporter process, `otel-train sink`), so the path out is rows ->
+SDK objects -> the SDK's exporter, with no representation in between. What each row becomes:
 
 * gauge rows (``ot.log`` values, gauges) -> Gauge points;
 * counter / up-down sum rows from DELTA points -> Sum points, DELTA, with the collection's own value
@@ -50,14 +55,14 @@ from otel_train.run_identity import RunInfo
 from otel_train.semconv import THREAD_ID, THREAD_NAME
 from otel_train.semconv import TRAIN_STEP as STEP_ATTRIBUTE
 
-__all__ = ["MAX_POINTS", "RowsToOTLP"]
+__all__ = ["MAX_POINTS", "RowsToSDK"]
 
 #: Points (or spans) per request: well under collectors' default 4 MiB message limit.
 MAX_POINTS = 4096
 _SCOPE = InstrumentationScope("otel_train")
 
 
-class RowsToOTLP:
+class RowsToSDK:
     """Builds `MetricsData` and span batches from rows; caches one Resource per run."""
 
     def __init__(self) -> None:
