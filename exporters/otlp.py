@@ -144,7 +144,7 @@ class OTLPExporter(RowExporter):
     @property
     def pending(self) -> int:
         """Windows waiting for the collector to take them."""
-        return len(self._pending)
+        return len(self.window_writer.pending)
 
     @staticmethod
     def _missing(protocol: str, err: ImportError) -> ModuleNotFoundError:
@@ -215,15 +215,16 @@ class OTLPExporter(RowExporter):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         """One last try of what is pending if it fits the budget, then close; the rest is counted dropped."""
-        with self._lock:
-            if self._pending and timeout_millis / 1000 >= (_timeout_s("METRICS") or 10.0):
-                self._drain(force=True)  # the collector may be back; only if a whole attempt fits the budget
-            if self._pending:
-                self.dropped_windows += len(self._pending)
+        w = self.window_writer
+        with w.lock:
+            if w.pending and timeout_millis / 1000 >= (_timeout_s("METRICS") or 10.0):
+                w.drain(force=True)  # the collector may be back; only if a whole attempt fits the budget
+            if w.pending:
+                self.dropped_windows += len(w.pending)
                 _logger.warning("OTLP exporter closed with %d window(s) the collector did not take; unless they "
                                 "came from memory only, the spool keeps them: `otel-train replay RUN_DIR` sends "
-                                "them", len(self._pending))
-                self._pending.clear()
+                                "them", len(w.pending))
+                w.pending.clear()
         super().shutdown(timeout_millis, **kwargs)
 
 

@@ -43,8 +43,6 @@ from otel_train.run_identity import RunInfo
 from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
-    import threading
-    from collections import deque
     from types import TracebackType
 
     from opentelemetry.sdk.trace import ReadableSpan
@@ -301,19 +299,6 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     def step_order(self) -> StepOrder:
         """The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters, applied before a write."""
         return self.window_writer.step_order
-
-    # The writer's lock, queue and retry as backends written against the earlier internals reach them
-    # (`exporters/otlp.py`'s last try at shutdown).
-    @property
-    def _lock(self) -> threading.RLock:
-        return self.window_writer.lock
-
-    @property
-    def _pending(self) -> deque[Window]:
-        return self.window_writer.pending
-
-    def _drain(self, force: bool) -> bool:
-        return self.window_writer.drain(force)
 
     def __enter__(self) -> RowExporter:
         return self
