@@ -131,7 +131,7 @@ def bench(args: argparse.Namespace, via: str, python: str = sys.executable, py_s
 
     workdir = Path(tempfile.mkdtemp(prefix="otel-train-bench-"))
     grpc_port, http_port = _free_port(), _free_port()
-    wrap = ["py-spy", "record", "--format", "raw", "--output", py_spy, "--rate", "200", "--gil", "--function",
+    wrap = ["py-spy", "record", "--format", "raw", "--output", py_spy, "--rate", "200", "--threads", "--function",
                                  "--"] if py_spy else []
     sink = subprocess.Popen(
         [*wrap, python, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
@@ -250,6 +250,8 @@ def main() -> int:
     parser.add_argument("--compare", default="", metavar="PYTHON",
                         help="also run each case with this interpreter's sink (another checkout), interleaved")
     parser.add_argument("--repeat", type=int, default=3, help="with --compare: runs per case (median)")
+    parser.add_argument("--compare-env", nargs="*", default=[], dest="compare_env", metavar="NAME=VALUE",
+                        help="with --compare env: the environment of the 'after' sink")
     parser.add_argument("--py-spy", default="", dest="py_spy", metavar="FILE",
                         help="record the sink with py-spy into FILE and print its top functions")
     args = parser.parse_args()
@@ -270,11 +272,20 @@ def main() -> int:
 def _compare(args: argparse.Namespace, vias: tuple[str, ...]) -> int:
     """Each case with the other interpreter's sink ("before") and this one's ("after"), interleaved."""
     sinks = {"before": args.compare, "after": sys.executable}
+    if args.compare == "env":  # the same sink, before: as it is; after: with --compare-env
+        sinks = {"before": sys.executable, "after": sys.executable}
     for via in vias:
         got: dict[str, list[dict[str, Any]]] = {k: [] for k in sinks}
         for _ in range(args.repeat):
             for label, python in sinks.items():
-                got[label].append(bench(args, via, python))
+                env_before = dict(os.environ)
+                if args.compare == "env" and label == "after":
+                    os.environ.update(dict(kv.split("=", 1) for kv in args.compare_env))
+                try:
+                    got[label].append(bench(args, via, python))
+                finally:
+                    os.environ.clear()
+                    os.environ.update(env_before)
                 sys.stdout.write(json.dumps({"sink": label, **got[label][-1]}) + "\n")
                 sys.stdout.flush()
         med = {label: {
