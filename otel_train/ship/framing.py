@@ -11,10 +11,12 @@ scalar in an attribute) is written as the int, float or str it stands for.
 
 Encoding runs on the training process's collector thread, so it is written by ormsgpack (a compiled
 encoder: no Python call per value) and read by msgpack-python (its tuples and strict map keys); the two
-write the same bytes, and msgpack-python also writes the rare window ormsgpack refuses (a lone surrogate, a
+write the same format, and msgpack-python also writes the rare window ormsgpack refuses (a lone surrogate, a
 non-str mapping key). The layout avoids per-row Python work both ways: rows become tuples by `attrgetter`
 and come back by `map`/`starmap` over the row classes; 128-bit trace ids travel as two native columns.
-`bench/framing.py` times it against the pickle of tuples of otel-train before 0.1 (protocol 5).
+`bench/framing.py` times it against the pickle of tuples it replaced (protocol 5): encoding (the training
+process) 0.8x the pickle's cost for a 3,000-row window, 1.0x for a 13-row one; decoding (the exporter
+process) 1.06-1.15x, the price of a str object per string where a pickle shares repeated ones.
 
 A resume (`otel_train.resume`, or `init(resume_step=)` in the exporter process) travels in the same stream
 as a window, spooled and acknowledged like one, so each backend applies it once, in order, across a
