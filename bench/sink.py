@@ -10,8 +10,13 @@ straight to the sink or through the rotel collector. The sink runs as its own pr
 
 Before/after in one run: `--compare OTHER_PYTHON` runs every case with the sink of another checkout's
 interpreter (its virtual environment's python: the sink process starts outside this checkout, so it imports
-that one's package) and with this one, interleaved, `--repeat` times, and prints medians and ratios. `--py-spy
-FILE` records the sink with py-spy (collapsed stacks) and prints its top functions.
+that one's package) and with this one, interleaved, `--repeat` times, and prints medians and ratios;
+`--compare env --compare-env NAME=VALUE ...` compares this sink with itself under other settings
+(`OTEL_TRAIN_SINK_*`). `--py-spy FILE` records the sink with py-spy (collapsed stacks, every thread) and prints
+its top functions.
+
+    python bench/sink.py --via direct --steps 1000 --compare ../main/.venv/bin/python
+    python bench/sink.py --via direct --steps 1000 --compare env --compare-env OTEL_TRAIN_SINK_SPOOL_RUN_MB=0
 """
 
 from __future__ import annotations
@@ -301,7 +306,7 @@ def _compare(args: argparse.Namespace, vias: tuple[str, ...]) -> int:
 
 
 def _top(raw: str, n: int = 25) -> None:
-    """The functions the sink spent its samples in while holding the GIL (py-spy's collapsed stacks)."""
+    """The functions the sink's threads were sampled in (py-spy's collapsed stacks): own and total share."""
     own: collections.Counter[str] = collections.Counter()
     total: collections.Counter[str] = collections.Counter()
     samples = 0
