@@ -136,6 +136,8 @@ def bench(args: argparse.Namespace, via: str, python: str = sys.executable, py_s
 
     workdir = Path(tempfile.mkdtemp(prefix="otel-train-bench-"))
     grpc_port, http_port = _free_port(), _free_port()
+    if py_spy and shutil.which("py-spy") is None:
+        raise SystemExit("--py-spy: the py-spy command is not installed (pip install py-spy)")
     wrap = ["py-spy", "record", "--format", "raw", "--output", py_spy, "--rate", "200", "--threads", "--function",
                                  "--"] if py_spy else []
     sink = subprocess.Popen(

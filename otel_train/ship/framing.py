@@ -11,8 +11,8 @@ scalar in an attribute) is written as the int, float or str it stands for.
 
 Encoding runs on the training process's collector thread, so it is written by ormsgpack (a compiled
 encoder: no Python call per value) and read by msgpack-python (its tuples and strict map keys); the two
-write the same format, and msgpack-python also writes the rare window ormsgpack refuses (a lone surrogate, a
-non-str mapping key). The layout avoids per-row Python work both ways: rows become tuples by `attrgetter`
+write the same bytes, and msgpack-python also writes the rare window ormsgpack refuses (a lone surrogate, a
+non-str mapping key), or every window where ormsgpack is not installed. The layout avoids per-row Python work both ways: rows become tuples by `attrgetter`
 and come back by `map`/`starmap` over the row classes; 128-bit trace ids travel as two native columns.
 `bench/framing.py` times it against the pickle of tuples it replaced (protocol 5): encoding (the training
 process) 0.8x the pickle's cost for a 3,000-row window, 1.0x for a 13-row one; decoding (the exporter
@@ -38,7 +38,11 @@ from operator import and_, attrgetter, itemgetter, lshift, or_, rshift
 from typing import Any
 
 import msgpack
-import ormsgpack
+
+try:
+    import ormsgpack
+except ImportError:  # pragma: no cover - a platform without its wheel: msgpack-python writes every window
+    ormsgpack = None  # type: ignore[assignment]
 
 from otel_train.backend import Window
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow
@@ -66,7 +70,8 @@ _POINT_STEP = itemgetter(1)
 _LOW = (1 << 64) - 1
 _OLD = ("written by an earlier otel-train (a pickle), which this version never unpickles: "
         "deliver it with the otel-train version that wrote it")
-_PACK_OPTIONS = ormsgpack.OPT_PASSTHROUGH_BIG_INT  # beyond 64 bits: to `_default`, an extension
+# Beyond 64 bits: to `_default`, an extension.
+_PACK_OPTIONS = ormsgpack.OPT_PASSTHROUGH_BIG_INT if ormsgpack is not None else 0
 
 
 class Resume(Window):
@@ -128,10 +133,11 @@ def _ext(code: int, data: bytes) -> Any:
 
 
 def _packb(obj: Any) -> bytes:
-    try:
-        return ormsgpack.packb(obj, default=_default, option=_PACK_OPTIONS)
-    except TypeError:  # a lone surrogate, a non-str key, nesting past ormsgpack's limit: msgpack-python writes it
-        pass
+    if ormsgpack is not None:
+        try:
+            return ormsgpack.packb(obj, default=_default, option=_PACK_OPTIONS)
+        except TypeError:  # a lone surrogate, a non-str key, nesting past its limit: msgpack-python writes it
+            pass
     try:
         data: bytes = msgpack.packb(obj, default=_default_slow, use_bin_type=True)
     except UnicodeEncodeError:
