@@ -1,5 +1,7 @@
 """The hand-off cost of one window between the training process and the exporter process: the msgpack
-encoding (`otel_train.ship.framing`) against the pickle of tuples it replaced, side by side in one run.
+encoding (`otel_train.ship.framing`: written by ormsgpack, read by msgpack-python) against the pickle of tuples
+it replaced, side by side in one run. Encoding runs on the training process's collector thread, decoding in
+the exporter process.
 
 A window as a run sends it: `--keys` `ot.log` keys x `--steps` steps (the reader's point tuples), 5 SDK
 gauges per step (rows), a histogram per step, and `--spans` spans per step with the attributes `ot.span`

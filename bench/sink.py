@@ -7,17 +7,29 @@ straight to the sink or through the rotel collector. The sink runs as its own pr
 
     python bench/sink.py --quick           # < 1 minute
     python bench/sink.py --clients 4 --steps 2000 --metrics 100 --via both
+
+Before/after in one run: `--compare OTHER_PYTHON` runs every case with the sink of another checkout's
+interpreter (its virtual environment's python: the sink process starts outside this checkout, so it imports
+that one's package) and with this one, interleaved, `--repeat` times, and prints medians and ratios;
+`--compare env --compare-env NAME=VALUE ...` compares this sink with itself under other settings
+(`OTEL_TRAIN_SINK_*`). `--py-spy FILE` records the sink with py-spy (collapsed stacks, every thread) and prints
+its top functions.
+
+    python bench/sink.py --via direct --steps 1000 --compare ../main/.venv/bin/python
+    python bench/sink.py --via direct --steps 1000 --compare env --compare-env OTEL_TRAIN_SINK_SPOOL_RUN_MB=0
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,16 +131,20 @@ def _run_counts(http_port: int) -> tuple[int, int]:
     return 0, 0
 
 
-def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
+def bench(args: argparse.Namespace, via: str, python: str = sys.executable, py_spy: str = "") -> dict[str, Any]:
     import psutil
 
     workdir = Path(tempfile.mkdtemp(prefix="otel-train-bench-"))
     grpc_port, http_port = _free_port(), _free_port()
+    if py_spy and shutil.which("py-spy") is None:
+        raise SystemExit("--py-spy: the py-spy command is not installed (pip install py-spy)")
+    wrap = ["py-spy", "record", "--format", "raw", "--output", py_spy, "--rate", "200", "--threads", "--function",
+                                 "--"] if py_spy else []
     sink = subprocess.Popen(
-        [sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
+        [*wrap, python, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
          f"127.0.0.1:{http_port}", "--exporters", "tensorboard", "--dir", str(workdir / "runs"),
          "--log-level", "WARNING", "--max-body-bytes", str(64 << 20)],
-        stdout=subprocess.DEVNULL, stderr=(workdir / "sink.log").open("wb"))
+        stdout=subprocess.DEVNULL, stderr=(workdir / "sink.log").open("wb"), cwd=workdir)
     rotel = None
     target = http_port if args.protocol == "http" else grpc_port
     try:
@@ -158,6 +174,8 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
             if rotel.poll() is not None:
                 raise RuntimeError("rotel exited at start")
         proc = psutil.Process(sink.pid)
+        if py_spy:  # the sink is py-spy's child
+            proc = next(c for c in proc.children() if "otel_train.sink" in " ".join(c.cmdline()))
         machine0 = psutil.cpu_times()
         cpu0 = sum(proc.cpu_times()[:2])
         ready, go = mp.Semaphore(0), mp.Event()
@@ -197,7 +215,7 @@ def bench(args: argparse.Namespace, via: str) -> dict[str, Any]:
         machine1 = psutil.cpu_times()
         busy = sum(getattr(machine1, f) - getattr(machine0, f) for f in ("user", "system", "nice", "irq", "softirq"))
         idle = (machine1.idle - machine0.idle) + (getattr(machine1, "iowait", 0) - getattr(machine0, "iowait", 0))
-        sink.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
         sink.wait(60)
         return {
             "via": via, "protocol": "grpc" if via == "rotel" else args.protocol, "clients": args.clients,
@@ -236,14 +254,76 @@ def main() -> int:
                         help="with --duration-s: how often the sink's RSS is recorded")
     parser.add_argument("--keep", action="store_true", help="keep the temporary run directory (logs, events)")
     parser.add_argument("--quick", action="store_true", help="2 clients x 500 steps x 50 metrics, both paths")
+    parser.add_argument("--compare", default="", metavar="PYTHON",
+                        help="also run each case with this interpreter's sink (another checkout), interleaved")
+    parser.add_argument("--repeat", type=int, default=3, help="with --compare: runs per case (median)")
+    parser.add_argument("--compare-env", nargs="*", default=[], dest="compare_env", metavar="NAME=VALUE",
+                        help="with --compare env: the environment of the 'after' sink")
+    parser.add_argument("--py-spy", default="", dest="py_spy", metavar="FILE",
+                        help="record the sink with py-spy into FILE and print its top functions")
     args = parser.parse_args()
     if args.quick:
         args.clients, args.steps, args.metrics, args.timeout_s = 2, 500, 50, 25.0
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    for via in (("direct", "rotel") if args.via == "both" else (args.via,)):
-        sys.stdout.write(json.dumps(bench(args, via)) + "\n")
+    vias = ("direct", "rotel") if args.via == "both" else (args.via,)
+    if args.compare:
+        return _compare(args, vias)
+    for via in vias:
+        sys.stdout.write(json.dumps(bench(args, via, py_spy=args.py_spy)) + "\n")
         sys.stdout.flush()
+        if args.py_spy:
+            _top(args.py_spy)
     return 0
+
+
+def _compare(args: argparse.Namespace, vias: tuple[str, ...]) -> int:
+    """Each case with the other interpreter's sink ("before") and this one's ("after"), interleaved."""
+    sinks = {"before": args.compare, "after": sys.executable}
+    if args.compare == "env":  # the same sink, before: as it is; after: with --compare-env
+        sinks = {"before": sys.executable, "after": sys.executable}
+    for via in vias:
+        got: dict[str, list[dict[str, Any]]] = {k: [] for k in sinks}
+        for _ in range(args.repeat):
+            for label, python in sinks.items():
+                env_before = dict(os.environ)
+                if args.compare == "env" and label == "after":
+                    os.environ.update(dict(kv.split("=", 1) for kv in args.compare_env))
+                try:
+                    got[label].append(bench(args, via, python))
+                finally:
+                    os.environ.clear()
+                    os.environ.update(env_before)
+                sys.stdout.write(json.dumps({"sink": label, **got[label][-1]}) + "\n")
+                sys.stdout.flush()
+        med = {label: {
+            "written_points_per_s": statistics.median(r["written_points_per_s"] or 0 for r in runs),
+            "points_per_sink_cpu_s": statistics.median(r["points"] / max(r["sink_cpu_s"], 1e-9) for r in runs),
+        } for label, runs in got.items()}
+        print(f"{via}: {args.clients} clients x {args.steps_per_request} step(s) x {args.metrics} gauges per request, "
+              f"median of {args.repeat}")
+        for key in ("written_points_per_s", "points_per_sink_cpu_s"):
+            b, a = med["before"][key], med["after"][key]
+            print(f"  {key:24s} before {b:10,.0f}   after {a:10,.0f}   after/before {a / max(b, 1e-9):.2f}x")
+    return 0
+
+
+def _top(raw: str, n: int = 25) -> None:
+    """The functions the sink's threads were sampled in (py-spy's collapsed stacks): own and total share."""
+    own: collections.Counter[str] = collections.Counter()
+    total: collections.Counter[str] = collections.Counter()
+    samples = 0
+    for line in Path(raw).read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f for f in stack.split(";")[1:] if f]  # [0] is the thread
+        if not frames or not count.isdigit():
+            continue
+        samples += int(count)
+        own[frames[-1]] += int(count)
+        for f in set(frames):
+            total[f] += int(count)
+    print(f"py-spy: {samples} samples; top functions by own samples (own%, total%)")
+    for frame, c in own.most_common(n):
+        print(f"  {100 * c / samples:5.1f}% {100 * total[frame] / samples:5.1f}%  {frame}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,36 @@
 """The window encoding between the training process and the exporter process (and the spool).
 
 A window is one msgpack message: a table of the runs its rows belong to, the ``(tag, step, value, time)``
-tuples of `ot.log` points the reader already holds, and SDK rows and spans as arrays of their fields (a
-row names its run by its index in the table). msgpack builds values and nothing else, so a spool or pipe
-that someone else wrote cannot run code when it is read (`otel-train replay` reads run folders that may sit
-on a shared file system). Values round-trip exactly: floats (NaN, inf, -0.0) as float64, ints of any size
-(beyond 64 bits as an extension type: trace ids are 128-bit), bools apart from ints, str (lone surrogates
-too), bytes, None; sequences come back as tuples, mappings as dicts. Anything else (a numpy scalar in an
-attribute) is written as the int, float or str it stands for. `bench/framing.py` times it against the
-pickle of tuples it replaced (protocol 5).
+tuples of `ot.log` points as the reader holds them, and SDK rows and spans as tuples of their fields (a
+group of rows names its run by its index in the table). msgpack builds values and nothing else, so a spool
+or pipe that someone else wrote cannot run code when it is read (`otel-train replay` reads run folders that
+may sit on a shared file system). Values round-trip exactly: floats (NaN, inf, -0.0) as float64, ints of
+any size (beyond 64 bits as an extension type: trace ids are 128-bit), bools apart from ints, str (lone
+surrogates too), bytes, None; sequences come back as tuples, mappings as dicts. Anything else (a numpy
+scalar in an attribute) is written as the int, float or str it stands for.
+
+Encoding runs on the training process's collector thread, so it is written by ormsgpack (a compiled
+encoder: no Python call per value) and read by msgpack-python (its tuples and strict map keys); the two
+write the same bytes, and msgpack-python also writes the rare window ormsgpack refuses (a lone surrogate, a
+non-str mapping key), or every window where ormsgpack is not installed. The layout avoids per-row Python work both ways: rows become tuples by `attrgetter`
+and come back by `map`/`starmap` over the row classes; 128-bit trace ids travel as two native columns.
+`bench/framing.py` times it against the pickle of tuples it replaced (protocol 5): encoding (the training
+process) 0.8x the pickle's cost for a 3,000-row window, 1.0x for a 13-row one; decoding (the exporter
+process) 1.06-1.15x, the price of a str object per string where a pickle shares repeated ones.
 
 A resume (`otel_train.resume`, or `init(resume_step=)` in the exporter process) travels in the same stream
 as a window, spooled and acknowledged like one, so each backend applies it once, in order, across a
 restart of the exporter process or `otel-train replay`. Its payload starts with `_RESUME_MAGIC`, a window's
-with `_WINDOW_MAGIC`, so a spool can be scanned for resumes without decoding windows. A payload of an
-earlier otel-train (a pickle) is refused with a message, never unpickled.
+with `_WINDOW_MAGIC`, so a spool can be scanned for resumes without decoding windows. A payload of another
+encoding version (a pickle of an earlier otel-train, a msgpack window of format 3) is refused with a
+message naming it, never unpickled; a corrupt one with a `ValueError`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
 from functools import partial
 from itertools import repeat, starmap
@@ -30,31 +39,39 @@ from typing import Any
 
 import msgpack
 
+try:
+    import ormsgpack
+except ImportError:  # pragma: no cover - a platform without its wheel: msgpack-python writes every window
+    ormsgpack = None  # type: ignore[assignment]
+
 from otel_train.backend import Window
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 
 __all__ = ["Resume", "cut_window", "decode_window", "encode_resume", "encode_window", "is_resume"]
 
-_VERSION = 3
-_WINDOW_MAGIC = b"otw\x03"
+_VERSION = 4
+_WINDOW_MAGIC = b"otw\x04"
 _RESUME_MAGIC = b"otel-train:resume:"
 _PICKLE = b"\x80"  # how every pickle of protocol 2 and later starts: what earlier versions wrote
+_OTHER_WINDOW = b"otw"  # a window of another format version (the byte after it)
 _BIG_INT = 1  # msgpack extension type: an int beyond 64 bits, as signed little-endian bytes
 _RUN = attrgetter(*(f.name for f in dataclasses.fields(RunInfo)))
 _GET_RUN = attrgetter("run")
-# A row as the tuple of its fields after `run` (its group's run), in declaration order.
+# A row as the tuple of its fields after `run` (its group's run), in declaration order. A span's trace id
+# travels as two columns (its high and low 64 bits) and `kind` (a small int) holds its place in the tuple: the
+# decoder builds every span by one `starmap`, then sets the trace ids by one `map` (no Python frame per span).
 _METRIC = attrgetter(*[f.name for f in dataclasses.fields(MetricRow)][1:])
 _HIST = attrgetter(*[f.name for f in dataclasses.fields(HistogramRow)][1:])
-_SPAN = attrgetter(*[f.name for f in dataclasses.fields(SpanRow)][1:])
-_SPAN_TAIL_COLUMNS = tuple(attrgetter(f.name) for f in dataclasses.fields(SpanRow)[3:])  # after run, name, trace_id
-_NAME = attrgetter("name")
+_SPAN_NO_ID = attrgetter(*[f.name if f.name != "trace_id" else "kind" for f in dataclasses.fields(SpanRow)][1:])
 _TRACE_ID = attrgetter("trace_id")
 _STEP = attrgetter("step")
-_FIRST, _SECOND, _THIRD, _FOURTH = (itemgetter(i) for i in range(4))
+_POINT_STEP = itemgetter(1)
 _LOW = (1 << 64) - 1
 _OLD = ("written by an earlier otel-train (a pickle), which this version never unpickles: "
         "deliver it with the otel-train version that wrote it")
+# Beyond 64 bits: to `_default`, an extension.
+_PACK_OPTIONS = ormsgpack.OPT_PASSTHROUGH_BIG_INT if ormsgpack is not None else 0
 
 
 class Resume(Window):
@@ -77,13 +94,31 @@ class Resume(Window):
 
 
 def _default(obj: Any) -> Any:
-    """What msgpack cannot write itself: big ints, read-only mappings, numpy scalars."""
+    """What ormsgpack cannot write itself: big ints, tuple subclasses (`ExponentialBuckets`: it writes only
+    exact tuples), read-only mappings, numpy scalars."""
     if isinstance(obj, int):  # beyond 64 bits (exact ints are written natively)
-        return msgpack.ExtType(_BIG_INT, obj.to_bytes(obj.bit_length() // 8 + 1, "little", signed=True))
+        return ormsgpack.Ext(_BIG_INT, _int_bytes(obj))
+    return _plain(obj)
+
+
+def _default_slow(obj: Any) -> Any:
+    """`_default` for msgpack-python (the fallback encoder)."""
+    if isinstance(obj, int):
+        return msgpack.ExtType(_BIG_INT, _int_bytes(obj))
+    return _plain(obj)
+
+
+def _int_bytes(value: int) -> bytes:
+    return value.to_bytes(value.bit_length() // 8 + 1, "little", signed=True)
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        return tuple(obj)
     if isinstance(obj, Mapping):
         return dict(obj)
-    if isinstance(obj, (set, frozenset)):
-        return tuple(obj)
+    if isinstance(obj, (bytearray, memoryview)):
+        return bytes(obj)
     if isinstance(obj, numbers.Integral):
         return int(obj)
     if isinstance(obj, numbers.Real):
@@ -97,19 +132,16 @@ def _ext(code: int, data: bytes) -> Any:
     raise ValueError(f"unknown msgpack extension type {code}")
 
 
-_local = threading.local()
-
-
 def _packb(obj: Any) -> bytes:
-    # One packer per thread (a packer holds a buffer): the reader, the sink's router and tests encode at once.
-    # str is written by msgpack's fast UTF-8 path; only a window holding a lone surrogate takes the slow one.
-    packer = getattr(_local, "packer", None)
-    if packer is None:
-        packer = _local.packer = msgpack.Packer(default=_default, use_bin_type=True)
+    if ormsgpack is not None:
+        try:
+            return ormsgpack.packb(obj, default=_default, option=_PACK_OPTIONS)
+        except TypeError:  # a lone surrogate, a non-str key, nesting past its limit: msgpack-python writes it
+            pass
     try:
-        data: bytes = packer.pack(obj)
+        data: bytes = msgpack.packb(obj, default=_default_slow, use_bin_type=True)
     except UnicodeEncodeError:
-        data = msgpack.packb(obj, default=_default, use_bin_type=True, unicode_errors="surrogatepass")
+        data = msgpack.packb(obj, default=_default_slow, use_bin_type=True, unicode_errors="surrogatepass")
     return data
 
 
@@ -135,55 +167,35 @@ def encode_window(
         points: ``(tag, step, value, time_unix_nano)`` of `ot.log` gauges.
         metrics, histograms, spans: Rows from the SDK's instruments and spans (any runs).
     """
-    columns = _point_columns(points)
-    max_step = max(columns[2]) if points else -1
+    max_step = max(map(_POINT_STEP, points)) if points else -1
     if metrics:
         max_step = max(max_step, max(map(_STEP, metrics)))
     runs: dict[RunInfo, int] = {run: 0}
-    m = [(i, list(map(_METRIC, rows))) for i, rows in _by_run(metrics, runs)]
-    h = [(i, list(map(_HIST, rows))) for i, rows in _by_run(histograms, runs)]
-    s = [(i, *_span_columns(rows)) for i, rows in _by_run(spans, runs)]
-    payload = _packb((_VERSION, [_RUN(r) for r in runs], columns, m, h, s))
+    m = [(i, list(map(_METRIC, rows))) for i, rows in _by_run(run, metrics, runs)] if metrics else ()
+    h = [(i, list(map(_HIST, rows))) for i, rows in _by_run(run, histograms, runs)] if histograms else ()
+    s = [(i, *_span_columns(rows)) for i, rows in _by_run(run, spans, runs)] if spans else ()
+    payload = _packb((_VERSION, list(map(_RUN, runs)), points, m, h, s))
     return _WINDOW_MAGIC + payload, max_step
 
 
-# Rows travel as tuples of their fields, built by `attrgetter` and rebuilt by `starmap`: C-level loops both
-# ways, with no Python frame per row (what pickling the same tuples cost before).
-
-
-def _point_columns(points: Sequence[tuple[str, int, float, int]]) -> tuple[Any, ...]:
-    """`ot.log` points as columns: each tag once, then per point its tag's index, step, value and time (a run
-    logs the same keys every step, so the tags table is small)."""
-    tags = list(map(_FIRST, points))
-    index = {tag: i for i, tag in enumerate(dict.fromkeys(tags))}
-    return (list(index), list(map(index.__getitem__, tags)), list(map(_SECOND, points)), list(map(_THIRD, points)),
-            list(map(_FOURTH, points)))
-
-
-def _by_run(rows: Sequence[Any], runs: dict[RunInfo, int]) -> list[tuple[int, Sequence[Any]]]:
+def _by_run(run: RunInfo, rows: Sequence[Any], runs: dict[RunInfo, int]) -> list[tuple[int, Sequence[Any]]]:
     """`rows` grouped by run (each group in the rows' order), with each run's index in `runs` (added)."""
-    if not rows:
-        return []
-    first = rows[0].run
-    if len(set(map(id, map(_GET_RUN, rows)))) == 1:  # the usual window: one run (C-level check)
-        return [(runs.setdefault(first, len(runs)), rows)]
+    ids = set(map(id, map(_GET_RUN, rows)))
+    if len(ids) == 1:  # the usual window: one run (C-level check), most often the points' (no hashing)
+        first = rows[0].run
+        return [(0 if first is run else runs.setdefault(first, len(runs)), rows)]
     groups: dict[RunInfo, list[Any]] = {}
     for r in rows:
         groups.setdefault(r.run, []).append(r)
-    return [(runs.setdefault(run, len(runs)), group) for run, group in groups.items()]
+    return [(runs.setdefault(key, len(runs)), group) for key, group in groups.items()]
 
 
-def _span_columns(rows: Sequence[SpanRow]) -> tuple[Any, ...]:
-    """Spans as columns (one list per field after the trace id) plus the names and the high and low 64 bits
-    of the trace ids: a 128-bit trace id as two native ints, not one msgpack extension (a Python call) each,
-    and every span rebuilt by one C-level `map`. A trace id outside 128 bits: the fields as tuples, the id as
-    an extension."""
+def _span_columns(rows: Sequence[SpanRow]) -> tuple[list[int], list[int], list[tuple[Any, ...]]]:
+    """The high and low 64 bits of the spans' trace ids, and the spans' other fields as tuples: a 128-bit
+    trace id as two native ints, not one extension (a Python call) each. An id outside 128 bits round-trips
+    too (its high part, an extension)."""
     ids = list(map(_TRACE_ID, rows))
-    high = list(map(rshift, ids, repeat(64)))
-    if max(high) > _LOW or min(high) < 0:
-        return (None, None, None, list(map(_SPAN, rows)))
-    return (list(map(_NAME, rows)), high, list(map(and_, ids, repeat(_LOW))),
-            [list(map(get, rows)) for get in _SPAN_TAIL_COLUMNS])
+    return list(map(rshift, ids, repeat(64))), list(map(and_, ids, repeat(_LOW))), list(map(_SPAN_NO_ID, rows))
 
 
 def encode_resume(run: RunInfo, step: int, cut_after: int) -> bytes:
@@ -218,24 +230,42 @@ def decode_window(payload: bytes) -> Window:
 
     Raises:
         ValueError: `payload` is not a window of this version (one of an earlier otel-train, a pickle, is
-            never unpickled).
+            never unpickled), or is corrupt.
     """
     if is_resume(payload):
         body = payload[len(_RESUME_MAGIC):]
         if body.startswith(_PICKLE):
             raise ValueError(f"a resume {_OLD}")
-        _, run_fields, step, cut_after = _checked(_unpackb(body), 4, "resume")
-        return Resume(RunInfo(*run_fields), int(step), int(cut_after))
+        message = _checked(_unpack_body(body), 4, "resume")
+        try:
+            return Resume(RunInfo(*message[1]), int(message[2]), int(message[3]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"a corrupt resume ({type(err).__name__}: {err})") from None
     if not payload.startswith(_WINDOW_MAGIC):
         if payload.startswith(_PICKLE):
             raise ValueError(f"a window {_OLD}")
+        if payload.startswith(_OTHER_WINDOW) and len(payload) > len(_OTHER_WINDOW):
+            raise ValueError(f"a window of encoding version {payload[len(_OTHER_WINDOW)]}, which this version "
+                             f"({_VERSION}) does not read: deliver it with the otel-train version that wrote it")
         raise ValueError("not an otel-train window (unknown leading bytes)")
-    _, run_table, points, metrics, hists, spans = _checked(_unpackb(payload[len(_WINDOW_MAGIC):]), 6, "window")
+    message = _checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), 6, "window")
+    try:
+        return _rows(*message[1:])
+    except (TypeError, ValueError, IndexError, AttributeError) as err:  # the right framing, the wrong shapes
+        raise ValueError(f"a corrupt window ({type(err).__name__}: {err})") from None
+
+
+def _unpack_body(body: bytes) -> Any:
+    try:
+        return _unpackb(body)
+    except (ValueError, msgpack.UnpackException) as err:
+        raise ValueError(f"a corrupt payload ({type(err).__name__}: {err})") from None
+
+
+def _rows(run_table: Any, points: Any, metrics: Any, hists: Any, spans: Any) -> Window:
     runs = [RunInfo(*fields) for fields in run_table]
     run = runs[0]
-    table, tag_index, steps, values, times = points
-    keys = list(map(table.__getitem__, tag_index))
-    rows = list(map(MetricRow, repeat(run), steps, keys, keys, values, repeat("gauge"), times))
+    rows = [MetricRow(run, step, tag, tag, value, "gauge", t) for tag, step, value, t in points]
     for i, group in metrics:
         rows.extend(starmap(partial(MetricRow, runs[i]), group))
     histograms: list[HistogramRow] = []
@@ -245,12 +275,13 @@ def decode_window(payload: bytes) -> Window:
         if h.exponential is not None:
             h.exponential = ExponentialBuckets(*h.exponential)
     span_rows: list[SpanRow] = []
-    for i, names, high, low, fields in spans:
-        if names is None:
-            span_rows.extend(starmap(partial(SpanRow, runs[i]), fields))
-        else:
-            ids = map(or_, map(lshift, high, repeat(64)), low)
-            span_rows.extend(map(SpanRow, repeat(runs[i]), names, ids, *fields))
+    for i, high, low, fields in spans:
+        if not len(high) == len(low) == len(fields):
+            raise ValueError("trace id columns and spans of different lengths")
+        group = list(starmap(partial(SpanRow, runs[i]), fields))
+        ids = map(or_, map(lshift, high, repeat(64)), low)
+        deque(map(setattr, group, repeat("trace_id"), ids), maxlen=0)  # consumed in C, nothing kept
+        span_rows.extend(group)
     return Window(rows, histograms, span_rows)
 
 

@@ -261,7 +261,8 @@ def _named_metrics(scope_metrics: Any) -> Iterator[tuple[str, str | None, Any]]:
 def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: AttributeCache) -> None:
     """Pending rows of one Resource's metrics from a lean request: gauge and sum points are read from
     their encoding (see `otel_train.sink.points`). The sink's hot loop, kept flat: one call per
-    Resource, not per metric (a request often holds one point per metric)."""
+    Resource, not per metric (a request often holds one point per metric), and each metric's fields read
+    once (every read of a protobuf field builds a Python object)."""
     entries = cache.entries
     unpack = TIME_DOUBLE.unpack_from
     tags = out.tags_of(run)
@@ -269,75 +270,85 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
     sender = out.sender
     hi = -1
     entry: Any
-    for name, kind, metric in _named_metrics(scope_metrics):
-        if kind == "gauge":
-            points, row_kind, mode = metric.gauge.data_points, "gauge", GAUGE
-            rows = out._numbers  # step-less gauges; those with a step go to `gauge_rows`
-        elif kind == "sum":
-            s = metric.sum
-            points, row_kind, mode = s.data_points, ("counter" if s.is_monotonic else "sum"), _sum_mode(s)
-            rows = []
-        else:
-            _other_metric(metric, kind, name, run, out)
-            continue
-        unit, description = _unit_description(metric)
-        append = rows.append
-        plain = False
-        for raw in points:
-            try:
-                time_key, t, value_key, value = unpack(raw)
-            except struct.error:  # shorter than the common front
-                time_key = value_key = 0
-            start = 0
-            if time_key == TIME and value_key == DOUBLE:
-                rem = raw[18:]
-                entry = entries.get(rem)
-                if entry is None:
-                    entry = cache.decode(rem)
+    for sm in scope_metrics:
+        for metric in sm.metrics:
+            name = metric.name
+            if not name:
+                raise DecodeError("a metric has an empty name")
+            description = metric.description
+            if description:  # the key as logged, when `otlp` had to map it (`otel_train.names`)
+                name = key_from_description(name, description)
+                if description.startswith(KEY_DESCRIPTION_PREFIX):
+                    description = ""  # rows keep a description, not the key it carried
+            kind = metric.WhichOneof("data")
+            if kind == "gauge":
+                points, row_kind, mode = metric.gauge.data_points, "gauge", GAUGE
+                rows = out._numbers  # step-less gauges; those with a step go to `gauge_rows`
+            elif kind == "sum":
+                s = metric.sum
+                points, row_kind, mode = s.data_points, ("counter" if s.is_monotonic else "sum"), _sum_mode(s)
+                rows = []
             else:
-                parts = split_point(raw)
-                if parts is None:
-                    entry = WHOLE
-                else:
-                    start, t, value, rem = parts
+                _other_metric(metric, kind, name, run, out)
+                continue
+            unit = metric.unit
+            append = rows.append
+            plain = False
+            for raw in points:
+                try:
+                    time_key, t, value_key, value = unpack(raw)
+                except struct.error:  # shorter than the common front
+                    time_key = value_key = 0
+                start = 0
+                if time_key == TIME and value_key == DOUBLE:
+                    rem = raw[18:]
                     entry = entries.get(rem) or cache.decode(rem)
-            if entry is WHOLE:
-                p = number_point(raw)
-                row = _one_point(p, name, row_kind, run, unit, description)
-                if row.step == BAD_STEP:
+                else:
+                    parts = split_point(raw)
+                    if parts is None:
+                        entry = WHOLE
+                    else:
+                        start, t, value, rem = parts
+                        entry = entries.get(rem) or cache.decode(rem)
+                if entry is WHOLE:
+                    p = number_point(raw)
+                    row = _one_point(p, name, row_kind, run, unit, description)
+                    if row.step == BAD_STEP:
+                        out.refuse("bad_step", name)
+                        continue
+                    tags.add(row.tag)
+                    hi = max(hi, row.step)
+                    if mode == GAUGE and row.step != STEPLESS:
+                        gauge_rows(row)
+                    else:
+                        append((row, mode, p.start_time_unix_nano, sender))
+                    continue
+                step, extra = entry
+                if step == BAD_STEP:
                     out.refuse("bad_step", name)
                     continue
-                tags.add(row.tag)
-                hi = max(hi, row.step)
-                if mode == GAUGE and row.step != STEPLESS:
-                    gauge_rows(row)
+                if extra is NO_EXTRA:
+                    plain = True
+                    tag = name
                 else:
-                    append((row, mode, p.start_time_unix_nano, sender))
-                continue
-            step, extra = entry
-            if step is None:
-                step = STEPLESS
-            elif step == BAD_STEP:
-                out.refuse("bad_step", name)
-                continue
-            if extra is NO_EXTRA:
-                plain = True
-                tag = name
-            else:
-                tag = series_tag(name, extra)
-                tags.add(tag)
-            if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
-                hi = step
-            if mode == GAUGE and step != STEPLESS:
-                gauge_rows(MetricRow(run, step, name, tag, value, row_kind, t, extra, None, unit, description))
-            else:
+                    tag = series_tag(name, extra)
+                    tags.add(tag)
+                if step is None:
+                    step = STEPLESS
+                elif mode == GAUGE:  # the hot path: a gauge with a step
+                    if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
+                        hi = step
+                    gauge_rows(MetricRow(run, step, name, tag, value, row_kind, t, extra, None, unit, description))
+                    continue
+                if step > hi:  # noqa: PLR1730
+                    hi = step
                 append((MetricRow(run, step, name, tag, value, row_kind, t, extra, None, unit, description), mode,
                         start, sender))
-        if plain:
-            tags.add(name)
-        if mode != GAUGE:
-            rows.sort(key=_by_step)  # running totals follow the step order
-            out._numbers.extend(rows)
+            if plain:
+                tags.add(name)
+            if mode != GAUGE:
+                rows.sort(key=_by_step)  # running totals follow the step order
+                out._numbers.extend(rows)
     if hi >= 0:
         out.saw(run, hi)
 

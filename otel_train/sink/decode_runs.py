@@ -5,6 +5,7 @@ of a Resource without `train.run.id`, the sending process."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ class DecodeCache:
         self._max = max_entries
         self._names = names
         self.points = AttributeCache()
+        self._lock = threading.Lock()
 
     def run_for(self, resource_attributes: Mapping[str, Any]) -> RunInfo:
         """The run of a Resource.
@@ -41,6 +43,13 @@ class DecodeCache:
             DecodeError: its `train.run.id` holds a NUL or is over 255 bytes (no backend can name it).
         """
         key = tuple(sorted(resource_attributes.items(), key=lambda kv: kv[0]))
+        run = self._runs.get(key)
+        if run is None:
+            with self._lock:  # requests are decoded on several threads; a run's name is claimed once
+                return self._new_run(key, resource_attributes)
+        return run
+
+    def _new_run(self, key: tuple[tuple[str, Any], ...], resource_attributes: Mapping[str, Any]) -> RunInfo:
         run = self._runs.get(key)
         if run is None:
             if len(self._runs) >= self._max:

@@ -6,7 +6,6 @@ import base64
 import functools
 import json
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
@@ -30,9 +29,23 @@ __all__ = [
 
 #: Longest `train.run.id` / `train.run.name` taken (a file name is at most 255 bytes).
 MAX_RUN_ID_BYTES = 255
+
+
+class _EmptyAttributes(dict):  # type: ignore[type-arg]
+    """The attributes of every row without extra ones: one shared empty dict that refuses to be filled. A
+    dict (not a `MappingProxyType`), so the spool's encoder writes it as a map without calling back into
+    Python for each row (`otel_train.ship.framing`)."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("these attributes are shared by many rows and cannot be changed")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+
 #: Shared by rows without extra attributes (read-only).
-NO_EXTRA: Mapping[str, Any] = MappingProxyType({})
-# The sink's spool writes read-only attributes as plain maps (`otel_train.ship.framing`).
+NO_EXTRA: Mapping[str, Any] = _EmptyAttributes()
 
 
 class DecodeError(ValueError):

@@ -110,6 +110,7 @@ class Router:
         self._order_skipped_closed: dict[str, dict[str, int]] = {}
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
+        self._counts = threading.Lock()  # the counters below: a `+=` from two threads could lose one
         self._closed = False
         self.points_in = 0
         self.spans_in = 0
@@ -121,8 +122,14 @@ class Router:
         self.runs_opened = 0
         self.runs_closed = 0
 
+    def _count(self, counter: str, n: int) -> None:
+        # Requests are taken on several threads at once (the gRPC receiver's, the event loop's).
+        with self._counts:
+            setattr(self, counter, getattr(self, counter) + n)
+
     def _error(self) -> None:
-        self.errors += 1
+        with self._counts:
+            self.errors += 1
 
     def _run(self, run_id: str) -> RunFeed:
         with self._lock:
@@ -233,7 +240,7 @@ class Router:
         try:
             states = [(self._run(run_id), parts[run_id]) for run_id in sorted(parts)]
         except Overloaded:
-            self.refused += 1
+            self._count("refused", 1)
             raise
         for state, _ in states:  # one order for every request: no two requests wait on each other's locks
             state.lock.acquire()
@@ -241,9 +248,9 @@ class Router:
             for state, _ in states:
                 reason = self._refusal(state)
                 if reason is not None:
-                    self.refused += 1
+                    self._count("refused", 1)
                     raise Overloaded(f"run {state.run_id!r}: {reason}; retry later", self.retry_after_s)
-            self.requests += 1
+            self._count("requests", 1)
             for state, part in states:
                 self._take(state, part)
         finally:
@@ -273,13 +280,14 @@ class Router:
         npoints = len(part.metrics) + len(part.histograms)
         state.points += npoints
         state.spans += len(part.spans)
-        self.points_in += npoints
-        self.spans_in += len(part.spans)
+        with self._counts:
+            self.points_in += npoints
+            self.spans_in += len(part.spans)
         if state.aggregator is not None and part.metrics:
             agg = state.aggregator.add(part.metrics)
             if agg:
                 part.metrics.extend(agg)
-                self.aggregate_rows += len(agg)
+                self._count("aggregate_rows", len(agg))
         self._put(state, part)
 
     def _put(self, state: RunFeed, part: Decoded) -> None:
@@ -292,9 +300,9 @@ class Router:
         """Queue aggregate rows (the run's lock held). With a spool they always go in (they are few); without
         one, a full queue drops them, counted."""
         if rows:
-            self.aggregate_rows += len(rows)
+            self._count("aggregate_rows", len(rows))
             if state.spool is None and state.behind(self._run_budget) is not None:
-                self.aggregate_dropped += len(rows)
+                self._count("aggregate_dropped", len(rows))
                 _logger.warning("run %r: %d aggregate row(s) dropped, backends are behind", state.run_id, len(rows))
                 return
             self._put(state, Decoded.of_rows(rows))
