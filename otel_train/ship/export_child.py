@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from otel_train._internal.gc_tuning import tune_for_row_churn
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions, options_to_json
 from otel_train.run_identity import RunInfo
@@ -141,6 +142,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         reply("error", f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process could not start: {type(err).__name__}: {err}")
         return
     _write_meta(spool.path, config)
+    tune_for_row_churn()  # the backends' clients are imported now: frozen out of the collector's sight
     delivery = Delivery(backends, spool)
     if config.get("self_metrics"):
         delivery.annotate = SelfMetrics(delivery.backend_stats, lambda: delivery.spool_failed_appends)

@@ -97,21 +97,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _tune_gc() -> None:
-    """Fewer, cheaper cycle collections for a process that allocates rows at a high rate.
-
-    Our rows form no cycles, yet every ~700 allocations the collector ran and the full passes
-    walked every module object; with the startup objects frozen out of its sight and a larger
-    young generation, the sink writes ~1.3x more points/s (bench/sink.py). Only the sink's own
-    process does this; an embedding program keeps its settings.
-    """
-    import gc
-
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(10_000, 20, 20)
-
-
 def main(args: argparse.Namespace) -> int:
     """Run the sink until SIGTERM/SIGINT. Returns the exit code (2: bad setting, 1: cannot bind)."""
     from otel_train.config import load_settings
@@ -162,7 +147,9 @@ def main(args: argparse.Namespace) -> int:
         return 1
     logging.getLogger("otel_train.sink").info(
         "writing %s under %s", ",".join(run_settings.exporters), run_settings.dir)
-    _tune_gc()
+    from otel_train._internal.gc_tuning import tune_for_row_churn
+
+    tune_for_row_churn()  # our own process: fewer cycle collections (see that module)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
