@@ -32,6 +32,7 @@ from otel_train.sink.settings import SinkSettings
 
 if TYPE_CHECKING:
     from otel_train.backend import RowExporter
+    from otel_train.sink.spool_replay import SpoolReplay
 
 __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 
@@ -80,6 +81,8 @@ class SinkCore:
         self.points_refused: dict[str, int] = {}
         #: Per run and backend: rows the spool handed over again after a restart that the backend already held.
         self.redelivered: dict[str, dict[str, int]] = {}
+        #: Started by `Sink.start` when there is a spool: delivers what an earlier sink process left in it.
+        self.spool_replay: SpoolReplay | None = None
         self._log = LogOnce(_logger, interval_s=60.0)
         self._stopped = False
         self._started_at = time.monotonic()
@@ -214,6 +217,8 @@ class SinkCore:
             "steps_order_skipped": self.router.order_skipped(),
             "reorder_held": sum(h.held for h in self.reorder_holds()),
             "redelivered_skipped": self._redelivered_now(),
+            "spool_replay": (self.spool_replay.stats() if self.spool_replay is not None
+                             else {"runs_found": 0, "runs_replayed": 0, "runs_left": 0}),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

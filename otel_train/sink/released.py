@@ -15,8 +15,8 @@ another process on its own schedule; this file is one append per flush that rele
 File format: JSON lines, each a list of ``[run id, rank, tag, step]`` (a step recorded) or ``[run id, rank]``
 (that rank restarted: forget its steps); later lines win. Appended without fsync, like the spool's
 ``written.*``: a ``kill -9`` of the sink keeps what the kernel has. A torn last line is ignored, which can
-only cost a repeat, never a loss. The file is rewritten whole (atomically) when it grows past four times what
-it holds.
+only cost a repeat, never a loss (the next record rewrites the file). The file is rewritten whole (atomically)
+when it grows past four times what it holds.
 
 Limits: a row written between the backend's write and this record (a few milliseconds) may still be written
 twice after a kill; a later row of the same (rank, series, step) as the last one released is skipped after a
@@ -68,6 +68,7 @@ class ReleasedSteps:
         self._log = LogOnce(_logger, interval_s=60.0)
         self._saved: dict[_Key, dict[str, int]] = {}
         self._bytes = 0
+        self._torn = False
         self._load()
         #: What the store held when this process opened it: rows at or below are a redelivery.
         self._before: dict[_Key, dict[str, int]] = {k: dict(v) for k, v in self._saved.items()}
@@ -149,6 +150,7 @@ class ReleasedSteps:
                             err)
             return
         self._bytes = len(data)
+        self._torn = bool(data) and not data.endswith(b"\n")  # a kill tore the last line: rewrite before appending after it
         for line in data.splitlines():
             try:
                 entries = json.loads(line)
@@ -165,7 +167,7 @@ class ReleasedSteps:
         line = (json.dumps(entries, separators=(",", ":")) + "\n").encode("utf-8", "surrogatepass")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self._bytes + len(line) > self._compact_at:
+            if self._torn or self._bytes + len(line) > self._compact_at:
                 self._rewrite()
                 return
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -186,4 +188,5 @@ class ReleasedSteps:
         tmp.write_bytes(data)
         os.replace(tmp, self.path)  # atomic: a kill leaves the old file or the new one
         self._bytes = len(data)
+        self._torn = False
         self._compact_at = max(_MIN_COMPACT_BYTES, 4 * self._bytes)
