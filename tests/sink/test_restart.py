@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -115,10 +116,20 @@ def _body(run_id: str, rank: int, steps: Iterable[int]) -> bytes:
 
 
 def _post(sink: SinkProcess, body: bytes) -> None:
-    req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/metrics", data=body,
-                                 headers={"Content-Type": "application/x-protobuf"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        assert resp.status == 200
+    """One request, retried on 503 as a collector does (the run may be closing just then: the replay of its
+    spool ends)."""
+    for _ in range(100):
+        req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/metrics", data=body,
+                                     headers={"Content-Type": "application/x-protobuf"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
+                return
+        except urllib.error.HTTPError as err:
+            if err.code != 503:
+                raise
+            time.sleep(float(err.headers.get("Retry-After") or 0.2))
+    raise AssertionError("the sink refused the request 100 times")
 
 
 def _stream(sink: SinkProcess, run_id: str, ticks: range) -> int:
