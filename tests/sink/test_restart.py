@@ -17,6 +17,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import pytest
 from rotel_proc import SinkProcess
 
 from otel_train.backend import Window
@@ -259,3 +260,50 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(30) == 0
     assert _tb_points(runs / "k" / "rank0") == _expected(0, 39)
+
+
+# -- the same with a real offline W&B run ----------------------------------------------------------------------
+def _wandb_points(files: list[Path]) -> list[tuple[int, float]]:
+    """(step, value) of `train/loss` in the order W&B's run files hold them (files in the order they were
+    created: a restarted sink resumes the run in a new file); a step written twice shows twice."""
+    from backendkit import wandb_records
+
+    out = []
+    for path in files:
+        for rec in wandb_records(path):
+            if rec.WhichOneof("record_type") == "history":
+                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+                if "train/loss" in items:
+                    out.append((int(items["_step"]), float(items["train/loss"])))
+    return out
+
+
+def test_wandb_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from backendkit import isolated_wandb_env, wandb_files
+
+    isolated_wandb_env(monkeypatch, tmp_path / "wandb")
+    runs = tmp_path / "runs"
+    args = ("--exporters", "wandb", "--dir", str(runs), "--reorder-s", "1")
+    first = SinkProcess(tmp_path / "first", *args).wait_ready()
+    try:
+        _stream(first, "w", range(40))
+        assert _wait(lambda: first.get("/health")["reorder_held"] < 40)  # W&B has taken some (its runs started)
+        _stream(first, "w", range(40, 50))
+        assert first.get("/health")["reorder_held"] > 0
+    finally:
+        _kill(first)
+    second = SinkProcess(tmp_path / "second", *args).wait_ready()
+    try:
+        _stream(second, "w", range(50, 60))
+        for step in range(60 - GAP, 60):  # rank 1 catches up
+            _post(second, _body("w", 1, [step]))
+        assert _wait(lambda: second.get("/health")["reorder_held"] == 0
+                     and second.get("/health")["spool_replay"]["runs_left"] == 0)
+        health = second.get("/health")
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(60) == 0
+    assert _wandb_points(wandb_files(runs, "w", "w")) == _expected(0, 59)
+    assert _wandb_points(wandb_files(runs, "w", "w-rank1")) == _expected(1, 59)
+    assert health["steps_order_skipped"] == {} and health["errors"] == 0
