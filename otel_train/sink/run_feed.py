@@ -161,6 +161,7 @@ class RunFeed:
             "write_errors": self.write_errors,
             "held_bytes": self.held_bytes,
             "reorder_held": sum(h.held for h in self.holds),
+            "redelivered_skipped": sum(h.redelivered for h in self.holds),
             "collisions": self.converter.collisions,
             "collided_series": list(self.converter.collided),
             "late_points": self.converter.late_points,

@@ -227,6 +227,7 @@ def test_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path) 
         assert _wait(lambda: second.get("/health")["reorder_held"] == 0
                      and second.get("/health")["spool_replay"]["runs_left"] == 0)
         health = second.get("/health")
+        assert [r["redelivered_skipped"] for r in second.get("/runs")["runs"]] == [again]
     finally:
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(30) == 0
