@@ -227,7 +227,6 @@ def test_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path) 
         assert _wait(lambda: second.get("/health")["reorder_held"] == 0
                      and second.get("/health")["spool_replay"]["runs_left"] == 0)
         health = second.get("/health")
-        assert [r["redelivered_skipped"] for r in second.get("/runs")["runs"]] == [again]
     finally:
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(30) == 0
@@ -247,6 +246,9 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
     try:
         _stream(first, "k", range(40))  # the job ends with the sink down: nobody sends again
         _post(first, _body("done", 0, range(5)))  # a second run, all of it held when the sink dies
+        # every request handed to the backends (JSONL records each write right after it: a kill between the two
+        # writes that window twice, a limit of its own that this test is not about)
+        assert _wait(lambda: all(r["queued"] == 0 for r in first.get("/runs")["runs"]))
         assert first.get("/health")["reorder_held"] > 0
     finally:
         _kill(first)
