@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rotel_proc import SinkProcess
@@ -317,3 +318,54 @@ def test_wandb_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: 
     assert _wandb_points(wandb_files(runs, "w", "w")) == _expected(0, 59)
     assert _wandb_points(wandb_files(runs, "w", "w-rank1")) == _expected(1, 59)
     assert health["steps_order_skipped"] == {} and health["errors"] == 0
+
+
+# -- the replay at start, in process: which spools, how many runs open at once ------------------------------
+def test_the_replay_delivers_each_unfinished_spool_once_within_max_open_runs(tmp_path: Path) -> None:
+    import threading
+
+    from otel_train.ship.framing import encode_window
+    from otel_train.ship.spool import Spool
+    from otel_train.sink.router import Router
+    from otel_train.sink.spool_replay import SpoolReplay, unfinished_spools
+
+    spool_dir = tmp_path / "spool"
+    for run_id in ("a", "b", "c", "done"):
+        spool = Spool(spool_dir / spool_folder(run_id))
+        for seq in (1, 2):
+            rows = _rows(RunInfo(run_id, run_id), [seq])
+            spool.append(seq, seq, encode_window(RunInfo("", ""), (), rows, (), ())[0])
+        spool.close()
+        if run_id == "done":  # every backend acknowledged it: nothing to replay
+            spool.acknowledge("memory (sink)", 2)
+    (spool_dir / "not-a-run").mkdir()
+    assert sorted(run_id for run_id, _ in unfinished_spools(spool_dir)) == ["a", "b", "c"]
+
+    made: list[InMemoryRowExporter] = []
+    open_now = [0, 0]  # backends open now, most at once
+    lock = threading.Lock()
+
+    class _Counted(InMemoryRowExporter):
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            with lock:
+                open_now[0] -= 1
+            super().shutdown(timeout_millis)
+
+    def make() -> list[Any]:
+        with lock:
+            open_now[0] += 1
+            open_now[1] = max(open_now)
+        made.append(_Counted())
+        return [made[-1]]
+
+    router = Router(make, spool_dir=spool_dir, max_open_runs=1)
+    replay = SpoolReplay(router, spool_dir, threading.Event(), workers=2).start()
+    try:
+        assert replay.wait(60)
+        assert replay.stats() == {"runs_found": 3, "runs_replayed": 3, "runs_left": 0}
+        got = sorted((r.run.run_id, r.step) for e in made for r in e.metrics)
+        assert got == [(run_id, s) for run_id in ("a", "b", "c") for s in (1, 2)]
+        assert open_now[1] == 1 and router.runs_open == 0  # one run at a time; each closed once delivered
+        assert sorted(p.name for p in spool_dir.iterdir()) == sorted([spool_folder("done"), "not-a-run"])
+    finally:
+        router.close(10)
