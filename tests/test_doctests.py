@@ -18,6 +18,8 @@ MODULES = [
     "otel_train.sink.temporality",
     "otel_train.sink.decode_runs",
     "otel_train.sink.run_feed",
+    "otel_train.sink.released",
+    "otel_train.sink.reorder",
     "otel_train.sink.event_loop",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",

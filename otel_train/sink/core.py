@@ -6,6 +6,7 @@ flow one way: receivers -> core -> decode/router -> backends.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import threading
@@ -31,6 +32,7 @@ from otel_train.sink.settings import SinkSettings
 
 if TYPE_CHECKING:
     from otel_train.backend import RowExporter
+    from otel_train.sink.spool_replay import SpoolReplay
 
 __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 
@@ -77,6 +79,10 @@ class SinkCore:
         self.unattributed_runs: set[str] = set()
         self.unsupported: dict[str, int] = {}
         self.points_refused: dict[str, int] = {}
+        #: Per run and backend: rows the spool handed over again after a restart that the backend already held.
+        self.redelivered: dict[str, dict[str, int]] = {}
+        #: Started by `Sink.start` when there is a spool: delivers what an earlier sink process left in it.
+        self.spool_replay: SpoolReplay | None = None
         self._log = LogOnce(_logger, interval_s=60.0)
         self._stopped = False
         self._started_at = time.monotonic()
@@ -94,6 +100,8 @@ class SinkCore:
             for exporter in make_exporters():
                 if needs_hold(exporter):
                     hold = ReorderHold(exporter, reorder_s)
+                    hold.on_redelivered = functools.partial(self._count_redelivered,
+                                                            str(getattr(exporter, "name", type(exporter).__name__)))
                     with self._holds_lock:
                         self._holds.add(hold)
                     exporter = cast("RowExporter", hold)
@@ -101,6 +109,16 @@ class SinkCore:
             return out
 
         return make
+
+    def _count_redelivered(self, backend: str, run_id: str, rows: int) -> None:
+        """Rows a restarted sink's spool handed a backend again that it already held: skipped, counted."""
+        with self._lock:
+            per_run = self.redelivered.setdefault(run_id, {})
+            per_run[backend] = per_run.get(backend, 0) + rows
+
+    def _redelivered_now(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {run: dict(counts) for run, counts in self.redelivered.items()}
 
     def reorder_holds(self) -> list[ReorderHold]:
         with self._holds_lock:
@@ -198,6 +216,9 @@ class SinkCore:
             "late_delta_points": self.router.late_deltas(),
             "steps_order_skipped": self.router.order_skipped(),
             "reorder_held": sum(h.held for h in self.reorder_holds()),
+            "redelivered_skipped": self._redelivered_now(),
+            "spool_replay": (self.spool_replay.stats() if self.spool_replay is not None
+                             else {"runs_found": 0, "runs_replayed": 0, "runs_left": 0}),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

@@ -21,9 +21,12 @@ doing so); without a spool the sink's housekeeping asks for a flush (`on_due`). 
 Durability: the wrapper is never `kill_safe_writes`, and its `durable_step` is one below the lowest step it
 holds (or the backend's own, if lower): the sink's spool cursor never passes a held row, so a sink killed with
 rows held hands them over again from the spool after a restart. Releasing only in a flush lets delivery move the
-cursor over the released rows right after writing them (`BackendFeed._acknowledge`), so a kill rarely finds rows
-written and not acknowledged (those would be written again after the restart): only when ranks of a run are
-at steps far apart, as the cursor follows the lowest step held.
+cursor over the released rows right after writing them (`BackendFeed._acknowledge`). The cursor follows the
+lowest step held over the whole run, so while its ranks are at steps far apart, windows whose rows for a faster
+rank were written stay unacknowledged: with `remember_released` (the sink does it for every spooled run) the
+hold records the highest step written per (rank, series) after each flush (`otel_train.sink.released`), and
+after a restart skips a row the spool hands over again at or below it (counted in `redelivered`, not as a
+step-order skip), so nothing is written twice.
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from otel_train.backend import Window
+from otel_train.sink.released import ReleasedSteps
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from otel_train.backend import RowExporter
-    from otel_train.rows import HistogramRow, MetricRow
+    from otel_train.rows import HistogramRow, MetricRow, SpanRow
     from otel_train.run_identity import RunInfo
 
 __all__ = ["MAX_HELD_ROWS", "ReorderHold", "needs_hold"]
@@ -124,38 +130,59 @@ class ReorderHold:
         self.held = 0
         #: Called by the sink's housekeeping when rows are due and nothing else would flush (no spool).
         self.on_due: Callable[[], object] | None = None
+        self._released: ReleasedSteps | None = None
+        #: Rows skipped because the backend held them before a restart (the spool handed them over again).
+        self.redelivered = 0
+        #: Called with (run id, rows) for each such skip (the sink's `/health`).
+        self.on_redelivered: Callable[[str, int], object] | None = None
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_inner" not in self.__dict__:
             raise AttributeError(name)
         return getattr(self._inner, name)
 
+    def remember_released(self, path: Path) -> None:
+        """Record in `path` what the backend holds, and skip what it held before (call before the first window;
+        see `otel_train.sink.released`)."""
+        self._released = ReleasedSteps(path)
+
     # -- delivery's calls ---------------------------------------------------------------------------
     def export_window(self, window: Window) -> bool:
         """Hold the window's metric and histogram rows (they go out in a flush); hand its spans over at once."""
         now = self._clock()
-        if window.metrics or window.histograms:
-            self._hold(window.metrics, window.histograms, now)
-        metrics, histograms = self._take(now, everything=False, by_time=False)  # past the row budget only
-        if not (metrics or histograms or window.spans):
+        metrics: Sequence[MetricRow] = window.metrics
+        histograms: Sequence[HistogramRow] = window.histograms
+        if self._released is not None and (metrics or histograms):
+            metrics, histograms = self._drop_redelivered(metrics, histograms)
+        if metrics or histograms:
+            self._hold(metrics, histograms, now)
+        out_m, out_h = self._take(now, everything=False, by_time=False)  # past the row budget only
+        if not (out_m or out_h or window.spans):
             return True
-        return bool(self._inner.export_window(Window(metrics, histograms, window.spans)))
+        return self._write(out_m, out_h, window.spans)
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        """Release what is due (everything after `drain_at_next_flush`), then flush the backend."""
+        """Release what is due (everything after `drain_at_next_flush`), then flush the backend; then record
+        what it holds (before delivery moves the spool's cursor)."""
         asked = self._drains_asked  # a counter, not a flag: an ask racing this flush is served by the next one
         everything, self._drains_done = asked != self._drains_done, asked
         ok = self._release(everything)
-        return bool(self._inner.force_flush(timeout_millis)) and ok
+        flushed = bool(self._inner.force_flush(timeout_millis))
+        if flushed:
+            self._save_released()
+        return flushed and ok
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         """Release everything held, then shut the backend down (safe to call twice)."""
         self._release(everything=True)
         self._inner.shutdown(timeout_millis)
+        self._save_released()
 
     def resume(self, run: RunInfo, step: int) -> bool:
         """A restart of `run`'s rank at `step`: what came before it is written first."""
         self._release(everything=True)
+        if self._released is not None:
+            self._released.forget(run.run_id, run.rank)
         return bool(self._inner.resume(run, step))
 
     def durable_step(self) -> int | None:
@@ -191,7 +218,34 @@ class ReorderHold:
         metrics, histograms = self._take(self._clock(), everything)
         if not (metrics or histograms):
             return True
-        return bool(self._inner.export_window(Window(metrics, histograms)))
+        return self._write(metrics, histograms)
+
+    def _write(self, metrics: list[MetricRow], histograms: list[HistogramRow], spans: Sequence[SpanRow] = ()) -> bool:
+        ok = bool(self._inner.export_window(Window(metrics, histograms, spans)))
+        if ok and self._released is not None:  # not written (kept for a retry): never claimed as held
+            self._released.note(metrics)
+            self._released.note(histograms)
+        return ok
+
+    def _save_released(self) -> None:
+        if self._released is not None:
+            try:
+                durable = self._inner.durable_step()
+            except Exception:  # a backend that cannot say: claim nothing now (a repeat, never a loss)
+                return
+            self._released.save(durable)
+
+    def _drop_redelivered(self, metrics: Sequence[MetricRow], histograms: Sequence[HistogramRow]
+                          ) -> tuple[Sequence[MetricRow], Sequence[HistogramRow]]:
+        assert self._released is not None
+        first = metrics[0] if metrics else histograms[0]  # the sink feeds a hold the rows of one run
+        metrics, n = self._released.drop_redelivered(metrics)
+        histograms, h = self._released.drop_redelivered(histograms)
+        if n + h:
+            self.redelivered += n + h
+            if self.on_redelivered is not None:
+                self.on_redelivered(first.run.run_id, n + h)
+        return metrics, histograms
 
     def _hold(self, metrics: Sequence[MetricRow], histograms: Sequence[HistogramRow], now: float) -> None:
         groups: dict[_Key, tuple[list[MetricRow], list[HistogramRow]]] = {}

@@ -160,6 +160,29 @@ class Router:
                 _logger.info("run %r opened (%d backend(s))", run_id, len(exporters))
             return state
 
+    def open_run(self, run_id: str) -> RunFeed:
+        """The open run `run_id`, opened now if it is not (its spool is read again): a restarted sink's replay.
+
+        Raises:
+            Overloaded: as for a request (the sink is full of busy runs, or the run is being closed).
+        """
+        return self._run(run_id)
+
+    def close_if_idle(self, state: RunFeed, since: float, why: str) -> bool:
+        """Close `state` now (waiting for it) unless a request reached it after `since` or it has windows
+        queued; whether it was closed."""
+        with self._lock:
+            if self._runs.get(state.run_id) is not state or state.last_seen > since or state.pending:
+                return False
+            if not state.lock.acquire(blocking=False):  # a request is being taken just now
+                return False
+            try:
+                self._begin_close(state)
+            finally:
+                state.lock.release()
+        self._finish_close(state, 30.0, why)
+        return True
+
     def _evict(self) -> None:
         """Start closing least recently used idle runs so that new ones find room (self._lock held). A run with
         data still queued, or busy in a request, is passed over."""

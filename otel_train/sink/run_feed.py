@@ -21,7 +21,7 @@ from otel_train.sink.temporality import SeriesLedger
 if TYPE_CHECKING:
     from otel_train.backend import RowExporter
 
-__all__ = ["RunFeed", "spool_folder"]
+__all__ = ["RunFeed", "released_file", "spool_folder"]
 
 _NO_RUN = RunInfo(run_id="", run_name="")  # a spooled window's rows carry their own runs
 
@@ -56,14 +56,18 @@ class RunFeed:
         self.held_bytes = 0
         # Without a spool a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
         self.spool_path = spool_path
-        self.delivery = Delivery(_named(exporters), self.spool, queue_windows, self._error,
-                                 thread_name=f"otel-train-sink[{run_id}]", pool=pool)
+        named = _named(exporters)
         # Backends behind a reorder hold: with a spool, delivery flushes them every second while they hold rows
         # (held rows keep its cursor back); without one, the sink's housekeeping asks for that flush.
         self.holds = [e for e in exporters if isinstance(e, ReorderHold)]
-        if self.spool is None:
-            for hold in self.holds:
-                hold.on_due = self._flush_soon
+        for name, exporter in named.items():
+            if isinstance(exporter, ReorderHold):
+                if spool_path is not None:  # what it wrote is never written again after a restart
+                    exporter.remember_released(spool_path / released_file(name))
+                else:
+                    exporter.on_due = self._flush_soon
+        self.delivery = Delivery(named, self.spool, queue_windows, self._error,
+                                 thread_name=f"otel-train-sink[{run_id}]", pool=pool)
 
     def _error(self, _backend: str) -> None:
         self.write_errors += 1
@@ -157,6 +161,7 @@ class RunFeed:
             "write_errors": self.write_errors,
             "held_bytes": self.held_bytes,
             "reorder_held": sum(h.held for h in self.holds),
+            "redelivered_skipped": sum(h.redelivered for h in self.holds),
             "collisions": self.converter.collisions,
             "collided_series": list(self.converter.collided),
             "late_points": self.converter.late_points,
@@ -177,6 +182,16 @@ def spool_folder(run_id: str) -> str:
     """
     readable = "".join(c if c.isalnum() or c in "-_." else "_" for c in run_id)[:64].lstrip(".") or "run"
     return f"{readable}-{hashlib.sha256(run_id.encode('utf-8', 'surrogatepass')).hexdigest()[:12]}"
+
+
+def released_file(backend: str) -> str:
+    """The file in a run's spool folder where a held backend records the steps it holds (`ReleasedSteps`).
+
+    Example:
+        >>> released_file("tensorboard (sink)")
+        'released.tensorboard__sink_'
+    """
+    return "released." + "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)
 
 
 def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:

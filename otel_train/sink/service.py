@@ -109,6 +109,12 @@ class Sink(SinkCore):
         self._housekeeper = threading.Thread(target=self._housekeep, name="otel-train-sink-housekeeping",
                                              daemon=True)
         self._housekeeper.start()
+        if s.spool_dir is not None and s.spool_run_mb > 0:
+            # What a killed sink left in runs' spools goes out now, not when (if ever) each run sends again.
+            from otel_train.sink.spool_replay import SpoolReplay
+
+            self.spool_replay = SpoolReplay(self.router, s.spool_dir, self._stop,
+                                            workers=min(2, max(1, s.max_open_runs // 4))).start()
         _logger.info("otel-train sink listening: OTLP/gRPC %s, OTLP/HTTP %s%s", self._addr(s.grpc, self.grpc_port),
                      self._addr(s.http, self.http_port), " (token required)" if self.token else "")
         exposed = [a for a in (s.grpc, s.http) if not is_loopback(a)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -264,10 +265,18 @@ def test_a_sink_killed_while_holding_points_writes_them_after_a_restart(tmp_path
     args = ("--exporters", "tensorboard", "--dir", str(runs))
 
     def post(sink: SinkProcess, body: bytes) -> None:
-        req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/metrics", data=body,
-                                     headers={"Content-Type": "application/x-protobuf"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            assert resp.status == 200
+        for _ in range(50):  # a 503 is retried, as a collector does: the restarted sink may be closing the run
+            req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/metrics", data=body,
+                                         headers={"Content-Type": "application/x-protobuf"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    assert resp.status == 200
+                    return
+            except urllib.error.HTTPError as err:
+                if err.code != 503:
+                    raise
+                time.sleep(0.2)  # after replaying its spool (`otel_train.sink.spool_replay`)
+        raise AssertionError("refused 50 times")
 
     first = SinkProcess(tmp_path / "first", *args, "--reorder-s", "3600").wait_ready()
     try:

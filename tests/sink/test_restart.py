@@ -1,0 +1,371 @@
+"""A sink killed and restarted (issue 21): exactly once for TensorBoard and W&B under the reorder hold.
+
+The hold keeps the spool's cursor below the lowest held step of a whole run, so while the ranks of a run are
+several steps apart a killed sink's spool hands over again rows of the faster rank that were already written;
+the restarted hold skips them (`otel_train.sink.released`). And a restarted sink delivers what its runs' spools
+hold without waiting for the runs to send again (`otel_train.sink.spool_replay`). First the record on its own,
+then real `otel-train sink` processes killed with SIGKILL, read back from TensorBoard's event files in file order
+and JSONL (lists: a step written twice shows twice)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rotel_proc import SinkProcess
+
+from otel_train.backend import Window
+from otel_train.rows import MetricRow
+from otel_train.run_identity import RunInfo
+from otel_train.sink.released import ReleasedSteps
+from otel_train.sink.reorder import ReorderHold
+from otel_train.sink.run_feed import spool_folder
+from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
+
+R0, R1 = RunInfo("r", "r", rank=0, world_size=2), RunInfo("r", "r", rank=1, world_size=2)
+GAP = 10  # rank 1 runs this many steps behind rank 0
+
+
+class _SkipsOlder(InMemoryRowExporter):
+    stores_older_steps = False
+
+
+def _rows(run: RunInfo, steps: Iterable[int], tag: str = "loss") -> list[MetricRow]:
+    return [MetricRow(run, s, tag, tag, float(s), "gauge", 0) for s in steps]
+
+
+def _got(inner: InMemoryRowExporter) -> list[tuple[int, str, int]]:
+    return [(r.run.rank, r.tag, r.step) for r in inner.metrics]
+
+
+# -- the record, on a fake clock -----------------------------------------------------------------------------
+def _hold(path: Path, now: list[float]) -> tuple[ReorderHold, _SkipsOlder]:
+    inner = _SkipsOlder()
+    hold = ReorderHold(inner, 5.0, clock=lambda: now[0])
+    hold.remember_released(path)
+    return hold, inner
+
+
+def test_a_restarted_hold_skips_what_its_backend_already_held(tmp_path: Path) -> None:
+    now = [0.0]
+    first, before = _hold(tmp_path / "released", now)
+    first.export_window(Window(_rows(R0, range(10, 15))))
+    now[0] = 3.0
+    first.export_window(Window(_rows(R1, range(5)) + _rows(R0, [8], tag="acc")))
+    now[0] = 5.0
+    assert first.force_flush()  # rank 0's loss 10-14 and acc 8 are written; rank 1 is still held
+    assert _got(before) == [(0, "acc", 8)] + [(0, "loss", s) for s in range(10, 15)]  # in step order
+    # killed here: the spool's cursor is below rank 1's step 0, so it hands every window over again
+    now[0] = 0.0
+    second, after = _hold(tmp_path / "released", now)
+    assert second.export_window(Window(_rows(R0, range(10, 15))))
+    # acc 9 is above what acc held (8), though below rank 0's loss (14): written
+    second.export_window(Window(_rows(R1, range(5)) + _rows(R0, [8, 9], tag="acc") + _rows(R0, [15])))
+    now[0] = 10.0
+    assert second.force_flush()
+    assert _got(after) == [(1, "loss", s) for s in range(5)] + [(0, "acc", 9), (0, "loss", 15)]
+    assert second.redelivered == 6 and after.step_order.counts() == {"backwards": 0, "dropped": 0}
+
+
+def test_a_step_is_recorded_only_once_the_backend_holds_it(tmp_path: Path) -> None:
+    path = tmp_path / "released"
+    steps = ReleasedSteps(path)
+    steps.note(_rows(R0, range(5)))
+    assert not path.exists()  # noted at the write, recorded after the backend's flush
+    steps.save(durable=2)  # a backend whose store lags (W&B): only what it holds is claimed
+    kept, skipped = ReleasedSteps(path).drop_redelivered(_rows(R0, range(5)))
+    assert [r.step for r in kept] == [3, 4] and skipped == 3
+    steps.save(durable=None)
+    kept, skipped = ReleasedSteps(path).drop_redelivered(_rows(R0, range(6)))
+    assert [r.step for r in kept] == [5] and skipped == 5
+
+
+def test_a_torn_record_costs_a_repeat_never_a_loss_and_a_restart_forgets(tmp_path: Path) -> None:
+    path = tmp_path / "released"
+    steps = ReleasedSteps(path)
+    steps.note(_rows(R0, [3]) + _rows(R1, [7]))
+    steps.save(None)
+    steps.note(_rows(R0, [4]))
+    steps.save(None)
+    path.write_bytes(path.read_bytes()[:-5])  # the last record torn by a kill
+    reread = ReleasedSteps(path)
+    assert [r.step for r in reread.drop_redelivered(_rows(R0, range(6)))[0]] == [4, 5]
+    reread.forget("r", 1)  # rank 1 restarted (a declared resume): its steps start over
+    assert ReleasedSteps(path).drop_redelivered(_rows(R1, [0, 7]))[1] == 0
+
+
+def test_the_record_stays_small_however_long_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "released"
+    steps = ReleasedSteps(path)
+    for step in range(30_000):  # ~1.6 MB of records if only appended
+        steps.note(_rows(R0, [step], tag="loss") + _rows(R0, [step], tag="lr"))
+        steps.save(None)
+    assert path.stat().st_size <= 1 << 20  # rewritten whole (two series) once it passes 1 MiB
+    assert ReleasedSteps(path).drop_redelivered(_rows(R0, [29_999, 30_000]))[1] == 1
+
+
+# -- real sink processes -------------------------------------------------------------------------------------
+def _body(run_id: str, rank: int, steps: Iterable[int]) -> bytes:
+    return metrics_request({"train.run.id": run_id, "train.rank": rank, "train.world_size": 2},
+                           [OtlpPoint("train/loss", rank * 1000 + s, step=s, time_unix_nano=s + 1) for s in steps])
+
+
+def _post(sink: SinkProcess, body: bytes) -> None:
+    """One request, retried on 503 as a collector does (the run may be closing just then: the replay of its
+    spool ends)."""
+    for _ in range(100):
+        req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/metrics", data=body,
+                                     headers={"Content-Type": "application/x-protobuf"})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
+                return
+        except urllib.error.HTTPError as err:
+            if err.code != 503:
+                raise
+            time.sleep(float(err.headers.get("Retry-After") or 0.2))
+    raise AssertionError("the sink refused the request 100 times")
+
+
+def _stream(sink: SinkProcess, run_id: str, ticks: range) -> int:
+    """Rank 0 sends step t and rank 1 step t - GAP each tick (one request each); returns points sent."""
+    sent = 0
+    for t in ticks:
+        _post(sink, _body(run_id, 0, [t]))
+        sent += 1
+        if t >= GAP:
+            _post(sink, _body(run_id, 1, [t - GAP]))
+            sent += 1
+        time.sleep(0.03)
+    return sent
+
+
+def _tb_points(folder: Path) -> list[tuple[int, float]]:
+    """(step, value) of `train/loss` in the order TensorBoard's event files hold them (files in name order,
+    which is the order they were created): a step written twice shows twice."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.util import tensor_util
+
+    out = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for v in event.summary.value:
+                if v.tag == "train/loss":
+                    value = v.simple_value if v.HasField("simple_value") else tensor_util.make_ndarray(v.tensor).item()
+                    out.append((int(event.step), float(value)))
+    return out
+
+
+def _jsonl_points(path: Path) -> list[tuple[int, float]]:
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [(r["step"], r["value"]) for r in lines if r.get("type") == "metric" and r["tag"] == "train/loss"]
+
+
+def _expected(rank: int, last: int) -> list[tuple[int, float]]:
+    return [(s, float(rank * 1000 + s)) for s in range(last + 1)]
+
+
+def _unacknowledged_rows(spool: Path, backend: str) -> int:
+    """Rows of the spooled windows past `backend`'s cursor (what a restart hands it again)."""
+    from otel_train.ship.framing import decode_window
+    from otel_train.ship.spool import Spool
+
+    s = Spool(spool)
+    return sum(len(decode_window(p).metrics) for _, _, p in s.read(s.cursor(backend)))
+
+
+def _wait(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def _kill(sink: SinkProcess) -> None:
+    sink.proc.send_signal(signal.SIGKILL)
+    sink.proc.wait(10)
+
+
+def test_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    args = ("--exporters", "tensorboard", "--dir", str(runs), "--reorder-s", "1")
+    first = SinkProcess(tmp_path / "first", *args).wait_ready()
+    try:
+        sent, t = 0, 0
+        # until the hold has released rank 0 past rank 1 (TensorBoard has 20 of its steps), then a few more
+        while t < 2 * GAP or len(_tb_points(runs / "k" / "rank0")) < 2 * GAP:
+            sent += _stream(first, "k", range(t, t + 5))
+            t += 5
+            assert t < 1000, "the hold released nothing"
+        sent += _stream(first, "k", range(t, t + 5))
+        t += 5
+        assert first.get("/health")["reorder_held"] > 0
+    finally:
+        _kill(first)
+    written = len(_tb_points(runs / "k" / "rank0")) + len(_tb_points(runs / "k" / "rank1"))
+    unacked = _unacknowledged_rows(runs / ".sink-spool" / spool_folder("k"), "tensorboard (sink)")
+    # rows the spool hands over again although TensorBoard has them: the faster rank's, behind the cursor
+    again = unacked - (sent - written)
+    assert again > 0, (sent, written, unacked)
+
+    second = SinkProcess(tmp_path / "second", *args).wait_ready()
+    try:
+        after = _stream(second, "k", range(t, 70 + t))
+        for step in range(60 + t, 70 + t):  # rank 1 catches up
+            _post(second, _body("k", 1, [step]))
+            after += 1
+        assert _wait(lambda: second.get("/health")["reorder_held"] == 0
+                     and second.get("/health")["spool_replay"]["runs_left"] == 0)
+        health = second.get("/health")
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(30) == 0
+    assert _tb_points(runs / "k" / "rank0") == _expected(0, 69 + t)
+    assert _tb_points(runs / "k" / "rank1") == _expected(1, 69 + t)
+    # /health adds up: what came in, what the spool handed over again and was skipped, no step-order skip
+    assert health["points"] == after
+    assert health["redelivered_skipped"] == {"k": {"tensorboard": again}}
+    assert health["steps_order_skipped"] == {} and health["errors"] == 0
+    assert health["spool_replay"] == {"runs_found": 1, "runs_replayed": 1, "runs_left": 0}
+
+
+def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    args = ("--exporters", "tensorboard,jsonl", "--dir", str(runs), "--reorder-s", "1")
+    first = SinkProcess(tmp_path / "first", *args).wait_ready()
+    try:
+        _stream(first, "k", range(40))  # the job ends with the sink down: nobody sends again
+        _post(first, _body("done", 0, range(5)))  # a second run, all of it held when the sink dies
+        # every request handed to the backends (JSONL records each write right after it: a kill between the two
+        # writes that window twice, a limit of its own that this test is not about)
+        assert _wait(lambda: all(r["queued"] == 0 for r in first.get("/runs")["runs"]))
+        assert first.get("/health")["reorder_held"] > 0
+    finally:
+        _kill(first)
+    assert _tb_points(runs / "done" / "rank0") == []
+
+    second = SinkProcess(tmp_path / "second", *args).wait_ready()
+    try:
+        complete = {("k", 0): _expected(0, 39), ("k", 1): _expected(1, 39 - GAP), ("done", 0): _expected(0, 4)}
+        # no request reaches the restarted sink: it delivers the spools on its own, and closes both runs
+        assert _wait(lambda: second.get("/health")["runs_closed"] == 2)
+        for (run_id, rank), points in complete.items():
+            assert _tb_points(runs / run_id / f"rank{rank}") == points
+            assert _jsonl_points(runs / run_id / f"rank{rank}.jsonl") == points
+        health = second.get("/health")
+        assert health["spool_replay"] == {"runs_found": 2, "runs_replayed": 2, "runs_left": 0}
+        assert health["points"] == 0 and health["runs_open"] == 0 and health["steps_order_skipped"] == {}
+        assert not (runs / ".sink-spool" / spool_folder("k")).exists()  # every backend holds everything
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(30) == 0
+    assert _tb_points(runs / "k" / "rank0") == _expected(0, 39)
+
+
+# -- the same with a real offline W&B run ----------------------------------------------------------------------
+def _wandb_points(files: list[Path]) -> list[tuple[int, float]]:
+    """(step, value) of `train/loss` in the order W&B's run files hold them (files in the order they were
+    created: a restarted sink resumes the run in a new file); a step written twice shows twice."""
+    from backendkit import wandb_records
+
+    out = []
+    for path in files:
+        for rec in wandb_records(path):
+            if rec.WhichOneof("record_type") == "history":
+                items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+                if "train/loss" in items:
+                    out.append((int(items["_step"]), float(items["train/loss"])))
+    return out
+
+
+def test_wandb_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from backendkit import isolated_wandb_env, wandb_files
+
+    isolated_wandb_env(monkeypatch, tmp_path / "wandb")
+    runs = tmp_path / "runs"
+    args = ("--exporters", "wandb", "--dir", str(runs), "--reorder-s", "1")
+    first = SinkProcess(tmp_path / "first", *args).wait_ready()
+    try:
+        _stream(first, "w", range(40))
+        assert _wait(lambda: first.get("/health")["reorder_held"] < 40)  # W&B has taken some (its runs started)
+        _stream(first, "w", range(40, 50))
+        assert first.get("/health")["reorder_held"] > 0
+    finally:
+        _kill(first)
+    second = SinkProcess(tmp_path / "second", *args).wait_ready()
+    try:
+        _stream(second, "w", range(50, 60))
+        for step in range(60 - GAP, 60):  # rank 1 catches up
+            _post(second, _body("w", 1, [step]))
+        assert _wait(lambda: second.get("/health")["reorder_held"] == 0
+                     and second.get("/health")["spool_replay"]["runs_left"] == 0)
+        health = second.get("/health")
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(60) == 0
+    assert _wandb_points(wandb_files(runs, "w", "w")) == _expected(0, 59)
+    assert _wandb_points(wandb_files(runs, "w", "w-rank1")) == _expected(1, 59)
+    assert health["steps_order_skipped"] == {} and health["errors"] == 0
+
+
+# -- the replay at start, in process: which spools, how many runs open at once ------------------------------
+def test_the_replay_delivers_each_unfinished_spool_once_within_max_open_runs(tmp_path: Path) -> None:
+    import threading
+
+    from otel_train.ship.framing import encode_window
+    from otel_train.ship.spool import Spool
+    from otel_train.sink.router import Router
+    from otel_train.sink.spool_replay import SpoolReplay, unfinished_spools
+
+    spool_dir = tmp_path / "spool"
+    for run_id in ("a", "b", "c", "done"):
+        spool = Spool(spool_dir / spool_folder(run_id))
+        for seq in (1, 2):
+            rows = _rows(RunInfo(run_id, run_id), [seq])
+            spool.append(seq, seq, encode_window(RunInfo("", ""), (), rows, (), ())[0])
+        spool.close()
+        if run_id == "done":  # every backend acknowledged it: nothing to replay
+            spool.acknowledge("memory (sink)", 2)
+    (spool_dir / "not-a-run").mkdir()
+    assert sorted(run_id for run_id, _ in unfinished_spools(spool_dir)) == ["a", "b", "c"]
+
+    made: list[InMemoryRowExporter] = []
+    open_now = [0, 0]  # backends open now, most at once
+    lock = threading.Lock()
+
+    class _Counted(InMemoryRowExporter):
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            with lock:
+                open_now[0] -= 1
+            super().shutdown(timeout_millis)
+
+    def make() -> list[Any]:
+        with lock:
+            open_now[0] += 1
+            open_now[1] = max(open_now)
+        made.append(_Counted())
+        return [made[-1]]
+
+    router = Router(make, spool_dir=spool_dir, max_open_runs=1)
+    replay = SpoolReplay(router, spool_dir, threading.Event(), workers=2).start()
+    try:
+        assert replay.wait(60)
+        assert replay.stats() == {"runs_found": 3, "runs_replayed": 3, "runs_left": 0}
+        got = sorted((r.run.run_id, r.step) for e in made for r in e.metrics)
+        assert got == [(run_id, s) for run_id in ("a", "b", "c") for s in (1, 2)]
+        assert open_now[1] == 1 and router.runs_open == 0  # one run at a time; each closed once delivered
+        assert sorted(p.name for p in spool_dir.iterdir()) == sorted([spool_folder("done"), "not-a-run"])
+    finally:
+        router.close(10)
