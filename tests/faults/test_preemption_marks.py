@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,8 @@ RUN = "pre"
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed_mlflow_store: Callable[[Path], None]) -> Path:
+    seed_mlflow_store(tmp_path / "runs")  # every test's `out`
     root = tmp_path / "home"
     isolated_backends_env(monkeypatch, root)
     for key in list(os.environ):
