@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from backendkit import isolated_backends_env, wandb_files, wandb_records
+from selected import selected
 
 # Real processes, each under a 300 s limit of its own: twice the suite's default per test.
 pytestmark = pytest.mark.timeout(600)
@@ -73,7 +74,7 @@ def ran(tmp_path_factory: pytest.TempPathFactory, mlflow_store_template: Path,
     importing and starting backends, which leaves the second core of a 2-core machine idle. Each test then
     waits for its own case and asserts on it alone."""
     prepared: dict[str, tuple[Case, Path, Path, dict[str, str]]] = {}
-    for name in _selected_cases(request):  # folders and environments here: `os.environ` is not for threads
+    for name in selected(request, "case", CASES):  # folders and environments here: `os.environ` is not for threads
         case, root = CASES[name], tmp_path_factory.mktemp(name)
         out, home = root / "runs", root / "home"
         (out / "mlruns").mkdir(parents=True)  # MLflow's store, created once per session (tests/conftest.py)
@@ -88,16 +89,6 @@ def ran(tmp_path_factory: pytest.TempPathFactory, mlflow_store_template: Path,
 
     with ThreadPoolExecutor(max_workers=len(CASES)) as pool:
         yield {name: pool.submit(run, *args) for name, args in prepared.items()}
-
-
-def _selected_cases(request: pytest.FixtureRequest) -> list[str]:
-    """The `case` of every test of this module in the session (all of them, or those picked by `-k` or id)."""
-    picked = set()
-    for item in request.session.items:
-        callspec = getattr(item, "callspec", None)
-        if getattr(item, "module", None) is request.module and callspec is not None and "case" in callspec.params:
-            picked.add(callspec.params["case"])
-    return [name for name in CASES if name in picked]
 
 
 def run_driver(out: Path, exporters: str, sig: str | None, mode: str, env: dict[str, str]) -> int:
