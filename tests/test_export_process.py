@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from backendkit import events as clearml_events
 from backendkit import isolated_wandb_env, read_run, tb_scalars, wandb_files
 from fake_wandb import fake_wandb_env
+from selected import selected
 
 import otel_train as ot
 from otel_train.config import load_settings
@@ -94,21 +97,53 @@ def _tb_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int]:
 
 #: Where backends run: the same tests pass in each (`OTEL_TRAIN_EXPORT_PROCESS`).
 PLACEMENTS = {"exporter_process": "on", "in_process": "off"}
+ALL_STEPS, ALL_RUN = 40, "all-six"
+
+
+class Finished(NamedTuple):
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture(scope="module")
+def every_backend_runs(tmp_path_factory: pytest.TempPathFactory, mlflow_store_template: Path,
+                       request: pytest.FixtureRequest) -> Iterator[dict[str, tuple[Path, Future[Finished]]]]:
+    """Seven backends, one run per placement, both started together: a run is mostly its processes importing and
+    starting backends one at a time, which leaves the second core of a 2-core machine idle."""
+    started: dict[str, tuple[Path, subprocess.Popen[str]]] = {}
+    for placement in selected(request, "placement", PLACEMENTS):
+        root = tmp_path_factory.mktemp(placement)
+        directory = root / "runs"
+        (directory / "mlruns").mkdir(parents=True)  # MLflow's store, created once per session (tests/conftest.py)
+        shutil.copyfile(mlflow_store_template, directory / "mlruns" / "mlflow.db")
+        cfg = {"exporters": ["tensorboard", "chrome_trace", "jsonl", "wandb", "mlflow", "trackio", "clearml"],
+               "dir": str(directory), "run": ALL_RUN, "steps": ALL_STEPS, "trackio_project": "otel-train",
+               "kw": {"shutdown_timeout_s": 120}}  # `shutdown()` returns when every backend has everything
+        started[placement] = (root, _start(root, cfg, _env(root, OTEL_TRAIN_EXPORT_PROCESS=PLACEMENTS[placement])))
+
+    def finish(proc: subprocess.Popen[str]) -> Finished:  # read as it comes: a full pipe would stall a run
+        out, err = proc.communicate(timeout=300)
+        return Finished(proc.returncode, out, err)
+
+    with ThreadPoolExecutor(max_workers=len(PLACEMENTS)) as pool:
+        try:
+            yield {name: (root, pool.submit(finish, proc)) for name, (root, proc) in started.items()}
+        finally:
+            for _, proc in started.values():
+                if proc.poll() is None:
+                    proc.kill()
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_every_backend_in_every_placement(tmp_path: Path, placement: str,
-                                         seed_mlflow_store: Callable[[Path], None]) -> None:
+def test_every_backend_in_every_placement(
+        every_backend_runs: dict[str, tuple[Path, Future[Finished]]], placement: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    steps, run, directory = 40, "all-six", tmp_path / "runs"
-    seed_mlflow_store(directory)
-    cfg = {"exporters": ["tensorboard", "chrome_trace", "jsonl", "wandb", "mlflow", "trackio", "clearml"],
-           "dir": str(directory), "run": run, "steps": steps, "trackio_project": "otel-train",
-           "kw": {"shutdown_timeout_s": 120}}  # `shutdown()` returns when every backend has everything
-    proc = _start(tmp_path, cfg, _env(tmp_path, OTEL_TRAIN_EXPORT_PROCESS=PLACEMENTS[placement]))
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-3000:]
+    tmp_path, finished = every_backend_runs[placement]
+    steps, run, directory = ALL_STEPS, ALL_RUN, tmp_path / "runs"
+    code, out, err = finished.result()
+    assert code == 0, err[-3000:]
     assert "timed out" not in err
     every = list(range(steps))
     loss = {s: 1.0 / (s + 1) for s in every}
