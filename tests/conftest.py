@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,30 @@ def backend_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "backend-home"
     isolated_backends_env(monkeypatch, root)
     return root
+
+
+@pytest.fixture(scope="session")
+def mlflow_store_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty MLflow SQLite store, created once per session (MLflow migrates a new store: seconds each time)."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments(max_results=1)  # creates and migrates it
+    return path
+
+
+@pytest.fixture
+def seed_mlflow_store(mlflow_store_template: Path) -> Callable[[Path], None]:
+    """Puts a copy of that store where the MLflow backend opens its default store, ``<OTEL_TRAIN_DIR>/mlruns``.
+
+    For tests about what reaches MLflow (keys, placements, preemption marks), not about creating its store: the
+    backend then opens an existing store, as every rank but the first and every resumed job does. Creating it
+    from nothing stays tested by tests/exporters/test_mlflow.py and tests/faults/test_mlflow_ranks.py (ranks
+    creating it at once).
+    """
+    def seed(otel_train_dir: Path) -> None:
+        store = otel_train_dir / "mlruns"
+        store.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(mlflow_store_template, store / "mlflow.db")
+
+    return seed

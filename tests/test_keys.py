@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -58,8 +59,10 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def run_dir(tmp_path_factory: pytest.TempPathFactory, mlflow_store_template: Path) -> Path:
     root = tmp_path_factory.mktemp("keys")
+    (root / "runs" / "mlruns").mkdir(parents=True)  # MLflow's store created once per session (tests/conftest.py)
+    shutil.copyfile(mlflow_store_template, root / "runs" / "mlruns" / "mlflow.db")
     with pytest.MonkeyPatch.context() as mp:
         isolated_backends_env(mp, root)
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}

@@ -7,15 +7,24 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_contents(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, built once for the tests that read it."""
+    out = tmp_path_factory.mktemp("wheel")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True, capture_output=True,
     )
-    (wheel,) = tmp_path.glob("otel_train-*.whl")
+    (built,) = out.glob("otel_train-*.whl")
+    return built
+
+
+def test_wheel_contents(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "otel_train/exporters/tensorboard.py" in names
     assert "otel_train/exporters/base.py" in names
@@ -44,15 +53,10 @@ def _stray(names: list[str]) -> list[str]:
     return [n for n in names if n.endswith(_STRAY) or any(d in n for d in _STRAY_DIRS)]
 
 
-def test_wheel_and_sdist_hold_no_stray_files(tmp_path: Path) -> None:
+def test_wheel_and_sdist_hold_no_stray_files(wheel: Path, tmp_path: Path) -> None:
     """Build artefacts, run folders and binaries never ship, in the wheel nor in the sdist."""
     import tarfile
 
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
-        check=True, capture_output=True,
-    )
-    (wheel,) = tmp_path.glob("otel_train-*.whl")
     assert _stray(zipfile.ZipFile(wheel).namelist()) == []
     code = f"from setuptools import build_meta; print(build_meta.build_sdist({str(tmp_path)!r}))"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)

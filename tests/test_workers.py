@@ -12,9 +12,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from selected import selected
 
 import otel_train as ot
 from otel_train.exporters.chrome_trace import trace_path
@@ -58,13 +61,32 @@ def _scalars(directory: Path, run: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_dataloader_workers_reach_the_run(tmp_path: Path, method: str) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    directory = tmp_path / "runs"
-    out = subprocess.run([sys.executable, str(script), method, str(directory)], capture_output=True, text=True, check=False,
-                         timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+METHODS = ("fork", "spawn")
+Started = dict[str, tuple[Path, "Future[subprocess.CompletedProcess[str]]"]]  # method -> (folder, its run)
+
+
+@pytest.fixture(scope="module")
+def loaders(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Started]:
+    """Both start methods, started together: much of each run is its main process importing torch and starting
+    the exporter process on one core, which leaves the second core of a 2-core machine idle."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    started: Started = {}
+    with ThreadPoolExecutor(max_workers=len(METHODS)) as pool:
+        for method in selected(request, "method", METHODS):
+            root = tmp_path_factory.mktemp(method)
+            script = root / "train.py"
+            script.write_text(SCRIPT)
+            command = [sys.executable, str(script), method, str(root / "runs")]
+            started[method] = (root, pool.submit(subprocess.run, command, capture_output=True, text=True, check=False,
+                                                 timeout=120, env=env))
+        yield started
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_dataloader_workers_reach_the_run(loaders: Started, method: str) -> None:
+    root, done = loaders[method]
+    directory = root / "runs"
+    out = done.result()
     assert out.returncode == 0, out.stderr
     assert "child process" not in out.stderr, out.stderr  # no worker dropped its data
     main_pid = int(out.stdout.split("MAIN", 1)[1].split()[0])

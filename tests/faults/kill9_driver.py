@@ -1,10 +1,11 @@
-"""Fork a tiny training loop many times, `kill -9` each at a random step, replay, report what landed (JSON).
+"""Fork a tiny training loop many times, `kill -9` each at a random or given step, replay, report what landed (JSON).
 
-Run as ``python kill9_driver.py OUT REPS SEED [both]``. Like `signal_driver`, the driver imports otel-train and
+Run as ``python kill9_driver.py OUT REPS SEED [both]``; REPS is a count (kill steps drawn from SEED) or a
+comma list of the kill steps themselves. Like `signal_driver`, the driver imports otel-train and
 TensorBoard once and forks each repetition. The driver makes itself a child subreaper, so the exporter
 process orphaned by the kill is re-parented to it and can be waited for. Each repetition: the loop logs
 `faultkit.SERIES` at every step and flushes every few steps (a flushed step has reached the exporter
-process for sure; the others may have); the driver kills it with SIGKILL after a random step, waits
+process for sure; the others may have); the driver kills it with SIGKILL after its step, waits
 for the exporter process to drain and exit on its own, runs ``otel-train replay RUN_DIR`` twice, and
 reads JSONL, TensorBoard and the spool's cursors back. With ``both``, the exporter process is killed too,
 at once (a job killed as a whole): then replay has the rest to deliver.
@@ -73,9 +74,8 @@ def _replay(run_dir: Path) -> tuple[int, str]:
     return code, buf.getvalue()
 
 
-def _one(out: Path, rep: int, rng: random.Random, both: bool) -> dict[str, object]:
+def _one(out: Path, rep: int, at: int, both: bool) -> dict[str, object]:
     name = f"rep{rep}"
-    at = rng.randint(0, 60)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the training process
@@ -115,11 +115,15 @@ def _one(out: Path, rep: int, rng: random.Random, both: bool) -> dict[str, objec
 
 
 def main() -> None:
-    out, reps, seed = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    out, reps, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     rng = random.Random(seed)
+    if "," in reps:
+        kill_steps = [int(a) for a in reps.split(",") if a]
+    else:
+        kill_steps = [rng.randint(0, 60) for _ in range(int(reps))]
     both = sys.argv[4:] == ["both"]
-    results = [_one(out / "kill9", i, rng, both) for i in range(reps)]
+    results = [_one(out / "kill9", i, at, both) for i, at in enumerate(kill_steps)]
     json.dump(results, sys.stdout)
 
 

@@ -1,9 +1,10 @@
-"""Fork a tiny training loop many times, signal each at a random step, report what landed (JSON).
+"""Fork a tiny training loop many times, signal each at a random or given step, report what landed (JSON).
 
-Run as ``python signal_driver.py OUT SIGNAL REPS SEED [MODE]``. The driver imports otel-train and
+Run as ``python signal_driver.py OUT SIGNAL REPS SEED [MODE]``; REPS is a count (signal steps drawn from SEED)
+or a comma list of the steps themselves. The driver imports otel-train and
 TensorBoard once and forks each repetition, so a repetition costs milliseconds, not an interpreter.
 Each child logs `faultkit.SERIES` at every step inside a span and reports each finished step on a
-pipe; the parent signals it after a random step, waits for it to end, and reads JSONL and
+pipe; the parent signals it after its step, waits for it to end, and reads JSONL and
 TensorBoard back. MODE:
 
 - ``default``: no handler of the user's (the signal's default action ends the process).
@@ -70,9 +71,8 @@ def _child(out: Path, name: str, signum: int, mode: str, w: int) -> int:
     return code
 
 
-def _one(out: Path, rep: int, signum: int, mode: str, rng: random.Random) -> dict[str, object]:
+def _one(out: Path, rep: int, signum: int, mode: str, at: int) -> dict[str, object]:
     name = f"rep{rep}"
-    at = rng.randint(0, 40)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -117,11 +117,15 @@ def _one(out: Path, rep: int, signum: int, mode: str, rng: random.Random) -> dic
 
 
 def main() -> None:
-    out, sig_name, reps, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    out, sig_name, reps, seed = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
     mode = sys.argv[5] if len(sys.argv) > 5 else "default"
     signum = getattr(signal, sig_name)
     rng = random.Random(seed)
-    results = [_one(out / f"{sig_name}-{mode}", i, signum, mode, rng) for i in range(reps)]
+    if "," in reps:
+        signal_steps = [int(a) for a in reps.split(",") if a]
+    else:
+        signal_steps = [rng.randint(0, 40) for _ in range(int(reps))]
+    results = [_one(out / f"{sig_name}-{mode}", i, signum, mode, at) for i, at in enumerate(signal_steps)]
     json.dump(results, sys.stdout)
 
 

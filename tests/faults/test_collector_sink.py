@@ -118,7 +118,9 @@ def test_killed_and_restarted_mid_run(tmp_path: Path, victim: str) -> None:
     out, flags = tmp_path / "runs", tmp_path / "flags"
     flags.mkdir()
     sink = _Sink(tmp_path / "sink", out).start()
-    rotel = Rotel(tmp_path / "rotel", sink.grpc).start()
+    # Retries as the shipped collector-config/rotel-agent.env sets them (rotel's own first retry waits 5 s).
+    rotel = Rotel(tmp_path / "rotel", sink.grpc, "--otlp-exporter-retry-initial-backoff", "250ms",
+                  "--otlp-exporter-retry-max-backoff", "5s").start()
     (tmp_path / "train.py").write_text(TRAIN)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RANK", "WORLD_SIZE", "LOCAL_RANK"))}
     env.update(OTEL_TRAIN_RUN_ID="faults", OTEL_TRAIN_RUN_NAME="faults", OTEL_TRAIN_EXPORTERS="otlp",

@@ -1,5 +1,5 @@
-"""`kill -9` of the training process at random steps, then `otel-train replay`: every step that reached
-the exporter process lands exactly once, in JSONL and in TensorBoard (read back with its own reader).
+"""`kill -9` of the training process at steps from the first to a backlog, then `otel-train replay`: every step
+that reached the exporter process lands exactly once, in JSONL and in TensorBoard (read back with its own reader).
 
 What reached the exporter process is known from its spool: the windows it spooled (the spool's last
 seq) and each backend's durable cursor. Every flushed step had reached it; a step logged after the last
@@ -21,20 +21,24 @@ from faultkit import expected
 # Real processes, each under a 300 s limit of its own: twice the suite's default per test.
 pytestmark = pytest.mark.timeout(600)
 DRIVER = Path(__file__).with_name("kill9_driver.py")
-REPS = 16  # random kill steps (each rep starts a real exporter process)
+# The steps after which each rep (a real exporter process each) is killed. The loop flushes every 5th step, and
+# it runs on while the kill is sent, so where the kill lands in a window is up to timing; the steps spread the
+# kills over the first step, either side of a flush (4, 5, 6) and a longer backlog.
+KILL_STEPS = (0, 4, 5, 6, 17, 29, 43, 60)
 
 
-def drive(out: Path, reps: int, seed: int, *mode: str) -> list[dict[str, Any]]:
-    proc = subprocess.run([sys.executable, str(DRIVER), str(out), str(reps), str(seed), *mode], capture_output=True,
+def drive(out: Path, kill_steps: tuple[int, ...], *mode: str) -> list[dict[str, Any]]:
+    steps = ",".join(map(str, kill_steps)) + ","  # a list, even of one
+    proc = subprocess.run([sys.executable, str(DRIVER), str(out), steps, "0", *mode], capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results: list[dict[str, Any]] = json.loads(proc.stdout)
-    assert len(results) == reps
+    assert [r["kill_after_step"] for r in results] == list(kill_steps)
     return results
 
 
-def test_kill_9_at_random_steps_then_replay_lands_each_step_once(tmp_path: Path) -> None:
-    for r in drive(tmp_path, REPS, 9):
+def test_kill_9_at_any_step_then_replay_lands_each_step_once(tmp_path: Path) -> None:
+    for r in drive(tmp_path, KILL_STEPS):
         assert r["killed_by"] == 9 and r["drained_s"] is not None, r  # the exporter process exited by itself
         spooled = r["spooled_seq"]
         # Everything the exporter process spooled is durable in both backends...
@@ -55,7 +59,7 @@ def test_kill_9_of_the_whole_job_then_replay_lands_every_spooled_step(tmp_path: 
     resumes each backend after the last window its writes handed to the OS (`Spool.advance`). Only a window
     whose write had finished but whose 12-byte cursor write had not (microseconds) can appear twice, with the
     same values."""
-    for r in drive(tmp_path, 8, 11, "both"):
+    for r in drive(tmp_path, (0, 5, 6, 28, 55), "both"):
         assert r["killed_by"] == 9, r
         last = r["spooled_step"]  # the spool's last intact record: what reached the exporter process
         assert r["last_flushed"] <= last <= r["last_reported"] + 1, r

@@ -14,14 +14,17 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
 pytest.importorskip("lightning", reason="needs `pip install 'otel-train[lightning]'`")
 
 import torch
+from selected import selected
 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 
@@ -54,10 +57,20 @@ def slurm_env(root: Path, order: str) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("order", ["before", "own"])
-def test_sigusr1_mid_fit_runs_lightnings_requeue_and_lands_every_step(tmp_path: Path, order: str) -> None:
-    proc = subprocess.Popen([sys.executable, str(DRIVER), str(tmp_path), order], env=slurm_env(tmp_path, order),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+ORDERS = ("before", "own")
+
+
+class Fitted(NamedTuple):
+    root: Path
+    code: int
+    stderr: str
+    reported: list[int]  # the steps the script reported finished
+
+
+def fit_and_signal(root: Path, order: str, env: dict[str, str]) -> Fitted:
+    """Run the driver, send SIGUSR1 once it reports step `SIGNAL_AFTER_STEP`, wait for its exit."""
+    proc = subprocess.Popen([sys.executable, str(DRIVER), str(root), order], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stderr is not None
     reported: list[int] = []
     for line in proc.stdout:
@@ -66,7 +79,24 @@ def test_sigusr1_mid_fit_runs_lightnings_requeue_and_lands_every_step(tmp_path: 
             if reported[-1] == SIGNAL_AFTER_STEP:
                 proc.send_signal(signal.SIGUSR1)
     code = proc.wait(timeout=DEADLINE_S)
-    stderr = proc.stderr.read()
+    return Fitted(root, code, proc.stderr.read(), reported)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory,
+           request: pytest.FixtureRequest) -> Iterator[dict[str, Future[Fitted]]]:
+    """Both orders, started together: a run is mostly one process importing Lightning, which leaves the second
+    core of a 2-core machine idle. Each test waits for its own run."""
+    roots = {order: tmp_path_factory.mktemp(order) for order in selected(request, "order", ORDERS)}
+    with ThreadPoolExecutor(max_workers=len(ORDERS)) as pool:
+        yield {order: pool.submit(fit_and_signal, root, order, slurm_env(root, order))
+               for order, root in roots.items()}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_sigusr1_mid_fit_runs_lightnings_requeue_and_lands_every_step(fitted: dict[str, Future[Fitted]],
+                                                                       order: str) -> None:
+    tmp_path, code, stderr, reported = fitted[order].result()
     # Lightning's handler ran: it requeued the job and saved its HPC checkpoint.
     assert (tmp_path / "scontrol.log").read_text().splitlines() == [f"requeue {JOB_ID}"], stderr[-3000:]
     assert [p.name for p in (tmp_path / "pl").glob("hpc_ckpt_*.ckpt")] == ["hpc_ckpt_1.ckpt"]

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from backendkit import isolated_backends_env, wandb_files, wandb_records
+from selected import selected
 
 # Real processes, each under a 300 s limit of its own: twice the suite's default per test.
 pytestmark = pytest.mark.timeout(600)
@@ -25,21 +30,71 @@ ALL = "jsonl,chrome_trace,tensorboard,wandb,mlflow,clearml,trackio"
 RUN = "pre"
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    root = tmp_path / "home"
-    isolated_backends_env(monkeypatch, root)
-    for key in list(os.environ):
-        if key.startswith(("TRACKIO_", "HF_")):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("TRACKIO_DIR", str(root / "trackio"))  # Trackio reads it at import: the script's, not ours
-    return root
+@dataclass(frozen=True)
+class Case:
+    """One run of the script: its backends, the signal sent after step 2 (None: it runs to its end), the mode
+    (`preempt_driver.py`) and where the backends run (`OTEL_TRAIN_EXPORT_PROCESS`; None: the default)."""
+
+    exporters: str
+    sig: str | None
+    mode: str = "default"
+    export_process: str | None = None
 
 
-def run_driver(out: Path, exporters: str, sig: str | None, mode: str = "default") -> int:
+CASES = {
+    "SIGTERM-on": Case(ALL, "SIGTERM", export_process="on"),  # marked by the exporter process ...
+    "SIGUSR1-off": Case(ALL, "SIGUSR1", export_process="off"),  # ... and in-process
+    "SIGINT-on": Case(ALL, "SIGINT", export_process="on"),  # Ctrl-C: the user stopped it, no preemption
+    "normal-off": Case(ALL, None, export_process="off"),  # a normal end
+    "requeue": Case("jsonl,mlflow", "SIGUSR1", mode="chained"),
+}
+
+
+@dataclass(frozen=True)
+class Ran:
+    out: Path  # OTEL_TRAIN_DIR
+    home: Path  # the backends' offline stores
+    env: dict[str, str]
+    code: int  # the script's exit status
+
+
+def backends_env(home: Path) -> dict[str, str]:
+    """This environment with W&B, ClearML, MLflow and Trackio offline under `home`, and no otel-train setting."""
+    with pytest.MonkeyPatch.context() as mp:
+        isolated_backends_env(mp, home)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TRACKIO_", "HF_"))}
+    env["TRACKIO_DIR"] = str(home / "trackio")  # Trackio reads it at import: the script's, not ours
+    return env
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory, mlflow_store_template: Path,
+        request: pytest.FixtureRequest) -> Iterator[dict[str, Future[Ran]]]:
+    """The cases this session runs, started together, each in folders of its own: a run is mostly one process
+    importing and starting backends, which leaves the second core of a 2-core machine idle. Each test then
+    waits for its own case and asserts on it alone."""
+    prepared: dict[str, tuple[Case, Path, Path, dict[str, str]]] = {}
+    for name in selected(request, "case", CASES):  # folders and environments here: `os.environ` is not for threads
+        case, root = CASES[name], tmp_path_factory.mktemp(name)
+        out, home = root / "runs", root / "home"
+        (out / "mlruns").mkdir(parents=True)  # MLflow's store, created once per session (tests/conftest.py)
+        shutil.copyfile(mlflow_store_template, out / "mlruns" / "mlflow.db")
+        env = backends_env(home)
+        if case.export_process:
+            env["OTEL_TRAIN_EXPORT_PROCESS"] = case.export_process
+        prepared[name] = (case, out, home, env)
+
+    def run(case: Case, out: Path, home: Path, env: dict[str, str]) -> Ran:
+        return Ran(out, home, env, run_driver(out, case.exporters, case.sig, case.mode, env))
+
+    with ThreadPoolExecutor(max_workers=len(CASES)) as pool:
+        yield {name: pool.submit(run, *args) for name, args in prepared.items()}
+
+
+def run_driver(out: Path, exporters: str, sig: str | None, mode: str, env: dict[str, str]) -> int:
     """Start the script, signal it once it has finished step 2 (unless `sig` is None), return its exit status."""
     proc = subprocess.Popen([sys.executable, str(DRIVER), str(out), exporters, mode if sig else "finish"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     sent = False
     for line in proc.stdout:  # backends print their own lines there too (Trackio, ClearML): steps are bare numbers
@@ -54,13 +109,14 @@ def run_driver(out: Path, exporters: str, sig: str | None, mode: str = "default"
     return code
 
 
-def marks(out: Path, home: Path) -> dict[str, Any]:
+def marks(ran: Ran) -> dict[str, Any]:
     """What each backend says about preemption, read back with its own reader."""
     from mlflow.tracking import MlflowClient
 
     from otel_train.exporters.chrome_trace import trace_path
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 
+    out, home = ran.out, ran.home
     found: dict[str, Any] = {}
     found["jsonl"] = [r["signal"] for r in read_jsonl(jsonl_path(out, RUN, 0)) if r["type"] == "preempted"]
     trace = json.loads(trace_path(out, RUN, 0).read_text())  # a closed trace is valid JSON
@@ -85,7 +141,8 @@ def marks(out: Path, home: Path) -> dict[str, Any]:
     found["clearml"] = {"tags": [t for t in task["tags"] if t.startswith("otel_train.preempted")],
                         "comment": task.get("comment", "")}
     script = "import json, trackio; print(json.dumps(trackio.Api().alerts('preempt')))"
-    alerts = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    alerts = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120,
+                            env=ran.env)
     found["trackio"] = [(a["title"], a["text"], a["level"]) for a in json.loads(alerts.stdout.splitlines()[-1])]
     return found
 
@@ -106,36 +163,28 @@ NOT_PREEMPTED = {
 }
 
 
-@pytest.mark.parametrize(("sig", "export_process", "status"), [
-    ("SIGTERM", "on", -signal.SIGTERM),
-    ("SIGUSR1", "off", -signal.SIGUSR1),
-])
+@pytest.mark.parametrize(("case", "status"), [("SIGTERM-on", -signal.SIGTERM), ("SIGUSR1-off", -signal.SIGUSR1)])
 def test_sigterm_and_sigusr1_mark_the_run_preempted_in_every_backend(
-        tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch, sig: str, export_process: str,
-        status: int) -> None:
-    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", export_process)  # marked by the exporter process and in-process
-    out = tmp_path / "runs"
-    assert run_driver(out, ALL, sig) == status  # still ended by the signal, as without otel-train
-    assert marks(out, home) == preempted_by(sig)
+        ran: dict[str, Future[Ran]], case: str, status: int) -> None:
+    run = ran[case].result()
+    assert run.code == status  # still ended by the signal, as without otel-train
+    assert marks(run) == preempted_by(str(CASES[case].sig))
 
 
-@pytest.mark.parametrize(("sig", "export_process", "status"), [
-    ("SIGINT", "on", 130),  # Ctrl-C: the user stopped it, no preemption
-    (None, "off", 0),  # a normal end
-])
-def test_sigint_and_a_normal_exit_do_not_mark_the_run(tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch,
-                                                      sig: str | None, export_process: str, status: int) -> None:
-    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", export_process)
-    out = tmp_path / "runs"
-    assert run_driver(out, ALL, sig) == status
-    assert marks(out, home) == NOT_PREEMPTED
+@pytest.mark.parametrize(("case", "status"), [("SIGINT-on", 130), ("normal-off", 0)])
+def test_sigint_and_a_normal_exit_do_not_mark_the_run(ran: dict[str, Future[Ran]], case: str, status: int) -> None:
+    run = ran[case].result()
+    assert run.code == status
+    assert marks(run) == NOT_PREEMPTED
 
 
-def test_sigusr1_with_a_requeue_handler_marks_the_run_when_it_ends(tmp_path: Path, home: Path) -> None:
+@pytest.mark.parametrize("case", ["requeue"])
+def test_sigusr1_with_a_requeue_handler_marks_the_run_when_it_ends(ran: dict[str, Future[Ran]], case: str) -> None:
     """SLURM's warning caught by a requeue handler installed before `init`: the loop stops by itself and the
     process exits normally, and the run is still marked (it is ending because of the preemption)."""
-    out = tmp_path / "runs"
-    assert run_driver(out, "jsonl,mlflow", "SIGUSR1", mode="chained") == 0
+    run = ran[case].result()
+    assert run.code == 0
+    out = run.out
     from mlflow.tracking import MlflowClient
 
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
@@ -144,6 +193,5 @@ def test_sigusr1_with_a_requeue_handler_marks_the_run_when_it_ends(tmp_path: Pat
     assert records[-1]["type"] == "preempted" and records[-1]["signal"] == "SIGUSR1"
     assert sum(r["type"] == "preempted" for r in records) == 1
     client = MlflowClient(f"sqlite:///{out / 'mlruns' / 'mlflow.db'}")
-    (run,) = client.search_runs([client.get_experiment_by_name("preempt").experiment_id])
-    assert (run.info.status, run.data.tags["otel_train.preempted"]) == ("KILLED", "SIGUSR1")
-
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("preempt").experiment_id])
+    assert (mlflow_run.info.status, mlflow_run.data.tags["otel_train.preempted"]) == ("KILLED", "SIGUSR1")

@@ -8,6 +8,7 @@ an offline W&B run (steps the run already holds keep their values: these stores 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,11 @@ def attempt(directory: Path, steps: range, offset: float, resume_step: int | Non
     ot.shutdown()
 
 
-def test_resume_at_n_never_shows_two_values_for_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_at_n_never_shows_two_values_for_one_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          seed_mlflow_store: Callable[[Path], None]) -> None:
     isolated_wandb_env(monkeypatch, tmp_path / "wandb")
     directory = tmp_path / "runs"
+    seed_mlflow_store(directory)
     attempt(directory, range(10), 0.0, None)
     attempt(directory, range(5, 8), 100.0, resume_step=5)
 

@@ -144,7 +144,9 @@ def test_captured_output_ends_when_the_training_process_exits(tmp_path: Path) ->
     script.write_text(SEED)
     cfg = {"exporters": "wandb,jsonl", "dir": str(directory), "run": "tee", "seed": 0, "start": 0, "steps": 10,
            "kw": {"shutdown_timeout_s": 1}, "ready": str(tmp_path / "r"), "all_ready": [str(tmp_path / "r")]}
-    env = _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="8")
+    # The drain (4 s) outlasts the trainer's exit (well under a second) by far: the exporter process is still
+    # draining when `subprocess.run` returns, which is what this test needs to see.
+    env = _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="4")
     done = subprocess.run([sys.executable, str(script), json.dumps(cfg)], env=env, capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,11 +9,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("lightning", reason="the Lightning integration test needs `pip install 'otel-train[lightning]'`")
+
+from selected import selected
 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 
@@ -56,16 +59,41 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("callbacks", ["[OtelTrainCallback()]", "[]"], ids=["logger_and_callback", "logger_only"])
-def test_user_init_first_then_lightning_ddp_is_one_run_with_both_ranks(tmp_path: Path, callbacks: str) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(_SCRIPT.replace("CALLBACKS", callbacks))
+CALLBACKS = {"logger_and_callback": "[OtelTrainCallback()]", "logger_only": "[]"}
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory,
+         request: pytest.FixtureRequest) -> Iterator[dict[str, tuple[Path, subprocess.Popen[bytes]]]]:
+    """Both jobs, started together: in each, rank 1 imports Lightning only once rank 0 has launched it, so one
+    job alone leaves a core of a 2-core machine idle most of the time. Each test waits for its own job."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and k not in (
         "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")}
-    env.update({"OTEL_TRAIN_DIR": str(tmp_path / "runs"), "OTEL_TRAIN_EXPORTERS": "jsonl", "OTEL_TRAIN_RANKS": "all"})
-    done = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
+    started = {}
+    for name in selected(request, "callbacks", CALLBACKS):
+        root = tmp_path_factory.mktemp(name)
+        script = root / "train.py"
+        script.write_text(_SCRIPT.replace("CALLBACKS", CALLBACKS[name]))
+        job_env = {**env, "OTEL_TRAIN_DIR": str(root / "runs"), "OTEL_TRAIN_EXPORTERS": "jsonl",
+                   "OTEL_TRAIN_RANKS": "all"}
+        with (root / "output.log").open("wb") as log:  # a file: the job's output never waits on a pipe
+            started[name] = (root, subprocess.Popen([sys.executable, str(script)], env=job_env, cwd=root,
+                                                    stdout=log, stderr=subprocess.STDOUT))
+    try:
+        yield started
+    finally:
+        for _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(60)
+
+
+@pytest.mark.parametrize("callbacks", CALLBACKS)
+def test_user_init_first_then_lightning_ddp_is_one_run_with_both_ranks(
+        jobs: dict[str, tuple[Path, subprocess.Popen[bytes]]], callbacks: str) -> None:
+    tmp_path, proc = jobs[callbacks]
+    code = proc.wait(timeout=300)
+    assert code == 0, (tmp_path / "output.log").read_text()[-3000:]
     runs = sorted(p.read_text().split() for p in tmp_path.glob("placement-*.txt"))
     assert [r[:3] for r in runs] == [["0", "0", "2"], ["1", "1", "2"]]  # Lightning's rank is the session's
     (run_id,) = {r[3] for r in runs}  # one run for the job
