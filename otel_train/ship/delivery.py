@@ -178,23 +178,24 @@ class Delivery:
         deadline = time.monotonic() + wait_s
         if not all(b.wait_room(deadline) for b in self._backends):
             return False
-        with self._lock:
-            self._last_seq += 1
-            seq = self._last_seq
-            self._last_step = max(self._last_step, max_step)
+        seq = self._next_seq(max_step)
         for b in self._backends:
             b.submit(seq, max_step, window)
         self._queued_seq = max(self._queued_seq, seq)
         return True
 
+    def _next_seq(self, max_step: int) -> int:
+        """The next window's sequence number (memory-only windows; spooled ones take the spool's)."""
+        with self._lock:
+            self._last_seq += 1
+            self._last_step = max(self._last_step, max_step)
+            return self._last_seq
+
     def put(self, window: Window, max_step: int) -> None:
         """Queue a decoded window for every backend, memory only, never waiting (the in-process backends:
         `otel_train.ship.local_delivery`). A backend whose queue is full merges it into its last queued window
         (at most `_MERGE_ROWS` rows), else drops its oldest window (counted)."""
-        with self._lock:
-            self._last_seq += 1
-            seq = self._last_seq
-            self._last_step = max(self._last_step, max_step)
+        seq = self._next_seq(max_step)
         for b in self._backends:
             b.submit(seq, max_step, window)
         self._queued_seq = seq

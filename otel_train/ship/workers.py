@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import to_float, valid_name
 from otel_train.backend import Window
 from otel_train.capture.attributes import clean_attributes, refused_reason
@@ -52,24 +53,7 @@ LOST_BUFFER = "values over a child process's buffer"
 LOST_SPANS = "spans over a child process's buffer"
 
 
-_warned_step = False
-
-
-def _warn_step_once(err: ValueError) -> None:
-    global _warned_step
-    if not _warned_step:
-        _warned_step = True
-        _logger.warning("%s (warned once; such values are not written)", err)
-
-
-_warned_attributes = False
-
-
-def _warn_attributes_once(reason: str) -> None:
-    global _warned_attributes
-    if not _warned_attributes:
-        _warned_attributes = True
-        _logger.warning("otel_train.log in a child process: %s; left out (warned once)", reason)
+_warn_once = LogOnce(_logger)  # per child process: the first refused step, attribute set and key of each kind
 
 
 def _send(sock: socket.socket, obj: Any) -> None:
@@ -277,7 +261,8 @@ class WorkerClient:
         if attributes is not None:  # checked as in the training process; what is left out is warned about once
             extra, refused = clean_attributes(attributes)
             if refused:
-                _warn_attributes_once(refused_reason(attributes, refused[0]))
+                _warn_once.warning("attributes", "otel_train.log in a child process: %s; left out (warned once)",
+                                   refused_reason(attributes, refused[0]))
         t = time.time_ns()
         s = -1  # -1: the exporter process stamps the run's latest step
         if step is not None:
@@ -285,15 +270,14 @@ class WorkerClient:
                 s = coerce_step(step, "otel_train.log(step=) in a child process")
             except ValueError as err:  # never raised into the child's loop: warned once, its values go nowhere
                 self._lose(LOST_REFUSED_STEP, len(mapping))
-                _warn_step_once(err)
+                _warn_once.warning("step", "%s (warned once; such values are not written)", err)
                 return
         points = []
         for key, value in mapping.items():
             v = to_float(value)  # the same rules as `ot.log` in the training process
             if v is None or not valid_name(key):
-                _logger.warning("otel_train.log in a child process: %r is not a non-empty string key with a number; "
-                                "skipped",
-                                key)
+                _warn_once.warning(f"value:{key!r}", "otel_train.log in a child process: %r is not a non-empty "
+                                   "string key with a number; skipped (warned once per key)", key)
                 continue
             points.append((key, s, v, t, extra) if extra else (key, s, v, t))
         with self._lock:

@@ -45,7 +45,7 @@ class DecodeCache:
         key = tuple(sorted(resource_attributes.items(), key=lambda kv: kv[0]))
         run = self._runs.get(key)
         if run is None:
-            with self._lock:  # requests are decoded on several threads; a run's name is claimed once
+            with self._lock:  # requests are decoded on several threads: one RunInfo per Resource
                 return self._new_run(key, resource_attributes)
         return run
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 from otel_train.run_paths import run_folder
@@ -36,10 +37,19 @@ class RunNames:
         self._max = max_entries
         self._owner: dict[str, str] = {}  # name -> run id holding it
         self._given: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
 
     def name_for(self, run_id: str, run_name: str) -> str:
-        """The name `run_id` is written under, given the name its sender chose."""
+        """The name `run_id` is written under, given the name its sender chose. Thread-safe: gRPC requests
+        (several handler threads) and the compat API (the event loop) name runs at once."""
         key = (run_id, run_name)
+        name = self._given.get(key)
+        if name is not None:
+            return name
+        with self._lock:  # two runs sharing a name must not both claim it
+            return self._name_new(key, run_id, run_name)
+
+    def _name_new(self, key: tuple[str, str], run_id: str, run_name: str) -> str:
         name = self._given.get(key)
         if name is not None:
             return name

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,22 @@ class SinkProcess:
     def get(self, path: str) -> Any:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=5) as resp:
             return json.loads(resp.read())
+
+    def post_metrics(self, body: bytes, tries: int = 100) -> None:
+        """One OTLP/HTTP metrics request, retried on 503 after its Retry-After, as a collector does (a run
+        that is closing just then, e.g. as the replay of its spool ends, refuses with a short hint)."""
+        for _ in range(tries):
+            req = urllib.request.Request(f"http://127.0.0.1:{self.http_port}/v1/metrics", data=body,
+                                         headers={"Content-Type": "application/x-protobuf"})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    assert resp.status == 200
+                    return
+            except urllib.error.HTTPError as err:
+                if err.code != 503:
+                    raise
+                time.sleep(float(err.headers.get("Retry-After") or 0.2))
+        raise AssertionError(f"the sink refused the request {tries} times")
 
     def points(self, run_id: str) -> int:
         for run in self.get("/runs")["runs"]:

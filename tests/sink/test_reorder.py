@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -264,24 +262,10 @@ def test_a_sink_killed_while_holding_points_writes_them_after_a_restart(tmp_path
     runs = tmp_path / "runs"
     args = ("--exporters", "tensorboard", "--dir", str(runs))
 
-    def post(sink: SinkProcess, body: bytes) -> None:
-        for _ in range(50):  # a 503 is retried, as a collector does: the restarted sink may be closing the run
-            req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/metrics", data=body,
-                                         headers={"Content-Type": "application/x-protobuf"})
-            try:
-                with urllib.request.urlopen(req, timeout=10) as resp:
-                    assert resp.status == 200
-                    return
-            except urllib.error.HTTPError as err:
-                if err.code != 503:
-                    raise
-                time.sleep(0.2)  # after replaying its spool (`otel_train.sink.spool_replay`)
-        raise AssertionError("refused 50 times")
-
     first = SinkProcess(tmp_path / "first", *args, "--reorder-s", "3600").wait_ready()
     try:
-        post(first, _body("k", range(5, 10)))
-        post(first, _body("k", range(5)))  # reordered: still in the hold when the sink dies
+        first.post_metrics(_body("k", range(5, 10)))
+        first.post_metrics(_body("k", range(5)))  # reordered: still in the hold when the sink dies
         assert first.get("/health")["reorder_held"] == 10
         assert [r["reorder_held"] for r in first.get("/runs")["runs"]] == [10]
     finally:
@@ -290,7 +274,7 @@ def test_a_sink_killed_while_holding_points_writes_them_after_a_restart(tmp_path
     assert scalars(runs / "k") == {}  # nothing was written: it was all held
     second = SinkProcess(tmp_path / "second", *args, "--reorder-s", "1").wait_ready()
     try:
-        post(second, _body("k", [10]))  # the run comes back: its spool hands the held requests over again
+        second.post_metrics(_body("k", [10]))  # the run comes back: its spool hands the held requests over again
     finally:
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(30) == 0

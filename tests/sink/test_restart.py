@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -117,31 +115,14 @@ def _body(run_id: str, rank: int, steps: Iterable[int]) -> bytes:
                            [OtlpPoint("train/loss", rank * 1000 + s, step=s, time_unix_nano=s + 1) for s in steps])
 
 
-def _post(sink: SinkProcess, body: bytes) -> None:
-    """One request, retried on 503 as a collector does (the run may be closing just then: the replay of its
-    spool ends)."""
-    for _ in range(100):
-        req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/metrics", data=body,
-                                     headers={"Content-Type": "application/x-protobuf"})
-        try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert resp.status == 200
-                return
-        except urllib.error.HTTPError as err:
-            if err.code != 503:
-                raise
-            time.sleep(float(err.headers.get("Retry-After") or 0.2))
-    raise AssertionError("the sink refused the request 100 times")
-
-
 def _stream(sink: SinkProcess, run_id: str, ticks: range) -> int:
     """Rank 0 sends step t and rank 1 step t - GAP each tick (one request each); returns points sent."""
     sent = 0
     for t in ticks:
-        _post(sink, _body(run_id, 0, [t]))
+        sink.post_metrics(_body(run_id, 0, [t]))
         sent += 1
         if t >= GAP:
-            _post(sink, _body(run_id, 1, [t - GAP]))
+            sink.post_metrics(_body(run_id, 1, [t - GAP]))
             sent += 1
         time.sleep(0.03)
     return sent
@@ -223,7 +204,7 @@ def test_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path) 
     try:
         after = _stream(second, "k", range(t, 70 + t))
         for step in range(60 + t, 70 + t):  # rank 1 catches up
-            _post(second, _body("k", 1, [step]))
+            second.post_metrics(_body("k", 1, [step]))
             after += 1
         assert _wait(lambda: second.get("/health")["reorder_held"] == 0
                      and second.get("/health")["spool_replay"]["runs_left"] == 0)
@@ -246,7 +227,7 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
     first = SinkProcess(tmp_path / "first", *args).wait_ready()
     try:
         _stream(first, "k", range(40))  # the job ends with the sink down: nobody sends again
-        _post(first, _body("done", 0, range(5)))  # a second run, all of it held when the sink dies
+        first.post_metrics(_body("done", 0, range(5)))  # a second run, all of it held when the sink dies
         # every request handed to the backends (JSONL records each write right after it: a kill between the two
         # writes that window twice, a limit of its own that this test is not about)
         assert _wait(lambda: all(r["queued"] == 0 for r in first.get("/runs")["runs"]))
@@ -308,7 +289,7 @@ def test_wandb_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: 
     try:
         _stream(second, "w", range(50, 60))
         for step in range(60 - GAP, 60):  # rank 1 catches up
-            _post(second, _body("w", 1, [step]))
+            second.post_metrics(_body("w", 1, [step]))
         assert _wait(lambda: second.get("/health")["reorder_held"] == 0
                      and second.get("/health")["spool_replay"]["runs_left"] == 0)
         health = second.get("/health")
