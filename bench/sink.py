@@ -12,11 +12,14 @@ Before/after in one run: `--compare OTHER_PYTHON` runs every case with the sink 
 interpreter (its virtual environment's python: the sink process starts outside this checkout, so it imports
 that one's package) and with this one, interleaved, `--repeat` times, and prints medians and ratios;
 `--compare env --compare-env NAME=VALUE ...` compares this sink with itself under other settings
-(`OTEL_TRAIN_SINK_*`). `--py-spy FILE` records the sink with py-spy (collapsed stacks, every thread) and prints
+(`OTEL_TRAIN_SINK_*`). `--ceiling` also sends the same requests to a gRPC server that does nothing
+(grpcio, as many handler threads as the sink): what this machine's transport and senders allow at that
+request size, and the sink's share of it. `--py-spy FILE` records the sink with py-spy (collapsed stacks, every thread) and prints
 its top functions.
 
     python bench/sink.py --via direct --steps 1000 --compare ../main/.venv/bin/python
     python bench/sink.py --via direct --steps 1000 --compare env --compare-env OTEL_TRAIN_SINK_SPOOL_RUN_MB=0
+    python bench/sink.py --via direct --steps 1000 --steps-per-request 1 --ceiling
 """
 
 from __future__ import annotations
@@ -117,6 +120,66 @@ def _client(port: int, rank: int, world: int, args: argparse.Namespace, ready: A
                     if err.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
                     time.sleep(0.1)
+
+
+def _noop_server(port: int) -> None:
+    """A grpcio server that answers every OTLP export at once, decoding nothing (`--ceiling`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from otel_train.sink.grpc_server import THREADS
+
+    server = grpc.server(ThreadPoolExecutor(THREADS), options=[("grpc.max_receive_message_length", 64 << 20)])
+    handler = grpc.unary_unary_rpc_method_handler(lambda body, context: b"")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        _METHOD.split("/")[1], {"Export": handler}),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
+
+
+def ceiling(args: argparse.Namespace) -> dict[str, Any]:
+    """The same senders against `_noop_server`: points/s and server CPU per request with no work done."""
+    import psutil
+
+    port = _free_port()
+    server = mp.Process(target=_noop_server, args=(port,), daemon=True)
+    server.start()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the no-op gRPC server did not start") from None
+                time.sleep(0.1)
+        proc = psutil.Process(server.pid)
+        ready, go = mp.Semaphore(0), mp.Event()
+        sent = [mp.Value("q", 0) for _ in range(args.clients)]
+        clients = [mp.Process(target=_client, args=(port, r, args.clients, args, ready, go, sent[r]))
+                   for r in range(args.clients)]
+        for c in clients:
+            c.start()
+        for _ in clients:
+            ready.acquire()
+        cpu0 = sum(proc.cpu_times()[:2])
+        t0 = time.perf_counter()
+        go.set()
+        for c in clients:
+            c.join(args.timeout_s)
+        seconds = time.perf_counter() - t0
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+        total = sum(v.value for v in sent)
+        requests = total / (args.steps_per_request * args.metrics)
+        return {"via": "no-op gRPC server", "clients": args.clients, "points": total,
+                "points_per_s": round(total / seconds), "requests_per_s": round(requests / seconds),
+                "server_cpu_us_per_request": round(cpu / max(requests, 1) * 1e6)}
+    finally:
+        server.kill()
+        server.join(10)
 
 
 def _get(port: int, path: str) -> Any:
@@ -259,6 +322,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="with --compare: runs per case (median)")
     parser.add_argument("--compare-env", nargs="*", default=[], dest="compare_env", metavar="NAME=VALUE",
                         help="with --compare env: the environment of the 'after' sink")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also send the same requests to a gRPC server that does nothing (direct, gRPC)")
     parser.add_argument("--py-spy", default="", dest="py_spy", metavar="FILE",
                         help="record the sink with py-spy into FILE and print its top functions")
     args = parser.parse_args()
@@ -269,10 +334,16 @@ def main() -> int:
     if args.compare:
         return _compare(args, vias)
     for via in vias:
-        sys.stdout.write(json.dumps(bench(args, via, py_spy=args.py_spy)) + "\n")
+        result = bench(args, via, py_spy=args.py_spy)
+        sys.stdout.write(json.dumps(result) + "\n")
         sys.stdout.flush()
         if args.py_spy:
             _top(args.py_spy)
+        if args.ceiling and via == "direct" and args.protocol == "grpc":
+            top = ceiling(args)
+            sys.stdout.write(json.dumps(top) + "\n")
+            print(f"sink / no-op server: {(result['written_points_per_s'] or 0) / top['points_per_s']:.2f}x "
+                  f"({args.steps_per_request} step(s) x {args.metrics} gauges per request)")
     return 0
 
 
