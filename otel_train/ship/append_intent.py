@@ -89,8 +89,8 @@ class AppendIntent:
             return None
         try:
             mark, entries = json.loads(payload)
-            folder = self.path.parent
-            return int(mark), {os.fspath(folder / str(p)): int(s) for p, s in entries}
+            folder = os.path.abspath(self.path.parent)
+            return int(mark), {os.path.normpath(os.path.join(folder, str(p))): int(s) for p, s in entries}
         except (ValueError, TypeError):
             return None
 
