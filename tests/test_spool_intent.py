@@ -15,7 +15,7 @@ from otel_train.backend import RowExporter, Window
 from otel_train.exporter_options import ExporterOptions
 from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import RunInfo
-from otel_train.ship.append_intent import AppendIntent
+from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_window
 from otel_train.ship.spool import Spool
@@ -96,7 +96,7 @@ def test_the_unrecorded_write_is_cut_back_and_delivered_once(tmp_path: Path) -> 
     spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
     _deliver(spool_dir, out, [1, 2, 3])
     assert _steps(out) == [1, 1, 2, 2, 3, 3]
-    mark, files = AppendIntent(spool_dir / "appending.lines").read() or (None, {})
+    mark, files = AppendIntent(spool_dir / "written.lines", INTENT_OFFSET).read() or (None, {})
     assert mark == 2 and files == {str(out): 8}  # window 3 was about to be appended after window 2, at byte 8
     _as_if_killed_before_recording(spool_dir, 2)
     spool = Spool(spool_dir)
@@ -123,7 +123,7 @@ def test_a_failed_write_is_cut_back_with_the_write_that_retried_it(tmp_path: Pat
     _end_keeping_the_spool(delivery)
     assert _steps(out) == [1, 1, 2, 2, 3, 3]
     # The intent of the retrying write kept the size from before the failed one (nothing was recorded between)
-    mark, files = AppendIntent(spool_dir / "appending.lines").read() or (None, {})
+    mark, files = AppendIntent(spool_dir / "written.lines", INTENT_OFFSET).read() or (None, {})
     assert mark == 1 and files == {str(out): 4}
     _as_if_killed_before_recording(spool_dir, 1)
     spool = Spool(spool_dir)
@@ -146,9 +146,11 @@ def test_a_torn_record_cuts_nothing(tmp_path: Path, damage: str) -> None:
     spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
     _deliver(spool_dir, out, [1, 2, 3])
     _as_if_killed_before_recording(spool_dir, 2)
-    record = spool_dir / "appending.lines"
+    record = spool_dir / "written.lines"
     data = record.read_bytes()
-    record.write_bytes({"torn": data[:-3], "short": data[:5], "garbage": data[:8] + b"x" * (len(data) - 8)}[damage])
+    head, intent = data[:INTENT_OFFSET], data[INTENT_OFFSET:]
+    intent = {"torn": intent[:-3], "short": intent[:5], "garbage": intent[:8] + b"x" * (len(intent) - 8)}[damage]
+    record.write_bytes(head + intent)
     spool = Spool(spool_dir)
     assert spool.cut_unrecorded_appends("lines") == 0
     assert _steps(out) == [1, 1, 2, 2, 3, 3]  # as before intents: the last window may repeat, never be lost
@@ -158,7 +160,8 @@ def test_a_file_is_never_extended_and_a_torn_cursor_falls_back_to_the_record(tmp
     spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
     _deliver(spool_dir, out, [1, 2, 3])
     _as_if_killed_before_recording(spool_dir, 2)
-    (spool_dir / "written.lines").write_bytes(b"\x00" * 12)  # the 12-byte record torn: only the flush cursor
+    record = spool_dir / "written.lines"
+    record.write_bytes(b"\x00" * 12 + record.read_bytes()[12:])  # the 12-byte record torn: only the flush cursor
     (spool_dir / "cursors.json").write_text('{"lines": 1}')
     spool = Spool(spool_dir)
     assert spool.cursor("lines") == 1

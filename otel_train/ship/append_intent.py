@@ -7,31 +7,43 @@ still the last one recorded, cuts each file back to its size (appends are all th
 again from the mark, exactly as without the record; an intent whose mark is older than the last record is stale
 and ignored.
 
-One record per backend, overwritten in place by one `pwrite` at offset 0 (payload length, CRC-32, JSON
-``[mark, [[path, size], ...]]``; paths relative to the record's folder, so a moved run folder still matches),
-no rename, no fsync: the same durability as ``written.*``. A torn or unreadable record is no record: delivery
-then behaves as it did before intents existed (a window written just before a kill may be written twice); it
-never cuts anything it cannot read whole.
+One record per backend, overwritten in place by one `pwrite` (payload length, CRC-32; the payload is the mark,
+then per file its size and path, relative to the record's folder so that a moved run folder still matches), no
+rename, no fsync: the same durability as ``written.*``, at offset `INTENT_OFFSET` of the spool's
+``written.<backend>`` (its open file: no descriptor more per run), or in a file of its own (the sink's held
+backends, written about once a second: opened per write). A torn or unreadable record is no record: delivery then
+behaves as it did before intents existed (a window written just before a kill may be written twice); it never
+cuts anything it cannot read whole.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-__all__ = ["AppendIntent"]
+__all__ = ["INTENT_OFFSET", "AppendIntent"]
 
+#: Where the record starts in a spool's ``written.<backend>`` (after its 12-byte record of what was written).
+INTENT_OFFSET = 16
 _HEAD = struct.Struct("<II")  # payload length, crc32 of the payload
+_MARK = struct.Struct("<qI")  # the mark, the number of files
+_FILE = struct.Struct("<q")  # a file's size, then its path
+_LENGTH = struct.Struct("<I")  # a path's length in bytes, then the path
 _MAX_BYTES = 1 << 20  # a record longer than this is not one of ours
+_NONE = _HEAD.pack(0, 0)  # a cleared record (shorter than any mark)
 
 
 class AppendIntent:
-    """The intent record in the file `path` (created on the first `write`).
+    """The intent record at `offset` of the file `path` (created on the first `write`).
+
+    Args:
+        path: The file.
+        offset: Where in it the record starts.
+        fd: Returns an open descriptor of `path` that its owner keeps (and closes); None: opened per write.
 
     Example:
         >>> import tempfile
@@ -47,10 +59,11 @@ class AppendIntent:
         (1, 9, b'window 1\\n')
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, offset: int = 0, fd: Callable[[], int] | None = None) -> None:
         self.path = path
-        self._fd = -1
-        self._relative: dict[str, str] = {}  # path as the backend gives it -> as recorded
+        self.offset = offset
+        self._fd = fd
+        self._encoded: dict[str, bytes] = {}  # path as the backend gives it -> as recorded
 
     def write(self, mark: int, files: Mapping[str, int]) -> None:
         """Record that the files are about to be appended after everything up to `mark` was recorded as written.
@@ -58,41 +71,67 @@ class AppendIntent:
         Raises:
             OSError: the record could not be written (the caller goes on without it).
         """
-        entries = [[self._relative.get(p) or self._relate(p), size] for p, size in files.items()]
-        payload = json.dumps([mark, entries], separators=(",", ":")).encode("ascii")  # ensure_ascii: paths escaped
-        if self._fd < 0:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        os.pwrite(self._fd, _HEAD.pack(len(payload), zlib.crc32(payload)) + payload, 0)
+        parts = [_MARK.pack(mark, len(files))]
+        encoded = self._encoded
+        for path, size in files.items():
+            parts.append(_FILE.pack(size))
+            parts.append(encoded.get(path) or self._encode(path))
+        payload = b"".join(parts)
+        self._pwrite(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
 
-    def _relate(self, path: str) -> str:
-        if len(self._relative) >= 4096:
-            self._relative.clear()
+    def _pwrite(self, data: bytes) -> None:
+        if self._fd is not None:
+            os.pwrite(self._fd(), data, self.offset)
+            return
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.pwrite(fd, data, self.offset)
+        finally:
+            os.close(fd)
+
+    def _encode(self, path: str) -> bytes:
+        """`path` as recorded: relative to the record's folder, length-prefixed (kept: a backend's files recur)."""
+        if len(self._encoded) >= 4096:
+            self._encoded.clear()
         try:
             rel = os.path.relpath(path, self.path.parent)
         except ValueError:  # another drive (Windows): as given
             rel = os.path.abspath(path)
-        self._relative[path] = rel
-        return rel
+        raw = os.fsencode(rel)
+        self._encoded[path] = out = _LENGTH.pack(len(raw)) + raw
+        return out
 
     def read(self) -> tuple[int, dict[str, int]] | None:
         """(mark, file path -> size) of the record, or None: no record, or one torn or unreadable."""
         try:
             with open(self.path, "rb") as f:
+                f.seek(self.offset)
                 head = f.read(_HEAD.size)
                 if len(head) < _HEAD.size:
                     return None
                 size, crc = _HEAD.unpack(head)
-                payload = f.read(size) if size <= _MAX_BYTES else b""
+                payload = f.read(size) if _MARK.size <= size <= _MAX_BYTES else b""
         except OSError:
             return None
         if len(payload) != size or zlib.crc32(payload) != crc:
             return None
         try:
-            mark, entries = json.loads(payload)
+            mark, count = _MARK.unpack_from(payload)
+            pos = _MARK.size
             folder = os.path.abspath(self.path.parent)
-            return int(mark), {os.path.normpath(os.path.join(folder, str(p))): int(s) for p, s in entries}
-        except (ValueError, TypeError):
+            files = {}
+            for _ in range(count):
+                (file_size,) = _FILE.unpack_from(payload, pos)
+                (length,) = _LENGTH.unpack_from(payload, pos + _FILE.size)
+                start = pos + _FILE.size + _LENGTH.size
+                raw = payload[start:start + length]
+                if len(raw) != length:
+                    return None
+                files[os.path.normpath(os.path.join(folder, os.fsdecode(raw)))] = file_size
+                pos = start + length
+        except struct.error:
             return None
+        return mark, files
 
     def cut_back(self, files: Mapping[str, int]) -> int | None:
         """Cut each file back to its recorded size (a file already at or below it is left alone: never
@@ -112,13 +151,10 @@ class AppendIntent:
 
     def clear(self) -> None:
         """Forget the record (after it was applied): it is never applied twice."""
-        self.close()
         with contextlib.suppress(OSError):
-            self.path.unlink()
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
+            if self._fd is not None:
+                self._pwrite(_NONE)
+            elif self.offset == 0:
+                self.path.unlink()
+            else:
+                self._pwrite(_NONE)

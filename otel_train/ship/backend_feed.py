@@ -4,7 +4,9 @@ The thread takes everything queued at once and hands it to the backend in writes
 rows (`RowExporter.export_window`, whose `otel_train.ship.window_writer` routes, orders, isolates and retries),
 reading back from the spool whatever the queue could not hold; it flushes the backend when asked and at least
 every `FLUSH_EVERY_S` while data flows with a spool, and moves the cursor over what the backend's store holds.
-A resume in the stream is never merged.
+A resume in the stream is never merged. For a kill-safe backend with a spool it records each write (`Spool.advance`)
+and, before the write, what the backend reports it is about to append to (`_intend`, the intent record); on start
+it first cuts back what a killed writer appended without recording it (`Spool.cut_unrecorded_appends`).
 """
 
 from __future__ import annotations
@@ -336,8 +338,8 @@ class BackendFeed:
         self._recorded = max(self._recorded, seq)
 
     def _intend(self, files: Sequence[tuple[str, int]]) -> None:
-        """The backend is about to append to `files` (`RowExporter.mark_appending`): record it first (the spool's
-        ``appending.<backend>``). Until a write is recorded (`_advance`, `_acknowledge`), the record keeps each
+        """The backend is about to append to `files` (`RowExporter.mark_appending`): record it first (in the spool's
+        ``written.<backend>``). Until a write is recorded (`_advance`, `_acknowledge`), the record keeps each
         file's size before the first unrecorded write: a failed write's partial append is cut back with it."""
         assert self.spool is not None
         known = self._intent_files

@@ -13,10 +13,11 @@ it while losing the backend's unsynced data (at most the last second before a fl
 
 The write and its record are two steps: a kill between them would leave the window in the backend's files and
 the record before it, so the restarted process would write it again. A backend that reports the files it is
-about to append to (`RowExporter.mark_appending`: JSONL, TensorBoard) also has ``appending.<backend>``, an
-intent record written before each write (`otel_train.ship.append_intent`: the last seq recorded, and each file's
-size then); whoever resumes delivery cuts the files back to those sizes when the write after it was not
-recorded (`cut_unrecorded_appends`), then delivers from the record as before: every window is written once.
+about to append to (`RowExporter.mark_appending`: JSONL, TensorBoard) also has an intent record, written before
+each write at byte 16 of the same ``written.<backend>`` (`otel_train.ship.append_intent`: the last seq recorded,
+and each file's size then); whoever resumes delivery cuts the files back to those sizes when the write after it
+was not recorded (`cut_unrecorded_appends`), then delivers from the record as before: every window is written
+once.
 
 A disk full (or any other write error) never stops delivery: the window that could not be written is
 cut back out of its segment, counted in `Spool.failed_appends`, and still handed to the backends from
@@ -43,7 +44,7 @@ from pathlib import Path
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.run_paths import run_folder
-from otel_train.ship.append_intent import AppendIntent
+from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
 
 __all__ = ["RunClaim", "Spool", "claim_run", "holder", "spool_dir", "try_lock"]
 
@@ -211,7 +212,7 @@ class Spool:
         self._failing = False
         self._log = LogOnce(_logger, interval_s=60.0)  # a disk that keeps flapping cannot flood the log
         self._written_fds: dict[str, int] = {}  # backend -> open fd of its ``written.<backend>``
-        self._intents: dict[str, AppendIntent] = {}  # backend -> its ``appending.<backend>``
+        self._intents: dict[str, AppendIntent] = {}  # backend -> its intent record (in ``written.<backend>``)
         for seq, step, _ in self.read(0):  # the tail of an earlier writer (restart, replay)
             self.last_seq = seq
             self.last_step = max(self.last_step, step)
@@ -290,9 +291,6 @@ class Spool:
         self.sync()
         with self._cursor_lock:
             fds, self._written_fds = list(self._written_fds.values()), {}
-            intents = list(self._intents.values())
-        for intent in intents:
-            intent.close()
         for fd in fds:
             try:
                 os.fsync(fd)
@@ -363,6 +361,10 @@ class Spool:
         One `pwrite` of 12 bytes at offset 0 of an open file: no rename, no fsync (a kill -9 cannot
         lose a write the kernel already has)."""
         record = _WRITTEN.pack(seq, zlib.crc32(struct.pack("<q", seq)))
+        os.pwrite(self._written_fd(backend), record, 0)
+
+    def _written_fd(self, backend: str) -> int:
+        """The open ``written.<backend>`` (its written record, then its intent record), kept until `close`."""
         fd = self._written_fds.get(backend)
         if fd is None:
             with self._cursor_lock:
@@ -370,14 +372,15 @@ class Spool:
                 if fd is None:
                     fd = self._written_fds[backend] = os.open(self._written_path(backend), os.O_RDWR | os.O_CREAT,
                                                               0o644)
-        os.pwrite(fd, record, 0)
+        return fd
 
     def intent(self, backend: str) -> AppendIntent:
-        """`backend`'s intent record, ``appending.<backend>`` (module docstring)."""
+        """`backend`'s intent record, in its ``written.<backend>`` (module docstring)."""
         intent = self._intents.get(backend)
         if intent is None:
             with self._cursor_lock:
-                intent = self._intents.setdefault(backend, AppendIntent(self.path / ("appending." + _file_safe(backend))))
+                intent = self._intents.setdefault(backend, AppendIntent(
+                    self._written_path(backend), INTENT_OFFSET, lambda: self._written_fd(backend)))
         return intent
 
     def cut_unrecorded_appends(self, backend: str) -> int:

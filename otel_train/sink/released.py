@@ -90,7 +90,7 @@ class ReleasedSteps:
         self._pending: dict[_Key, dict[str, int]] = {}  # written, not yet recorded (or not yet durable)
         self._compact_at = max(_MIN_COMPACT_BYTES, 8 * self._bytes)
         # -- the intent record of the writes since the last `save` --
-        self._intent = AppendIntent(path.with_name("appending." + path.name))
+        self._intent = AppendIntent(path.with_name("appending." + path.name))  # opened per write: no fd per run
         found = self._intent.read()
         self._gen = max(self._completed, found[0] if found is not None else 0)  # generations only go up
         self._open: int | None = None  # the generation of the writes since the last save (None: none yet)

@@ -26,7 +26,10 @@ lowest step held over the whole run, so while its ranks are at steps far apart, 
 rank were written stay unacknowledged: with `remember_released` (the sink does it for every spooled run) the
 hold records the highest step written per (rank, series) after each flush (`otel_train.sink.released`), and
 after a restart skips a row the spool hands over again at or below it (counted in `redelivered`, not as a
-step-order skip), so nothing is written twice.
+step-order skip), so nothing is written twice. The record follows the backend's write: for a backend that reports
+its appends (TensorBoard) an intent record precedes each write, and a restarted hold first cuts the backend's
+files back to where they were before writes a killed sink did not record (W&B cannot be cut back: see the limits
+in `otel_train.sink.released`).
 """
 
 from __future__ import annotations
