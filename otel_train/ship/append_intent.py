@@ -110,7 +110,9 @@ class AppendIntent:
                 if len(head) < _HEAD.size:
                     return None
                 size, crc = _HEAD.unpack(head)
-                payload = f.read(size) if _MARK.size <= size <= _MAX_BYTES else b""
+                if not _MARK.size <= size <= _MAX_BYTES:
+                    return None  # cleared, or not a record
+                payload = f.read(size)
         except OSError:
             return None
         if len(payload) != size or zlib.crc32(payload) != crc:
