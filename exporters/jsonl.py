@@ -3,7 +3,9 @@
 Rows of rank N are appended to ``<dir>/<run_name>/rank<N>.jsonl``; each line has a ``type``
 (``metric``, ``histogram`` or ``span``), the run identity (``run_id``, ``run_name``, ``rank``) and
 the row's fields (a span with events has ``events``: name, time, attributes; ``kind`` when not internal,
-``links`` when it has some). Lines are handed to the OS after every window and fsynced on flush.
+``links`` when it has some). Lines are handed to the OS after every window and fsynced on flush. Before each
+append the file and its size are reported (`RowExporter.mark_appending`): a window a killed process appended
+but had not recorded as written is cut back out before delivery writes it again, so it is in the file once.
 
 A run that ended on SIGTERM or SIGUSR1 (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
@@ -166,7 +168,13 @@ class JsonlExporter(RowExporter):
             self._runs[key] = run
             if self.options.resume_step is not None:
                 self._write_resume_record(entry[1], run, self.options.resume_step)
+            entry[1].flush()  # the file's size on disk is all it holds (`_appending`)
         return entry[1]
+
+    def _appending(self, files: Sequence[tuple[RunInfo, IO[str]]]) -> None:
+        """Report the files about to be appended to, with their sizes (`mark_appending`)."""
+        self.mark_appending([(self._files[(run.run_id, run.rank)][0], os.fstat(f.fileno()).st_size)
+                             for run, f in files])
 
     @staticmethod
     def _write_resume_record(f: IO[str], run: RunInfo, step: int) -> None:
@@ -175,6 +183,7 @@ class JsonlExporter(RowExporter):
     def write_resume(self, run: RunInfo, step: int) -> None:
         """A ``resume`` record for `run`'s rank, now: `resolve_resumes` drops its earlier rows at steps >= `step`."""
         f = self._file(run)
+        self._appending([(run, f)])
         self._write_resume_record(f, run, step)
         f.flush()
 
@@ -188,8 +197,9 @@ class JsonlExporter(RowExporter):
             entry = per_file.setdefault((run.run_id, run.rank), (run, [], []))
             entry[1].append(line)
             entry[2].append(row)
-        for run, lines, written in per_file.values():
-            f = self._file(run)
+        files = [(run, self._file(run)) for run, _, _ in per_file.values()]
+        self._appending(files)
+        for (_, f), (_, lines, written) in zip(files, per_file.values()):
             f.write("".join(lines))
             f.flush()  # a killed process keeps every finished window
             self.mark_written(written)

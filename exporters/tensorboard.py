@@ -14,7 +14,9 @@ series): TensorBoard's data server takes it for a restart and hides the series' 
 Records are framed by TensorBoard's `RecordWriter` and protos come from `tensorboard.compat.proto`.
 We do not use its `EventFileWriter`: without TensorFlow it opens and closes the file for every
 record and hands each one to a thread of its own, which cost more than everything else in the
-sink's path. Each window is appended here in one write instead, on the export thread.
+sink's path. Each window is appended here in one write instead, on the export thread, after reporting each
+event file and its size (`RowExporter.mark_appending`): records a killed process appended but had not recorded
+as written are cut back out (at a record boundary) before delivery writes them again, so each lands once.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class _EventFile:
                                  f"{os.getpid()}.{next(_file_ids):06d}")  # padded: files sort in creation order
         self._records = bytearray()
         self._framer = RecordWriter(self)  # frames each record and calls our `write`
+        #: Bytes on disk (every record a whole one): where the file can be cut back to.
+        self.size = 0
         self.add(first_event)
         self.flush()
 
@@ -114,6 +118,7 @@ class _EventFile:
                 self._records.clear()  # the caller retries the whole window
                 f.truncate(size)
                 raise
+        self.size = size + len(self._records)
         self._records.clear()
 
 
@@ -192,6 +197,7 @@ class TensorBoardExporter(RowExporter):
                 self._write_hparams(writer, self.options.hparams, run)
             if self.options.resume_step is not None:
                 self._add_start(writer, self.options.resume_step)
+            writer.flush()  # on disk before any window: `size` is where a window's records start
         return writer
 
     def _add_start(self, writer: _EventFile, step: int) -> None:
@@ -203,6 +209,7 @@ class TensorBoardExporter(RowExporter):
     def write_resume(self, run: RunInfo, step: int) -> None:
         """A `SessionLog.START` event at `step` in `run`'s event file, now (see `_add_start`)."""
         writer = self._writer(run)
+        self.mark_appending([(writer.path, writer.size)])
         self._add_start(writer, step)
         writer.flush()
 
@@ -248,7 +255,9 @@ class TensorBoardExporter(RowExporter):
             event = run_steps.setdefault(h.step, ([], h.time_unix_nano))
             event[0].append(Summary(value=[Summary.Value(tag=h.tag, histo=self._histogram(h))]).SerializeToString())
         Event = self._event_pb2.Event
-        for run_, (events, written) in grouped.items():
+        writers = [self._writer(run_) for run_ in grouped]
+        self.mark_appending([(w.path, w.size) for w in writers])  # before the first append (kill -9 safety)
+        for writer, (events, written) in zip(writers, grouped.values()):
             encoded = []
             # In step order: one event holds every series of a step, so events in the order their steps first came
             # would put a series' step before its earlier one (rows of another series leading), and TensorBoard's
@@ -257,7 +266,6 @@ class TensorBoardExporter(RowExporter):
                 summary = b"".join(values)
                 header = Event(wall_time=t / 1e9, step=step).SerializeToString()
                 encoded.append(header + self._summary_key + _varint(len(summary)) + summary)
-            writer = self._writer(run_)
             for record in encoded:
                 writer.add(record)
             writer.flush()

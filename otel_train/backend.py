@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from abc import ABC
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.sdk.metrics import (
@@ -106,12 +107,14 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
       `isolate_rows`;
     - `write_metrics`, `write_spans` (one window's rows), `flush`, `close`, and optionally `row_problem`,
       `durable_step`, `write_resume`, `mark_preempted`, `preload`; `mark_written` to call from a write
-      that is not all-or-nothing; `options` and `_log` (a rate-limited logger) to read.
+      that is not all-or-nothing; optionally `mark_appending` to call right before appending to files of its
+      own (a kill -9 then never leaves a window in them twice); `options` and `_log` (a rate-limited logger)
+      to read.
 
     The rest is called by delivery (`otel_train.ship.delivery`) or an OTel pipeline, is not overridden, and
     hands its work to `window_writer` (`otel_train.ship.window_writer.WindowWriter`): `export_window`,
     `resume`, `force_flush`, `shutdown`, `preempt_at_close`, `forget_pending_after_fork`, `unwritten_windows`,
-    the counters `failures`, `dropped_windows`, `rows_lost`, `step_order`, and the OTel entry point `export`.
+    `watch_appends`, the counters `failures`, `dropped_windows`, `rows_lost`, `step_order`, and the OTel entry point `export`.
 
     Args:
         options: Directory, project, hyperparameters and rank policy; default from the env vars.
@@ -141,6 +144,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     isolate_rows: bool | None = None
     max_attempts: int = 8
     backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 15.0, 60.0)
+    #: Who hears `mark_appending` (`watch_appends`); None: nobody (no spool, an OTel pipeline).
+    _append_listener: Callable[[Sequence[tuple[str, int]]], None] | None = None
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         # DELTA, as in our reader: on a plain SDK pipeline a counter with a per-step attribute then
@@ -191,6 +196,18 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         the retry does not hand them to the backend again. Backends whose window write is one
         all-or-nothing append need not call it."""
         self.window_writer.mark_landed(rows)
+
+    def mark_appending(self, files: Sequence[tuple[str | os.PathLike[str], int]]) -> None:
+        """Report, right before appending to files of the backend's own, each file and its size now in bytes
+        (0 for one not created yet). Optional, for a backend whose writes are appends (`kill_safe_writes`):
+        delivery records it before the append, and if the process is killed after the append but before
+        delivery recorded the window as written, the files are cut back to these sizes when delivery resumes,
+        so the window is written once (`otel_train.ship.append_intent`). Only appends may follow it until the
+        write returns; a backend that never calls it keeps the older behaviour (the one window written just
+        before a kill may be written twice)."""
+        listener = self._append_listener
+        if listener is not None:
+            listener([(os.fspath(path), size) for path, size in files])
 
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         """Write one window's scalar rows (and full histograms). Runs on the export thread."""
@@ -260,6 +277,11 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         """Have `shutdown` call `mark_preempted(cause)` before `close` (any thread; one attribute set,
         so a backend busy in a write never blocks the signal's hand-off)."""
         self.window_writer.preempted = cause
+
+    def watch_appends(self, listener: Callable[[Sequence[tuple[str, int]]], None] | None) -> None:
+        """Have `listener` called (on the writing thread, before the append) with what the backend reports
+        through `mark_appending`; None: nobody. Called by delivery."""
+        self._append_listener = listener
 
     def forget_pending_after_fork(self) -> None:
         """In a forked child: drop the windows waiting for a retry (the parent's rows: the parent writes

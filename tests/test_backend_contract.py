@@ -39,6 +39,7 @@ HOOKS = {
     "mark_preempted": ["self", "cause"],
     "row_problem": ["self", "row"],
     "mark_written": ["self", "rows"],
+    "mark_appending": ["self", "files"],
 }
 #: Class attributes a backend sets, with the base's defaults.
 ATTRIBUTES = {"handles_metrics": True, "handles_spans": False, "client_module": None, "display_names": False,

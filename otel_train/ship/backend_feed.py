@@ -4,7 +4,9 @@ The thread takes everything queued at once and hands it to the backend in writes
 rows (`RowExporter.export_window`, whose `otel_train.ship.window_writer` routes, orders, isolates and retries),
 reading back from the spool whatever the queue could not hold; it flushes the backend when asked and at least
 every `FLUSH_EVERY_S` while data flows with a spool, and moves the cursor over what the backend's store holds.
-A resume in the stream is never merged.
+A resume in the stream is never merged. For a kill-safe backend with a spool it records each write (`Spool.advance`)
+and, before the write, what the backend reports it is about to append to (`_intend`, the intent record); on start
+it first cuts back what a killed writer appended without recording it (`Spool.cut_unrecorded_appends`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from otel_train._internal import faults
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.backend import RowExporter, Window
 from otel_train.ship.framing import Resume, cut_window, decode_window
@@ -51,7 +54,19 @@ class BackendFeed:
         self._cuts = cuts if cuts is not None else []  # (cut_after, step) of the resumes known (shared)
         self.exporter = exporter
         self.spool = spool
+        self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
+        if self._kill_safe:
+            assert spool is not None
+            # Before the backend opens a file: what a killed writer appended but did not record goes first.
+            spool.cut_unrecorded_appends(name)
+            watch = getattr(exporter, "watch_appends", None)
+            if watch is not None:
+                watch(self._intend)
         self.acked = spool.cursor(name) if spool is not None else 0
+        #: The last seq recorded as written or durable (`Spool.cursor`): an intent record names it.
+        self._recorded = self.acked
+        self._intent_mark = -1  # the mark of the intent record in force (-1: none)
+        self._intent_files: dict[str, int] = {}  # its files, with their sizes before the first unrecorded write
         self.acked_step = -1
         self.handed = self.acked
         self.handed_step = -1
@@ -68,7 +83,6 @@ class BackendFeed:
         self.dropped_rows = 0  # rows of the windows dropped from a full queue (no spool)
         self.rows_written = 0  # metric and histogram rows handed to the backend
         self._on_error = on_error
-        self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
         self._flushes_asked = 0
         self._flushes_done = 0
         self._flushed_handed = 0  # windows handed when the last asked-for flush succeeded
@@ -294,9 +308,12 @@ class BackendFeed:
             batch = items[start:end]
             ok = self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch]))
             last = max(self.handed, batch[-1][0])
+            step = max(s for _, s, _ in batch)
+            if faults.ARMED and self._kill_safe:  # tests only: a kill between the write and its record
+                faults.after_write(self.name, step)
             if ok and self._kill_safe and last > self.handed:
                 self._advance(last)
-            self._hand(last, max(s for _, s, _ in batch))
+            self._hand(last, step)
             start = end
 
     def _hand(self, seq: int, step: int) -> None:
@@ -317,6 +334,30 @@ class BackendFeed:
             self.spool.advance(self.name, seq)
         except OSError as err:  # only costs a repeat after a kill: the flush cursor still holds
             self._log.error("written", "cannot record how far `%s` has written: %s", self.name, err)
+            return
+        self._recorded = max(self._recorded, seq)
+
+    def _intend(self, files: Sequence[tuple[str, int]]) -> None:
+        """The backend is about to append to `files` (`RowExporter.mark_appending`): record it first (in the spool's
+        ``written.<backend>``). Until a write is recorded (`_advance`, `_acknowledge`), the record keeps each
+        file's size before the first unrecorded write: a failed write's partial append is cut back with it."""
+        assert self.spool is not None
+        known = self._intent_files
+        changed = self._intent_mark != self._recorded
+        if changed:  # everything appended so far is recorded: sizes start afresh
+            self._intent_mark = self._recorded
+            known.clear()
+        for path, size in files:
+            if path not in known:
+                known[path] = size
+                changed = True
+        if not changed:
+            return
+        try:
+            self.spool.intent(self.name).write(self._intent_mark, known)
+        except OSError as err:  # only costs a repeat after a kill, as without the record
+            self._intent_mark = -1  # written whole at the next append
+            self._log.error("intent", "cannot record the files `%s` is about to append to: %s", self.name, err)
 
     def _write(self, window: Window) -> bool:
         started = time.perf_counter()
@@ -366,6 +407,7 @@ class BackendFeed:
         if self.spool is not None:
             try:
                 self.spool.acknowledge(self.name, seq)
+                self._recorded = max(self._recorded, seq)
             except OSError as err:
                 self._log.error("cursor", "cannot save the cursor of `%s`: %s", self.name, err)
         with self._cv:

@@ -9,7 +9,10 @@ runs on its own thread (a slow or hanging one stalls only itself); while it is b
 merge into one bigger write. A backend's cursor moves only after its `force_flush()` succeeded, so
 whatever it has not made durable is fed again from the spool after a crash or by `otel-train replay`;
 a backend that appends to its own files (`RowExporter.kill_safe_writes`) also records after every
-write how far its writes reached the OS (`Spool.advance`), so a killed process writes nothing twice.
+write how far its writes reached the OS (`Spool.advance`), so a killed process writes nothing twice; one that
+reports its appends (`RowExporter.mark_appending`: JSONL, TensorBoard) gets an intent record before every write
+(its files and their sizes, `Spool.intent`), so a process killed between a write and that record has the write
+cut back out of the files when delivery resumes (`Spool.cut_unrecorded_appends`) and writes it once.
 A backend whose client writes its store on its own schedule (W&B's service process) says how far its
 store holds the data (`RowExporter.durable_step`): its cursor moves only over the windows up to that step
 (an explicit flush still succeeds once such a backend has everything and flushed: the spool keeps the rest

@@ -11,6 +11,14 @@ overwritten in place after every window (`advance`). A process killed between tw
 after it, so nothing it wrote is written twice. It is not fsynced per window: a machine crash may keep
 it while losing the backend's unsynced data (at most the last second before a flush).
 
+The write and its record are two steps: a kill between them would leave the window in the backend's files and
+the record before it, so the restarted process would write it again. A backend that reports the files it is
+about to append to (`RowExporter.mark_appending`: JSONL, TensorBoard) also has an intent record, written before
+each write at byte 16 of the same ``written.<backend>`` (`otel_train.ship.append_intent`: the last seq recorded,
+and each file's size then); whoever resumes delivery cuts the files back to those sizes when the write after it
+was not recorded (`cut_unrecorded_appends`), then delivers from the record as before: every window is written
+once.
+
 A disk full (or any other write error) never stops delivery: the window that could not be written is
 cut back out of its segment, counted in `Spool.failed_appends`, and still handed to the backends from
 memory; the first failure and the recovery are each logged once. Such a window is not written ahead:
@@ -36,6 +44,7 @@ from pathlib import Path
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.run_paths import run_folder
+from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
 
 __all__ = ["RunClaim", "Spool", "claim_run", "holder", "spool_dir", "try_lock"]
 
@@ -203,6 +212,7 @@ class Spool:
         self._failing = False
         self._log = LogOnce(_logger, interval_s=60.0)  # a disk that keeps flapping cannot flood the log
         self._written_fds: dict[str, int] = {}  # backend -> open fd of its ``written.<backend>``
+        self._intents: dict[str, AppendIntent] = {}  # backend -> its intent record (in ``written.<backend>``)
         for seq, step, _ in self.read(0):  # the tail of an earlier writer (restart, replay)
             self.last_seq = seq
             self.last_step = max(self.last_step, step)
@@ -332,7 +342,7 @@ class Spool:
         return max(self.cursors.get(backend, 0), self._read_written(self._written_path(backend)))
 
     def _written_path(self, backend: str) -> Path:
-        return self.path / ("written." + "".join(c if c.isalnum() or c in "-_" else "_" for c in backend))
+        return self.path / ("written." + _file_safe(backend))
 
     @staticmethod
     def _read_written(path: Path) -> int:
@@ -351,6 +361,10 @@ class Spool:
         One `pwrite` of 12 bytes at offset 0 of an open file: no rename, no fsync (a kill -9 cannot
         lose a write the kernel already has)."""
         record = _WRITTEN.pack(seq, zlib.crc32(struct.pack("<q", seq)))
+        os.pwrite(self._written_fd(backend), record, 0)
+
+    def _written_fd(self, backend: str) -> int:
+        """The open ``written.<backend>`` (its written record, then its intent record), kept until `close`."""
         fd = self._written_fds.get(backend)
         if fd is None:
             with self._cursor_lock:
@@ -358,7 +372,45 @@ class Spool:
                 if fd is None:
                     fd = self._written_fds[backend] = os.open(self._written_path(backend), os.O_RDWR | os.O_CREAT,
                                                               0o644)
-        os.pwrite(fd, record, 0)
+        return fd
+
+    def intent(self, backend: str) -> AppendIntent:
+        """`backend`'s intent record, in its ``written.<backend>`` (module docstring)."""
+        intent = self._intents.get(backend)
+        if intent is None:
+            with self._cursor_lock:
+                intent = self._intents.setdefault(backend, AppendIntent(
+                    self._written_path(backend), INTENT_OFFSET, lambda: self._written_fd(backend)))
+        return intent
+
+    def cut_unrecorded_appends(self, backend: str) -> int:
+        """Before `backend` is written again by a new process: if the last write announced in its intent record
+        was not recorded (`advance`) before the writer died, cut its files back to their sizes before that write,
+        so that delivery, resuming from the record, writes those windows once. Returns the bytes cut.
+
+        A stale record (its write was recorded), a torn one, or a file that cannot be cut: nothing is cut and
+        delivery resumes as without the record (the last window may then be written twice, never lost)."""
+        intent = self.intent(backend)
+        found = intent.read()
+        if found is None:
+            return 0
+        mark, files = found
+        cursor = self.cursor(backend)
+        if mark < cursor:
+            return 0  # the write it announced was recorded: nothing after it is unrecorded
+        cut = intent.cut_back(files)
+        if cut is None:
+            self._log.warning("cut-back", "otel-train: cannot cut the files of `%s` back to where they were before "
+                              "the write a killed process did not record (%s); that write may appear twice",
+                              backend, ", ".join(files))
+            return 0
+        if mark > cursor:  # the 12-byte record was torn: the intent says how far the writes were recorded
+            self.advance(backend, mark)
+        intent.clear()
+        if cut:
+            _logger.info("otel-train: cut %d byte(s) a killed process appended for `%s` but did not record as "
+                         "written; they are delivered again once", cut, backend)
+        return cut
 
     def acknowledge(self, backend: str, seq: int) -> None:
         """Record that `backend` has made everything up to `seq` durable; drop fully read segments."""
@@ -387,3 +439,8 @@ class Spool:
                     seg.unlink()
                 except OSError:
                     pass
+
+
+def _file_safe(backend: str) -> str:
+    """`backend` as part of a file name in the spool folder."""
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)

@@ -12,15 +12,28 @@ Why not read back what the backend's store holds on open: TensorBoard's event fi
 whole for every run reopened (and every LRU reopen of 10,000 runs), W&B's offline run file is written by
 another process on its own schedule; this file is one append per flush that released rows, for any backend.
 
-File format: JSON lines, each a list of ``[run id, rank, tag, step]`` (a step recorded) or ``[run id, rank]``
-(that rank restarted: forget its steps); later lines win. Appended without fsync, like the spool's
-``written.*``: a ``kill -9`` of the sink keeps what the kernel has. A torn last line is ignored, which can
-only cost a repeat, never a loss (the next record rewrites the file). The file is rewritten whole (atomically)
-when it grows past eight times what it holds (and 1 MiB).
+File format: JSON lines, each a list of ``[run id, rank, tag, step]`` (a step recorded), ``[run id, rank]``
+(that rank restarted: forget its steps) or ``[generation]`` (every write of that generation is recorded, below);
+later lines win. Appended without fsync, like the spool's ``written.*``: a ``kill -9`` of the sink keeps what
+the kernel has. A torn last line is ignored, which can only cost a repeat, never a loss (the next record
+rewrites the file). The file is rewritten whole (atomically) when it grows past eight times what it holds (and
+1 MiB).
 
-Limits: a row written between the backend's write and this record (a few milliseconds) may still be written
-twice after a kill; a later row of the same (rank, series, step) as the last one released is skipped after a
-restart if the spool hands it over again (several values of one series in one step, sent far apart).
+The backend's write and this record are two steps, and a kill between them would leave rows in the backend's
+files that the record does not have, so the restarted sink would write them again. A backend that reports the
+files it is about to append to (`RowExporter.mark_appending`: TensorBoard's event files) gets an intent record
+first, ``appending.<this file's name>`` (`otel_train.ship.append_intent`): a generation number (the writes since
+the last record) and each file's size before them. A restarted sink whose record lacks that generation cuts the
+files back to those sizes (`cut_unrecorded_appends`, before the backend writes again): the spool, whose cursor
+never passes what is not recorded here, hands those rows over again and they are written once. A generation
+whose writes include a row at or below a step already recorded for its series gets no intent (those writes are
+not cut back: a restart would skip that row as one the backend holds, i.e. lose it) and keeps the older
+behaviour, as does a torn intent.
+
+Limits: W&B cannot be cut back (its run file is written by its own service process): a row written between
+W&B's write and this record may still be written twice after a kill. A later row of the same (rank, series,
+step) as the last one released is skipped after a restart if the spool hands it over again (several values of
+one series in one step, sent far apart).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from otel_train._internal.ratelimit import LogOnce
+from otel_train.ship.append_intent import AppendIntent
 
 __all__ = ["ReleasedSteps"]
 
@@ -69,11 +83,95 @@ class ReleasedSteps:
         self._saved: dict[_Key, dict[str, int]] = {}
         self._bytes = 0
         self._torn = False
+        self._completed = 0  # the last generation of writes recorded whole (module docstring)
         self._load()
         #: What the store held when this process opened it: rows at or below are a redelivery.
         self._before: dict[_Key, dict[str, int]] = {k: dict(v) for k, v in self._saved.items()}
         self._pending: dict[_Key, dict[str, int]] = {}  # written, not yet recorded (or not yet durable)
         self._compact_at = max(_MIN_COMPACT_BYTES, 8 * self._bytes)
+        # -- the intent record of the writes since the last `save` --
+        self._intent = AppendIntent(path.with_name("appending." + path.name))  # opened per write: no fd per run
+        found = self._intent.read()
+        self._gen = max(self._completed, found[0] if found is not None else 0)  # generations only go up
+        self._open: int | None = None  # the generation of the writes since the last save (None: none yet)
+        self._files: dict[str, int] = {}  # its files, with their sizes before its first write
+        self._cuttable = True  # False: the open generation's writes must not be cut back
+        self._recording = True  # False after a record failed to be written, until the file is rewritten whole
+        self._top: dict[_Key, int] = {k: max(v.values(), default=-1) for k, v in self._saved.items()}
+
+    # -- the intent record ----------------------------------------------------------------------------
+    def cut_unrecorded_appends(self) -> int:
+        """Before the backend writes again (a restarted sink): cut the files the intent record names back to their
+        sizes if its generation was not recorded here; returns the bytes cut. A stale or torn record, or a file
+        that cannot be cut: nothing is cut (a repeat, never a loss)."""
+        found = self._intent.read()
+        if found is None:
+            return 0
+        gen, files = found
+        if gen <= self._completed:
+            return 0
+        cut = self._intent.cut_back(files)
+        if cut is None:
+            self._log.warning("cut", "cannot cut %s back to where they were before writes a killed sink did not "
+                              "record; those rows may appear twice", ", ".join(files))
+            return 0
+        self._intent.clear()
+        if cut:
+            _logger.info("cut %d byte(s) a killed sink wrote but had not recorded in %s; they are written again "
+                         "once", cut, self.path)
+        return cut
+
+    def intend(self, files: Sequence[tuple[str, int]]) -> None:
+        """The backend is about to append to `files` (`RowExporter.mark_appending`): record each file's size before
+        the first write since the last `save`, under a new generation, before the write."""
+        changed = self._open is None
+        if changed:
+            self._gen += 1
+            self._open = self._gen
+            self._files = {}
+            self._cuttable = self._recording
+        if not self._cuttable:
+            return
+        known = self._files
+        for path, size in files:
+            if path not in known:
+                known[path] = size
+                changed = True
+        if changed:
+            try:
+                self._intent.write(self._gen, known)
+            except OSError as err:  # a repeat after a kill, as without the record
+                self._log.warning("intent", "cannot record the files about to be written in %s (%s)",
+                                  self._intent.path, err)
+
+    def check_before_write(self, rows: Sequence[Any]) -> None:
+        """`rows` are about to be handed to the backend: if one is at or below the step recorded for its series,
+        the writes since the last `save` must not be cut back after a kill (a restart would skip that row as one
+        the backend holds): their intent record is dropped."""
+        if not self._cuttable:
+            return
+        top = self._top
+        run: Any = None
+        high = -1
+        marks: dict[str, int] = {}
+        for r in rows:
+            if r.run is not run:  # rows come in long stretches of one rank: one lookup per stretch
+                run = r.run
+                key = (run.run_id, run.rank)
+                high = top.get(key, -1)
+                marks = self._saved.get(key, {})
+            if r.step <= high:
+                mark = marks.get(r.tag)
+                if mark is not None and r.step <= mark:
+                    self._no_cut_back()
+                    return
+
+    def _no_cut_back(self) -> None:
+        if self._open is None:
+            self._gen += 1
+            self._open = self._gen
+        self._cuttable = False
+        self._intent.clear()
 
     # -- the restarted backend ----------------------------------------------------------------------
     def drop_redelivered(self, rows: Sequence[_RowT]) -> tuple[Sequence[_RowT], int]:
@@ -114,8 +212,10 @@ class ReleasedSteps:
 
     def save(self, durable: int | None) -> None:
         """Record what was noted, after the backend's flush succeeded (its store holds steps up to `durable`;
-        None: everything it was handed). A step above `durable` stays noted for a later save."""
+        None: everything it was handed), and that every write since the last save is recorded. A step above
+        `durable` stays noted for a later save."""
         if not self._pending:
+            self._complete([])
             return
         entries: list[list[Any]] = []
         keep: dict[_Key, dict[str, int]] = {}
@@ -126,9 +226,19 @@ class ReleasedSteps:
                 if held > saved.get(tag, held - 1):
                     saved[tag] = held
                     entries.append([key[0], key[1], tag, held])
+                    if held > self._top.get(key, -1):
+                        self._top[key] = held
                 if held < step:
                     keep.setdefault(key, {})[tag] = step
         self._pending = keep
+        self._complete(entries)
+
+    def _complete(self, entries: list[list[Any]]) -> None:
+        """Append `entries`, and the open generation as recorded (in the same line: one write)."""
+        if self._open is not None:
+            entries.append([self._open])
+            self._completed = self._open
+            self._open = None
         if entries:
             self._append(entries)
 
@@ -137,6 +247,7 @@ class ReleasedSteps:
         key = (run_id, rank)
         self._pending.pop(key, None)
         self._before.pop(key, None)
+        self._top.pop(key, None)
         if self._saved.pop(key, None) is not None:
             self._append([[run_id, rank]])
 
@@ -163,6 +274,8 @@ class ReleasedSteps:
                     self._saved.setdefault((str(run_id), int(rank)), {})[str(tag)] = int(step)
                 elif isinstance(entry, list) and len(entry) == 2:
                     self._saved.pop((str(entry[0]), int(entry[1])), None)
+                elif isinstance(entry, list) and len(entry) == 1:
+                    self._completed = max(self._completed, int(entry[0]))
 
     def _append(self, entries: list[list[Any]]) -> None:
         line = (json.dumps(entries, separators=(",", ":")) + "\n").encode("utf-8", "surrogatepass")
@@ -181,10 +294,17 @@ class ReleasedSteps:
         except OSError as err:
             self._log.warning("write", "cannot record the steps written in %s (%s): after a restart they may be "
                               "written again (logged at most once a minute)", self.path, err)
+            # What the file holds may now lag behind `_saved` (a restart lost a rank's forget): nothing is cut back
+            # until it is rewritten whole.
+            self._recording = False
+            if self._cuttable:
+                self._no_cut_back()
 
     def _rewrite(self) -> None:
-        entries = [[run_id, rank, tag, step] for (run_id, rank), tags in self._saved.items()
-                   for tag, step in tags.items()]
+        entries: list[list[Any]] = [[run_id, rank, tag, step] for (run_id, rank), tags in self._saved.items()
+                                    for tag, step in tags.items()]
+        if self._completed:
+            entries.append([self._completed])
         data = (json.dumps(entries, separators=(",", ":")) + "\n").encode("utf-8", "surrogatepass")
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_bytes(data)
@@ -192,3 +312,4 @@ class ReleasedSteps:
         self._bytes = len(data)
         self._torn = False
         self._compact_at = max(_MIN_COMPACT_BYTES, 8 * self._bytes)
+        self._recording = True

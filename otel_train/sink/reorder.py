@@ -26,7 +26,10 @@ lowest step held over the whole run, so while its ranks are at steps far apart, 
 rank were written stay unacknowledged: with `remember_released` (the sink does it for every spooled run) the
 hold records the highest step written per (rank, series) after each flush (`otel_train.sink.released`), and
 after a restart skips a row the spool hands over again at or below it (counted in `redelivered`, not as a
-step-order skip), so nothing is written twice.
+step-order skip), so nothing is written twice. The record follows the backend's write: for a backend that reports
+its appends (TensorBoard) an intent record precedes each write, and a restarted hold first cuts the backend's
+files back to where they were before writes a killed sink did not record (W&B cannot be cut back: see the limits
+in `otel_train.sink.released`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from otel_train._internal import faults
 from otel_train.backend import Window
 from otel_train.sink.released import ReleasedSteps
 
@@ -143,8 +147,13 @@ class ReorderHold:
 
     def remember_released(self, path: Path) -> None:
         """Record in `path` what the backend holds, and skip what it held before (call before the first window;
-        see `otel_train.sink.released`)."""
-        self._released = ReleasedSteps(path)
+        see `otel_train.sink.released`). First, what a killed sink wrote to the backend's files without recording
+        it is cut back out (a backend that reports its appends: TensorBoard), so it is written once."""
+        released = self._released = ReleasedSteps(path)
+        released.cut_unrecorded_appends()
+        watch = getattr(self._inner, "watch_appends", None)
+        if watch is not None:
+            watch(released.intend)
 
     # -- delivery's calls ---------------------------------------------------------------------------
     def export_window(self, window: Window) -> bool:
@@ -221,10 +230,16 @@ class ReorderHold:
         return self._write(metrics, histograms)
 
     def _write(self, metrics: list[MetricRow], histograms: list[HistogramRow], spans: Sequence[SpanRow] = ()) -> bool:
+        released = self._released
+        if released is not None:
+            released.check_before_write(metrics)
+            released.check_before_write(histograms)
         ok = bool(self._inner.export_window(Window(metrics, histograms, spans)))
-        if ok and self._released is not None:  # not written (kept for a retry): never claimed as held
-            self._released.note(metrics)
-            self._released.note(histograms)
+        if faults.ARMED and (metrics or histograms):  # tests only: a kill between the write and its record
+            faults.after_write(self._inner.name, max(r.step for rows in (metrics, histograms) for r in rows))
+        if ok and released is not None:  # not written (kept for a retry): never claimed as held
+            released.note(metrics)
+            released.note(histograms)
         return ok
 
     def _save_released(self) -> None:

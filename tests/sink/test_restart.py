@@ -109,6 +109,71 @@ def test_the_record_stays_small_however_long_the_run(tmp_path: Path) -> None:
     assert ReleasedSteps(path).drop_redelivered(_rows(R0, [29_999, 30_000]))[1] == 1
 
 
+def _append(path: Path, steps: ReleasedSteps, rows: list[MetricRow]) -> None:
+    """What the hold and its backend do for one write: check, report the append (the intent), append."""
+    steps.check_before_write(rows)
+    steps.intend([(str(path), path.stat().st_size if path.exists() else 0)])
+    with open(path, "a") as f:
+        f.writelines(f"{r.run.rank} {r.tag} {r.step}\n" for r in rows)
+    steps.note(rows)
+
+
+def test_writes_not_recorded_before_a_kill_are_cut_back_and_recorded_ones_are_not(tmp_path: Path) -> None:
+    path, out = tmp_path / "released", tmp_path / "events"
+    steps = ReleasedSteps(path)
+    _append(out, steps, _rows(R0, range(3)))
+    steps.save(None)  # recorded: generation 1 complete
+    _append(out, steps, _rows(R0, range(3, 5)))
+    _append(out, steps, _rows(R1, range(2)))  # two writes, one generation: the sizes before the first
+    # killed here, before the save: a restart cuts both writes back out; the spool hands their rows over again
+    unrecorded = out.stat().st_size - 3 * len("0 loss 0\n")
+    again = ReleasedSteps(path)
+    assert again.cut_unrecorded_appends() == unrecorded
+    assert out.read_text().splitlines() == [f"0 loss {s}" for s in range(3)]
+    kept, skipped = again.drop_redelivered(_rows(R0, range(5)) + _rows(R1, range(2)))
+    assert [(r.run.rank, r.step) for r in kept] == [(0, 3), (0, 4), (1, 0), (1, 1)] and skipped == 3
+    assert ReleasedSteps(path).cut_unrecorded_appends() == 0  # applied once
+
+    _append(out, again, kept)  # the restarted sink writes them, records them, and is killed later
+    again.save(None)
+    assert ReleasedSteps(path).cut_unrecorded_appends() == 0  # recorded: nothing is cut
+    assert len(out.read_text().splitlines()) == 7
+
+
+def test_a_write_holding_a_row_the_record_already_has_is_never_cut_back(tmp_path: Path) -> None:
+    """A second value of a recorded (series, step) is written after it (sent far apart): cut back, the restarted
+    hold would skip it as a redelivery, a loss; so that write keeps the older rule (it may repeat, never lost)."""
+    path, out = tmp_path / "released", tmp_path / "events"
+    steps = ReleasedSteps(path)
+    _append(out, steps, _rows(R0, range(3)))
+    steps.save(None)
+    _append(out, steps, _rows(R0, [2, 3]))  # step 2 of `loss` again
+    assert ReleasedSteps(path).cut_unrecorded_appends() == 0
+    assert len(out.read_text().splitlines()) == 5
+    steps.save(None)
+    _append(out, steps, _rows(R0, [4]))  # the next generation is cut back as usual
+    assert ReleasedSteps(path).cut_unrecorded_appends() == len("0 loss 4\n")
+
+
+def test_a_torn_intent_or_completion_never_loses_a_row(tmp_path: Path) -> None:
+    path, out = tmp_path / "released", tmp_path / "events"
+    steps = ReleasedSteps(path)
+    _append(out, steps, _rows(R0, range(3)))
+    intent = tmp_path / "appending.released"
+    whole = intent.read_bytes()
+    intent.write_bytes(whole[:-2])  # torn: nothing is cut, as before intents (the rows may repeat)
+    assert ReleasedSteps(path).cut_unrecorded_appends() == 0 and len(out.read_text().splitlines()) == 3
+    intent.write_bytes(whole)
+    steps.save(None)
+    _append(out, steps, _rows(R0, [3]))
+    steps.save(None)
+    path.write_bytes(path.read_bytes()[:-4])  # the line recording step 3 torn: its mark and completion are gone
+    again = ReleasedSteps(path)
+    assert again.cut_unrecorded_appends() == len("0 loss 3\n")  # so step 3 goes too, and is written again
+    kept, _ = again.drop_redelivered(_rows(R0, range(4)))
+    assert [r.step for r in kept] == [3]
+
+
 # -- real sink processes -------------------------------------------------------------------------------------
 def _body(run_id: str, rank: int, steps: Iterable[int]) -> bytes:
     return metrics_request({"train.run.id": run_id, "train.rank": rank, "train.world_size": 2},
@@ -252,6 +317,74 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
         second.proc.send_signal(signal.SIGTERM)
         assert second.proc.wait(30) == 0
     assert _tb_points(runs / "k" / "rank0") == _expected(0, 39)
+
+
+# -- a sink killed between a backend's write and its record -----------------------------------------------------
+def _stream_until_killed(sink: SinkProcess, run_id: str) -> list[tuple[int, int]]:
+    """As `_stream`, until the sink dies; the (rank, step) of every request sent, the last one perhaps unanswered."""
+    sent: list[tuple[int, int]] = []
+    for t in range(1000):
+        for rank, step in ((0, t), (1, t - GAP)):
+            if step >= 0:
+                sent.append((rank, step))
+                try:
+                    sink.post_metrics(_body(run_id, rank, [step]))
+                except OSError:  # refused, reset: killed
+                    return sent
+        time.sleep(0.03)
+    raise AssertionError("the sink was never killed")
+
+
+def _spooled(spool: Path) -> list[tuple[int, int]]:
+    """(rank, step) of every point a sink spooled (the requests it took), in spool order."""
+    from otel_train.ship.framing import decode_window
+    from otel_train.ship.spool import Spool
+
+    return [(r.run.rank, r.step) for _, _, p in Spool(spool).read(0) for r in decode_window(p).metrics]
+
+
+@pytest.mark.parametrize("backend", ["tensorboard", "jsonl"])
+def test_a_sink_killed_between_a_write_and_its_record_writes_each_step_once(tmp_path: Path, backend: str) -> None:
+    """The test-only `OTEL_TRAIN_TEST_KILL_AFTER_WRITE` makes the first sink SIGKILL itself right after the backend
+    was handed rows at step 30 or later, before they are recorded: TensorBoard (behind the reorder hold, ranks
+    `GAP` steps apart: `ReleasedSteps`) and JSONL (`Spool.advance`). The restarted sink cuts what that write appended
+    back out (the intent record written before it) and writes it again from the spool: every step once."""
+    from otel_train._internal.faults import KILL_AFTER_WRITE
+
+    runs = tmp_path / "runs"
+    env = {KILL_AFTER_WRITE: f"{backend}@30@{tmp_path / 'killed'}"}  # once: the restarted sink is not killed
+    args = ("--exporters", backend, "--dir", str(runs), "--reorder-s", "1")
+    first = SinkProcess(tmp_path / "first", *args, env=env).wait_ready()
+    try:
+        sent = _stream_until_killed(first, "g")
+    finally:
+        code = first.proc.wait(30)
+    assert code == -signal.SIGKILL and (tmp_path / "killed").exists()
+    spooled = _spooled(runs / ".sink-spool" / spool_folder("g"))
+    assert spooled == sent[:len(spooled)] and len(spooled) >= len(sent) - 1  # all but an unanswered last one
+    nxt = [max(s for r, s in sent if r == rank) + 1 for rank in (0, 1)]
+    last = nxt[0] + 20
+
+    second = SinkProcess(tmp_path / "second", *args, env=env).wait_ready()
+    try:
+        for rank, step in sent[len(spooled):]:  # a collector retries what the killed sink did not take
+            second.post_metrics(_body("g", rank, [step]))
+        while nxt[1] <= last:  # on as before, then rank 1 catches up
+            for rank in (0, 1):
+                if nxt[rank] <= last:
+                    second.post_metrics(_body("g", rank, [nxt[rank]]))
+                    nxt[rank] += 1
+        assert _wait(lambda: second.get("/health")["reorder_held"] == 0
+                     and second.get("/health")["spool_replay"]["runs_left"] == 0)
+        health = second.get("/health")
+    finally:
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.proc.wait(30) == 0
+    for rank in (0, 1):
+        got = (_tb_points(runs / "g" / f"rank{rank}") if backend == "tensorboard"
+               else _jsonl_points(runs / "g" / f"rank{rank}.jsonl"))
+        assert got == _expected(rank, last), rank
+    assert health["steps_order_skipped"] == {} and health["errors"] == 0
 
 
 # -- the same with a real offline W&B run ----------------------------------------------------------------------

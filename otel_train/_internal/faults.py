@@ -1,0 +1,47 @@
+"""Fault injection for tests only: nothing here does anything unless its variable is set.
+
+``OTEL_TRAIN_TEST_KILL_AFTER_WRITE`` = ``<backend>@<step>[@<marker file>]``: the process sends itself SIGKILL
+right after a write to a backend whose name starts with ``<backend>`` handed it rows at step ``<step>`` or
+later, before delivery records that write (`otel_train.ship.backend_feed`, `otel_train.sink.reorder`): the worst
+moment for a ``kill -9``. With a marker file, only the process that creates it is killed (once per test, however
+often the process is restarted). Read once, at import.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+__all__ = ["ARMED", "KILL_AFTER_WRITE", "after_write"]
+
+#: The variable (tests only).
+KILL_AFTER_WRITE = "OTEL_TRAIN_TEST_KILL_AFTER_WRITE"
+
+
+def _parse(spec: str) -> tuple[str, int, str] | None:
+    backend, _, rest = spec.partition("@")
+    step, _, marker = rest.partition("@")
+    try:
+        return (backend, int(step), marker) if backend else None
+    except ValueError:
+        return None
+
+
+_KILL = _parse(os.environ.get(KILL_AFTER_WRITE, ""))
+#: Whether a fault is set: callers skip any work for `after_write` when it is not.
+ARMED = _KILL is not None
+
+
+def after_write(backend: str, max_step: int) -> None:
+    """Called right after `backend` was handed rows up to `max_step`, before the write is recorded."""
+    if _KILL is None:
+        return
+    prefix, step, marker = _KILL
+    if not backend.startswith(prefix) or max_step < step:
+        return
+    if marker:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except OSError:
+            return  # killed once already
+    os.kill(os.getpid(), signal.SIGKILL)

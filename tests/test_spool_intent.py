@@ -1,0 +1,192 @@
+"""The intent record written before a backend's append (`otel_train.ship.append_intent`): what is cut back after a
+kill between the append and its record, and that nothing is cut when the record is stale or torn (a repeat at
+worst, never a loss). The real kill, of real processes, is in `tests/faults/test_kill_between_write_and_record.py`
+and `tests/sink/test_restart.py`; here the state a kill leaves is made by hand."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from otel_train.backend import RowExporter, Window
+from otel_train.exporter_options import ExporterOptions
+from otel_train.rows import HistogramRow, MetricRow
+from otel_train.run_identity import RunInfo
+from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
+from otel_train.ship.delivery import Delivery
+from otel_train.ship.framing import encode_window
+from otel_train.ship.spool import Spool
+
+RUN = RunInfo("run", "run")
+
+
+def _window(step: int) -> bytes:
+    return encode_window(RUN, [("loss", step, 0.0, 1), ("acc", step, 0.0, 1)])[0]
+
+
+class _Lines(RowExporter):
+    """Appends one line per row to one file, reporting the append first; `fail_after` rows, it raises (a write
+    that fails half way: a full disk)."""
+
+    name = "lines"
+    kill_safe_writes = True
+    max_attempts = 0  # a failed window waits for the next write
+    isolate_rows = False
+    backoff_s = (0.0,)
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(ExporterOptions(directory=path.parent))
+        self.path = path
+        self.fail_after: int | None = None
+
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
+        self.mark_appending([(self.path, self.path.stat().st_size if self.path.exists() else 0)])
+        with open(self.path, "a") as f:
+            for i, r in enumerate(rows):
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise OSError("disk full")
+                f.write(f"{r.step}\n")
+                f.flush()
+                self.mark_written([r])
+
+
+def _steps(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().splitlines()]
+
+
+def _deliver(spool_dir: Path, out: Path, seqs: Sequence[int], *, fail: int | None = None) -> _Lines:
+    backend = _Lines(out)
+    delivery = Delivery({"lines": backend}, Spool(spool_dir))
+    for seq in seqs:
+        backend.fail_after = fail if seq == seqs[-1] and fail is not None else None
+        delivery.submit(seq, seq, _window(seq))
+        _settle(delivery, seq)
+    _end_keeping_the_spool(delivery)
+    return backend
+
+
+def _end_keeping_the_spool(delivery: Delivery) -> None:
+    """Flush and shut the backends down, but leave the spool's segments as a killed process would."""
+    assert delivery.flush(time.monotonic() + 10)
+    delivery.stop()
+    deadline = time.monotonic() + 10
+    while delivery.still_running() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _settle(delivery: Delivery, seq: int) -> None:
+    deadline = time.monotonic() + 10
+    while delivery.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _as_if_killed_before_recording(spool_dir: Path, written: int) -> None:
+    """The state a kill right after the append of the windows after `written` leaves: neither their `written.*`
+    record nor a flush's cursor."""
+    spool = Spool(spool_dir)
+    spool.advance("lines", written)
+    (spool_dir / "cursors.json").write_text(f'{{"lines": {written}}}')
+    spool.close()
+
+
+def test_the_unrecorded_write_is_cut_back_and_delivered_once(tmp_path: Path) -> None:
+    spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
+    _deliver(spool_dir, out, [1, 2, 3])
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]
+    mark, files = AppendIntent(spool_dir / "written.lines", INTENT_OFFSET).read() or (None, {})
+    assert mark == 2 and files == {str(out): 8}  # window 3 was about to be appended after window 2, at byte 8
+    _as_if_killed_before_recording(spool_dir, 2)
+    spool = Spool(spool_dir)
+    assert spool.cut_unrecorded_appends("lines") == 4 and _steps(out) == [1, 1, 2, 2]
+    assert spool.cut_unrecorded_appends("lines") == 0  # applied once
+    spool.close()
+    _deliver(spool_dir, out, [])  # a restarted process resumes after window 2
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]
+
+
+def test_a_failed_write_is_cut_back_with_the_write_that_retried_it(tmp_path: Path) -> None:
+    spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
+    backend = _Lines(out)
+    delivery = Delivery({"lines": backend}, Spool(spool_dir))
+    delivery.submit(1, 1, _window(1))
+    _settle(delivery, 1)
+    backend.fail_after = 1
+    delivery.submit(2, 2, _window(2))  # its first row lands, then the write fails: the rest waits for a retry
+    _settle(delivery, 2)
+    assert _steps(out) == [1, 1, 2]
+    backend.fail_after = None
+    delivery.submit(3, 3, _window(3))  # retries the rest of window 2 first, then writes 3
+    _settle(delivery, 3)
+    _end_keeping_the_spool(delivery)
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]
+    # The intent of the retrying write kept the size from before the failed one (nothing was recorded between)
+    mark, files = AppendIntent(spool_dir / "written.lines", INTENT_OFFSET).read() or (None, {})
+    assert mark == 1 and files == {str(out): 4}
+    _as_if_killed_before_recording(spool_dir, 1)
+    spool = Spool(spool_dir)
+    assert spool.cut_unrecorded_appends("lines") == 8  # the failed write's partial append goes too
+    spool.close()
+    _deliver(spool_dir, out, [])
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]
+
+
+def test_a_stale_record_cuts_nothing(tmp_path: Path) -> None:
+    spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
+    _deliver(spool_dir, out, [1, 2, 3])  # window 3 was recorded (after the intent naming mark 2)
+    spool = Spool(spool_dir)
+    assert spool.cursor("lines") == 3 and spool.cut_unrecorded_appends("lines") == 0
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("damage", ["torn", "short", "garbage"])
+def test_a_torn_record_cuts_nothing(tmp_path: Path, damage: str) -> None:
+    spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
+    _deliver(spool_dir, out, [1, 2, 3])
+    _as_if_killed_before_recording(spool_dir, 2)
+    record = spool_dir / "written.lines"
+    data = record.read_bytes()
+    head, intent = data[:INTENT_OFFSET], data[INTENT_OFFSET:]
+    intent = {"torn": intent[:-3], "short": intent[:5], "garbage": intent[:8] + b"x" * (len(intent) - 8)}[damage]
+    record.write_bytes(head + intent)
+    spool = Spool(spool_dir)
+    assert spool.cut_unrecorded_appends("lines") == 0
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]  # as before intents: the last window may repeat, never be lost
+
+
+def test_a_file_is_never_extended_and_a_torn_cursor_falls_back_to_the_record(tmp_path: Path) -> None:
+    spool_dir, out = tmp_path / "spool", tmp_path / "lines.txt"
+    _deliver(spool_dir, out, [1, 2, 3])
+    _as_if_killed_before_recording(spool_dir, 2)
+    record = spool_dir / "written.lines"
+    record.write_bytes(b"\x00" * 12 + record.read_bytes()[12:])  # the 12-byte record torn: only the flush cursor
+    (spool_dir / "cursors.json").write_text('{"lines": 1}')
+    spool = Spool(spool_dir)
+    assert spool.cursor("lines") == 1
+    assert spool.cut_unrecorded_appends("lines") == 4
+    assert spool.cursor("lines") == 2  # the record says windows up to 2 were written: resume after them
+    out.write_text("1\n")  # shorter than recorded (a machine crash lost data): never extended
+    intent = AppendIntent(tmp_path / "again")
+    intent.write(0, {str(out): 100})
+    assert intent.cut_back({str(out): 100}) == 0 and out.read_text() == "1\n"
+
+
+def test_a_window_that_writes_nothing_cuts_nothing_a_missing_file_is_skipped(tmp_path: Path) -> None:
+    intent = AppendIntent(tmp_path / "appending.x")
+    assert intent.read() is None
+    intent.write(4, {str(tmp_path / "never-created"): 0})
+    assert intent.read() == (4, {str(tmp_path / "never-created"): 0})
+    assert intent.cut_back({str(tmp_path / "never-created"): 0}) == 0
+    intent.clear()
+    assert intent.read() is None
+
+
+def test_an_exporter_without_a_listener_reports_to_nobody(tmp_path: Path) -> None:
+    backend = _Lines(tmp_path / "lines.txt")
+    assert backend.export_window(Window([MetricRow(RUN, 1, "loss", "loss", 1.0, "gauge", 1)]))
+    heard: list[object] = []
+    backend.watch_appends(heard.append)
+    assert backend.export_window(Window([MetricRow(RUN, 2, "loss", "loss", 1.0, "gauge", 1)]))
+    assert heard == [[(str(tmp_path / "lines.txt"), 2)]]
