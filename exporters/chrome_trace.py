@@ -31,6 +31,10 @@ the spans and counters of those steps; ``trace_gzip`` (`OTEL_TRAIN_TRACE_GZIP`) 
 by a crash still decompresses up to its last window (`otel-train trace merge` reads it and writes a
 complete file).
 
+Before each window's append the files and their sizes are reported (`RowExporter.mark_appending`): a window a
+killed process appended but had not recorded as written is cut back out of the earlier file (at a line, or with
+gzip at a sync-flush point) before the restarted process writes it into its new file, so it is in the trace once.
+
 Example:
     >>> import tempfile
     >>> from otel_train.exporters.base import Window
@@ -145,6 +149,7 @@ class _RankTrace:
         # Sync-flushed per window (`push`): what reached the OS decompresses even without the trailer.
         self._gzip = gzip.GzipFile(fileobj=self._raw, mode="wb", compresslevel=6) if gzipped else None
         self._file: gzip.GzipFile | IO[bytes] = self._gzip if self._gzip is not None else self._raw
+        self._pushed = False  # whether everything emitted has reached the OS
         self._file.write(b"[\n")
         label = f"rank {run.rank}"
         if run.host or run.pid:
@@ -154,6 +159,14 @@ class _RankTrace:
 
     def emit(self, event: Mapping[str, Any]) -> None:
         self._file.write(encode_event(event))
+        self._pushed = False
+
+    def size_before_append(self) -> int:
+        """The file's size in bytes with everything emitted so far handed to the OS (a new file's header is
+        pushed here), i.e. where a window appended next starts: with gzip, at a sync-flush point."""
+        if not self._pushed:
+            self.push()
+        return os.fstat(self._raw.fileno()).st_size
 
     def emit_all(self, encoded: list[bytes], threads: Mapping[int, str]) -> None:
         """Append events encoded beforehand (one write), after the names of the threads new to the file."""
@@ -162,11 +175,13 @@ class _RankTrace:
                 for tid, name in threads.items() if tid not in self._threads]
         self._file.write(b"".join(head + encoded))
         self._threads.update(threads)
+        self._pushed = False
 
     def push(self) -> None:
         """Hand the window to the OS: a killed process keeps it (a machine crash needs `sync`)."""
         self._file.flush()  # GzipFile.flush is a zlib sync flush, then the file's flush
         self._raw.flush()
+        self._pushed = True
 
     def sync(self) -> None:
         self.push()
@@ -241,8 +256,9 @@ class ChromeTraceExporter(RowExporter):
             encoded.append(encode_event(span_event(row, pid, tid)))
             encoded.extend(encode_event(mark) for mark in span_event_marks(row, pid, tid))
             written.append(row)
-        for run, encoded, threads, written in per_rank.values():
-            trace = self._trace(run)
+        traces = [(self._trace(run), encoded, threads, written) for run, encoded, threads, written in per_rank.values()]
+        self._appending([trace for trace, *_ in traces])
+        for trace, encoded, threads, written in traces:
             trace.emit_all(encoded, threads)
             trace.push()
             self.mark_written(written)
@@ -258,11 +274,18 @@ class ChromeTraceExporter(RowExporter):
             encoded.append(encode_event({"name": row.tag, "ph": "C", "ts": _us(row.time_unix_nano),
                                          "pid": row.run.rank, "args": {"value": row.value}}))
             written.append(row)
-        for run, encoded, written in per_rank.values():
-            trace = self._trace(run)
+        traces = [(self._trace(run), encoded, written) for run, encoded, written in per_rank.values()]
+        self._appending([trace for trace, _, _ in traces])
+        for trace, encoded, written in traces:
             trace.emit_all(encoded, {})
             trace.push()
             self.mark_written(written)
+
+    def _appending(self, traces: Sequence[_RankTrace]) -> None:
+        """Report the files this write appends to, with their sizes (`RowExporter.mark_appending`): a window a
+        killed process appended but had not recorded is cut back out (a restarted process writes a new file)."""
+        if traces:
+            self.mark_appending([(trace.path, trace.size_before_append()) for trace in traces])
 
     def mark_preempted(self, cause: str) -> None:
         """A process-wide instant event ``preempted (SIGTERM)`` on each rank's track, at the hand-off."""

@@ -73,3 +73,36 @@ def test_exporter_process_killed_between_a_write_and_its_record_writes_each_step
         want = [(tag, s, f32(value(tag, s))) for s in range(STEPS) for tag in SERIES]
     assert [p for p, n in Counter(got).items() if n > 1] == []  # the killed window is not in the files twice
     assert sorted(got, key=lambda p: (p[1], p[0])) == sorted(want, key=lambda p: (p[1], p[0]))
+
+
+@pytest.mark.parametrize("gzipped", [False, True], ids=["json", "gzip"])
+def test_chrome_trace_killed_between_a_write_and_its_record_has_each_span_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gzipped: bool) -> None:
+    """The Chrome trace: the restarted exporter process writes a new file (`rank0.1.trace.json`); the window the
+    kill left unrecorded is cut back out of the first one, so across both files each step's span is there once."""
+    from otel_train.trace_merge import load_trace
+
+    marker = tmp_path / "killed"
+    monkeypatch.setenv(KILL_AFTER_WRITE, f"chrome_trace@{KILL_AT}@{marker}")
+    if gzipped:
+        monkeypatch.setenv("OTEL_TRAIN_TRACE_GZIP", "1")
+    run = "kill-gap-trace"
+    session = ot.init(exporters=["chrome_trace"], dir=tmp_path / "runs", run_name=run, export_interval_s=0.05)
+    proc = session.export_process
+    assert proc is not None
+    killed = proc.pid
+    for step in ot.steps(range(STEPS)):
+        with ot.span("work"):
+            time.sleep(0.01)
+        if step == KILL_AT + 5:
+            deadline = time.monotonic() + 30
+            while proc.pid == killed and time.monotonic() < deadline:
+                time.sleep(0.01)
+    assert ot.flush(timeout_s=60)
+    ot.shutdown()
+    assert marker.exists() and proc.restarts == 1
+
+    files = sorted((tmp_path / "runs" / run / "trace").glob("rank0*"))
+    assert len(files) == 2  # the killed process's file and the restarted one's
+    steps = [e["args"]["train.step"] for f in files for e in load_trace(f) if e.get("ph") == "X" and e["name"] == "work"]
+    assert sorted(steps) == list(range(STEPS))  # each span once: none missing, none twice
