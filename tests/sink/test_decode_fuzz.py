@@ -138,7 +138,7 @@ def test_points_in_unusual_field_order_or_with_repeated_fields_are_read_whole() 
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
     from opentelemetry.proto.metrics.v1.metrics_pb2 import NumberDataPoint
 
-    from otel_train.sink.otlp import lean_metrics_request
+    from otel_train.sink.otlp import lean_points_request
 
     def point(**fields: object) -> bytes:
         p = NumberDataPoint(**fields)  # type: ignore[arg-type]
