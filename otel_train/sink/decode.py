@@ -5,8 +5,10 @@ malformed request fails as a whole and nothing of it is written. The run's rules
 steps of step-less points; `otel_train.sink.temporality`) are applied afterwards, by the router,
 with `Decoded.finish`.
 
-Gauge and sum points of protobuf requests are read from their encoding (`otel_train.sink.points`);
-OTLP/JSON and other metric kinds through protobuf's objects; traces in `otel_train.sink.decode_traces`.
+Protobuf requests are parsed with a lean copy of the schema (`otel_train.sink.otlp`): gauge and sum
+metrics are walked from their encoding (`otel_train.sink.metric_walk`), their points read from theirs
+(`otel_train.sink.points`); OTLP/JSON, other metric kinds and shapes no usual encoder writes go through
+protobuf's objects, with the same rows; traces in `otel_train.sink.decode_traces`.
 """
 
 from __future__ import annotations

@@ -5,16 +5,22 @@ matters as much as what a point costs (`otel_train.sink.points`): reading ``metr
 ``.description``, ``.unit``, ``.WhichOneof("data")`` and ``.gauge.data_points`` through protobuf's
 Python objects builds an object per access, ~0.9 µs a metric. So the lean schema
 (`otel_train.sink.otlp.lean_metrics_request`) keeps each `Metric` as its encoding, and
-`otel_train.sink.decode` walks it in the shape every OTLP encoder writes (fields in number order)::
+`otel_train.sink.decode` walks it (`otel_train.sink.wire.walk_metric`) in the shape every OTLP encoder
+writes (fields in number order)::
 
-    [0x0A name] [0x12 description] [0x1A unit]     the header: looked up whole in `MetricHeaders`
+    [0x0A name] [0x12 description] [0x1A unit]     the header, decoded once by protobuf (`MetricHeaders`)
     0x2A <gauge: [0x0A point]*>                     or
     0x3A <sum: [0x0A point]* [0x10 temporality] [0x18 is_monotonic]>
 
-and nothing after it. Any other shape (histograms, exponential histograms, summaries, metadata, an
-unknown field, fields out of order or repeated, varints that do not fit the walk, a truncated
-encoding) is parsed by protobuf (`otel_train.sink.otlp.lean_metric`) and read as before, so rows never
-depend on the path taken, and a malformed metric fails its request with `DecodeError`.
+and nothing after it. The most common metric, a name and a gauge of one point, is recognised by its first
+bytes alone (`MetricHeaders.usual`). Any other shape (histograms, exponential histograms, summaries,
+metadata, an unknown field, a data field repeated or out of order, a varint too long for the walk, a
+truncated encoding) is parsed by protobuf (`otel_train.sink.otlp.lean_metric`) and read as before, so
+rows never depend on the path taken, and a malformed metric fails its request with `DecodeError`.
+
+When the first metric of a request holds several points, protobuf splitting them in C costs less than
+the walk, so `otel_train.sink.otlp.parse_metrics` parses such a request with metrics as messages and only
+the points as their encoding (`otel_train.sink.wire.several_points` decides; rows do not depend on it).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def walk_metric(m: bytes) -> tuple[int, int, list[bytes], int, int] | None:
 
 #: The way down to the first metric's points: (keys passed over, key followed) in a request, a
 #: ResourceMetrics (resource; scope_metrics), a ScopeMetrics (scope; metrics), a Metric (header; data).
-_TO_FIRST_POINTS = ((frozenset(), frozenset({0x0A})), (frozenset({0x0A}), frozenset({0x12})),
+_TO_FIRST_POINTS: tuple[tuple[frozenset[int], frozenset[int]], ...] = ((frozenset(), frozenset({0x0A})), (frozenset({0x0A}), frozenset({0x12})),
                     (frozenset({0x0A}), frozenset({0x12})), (HEADER_KEYS, frozenset({GAUGE_KEY, SUM_KEY})))
 
 
