@@ -373,3 +373,13 @@ def test_malformed_metrics_fail_the_request(metric: bytes) -> None:
     before it (already read) included."""
     ok = _field(1, b"before") + _field(5, _gauge(_point(1, 9.0)))
     assert _every_path(_request(ok, metric)) == ["DecodeError"] * 4
+
+
+def test_wire_examples_run() -> None:
+    """The examples in `otel_train.sink.wire` (hand-encoded requests and metrics) hold."""
+    import doctest
+
+    import otel_train.sink.wire
+
+    result = doctest.testmod(otel_train.sink.wire)
+    assert result.attempted >= 3 and result.failed == 0
