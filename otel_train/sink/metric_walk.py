@@ -33,6 +33,7 @@ from otel_train.sink.wire import GAUGE_KEY
 
 __all__ = ["MetricHeaders", "metric_names"]
 
+
 def metric_names(name: str, description: str) -> tuple[str, str]:
     """(name, description) of a metric as rows keep them: the key as logged when the description carries
     it (`otel_train.names`), and then no description.
