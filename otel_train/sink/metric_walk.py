@@ -18,9 +18,10 @@ metadata, an unknown field, a data field repeated or out of order, a varint too 
 truncated encoding) is parsed by protobuf (`otel_train.sink.otlp.lean_metric`) and read as before, so
 rows never depend on the path taken, and a malformed metric fails its request with `DecodeError`.
 
-When the first metric of a request holds several points, protobuf splitting them in C costs less than
-the walk, so `otel_train.sink.otlp.parse_metrics` parses such a request with metrics as messages and only
-the points as their encoding (`otel_train.sink.wire.several_points` decides; rows do not depend on it).
+When the first metric of a request holds several points (4 or more), protobuf splitting them in C costs
+less than the walk, so `otel_train.sink.otlp.parse_metrics` parses such a request with metrics as messages
+and only the points as their encoding (`otel_train.sink.wire.first_points` counts; rows do not depend on
+the choice).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
-from otel_train.sink.wire import several_points
+from otel_train.sink.wire import first_points
 
 __all__ = [
     "BAD_STEP",
@@ -168,6 +168,12 @@ def _lean_schema() -> _LeanSchema | None:
         return None
 
 
+#: Points per metric from which protobuf splitting them (in C, with the metric's other fields as
+#: objects) costs less than walking the metric in Python (measured, 100 gauges a request: 3 points
+#: 0.96 µs a point walked against 1.01; 4 points 0.95 against 0.90; 10 points 0.78 against 0.68).
+_PROTOBUF_SPLITS_FROM = 4
+
+
 def lean_metrics_request() -> Any:
     """`ExportMetricsServiceRequest` with each metric as its encoding (`bytes`), or None if unavailable.
 
@@ -296,7 +302,8 @@ def parse_metrics(body: bytes, content_type: str | None = None, encoding: str | 
     """Parse an `ExportMetricsServiceRequest` from a (possibly gzipped) protobuf or JSON body.
 
     Protobuf bodies are parsed into a lean class (`lean_metrics_request`, or `lean_points_request` when
-    the first metric holds several points), whose metrics or points are read from their encoding.
+    the first metric holds `_PROTOBUF_SPLITS_FROM` points or more), whose metrics or points are read from
+    their encoding.
     """
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
@@ -305,7 +312,8 @@ def parse_metrics(body: bytes, content_type: str | None = None, encoding: str | 
     if schema is None or is_json(content_type):
         message = ExportMetricsServiceRequest()
     else:
-        message = (schema.points_request if several_points(body) else schema.metrics_request)()
+        split_by_protobuf = first_points(body, _PROTOBUF_SPLITS_FROM) >= _PROTOBUF_SPLITS_FROM
+        message = (schema.points_request if split_by_protobuf else schema.metrics_request)()
     return _parse(message, body, content_type)
 
 
