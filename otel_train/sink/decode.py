@@ -5,8 +5,10 @@ malformed request fails as a whole and nothing of it is written. The run's rules
 steps of step-less points; `otel_train.sink.temporality`) are applied afterwards, by the router,
 with `Decoded.finish`.
 
-Gauge and sum points of protobuf requests are read from their encoding (`otel_train.sink.points`);
-OTLP/JSON and other metric kinds through protobuf's objects; traces in `otel_train.sink.decode_traces`.
+Protobuf requests are parsed with a lean copy of the schema (`otel_train.sink.otlp`): gauge and sum
+metrics are walked from their encoding (`otel_train.sink.metric_walk`), their points read from theirs
+(`otel_train.sink.points`); OTLP/JSON, other metric kinds and shapes no usual encoder writes go through
+protobuf's objects, with the same rows; traces in `otel_train.sink.decode_traces`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from otel_train.names import KEY_DESCRIPTION_PREFIX, key_from_description
 from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow, explicit_buckets, series_tag
 from otel_train.run_identity import RunInfo
 from otel_train.sink.decode_runs import DecodeCache, fallback_run_id, resource_run
+from otel_train.sink.metric_walk import MetricHeaders
 from otel_train.sink.otlp import (
     BAD_STEP,
     NO_EXTRA,
     DecodeError,
     attributes,
+    lean_metric,
     lean_metrics_request,
+    lean_points_request,
     number_point,
     parse_metrics,
     parse_traces,
@@ -42,6 +47,7 @@ from otel_train.sink.temporality import (
     STEPLESS,
     SeriesLedger,
 )
+from otel_train.sink.wire import GAUGE_KEY, SUM_KEY, walk_metric
 
 __all__ = [
     "DecodeCache", "DecodeError", "Decoded", "decode_metrics", "fallback_run_id", "parse_metrics", "parse_traces",
@@ -258,40 +264,90 @@ def _named_metrics(scope_metrics: Any) -> Iterator[tuple[str, str | None, Any]]:
             yield name, metric.WhichOneof("data"), metric
 
 
-def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: AttributeCache) -> None:
-    """Pending rows of one Resource's metrics from a lean request: gauge and sum points are read from
-    their encoding (see `otel_train.sink.points`). The sink's hot loop, kept flat: one call per
-    Resource, not per metric (a request often holds one point per metric), and each metric's fields read
-    once (every read of a protobuf field builds a Python object)."""
+def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: AttributeCache,
+                   headers: MetricHeaders, walk: bool) -> None:
+    """Pending rows of one Resource's metrics from a lean request: each gauge or sum metric walked from
+    its encoding when `walk` (`otel_train.sink.metric_walk`; any other shape is parsed by protobuf), else
+    read from a lean `Metric`; their points from their own encoding (`otel_train.sink.points`). The
+    sink's hot loop, kept flat: one call per Resource, not per metric (a request often holds one point
+    per metric), no Python object per field."""
     entries = cache.entries
+    known_headers = headers.entries
+    usual_shapes = headers.usual
     unpack = TIME_DOUBLE.unpack_from
     tags = out.tags_of(run)
     gauge_rows = out._gauges.append
     sender = out.sender
     hi = -1
     entry: Any
+    points: Any
     for sm in scope_metrics:
-        for metric in sm.metrics:
-            name = metric.name
-            if not name:
-                raise DecodeError("a metric has an empty name")
-            description = metric.description
-            if description:  # the key as logged, when `otlp` had to map it (`otel_train.names`)
-                name = key_from_description(name, description)
-                if description.startswith(KEY_DESCRIPTION_PREFIX):
-                    description = ""  # rows keep a description, not the key it carried
-            kind = metric.WhichOneof("data")
-            if kind == "gauge":
-                points, row_kind, mode = metric.gauge.data_points, "gauge", GAUGE
+        for m in sm.metrics:
+            points = None
+            if walk:  # `otel_train.sink.metric_walk`
+                try:
+                    i = m[1] + 6  # the usual shape's prefix: name, gauge key and length, point key and length
+                except IndexError:  # under 2 bytes: protobuf says what it is
+                    i = 0
+                usual = usual_shapes.get(m[:i])
+                if usual is not None and len(m) == usual[3]:
+                    name, description, unit, _ = usual
+                    # The hottest path: a gauge point [time, as_double, attributes with a step] read in place
+                    # (the loop below reads every other point, and this one when it is not that).
+                    try:
+                        time_key, t, value_key, value = unpack(m, i)
+                    except struct.error:  # shorter than the common front
+                        time_key = value_key = 0
+                    if time_key == TIME and value_key == DOUBLE:
+                        rem = m[i + 18:]
+                        entry = entries.get(rem) or cache.decode(rem)
+                        if entry is not WHOLE:
+                            step, extra = entry
+                            if step is not None and step != BAD_STEP:
+                                tag = name if extra is NO_EXTRA else series_tag(name, extra)
+                                tags.add(tag)
+                                if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
+                                    hi = step
+                                gauge_rows(MetricRow(run, step, name, tag, value, "gauge", t, extra, None, unit,
+                                                     description))
+                                continue
+                    key, points = GAUGE_KEY, (m[i:],)
+                else:
+                    shape = walk_metric(m)
+                    if shape is None:
+                        m = lean_metric(m)
+                    else:
+                        i, key, points, temporality, monotonic = shape
+                        header = m[:i]
+                        name, description, unit = known_headers.get(header) or headers.decode(header)
+                        if key == GAUGE_KEY and len(points) == 1:
+                            headers.learn_usual(m, i, name, description, unit)
+            if points is None:  # a lean `Metric`: its fields read once (each read builds a Python object)
+                name = m.name
+                if not name:
+                    raise DecodeError("a metric has an empty name")
+                description = m.description
+                if description:  # the key as logged, when `otlp` had to map it (`otel_train.names`)
+                    name = key_from_description(name, description)
+                    if description.startswith(KEY_DESCRIPTION_PREFIX):
+                        description = ""  # rows keep a description, not the key it carried
+                kind = m.WhichOneof("data")
+                if kind == "gauge":
+                    points, key = m.gauge.data_points, GAUGE_KEY
+                elif kind == "sum":
+                    s = m.sum
+                    points, key, temporality, monotonic = s.data_points, SUM_KEY, s.aggregation_temporality, s.is_monotonic
+                else:
+                    _other_metric(m, kind, name, run, out)
+                    continue
+                unit = m.unit
+            if key == GAUGE_KEY:
+                row_kind, mode = "gauge", GAUGE
                 rows = out._numbers  # step-less gauges; those with a step go to `gauge_rows`
-            elif kind == "sum":
-                s = metric.sum
-                points, row_kind, mode = s.data_points, ("counter" if s.is_monotonic else "sum"), _sum_mode(s)
-                rows = []
             else:
-                _other_metric(metric, kind, name, run, out)
-                continue
-            unit = metric.unit
+                row_kind = "counter" if monotonic else "sum"
+                mode = DELTA_SUM if temporality == _DELTA else CUMULATIVE_COUNTER if monotonic else CUMULATIVE_UPDOWN
+                rows = []
             append = rows.append
             plain = False
             for raw in points:
@@ -436,16 +492,17 @@ def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tu
 
 # -- requests -> rows ----------------------------------------------------------------------------
 def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
-    """Rows of an `ExportMetricsServiceRequest` (the usual class or `parse_metrics`'s lean one).
+    """Rows of an `ExportMetricsServiceRequest` (the usual class or one of `parse_metrics`'s lean ones).
 
     Points stay pending until `Decoded.finish` (steps of step-less points, temporality).
     """
-    lean = lean_metrics_request()
+    walked = lean_metrics_request()
     out = Decoded()
-    if lean is not None and isinstance(request, lean):
+    if walked is not None and isinstance(request, (walked, lean_points_request())):
+        walk = isinstance(request, walked)
         for rm in request.resource_metrics:
             run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
-            _lean_resource(rm.scope_metrics, run, out, runs.points)
+            _lean_resource(rm.scope_metrics, run, out, runs.points, runs.headers, walk)
         return out
     for rm in request.resource_metrics:
         run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)

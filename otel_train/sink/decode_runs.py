@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from otel_train.run_identity import RUN_ID, RunInfo
+from otel_train.sink.metric_walk import MetricHeaders
 from otel_train.sink.otlp import MAX_RUN_ID_BYTES, DecodeError
 from otel_train.sink.points import AttributeCache
 from otel_train.sink.run_names import RunNames
@@ -34,6 +35,7 @@ class DecodeCache:
         self._max = max_entries
         self._names = names
         self.points = AttributeCache()
+        self.headers = MetricHeaders()
         self._lock = threading.Lock()
 
     def run_for(self, resource_attributes: Mapping[str, Any]) -> RunInfo:

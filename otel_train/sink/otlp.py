@@ -6,9 +6,10 @@ import base64
 import functools
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
+from otel_train.sink.wire import first_points
 
 __all__ = [
     "BAD_STEP",
@@ -18,7 +19,9 @@ __all__ = [
     "any_value",
     "attributes",
     "is_json",
+    "lean_metric",
     "lean_metrics_request",
+    "lean_points_request",
     "number_point",
     "parse_metrics",
     "parse_traces",
@@ -123,31 +126,89 @@ def number_point(raw: bytes) -> Any:
 
 
 
-@functools.cache
-def lean_metrics_request() -> Any:
-    """`ExportMetricsServiceRequest` with gauge/sum points as raw bytes, or None if unavailable."""
-    try:
-        from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
-        from opentelemetry.proto.common.v1 import common_pb2
-        from opentelemetry.proto.metrics.v1 import metrics_pb2
-        from opentelemetry.proto.resource.v1 import resource_pb2
+class _LeanSchema(NamedTuple):
+    metrics_request: Any  # each metric as its encoding
+    points_request: Any  # metrics as messages, gauge and sum points as their encoding
+    metric: Any  # gauge and sum points as their encoding
 
-        pool = descriptor_pool.DescriptorPool()  # private: the real classes are untouched
-        for module in (common_pb2, resource_pb2, metrics_pb2, metrics_service_pb2):
-            file = descriptor_pb2.FileDescriptorProto()
-            module.DESCRIPTOR.CopyToProto(file)
-            for message in file.message_type:
-                if message.name in ("Gauge", "Sum"):
-                    for field in message.field:
-                        if field.name == "data_points":
-                            field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
-                            field.ClearField("type_name")
-            pool.Add(file)
-        name = metrics_service_pb2.ExportMetricsServiceRequest.DESCRIPTOR.full_name
-        return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+
+def _lean_class(as_bytes: set[tuple[str, str]], name: str) -> Any:
+    """Message `name` of a copy of the OTLP metrics schema in which the fields `as_bytes` ((message,
+    field) pairs) are `bytes`: protobuf keeps them as they were encoded."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
+    from opentelemetry.proto.common.v1 import common_pb2
+    from opentelemetry.proto.metrics.v1 import metrics_pb2
+    from opentelemetry.proto.resource.v1 import resource_pb2
+
+    pool = descriptor_pool.DescriptorPool()  # private: the real classes are untouched
+    for module in (common_pb2, resource_pb2, metrics_pb2, metrics_service_pb2):
+        file = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(file)
+        for message in file.message_type:
+            for field in message.field:
+                if (message.name, field.name) in as_bytes:
+                    field.type = descriptor_pb2.FieldDescriptorProto.TYPE_BYTES
+                    field.ClearField("type_name")
+        pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
+
+
+@functools.cache
+def _lean_schema() -> _LeanSchema | None:
+    try:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+        from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
+
+        points = {("Gauge", "data_points"), ("Sum", "data_points")}
+        request = ExportMetricsServiceRequest.DESCRIPTOR.full_name
+        return _LeanSchema(_lean_class({*points, ("ScopeMetrics", "metrics")}, request),
+                           _lean_class(points, request), _lean_class(points, Metric.DESCRIPTOR.full_name))
     except Exception:  # pragma: no cover - a protobuf without these APIs: decode the usual way
         return None
+
+
+#: Points per metric from which protobuf splitting them (in C, with the metric's other fields as
+#: objects) costs less than walking the metric in Python (measured, 100 gauges a request: 3 points
+#: 0.96 µs a point walked against 1.01; 4 points 0.95 against 0.90; 10 points 0.78 against 0.68).
+_PROTOBUF_SPLITS_FROM = 4
+
+
+def lean_metrics_request() -> Any:
+    """`ExportMetricsServiceRequest` with each metric as its encoding (`bytes`), or None if unavailable.
+
+    Protobuf (C) checks the request's frame and the Resources; each metric is read from its encoding
+    (`otel_train.sink.metric_walk`) or, when it is not in the usual shape, parsed by `lean_metric`.
+    """
+    schema = _lean_schema()
+    return None if schema is None else schema.metrics_request
+
+
+def lean_points_request() -> Any:
+    """`ExportMetricsServiceRequest` with gauge and sum points as their encoding (`bytes`), or None if
+    unavailable: for requests whose metrics hold several points each, where protobuf (C) splitting them
+    costs less than walking each metric in Python (`otel_train.sink.metric_walk`)."""
+    schema = _lean_schema()
+    return None if schema is None else schema.points_request
+
+
+def lean_metric(raw: bytes) -> Any:
+    """A `Metric` of the lean schema (gauge and sum points as their encoding) parsed from `raw`.
+
+    Raises:
+        DecodeError: `raw` is no valid `Metric`.
+    """
+    from google.protobuf.message import DecodeError as PbDecodeError
+
+    schema = _lean_schema()
+    if schema is None:  # pragma: no cover - only lean requests hold metrics as bytes
+        raise DecodeError("invalid OTLP protobuf: a metric as bytes without the lean schema")
+    try:
+        return schema.metric.FromString(raw)
+    except RecursionError:
+        raise DecodeError("invalid OTLP protobuf: a metric: nested too deeply") from None
+    except (PbDecodeError, ValueError, RuntimeError) as err:
+        raise DecodeError(f"invalid OTLP protobuf: a metric: {str(err)[:200] or type(err).__name__}") from None
 
 
 # -- parsing -------------------------------------------------------------------------------------
@@ -240,13 +301,20 @@ def parse_metrics(body: bytes, content_type: str | None = None, encoding: str | 
                   limit: int = 1 << 62) -> Any:
     """Parse an `ExportMetricsServiceRequest` from a (possibly gzipped) protobuf or JSON body.
 
-    Protobuf bodies are parsed into the lean class of `otel_train.sink.points` (points kept encoded).
+    Protobuf bodies are parsed into a lean class (`lean_metrics_request`, or `lean_points_request` when
+    the first metric holds `_PROTOBUF_SPLITS_FROM` points or more), whose metrics or points are read from
+    their encoding.
     """
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
-    lean = lean_metrics_request()
-    message = ExportMetricsServiceRequest() if lean is None or is_json(content_type) else lean()
-    return _parse(message, _decompress(body, encoding, limit), content_type)
+    body = _decompress(body, encoding, limit)
+    schema = _lean_schema()
+    if schema is None or is_json(content_type):
+        message = ExportMetricsServiceRequest()
+    else:
+        split_by_protobuf = first_points(body, _PROTOBUF_SPLITS_FROM) >= _PROTOBUF_SPLITS_FROM
+        message = (schema.points_request if split_by_protobuf else schema.metrics_request)()
+    return _parse(message, body, content_type)
 
 
 def parse_traces(body: bytes, content_type: str | None = None, encoding: str | None = None,

@@ -138,7 +138,7 @@ def test_points_in_unusual_field_order_or_with_repeated_fields_are_read_whole() 
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
     from opentelemetry.proto.metrics.v1.metrics_pb2 import NumberDataPoint
 
-    from otel_train.sink.otlp import lean_metrics_request
+    from otel_train.sink.otlp import lean_points_request
 
     def point(**fields: object) -> bytes:
         p = NumberDataPoint(**fields)  # type: ignore[arg-type]
@@ -155,7 +155,7 @@ def test_points_in_unusual_field_order_or_with_repeated_fields_are_read_whole() 
         point(time_unix_nano=7, as_double=3.5) + step(5) + point(as_double=9.0),  # value repeated: 9.0 wins
         point(time_unix_nano=8, as_double=4.5) + step(6) + step(7),  # step repeated: two attributes, last wins
     ]
-    lean = lean_metrics_request()()
+    lean = lean_points_request()()
     rm = lean.resource_metrics.add()
     rm.resource.attributes.add(key="train.run.id").value.string_value = "r"
     rm.scope_metrics.add().metrics.add(name="m").gauge.data_points.extend(encodings)
