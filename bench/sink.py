@@ -13,7 +13,7 @@ interpreter (its virtual environment's python: the sink process starts outside t
 that one's package) and with this one, interleaved, `--repeat` times, and prints medians and ratios;
 `--compare env --compare-env NAME=VALUE ...` compares this sink with itself under other settings
 (`OTEL_TRAIN_SINK_*`). `--ceiling` also sends the same requests to a gRPC server that does nothing
-(grpcio, as many handler threads as the sink): what this machine's transport and senders allow at that
+(grpcio's asyncio server, as the sink's receiver): what this machine's transport and senders allow at that
 request size, and the sink's share of it. `--py-spy FILE` records the sink with py-spy (collapsed stacks, every thread) and prints
 its top functions.
 
@@ -123,20 +123,24 @@ def _client(port: int, rank: int, world: int, args: argparse.Namespace, ready: A
 
 
 def _noop_server(port: int) -> None:
-    """A grpcio server that answers every OTLP export at once, decoding nothing (`--ceiling`)."""
-    from concurrent.futures import ThreadPoolExecutor
+    """A gRPC server as the sink's receiver is (grpcio's asyncio server) that answers every OTLP export at once,
+    decoding nothing (`--ceiling`)."""
+    import asyncio
 
     import grpc
 
-    from otel_train.sink.grpc_server import THREADS
+    async def export(body: bytes, context: Any) -> bytes:
+        return b""
 
-    server = grpc.server(ThreadPoolExecutor(THREADS), options=[("grpc.max_receive_message_length", 64 << 20)])
-    handler = grpc.unary_unary_rpc_method_handler(lambda body, context: b"")
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        _METHOD.split("/")[1], {"Export": handler}),))
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    server.wait_for_termination()
+    async def serve() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            _METHOD.split("/")[1], {"Export": grpc.unary_unary_rpc_method_handler(export)}),))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
 
 
 def ceiling(args: argparse.Namespace) -> dict[str, Any]:

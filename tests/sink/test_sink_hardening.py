@@ -232,6 +232,36 @@ def test_grpc_messages_over_the_limit_are_counted(tmp_path: Path) -> None:
         sink.stop()
 
 
+def test_grpc_requests_larger_than_the_inline_size_are_written_like_small_ones(tmp_path: Path) -> None:
+    """Requests over `INLINE_BYTES` leave the receiver's loop for a thread: written in full all the same, and a
+    malformed one is answered INVALID_ARGUMENT (counted) as a small one is."""
+    import grpc
+
+    from otel_train.sink.grpc_server import INLINE_BYTES
+
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        points = [(f"m{i}", float(i), step) for step in range(10) for i in range(1000)]
+        big = _request("big", points)
+        small = _request("big", [("small", 1.0, 10)])
+        assert len(big) > INLINE_BYTES > len(small)
+        with grpc.insecure_channel(f"127.0.0.1:{sink.grpc_port}") as channel:
+            call = channel.unary_unary(_METHOD)
+            call(big, timeout=30)
+            call(small, timeout=30)
+            with pytest.raises(grpc.RpcError) as err:
+                call(big[:-3], timeout=30)  # cut inside its last point
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert sink.flush(30)
+        health = _health(sink.http_port)
+        assert health["rejected"] == {"invalid": 1}
+        rows = [(r["tag"], r["step"], r["value"]) for r in read_jsonl(run_folder(tmp_path / "runs", "big") / "rank0.jsonl")
+                if r["type"] == "metric"]
+        assert sorted(rows) == sorted([(name, step, value) for name, value, step in points] + [("small", 10, 1.0)])
+    finally:
+        sink.stop()
+
+
 def test_a_token_on_the_command_line_is_refused(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "otel_train.sink", "--token", "s3cret", "--dir", str(tmp_path)],
                          check=False, capture_output=True, text=True, timeout=60)
