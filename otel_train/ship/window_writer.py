@@ -26,15 +26,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.backend import LOSS_CAUSES, Window
+from otel_train.backend import LOSS_CAUSES, RowExporter, Window
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
-    from otel_train.backend import RowExporter
     from otel_train.routing import RowFilter
     from otel_train.run_identity import RunInfo
 
@@ -42,6 +42,8 @@ __all__ = ["WindowWriter"]
 
 _logger = logging.getLogger(__name__)
 _DOWN_AFTER = 4  # rows failing (twice each), none landing, after which a backend counts as down
+_STEP, _VALUE = attrgetter("step"), attrgetter("value")
+_INT, _NUMBER_TYPES = frozenset({int}), frozenset({float, int})
 
 
 class WindowWriter:
@@ -78,6 +80,8 @@ class WindowWriter:
         self._warned_series: set[tuple[str, str]] = set()
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters.
         self.step_order = StepOrder(backend.options.step_order, backend.name, backend.stores_older_steps)
+        # The base `row_problem` (a backend refusing nothing more): rows are checked in bulk (`_writable`).
+        self._plain_rows_only = type(backend).row_problem is RowExporter.row_problem
 
     # -- what RowExporter hands over ------------------------------------------------------------
     def write(self, window: Window) -> bool:
@@ -244,13 +248,17 @@ class WindowWriter:
             metrics, histograms = self._writable(metrics), self._writable(histograms)
             if metrics or histograms:
                 backend.write_metrics(metrics, histograms)
-                backend.mark_written(metrics)
-                backend.mark_written(histograms)
+                if backend.handles_spans and spans:  # a failure of the spans' write retries only them
+                    backend.mark_written(metrics)
+                    backend.mark_written(histograms)
         if backend.handles_spans and spans:
             backend.write_spans(spans)
             backend.mark_written(spans)
 
     def _writable(self, rows: Sequence[Any]) -> Sequence[Any]:
+        if self._plain_rows_only and rows and {*map(type, map(_STEP, rows))} <= _INT and (
+                not isinstance(rows[0], MetricRow) or {*map(type, map(_VALUE, rows))} <= _NUMBER_TYPES):
+            return rows  # every step an int, every value a number: what the base `row_problem` checks, in C
         problem = self.backend.row_problem
         bad = [i for i, r in enumerate(rows) if problem(r) is not None]
         if not bad:
