@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import readback
 from faultkit import SERIES, f32, value
 
 import otel_train as ot
@@ -30,17 +31,8 @@ def _jsonl_points(directory: Path, run: str) -> list[tuple[str, int, float]]:
 
 
 def _tb_points(folder: Path) -> list[tuple[str, int, float]]:
-    """Every (tag, step, value) of `SERIES` as TensorBoard's own loader reads the event files, in file order: a
-    step written twice shows twice (`EventAccumulator` would purge the first copy as a restart)."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.util import tensor_util
-
-    out = []
-    for path in sorted(folder.glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
-            out += [(v.tag, int(event.step), float(tensor_util.make_ndarray(v.tensor).item()))
-                    for v in event.summary.value if v.tag in SERIES]
-    return out
+    """Every (tag, step, value) of `SERIES` in the order the event files hold them: a step written twice shows twice."""
+    return [(p.name, p.step, p.value) for p in readback.tensorboard(folder) if p.name in SERIES]
 
 
 @pytest.mark.parametrize("backend", ["jsonl", "tensorboard"])

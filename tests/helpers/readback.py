@@ -19,15 +19,33 @@ from reference import Point, SpanPoint
 _WANDB_SYSTEM_KEYS = frozenset({"_step", "_runtime", "_timestamp"})
 
 
-# -- TensorBoard: its own EventAccumulator over one log folder (not recursive) ----------------------------
+# -- TensorBoard: its own event-file loader, every record in file order ----------------------------------
 def tensorboard(logdir: Path) -> list[Point]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Every scalar of the event files directly in `logdir` (files in name order, i.e. creation order), as
+    the files hold them. Not `EventAccumulator`: it purges a step that comes again after a later one as a
+    restart, so a window written twice at the end of a run would read once. A ``SessionLog.START`` at step N
+    (a declared resume, `OTEL_TRAIN_RESUME_STEP`) drops what came before it at steps >= N, as TensorBoard does.
+    """
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+    from tensorboard.util import tensor_util
 
     if not logdir.is_dir():
         return []
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return [Point(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)]
+    out: list[Point] = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                out = [p for p in out if p.step < event.step]
+            for v in event.summary.value:
+                if v.HasField("simple_value"):
+                    value = v.simple_value
+                elif v.metadata.plugin_data.plugin_name == "scalars":  # as the loader migrates simple values
+                    value = tensor_util.make_ndarray(v.tensor).item()
+                else:
+                    continue
+                out.append(Point(v.tag, int(event.step), float(value)))
+    return out
 
 
 # -- JSON lines (the `jsonl` backend, and the sink's) ------------------------------------------------------

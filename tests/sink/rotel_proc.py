@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,16 @@ def rotel_binary() -> Path:
     import rotel
 
     return Path(rotel.__file__).parent / "rotel-agent"
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 60.0, poll_s: float = 0.05) -> bool:
+    """Whether `condition` holds within `timeout_s` (checked once more at the end)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(poll_s)
+    return condition()
 
 
 def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
@@ -149,6 +160,20 @@ class SinkProcess:
                     raise
                 time.sleep(float(err.headers.get("Retry-After") or 0.2))
         raise AssertionError(f"the sink refused the request {tries} times")
+
+    def settled_health(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """`/health` once nothing is held for reordering and the spools found at start are delivered."""
+        def settled() -> bool:
+            health = self.get("/health")
+            return bool(health["reorder_held"] == 0 and health["spool_replay"]["runs_left"] == 0)
+
+        assert wait_until(settled, timeout_s), self.get("/health")
+        return dict(self.get("/health"))
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, and the exit code once the sink has written everything and exited."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
 
     def points(self, run_id: str) -> int:
         for run in self.get("/runs")["runs"]:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rotel_proc import SinkProcess
+from rotel_proc import SinkProcess, wait_until
 from sinkkit import make_sink, scalars
 
 from otel_train.backend import Window
@@ -209,15 +209,6 @@ def _send(sink: Any, *bodies: bytes) -> None:
         sink.ingest("metrics", body, "application/x-protobuf", None)
 
 
-def _wait(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 @pytest.mark.parametrize("spooled", [True, False], ids=["spool", "no-spool"])
 def test_held_points_go_out_in_order_with_no_more_traffic(tmp_path: Path, spooled: bool) -> None:
     # With a spool, delivery's periodic flush releases them; without, the sink's housekeeping asks for one.
@@ -226,7 +217,7 @@ def test_held_points_go_out_in_order_with_no_more_traffic(tmp_path: Path, spoole
     try:
         _send(sink, _body("a", range(5, 10)), _body("a", range(5)))
         # no flush, no more requests: the hold lets go on its own (else TensorBoard stays empty until `stop`)
-        assert _wait(lambda: len(scalars(tmp_path / "runs" / "a").get("train/loss", [])) >= 10)
+        assert wait_until(lambda: len(scalars(tmp_path / "runs" / "a").get("train/loss", [])) >= 10)
         assert scalars(tmp_path / "runs" / "a")["train/loss"] == [(s, s / 2) for s in range(10)]
         assert sink.health()["steps_order_skipped"] == {} and sink.health()["reorder_held"] == 0
     finally:
@@ -238,7 +229,7 @@ def test_a_point_later_than_the_hold_is_still_skipped_and_counted_in_health(tmp_
     try:
         _send(sink, _body("a", range(5, 10)))
         # steps 5-9 are written (in TensorBoard's files) before steps 0-4 come
-        assert _wait(lambda: len(scalars(tmp_path / "runs" / "a").get("train/loss", [])) == 5)
+        assert wait_until(lambda: len(scalars(tmp_path / "runs" / "a").get("train/loss", [])) == 5)
         _send(sink, _body("a", range(5)))  # later than the hold: TensorBoard would hide 5-9 behind them
         assert sink.flush(10)
         assert scalars(tmp_path / "runs" / "a")["train/loss"] == [(s, s / 2) for s in range(5, 10)]
@@ -251,7 +242,7 @@ def test_an_idle_run_is_closed_with_its_held_points_written(tmp_path: Path) -> N
     sink = make_sink(tmp_path, reorder_s=3600, idle_s=0.3)
     try:
         _send(sink, _body("a", range(3, 6)), _body("a", range(3)))
-        assert _wait(lambda: sink.router.runs_closed == 1)
+        assert wait_until(lambda: sink.router.runs_closed == 1)
         assert scalars(tmp_path / "runs" / "a")["train/loss"] == [(s, s / 2) for s in range(6)]
         assert sink.health()["reorder_held"] == 0
     finally:
@@ -276,8 +267,7 @@ def test_a_sink_killed_while_holding_points_writes_them_after_a_restart(tmp_path
     try:
         second.post_metrics(_body("k", [10]))  # the run comes back: its spool hands the held requests over again
     finally:
-        second.proc.send_signal(signal.SIGTERM)
-        assert second.proc.wait(30) == 0
+        assert second.terminate() == 0
     assert scalars(runs / "k")["train/loss"] == [(s, s / 2) for s in range(11)]
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from rotel_proc import SinkProcess
+import readback
+from rotel_proc import SinkProcess, wait_until
 
 from otel_train.backend import Window
 from otel_train.rows import MetricRow
@@ -194,19 +195,8 @@ def _stream(sink: SinkProcess, run_id: str, ticks: range) -> int:
 
 
 def _tb_points(folder: Path) -> list[tuple[int, float]]:
-    """(step, value) of `train/loss` in the order TensorBoard's event files hold them (files in name order,
-    which is the order they were created): a step written twice shows twice."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-    from tensorboard.util import tensor_util
-
-    out = []
-    for path in sorted(folder.glob("events.out.tfevents.*")):
-        for event in EventFileLoader(str(path)).Load():
-            for v in event.summary.value:
-                if v.tag == "train/loss":
-                    value = v.simple_value if v.HasField("simple_value") else tensor_util.make_ndarray(v.tensor).item()
-                    out.append((int(event.step), float(value)))
-    return out
+    """(step, value) of `train/loss` in the order the event files hold them: a step written twice shows twice."""
+    return [(p.step, p.value) for p in readback.tensorboard(folder) if p.name == "train/loss"]
 
 
 def _jsonl_points(path: Path) -> list[tuple[int, float]]:
@@ -227,15 +217,6 @@ def _unacknowledged_rows(spool: Path, backend: str) -> int:
 
     s = Spool(spool)
     return sum(len(decode_window(p).metrics) for _, _, p in s.read(s.cursor(backend)))
-
-
-def _wait(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 def _kill(sink: SinkProcess) -> None:
@@ -271,12 +252,9 @@ def test_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path) 
         for step in range(60 + t, 70 + t):  # rank 1 catches up
             second.post_metrics(_body("k", 1, [step]))
             after += 1
-        assert _wait(lambda: second.get("/health")["reorder_held"] == 0
-                     and second.get("/health")["spool_replay"]["runs_left"] == 0)
-        health = second.get("/health")
+        health = second.settled_health()
     finally:
-        second.proc.send_signal(signal.SIGTERM)
-        assert second.proc.wait(30) == 0
+        assert second.terminate() == 0
     assert _tb_points(runs / "k" / "rank0") == _expected(0, 69 + t)
     assert _tb_points(runs / "k" / "rank1") == _expected(1, 69 + t)
     # /health adds up: what came in, what the spool handed over again and was skipped, no step-order skip
@@ -295,7 +273,7 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
         first.post_metrics(_body("done", 0, range(5)))  # a second run, all of it held when the sink dies
         # every request handed to the backends (JSONL records each write right after it: a kill between the two
         # writes that window twice, a limit of its own that this test is not about)
-        assert _wait(lambda: all(r["queued"] == 0 for r in first.get("/runs")["runs"]))
+        assert wait_until(lambda: all(r["queued"] == 0 for r in first.get("/runs")["runs"]))
         assert first.get("/health")["reorder_held"] > 0
     finally:
         _kill(first)
@@ -305,7 +283,7 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
     try:
         complete = {("k", 0): _expected(0, 39), ("k", 1): _expected(1, 39 - GAP), ("done", 0): _expected(0, 4)}
         # no request reaches the restarted sink: it delivers the spools on its own, and closes both runs
-        assert _wait(lambda: second.get("/health")["runs_closed"] == 2)
+        assert wait_until(lambda: second.get("/health")["runs_closed"] == 2)
         for (run_id, rank), points in complete.items():
             assert _tb_points(runs / run_id / f"rank{rank}") == points
             assert _jsonl_points(runs / run_id / f"rank{rank}.jsonl") == points
@@ -314,8 +292,7 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
         assert health["points"] == 0 and health["runs_open"] == 0 and health["steps_order_skipped"] == {}
         assert not (runs / ".sink-spool" / spool_folder("k")).exists()  # every backend holds everything
     finally:
-        second.proc.send_signal(signal.SIGTERM)
-        assert second.proc.wait(30) == 0
+        assert second.terminate() == 0
     assert _tb_points(runs / "k" / "rank0") == _expected(0, 39)
 
 
@@ -374,12 +351,9 @@ def test_a_sink_killed_between_a_write_and_its_record_writes_each_step_once(tmp_
                 if nxt[rank] <= last:
                     second.post_metrics(_body("g", rank, [nxt[rank]]))
                     nxt[rank] += 1
-        assert _wait(lambda: second.get("/health")["reorder_held"] == 0
-                     and second.get("/health")["spool_replay"]["runs_left"] == 0)
-        health = second.get("/health")
+        health = second.settled_health()
     finally:
-        second.proc.send_signal(signal.SIGTERM)
-        assert second.proc.wait(30) == 0
+        assert second.terminate() == 0
     for rank in (0, 1):
         got = (_tb_points(runs / "g" / f"rank{rank}") if backend == "tensorboard"
                else _jsonl_points(runs / "g" / f"rank{rank}.jsonl"))
@@ -413,7 +387,7 @@ def test_wandb_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: 
     first = SinkProcess(tmp_path / "first", *args).wait_ready()
     try:
         _stream(first, "w", range(40))
-        assert _wait(lambda: first.get("/health")["reorder_held"] < 40)  # W&B has taken some (its runs started)
+        assert wait_until(lambda: first.get("/health")["reorder_held"] < 40)  # W&B has taken some (its runs started)
         _stream(first, "w", range(40, 50))
         assert first.get("/health")["reorder_held"] > 0
     finally:
@@ -423,12 +397,9 @@ def test_wandb_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: 
         _stream(second, "w", range(50, 60))
         for step in range(60 - GAP, 60):  # rank 1 catches up
             second.post_metrics(_body("w", 1, [step]))
-        assert _wait(lambda: second.get("/health")["reorder_held"] == 0
-                     and second.get("/health")["spool_replay"]["runs_left"] == 0)
-        health = second.get("/health")
+        health = second.settled_health()
     finally:
-        second.proc.send_signal(signal.SIGTERM)
-        assert second.proc.wait(60) == 0
+        assert second.terminate(60) == 0
     assert _wandb_points(wandb_files(runs, "w", "w")) == _expected(0, 59)
     assert _wandb_points(wandb_files(runs, "w", "w-rank1")) == _expected(1, 59)
     assert health["steps_order_skipped"] == {} and health["errors"] == 0
