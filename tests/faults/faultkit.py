@@ -7,6 +7,7 @@ function of the step, and the readers return sets of points.
 from __future__ import annotations
 
 import struct
+import sys
 from pathlib import Path
 
 #: The series the tiny loop logs (the auto-recorded `train.*` series are left out of the sets).
@@ -48,10 +49,9 @@ def jsonl_spans(directory: Path, run_name: str, rank: int = 0) -> list[dict[str,
 
 
 def tb_points(run_dir: Path) -> list[tuple[str, int, float]]:
-    """Every (tag, step, value) of `SERIES` as TensorBoard's own reader shows them (purges applied)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Every (tag, step, value) of `SERIES` in the run's event files, in file order (`readback.tensorboard`: a
+    step written twice shows twice; a declared resume's purge applied)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))  # the drivers run without conftest's path
+    import readback
 
-    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    return [(tag, e.step, e.value) for tag in SERIES if tag in tags for e in acc.Scalars(tag)]
+    return [(p.name, p.step, p.value) for p in readback.tensorboard(run_dir) if p.name in SERIES]

@@ -43,13 +43,14 @@ def isolated_backends_env(mp: pytest.MonkeyPatch, root: Path) -> None:
 
 # -- TensorBoard ----------------------------------------------------------------------------------
 def tb_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series of a TensorBoard log folder, read with TensorBoard's own reader: tag -> every point as
-    (step, value), in file order (a step written twice shows twice)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Every scalar series of a TensorBoard log folder, read with TensorBoard's own event-file loader: tag -> every
+    point as (step, value), in file order (a step written twice shows twice; `readback.tensorboard`)."""
+    import readback
 
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for p in readback.tensorboard(logdir):
+        out.setdefault(p.name, []).append((p.step, p.value))
+    return out
 
 
 def by_step(points: list[tuple[int, float]]) -> dict[int, float]:

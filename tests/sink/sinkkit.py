@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from backendkit import tb_scalars as scalars  # noqa: F401 - the sink tests' name for it
+
 from otel_train.exporter_options import ExporterOptions
 from otel_train.sink.settings import SinkSettings
 
@@ -43,12 +45,3 @@ def metrics_data(run_id: str, rank: int, world_size: int, steps: range, extra: d
     data = reader.get_metrics_data()
     mp.shutdown()
     return data
-
-
-def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series under `logdir` (one folder), read back with TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
