@@ -46,7 +46,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train.run_paths import run_folder
 from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
 
-__all__ = ["RunClaim", "Spool", "claim_run", "holder", "spool_dir", "try_lock"]
+__all__ = ["RunClaim", "Spool", "backend_file", "claim_run", "holder", "spool_dir", "try_lock"]
 
 _HEADER = struct.Struct("<qqII")  # seq, max step, payload length, crc32 of the payload
 _WRITTEN = struct.Struct("<qI")  # seq, crc32 of the seq's bytes
@@ -342,7 +342,7 @@ class Spool:
         return max(self.cursors.get(backend, 0), self._read_written(self._written_path(backend)))
 
     def _written_path(self, backend: str) -> Path:
-        return self.path / ("written." + _file_safe(backend))
+        return self.path / backend_file("written", backend)
 
     @staticmethod
     def _read_written(path: Path) -> int:
@@ -441,6 +441,11 @@ class Spool:
                     pass
 
 
-def _file_safe(backend: str) -> str:
-    """`backend` as part of a file name in the spool folder."""
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)
+def backend_file(prefix: str, backend: str) -> str:
+    """The name of `backend`'s file `prefix` in a spool folder (the backend's name made file-safe).
+
+    Example:
+        >>> backend_file("released", "tensorboard (sink)")
+        'released.tensorboard__sink_'
+    """
+    return prefix + "." + "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_train.run_identity import RunInfo
+from otel_train.ship.spool import backend_file
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.pool import BackendPool
@@ -191,7 +192,7 @@ def released_file(backend: str) -> str:
         >>> released_file("tensorboard (sink)")
         'released.tensorboard__sink_'
     """
-    return "released." + "".join(c if c.isalnum() or c in "-_" else "_" for c in backend)
+    return backend_file("released", backend)
 
 
 def _named(exporters: list[RowExporter]) -> dict[str, RowExporter]:
