@@ -227,25 +227,30 @@ def _numbers(points: Any, name: str, kind: str, mode: int, run: RunInfo, seen: D
     """Pending rows of gauge or sum points given as protobuf objects (OTLP/JSON requests)."""
     unit, description = _unit_description(metric)
     rows: list[tuple[MetricRow, int, int, str]] = []
-    tags = seen.tags_of(run)
-    sender = seen.sender
     hi = -1
     for p in points:
-        row = _one_point(p, name, kind, run, unit, description)
-        if row.step == BAD_STEP:
-            seen.refuse("bad_step", name)
-            continue
-        tags.add(row.tag)
-        hi = max(hi, row.step)
-        if mode == GAUGE and row.step != STEPLESS:
-            seen._gauges.append(row)
-        else:
-            rows.append((row, mode, p.start_time_unix_nano, sender))
+        hi = max(hi, _pending_point(p, name, kind, mode, run, unit, description, seen, rows))
     if mode != GAUGE:
         rows.sort(key=_by_step)  # running totals follow the step order
     seen._numbers.extend(rows)
     if hi >= 0:
         seen.saw(run, hi)
+
+
+def _pending_point(p: Any, name: str, kind: str, mode: int, run: RunInfo, unit: str, description: str, out: Decoded,
+                   rows: list[tuple[MetricRow, int, int, str]]) -> int:
+    """The row of one number point given as a protobuf object, pending: a gauge with a step in `out`, any other
+    in `rows` (with its temporality mode, start time and sender). Returns its step; -1 when it is refused."""
+    row = _one_point(p, name, kind, run, unit, description)
+    if row.step == BAD_STEP:
+        out.refuse("bad_step", name)
+        return -1
+    out.tags_of(run).add(row.tag)
+    if mode == GAUGE and row.step != STEPLESS:
+        out._gauges.append(row)
+    else:
+        rows.append((row, mode, p.start_time_unix_nano, out.sender))
+    return row.step
 
 
 def _by_step(item: tuple[MetricRow, int, int, str]) -> int:
@@ -366,18 +371,9 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                     else:
                         start, t, value, rem = parts
                         entry = entries.get(rem) or cache.decode(rem)
-                if entry is WHOLE:
-                    p = number_point(raw)
-                    row = _one_point(p, name, row_kind, run, unit, description)
-                    if row.step == BAD_STEP:
-                        out.refuse("bad_step", name)
-                        continue
-                    tags.add(row.tag)
-                    hi = max(hi, row.step)
-                    if mode == GAUGE and row.step != STEPLESS:
-                        gauge_rows(row)
-                    else:
-                        append((row, mode, p.start_time_unix_nano, sender))
+                if entry is WHOLE:  # a layout the fast read does not take: protobuf parses the point
+                    hi = max(hi, _pending_point(number_point(raw), name, row_kind, mode, run, unit, description, out,
+                                                   rows))
                     continue
                 step, extra = entry
                 if step == BAD_STEP:
