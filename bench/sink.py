@@ -122,6 +122,20 @@ def _client(port: int, rank: int, world: int, args: argparse.Namespace, ready: A
                     time.sleep(0.1)
 
 
+def _start_clients(port: int, args: argparse.Namespace) -> tuple[list[Any], Any, list[Any]]:
+    """`args.clients` sender processes, started and ready (requests encoded); they send once `go` is set.
+    Returns them, `go`, and each one's count of points sent."""
+    ready, go = mp.Semaphore(0), mp.Event()
+    sent = [mp.Value("q", 0) for _ in range(args.clients)]
+    clients = [mp.Process(target=_client, args=(port, r, args.clients, args, ready, go, sent[r]))
+               for r in range(args.clients)]
+    for c in clients:
+        c.start()
+    for _ in clients:
+        ready.acquire()
+    return clients, go, sent
+
+
 def _noop_server(port: int) -> None:
     """A gRPC server as the sink's receiver is (grpcio's asyncio server) that answers every OTLP export at once,
     decoding nothing (`--ceiling`)."""
@@ -161,14 +175,7 @@ def ceiling(args: argparse.Namespace) -> dict[str, Any]:
                     raise RuntimeError("the no-op gRPC server did not start") from None
                 time.sleep(0.1)
         proc = psutil.Process(server.pid)
-        ready, go = mp.Semaphore(0), mp.Event()
-        sent = [mp.Value("q", 0) for _ in range(args.clients)]
-        clients = [mp.Process(target=_client, args=(port, r, args.clients, args, ready, go, sent[r]))
-                   for r in range(args.clients)]
-        for c in clients:
-            c.start()
-        for _ in clients:
-            ready.acquire()
+        clients, go, sent = _start_clients(port, args)
         cpu0 = sum(proc.cpu_times()[:2])
         t0 = time.perf_counter()
         go.set()
@@ -245,14 +252,7 @@ def bench(args: argparse.Namespace, via: str, python: str = sys.executable, py_s
             proc = next(c for c in proc.children() if "otel_train.sink" in " ".join(c.cmdline()))
         machine0 = psutil.cpu_times()
         cpu0 = sum(proc.cpu_times()[:2])
-        ready, go = mp.Semaphore(0), mp.Event()
-        sent = [mp.Value("q", 0) for _ in range(args.clients)]
-        clients = [mp.Process(target=_client, args=(target, r, args.clients, args, ready, go, sent[r]))
-                   for r in range(args.clients)]
-        for c in clients:
-            c.start()
-        for _ in clients:
-            ready.acquire()
+        clients, go, sent = _start_clients(target, args)
         rss = proc.memory_info().rss
         samples: list[tuple[float, float, int]] = []  # (seconds, RSS MiB, points written)
         t0 = time.perf_counter()
