@@ -166,6 +166,9 @@ class Session:
         #: Attributes of `ot.log(..., attributes=)` calls left out by OTel's rule (the values were still logged).
         self.refused_attributes = 0
         self._warned_attributes = False
+        #: Values refused at the call, by cause (a type that is no number, a bad key, a step out of range, ...):
+        #: never in any window; the summary line and `otel-train verify` report them.
+        self.refusals: dict[str, int] = {}
         set_refused_step_hook(self.refuse_step)
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_hook = self.reader.step_end_hook()
