@@ -36,6 +36,11 @@ def build_backends(names: tuple[str, ...], options: ExporterOptions) -> list[Any
     return built
 
 
+#: Backends whose job is the trainer's terminal: they stay in the training process, whose stderr that is (the
+#: exporter process writes its own stdout/stderr to a log file in the spool, so a table written there is never seen).
+_TERMINAL_BACKENDS = frozenset({"console"})
+
+
 def _is_builtin(target: str) -> bool:
     """Whether a registry target (``module:Class``) is one of our own backends."""
     return target.partition(":")[0].split(".")[:2] == ["otel_train", "exporters"]
@@ -45,7 +50,8 @@ def split_backends(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, 
     """Split the named exporters into (built here, built in the exporter process).
 
     Built-in backends (`otlp` included) go to the exporter process unless `OTEL_TRAIN_EXPORT_PROCESS=off`.
-    Staying here: third-party names (entry points; their classes may not expect to run elsewhere).
+    Staying here: third-party names (entry points; their classes may not expect to run elsewhere) and `console`
+    (it writes to this process's standard error, the terminal the user watches).
     Unknown names and missing packages fail here, before anything starts.
     """
     names = settings.exporters
@@ -54,5 +60,5 @@ def split_backends(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, 
     if settings.export_process == "off" or (settings.export_process == "auto" and (
             os.name != "posix" or not sys.executable)):
         return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start
-    remote = tuple(n for n in names if _is_builtin(get_spec(n).target))
+    remote = tuple(n for n in names if _is_builtin(get_spec(n).target) and n not in _TERMINAL_BACKENDS)
     return tuple(n for n in names if n not in remote), remote
