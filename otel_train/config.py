@@ -127,6 +127,13 @@ below the latest step raise `StepOrderError` on the training thread). Default ``
 OTEL_TRAIN_RESUME_STEP = "OTEL_TRAIN_RESUME_STEP"
 """The step a resumed run restarts at (int >= 0): every backend is told, so curves do not zig-zag.
 Default none (a fresh run)."""
+OTEL_TRAIN_VERIFY = "OTEL_TRAIN_VERIFY"
+"""Boolean; at the end of the job each rank runs `otel-train verify` on its own part of the run (after its
+backends closed) and puts the verdict in the summary line. Default false."""
+OTEL_TRAIN_VERIFY_RECORD_MB = "OTEL_TRAIN_VERIFY_RECORD_MB"
+"""The cap, in MiB per delivering process, of the run's record of what was logged (``<run folder>/verify/``),
+which `otel-train verify` compares the backends with (int >= 0; 0: no record). Past it recording stops and
+verify says "not checked past step S". Default 256."""
 
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
@@ -292,6 +299,8 @@ class Settings:
     self_metrics: bool = True
     step_order: str = "warn"
     resume_step: int | None = None
+    verify: bool = False
+    verify_record_mb: int = 256
 
 
 def _parse_ranks(name: str, raw: str) -> str:
@@ -336,6 +345,8 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "self_metrics": (OTEL_TRAIN_SELF_METRICS, parse_bool),
     "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
     "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: parse_int(n, r, 0)),
+    "verify": (OTEL_TRAIN_VERIFY, parse_bool),
+    "verify_record_mb": (OTEL_TRAIN_VERIFY_RECORD_MB, lambda n, r: parse_int(n, r, 0)),
 }
 
 
@@ -428,6 +439,10 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return parse_int(field, str(value), 1)
+    if field == "verify_record_mb":
+        return parse_int(field, str(value), 0)
+    if field == "verify":
+        return value if isinstance(value, bool) else parse_bool(field, str(value))
     if field == "resume_step":
         from otel_train.capture.step import coerce_step
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -46,6 +47,7 @@ from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
 from otel_train.placement import _env_int, _env_rank, resolve_run_id
 from otel_train.run_identity import RunInfo, config_hash
+from otel_train.ship.logged_record import open_record
 from otel_train.summary import write_session_summary
 
 __all__ = ["DisabledSession", "Session", "start"]
@@ -111,7 +113,8 @@ class Session:
 
                 self.export_process = ExportProcess(
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
-                    nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd)
+                    nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd,
+                    record_bytes=settings.verify_record_mb * 2**20)
                 undo.callback(_undo, self.export_process.end, 1.0)
             self.exporters = build_backends(local, options) + list(instances)
             for ex in self.exporters:  # the caller's instances too: `init()` took them, as `shutdown()` does
@@ -131,6 +134,9 @@ class Session:
                 resource=self.resource,
                 channel=self.export_process,
                 phases=settings.phases,
+                record=functools.partial(open_record, run=self.run, directory=directory,
+                                         cap_bytes=settings.verify_record_mb * 2**20,
+                                         resume_step=settings.resume_step),
             )
             undo.pop_all()  # the reader's shutdown closes the exporters and the exporter process from here on
             undo.callback(_undo, self.run_claim.release)
