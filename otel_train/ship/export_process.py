@@ -133,6 +133,8 @@ class ExportProcess:
         self.log_path = self.spool_path / LOG_FILE
         self._lock_fd = lock_fd
         self._options = options
+        self._run = run
+        self._record_bytes = record_bytes
         #: Where child processes (DataLoader workers) connect to this run (`otel_train.ship.workers`).
         self.worker_address = listen_address(self.spool_path)
         self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
@@ -289,8 +291,7 @@ class ExportProcess:
             try:
                 backends = build_backends(self.names, self._options)
                 fallback = Delivery(backends, Spool(self.spool_path))
-                fallback.record = open_record(backends, self._config["run"], self._options.directory,
-                                              int(self._config.get("record_bytes", 0)))
+                fallback.record = open_record(backends, self._run, self._options.directory, self._record_bytes)
                 if self._config["self_metrics"]:
                     fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
                 self.fallback = fallback

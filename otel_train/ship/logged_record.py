@@ -9,7 +9,7 @@ record runs no code). Entries, by their ``k``:
 - ``h`` (first): the writer's pid and rank, the run id, and per backend what verify needs to read it back
   (``stores``: where its store is, as that process saw it) and which rows it gets (``routes``: the routing
   rule, rebuilt by verify to tell "skipped by rule" from "missing").
-- ``w``: one window as the backends get it: new series (``S``: id, tag, name, rank, kind), then per series
+- ``w``: one window as the backends get it: new series (``S``: id, tag, name, rank, kind, extra attributes), then per series
   its steps (``[first, count]`` when consecutive, else the list) and values (float64, packed little-endian),
   and spans (series id of the span name, step, span id). ``side``: a child process's window.
 - ``l``: per backend the rows it did not write, by cause, and its step-order drops; cumulative for this
@@ -39,6 +39,8 @@ from array import array
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from otel_train.rows import extra_attributes
 
 if TYPE_CHECKING:
     from otel_train.backend import Window
@@ -142,7 +144,7 @@ class LoggedRecord:
                 sid = series.get(key)
                 if sid is None:
                     sid = series[key] = len(series)
-                    new.append([sid, row.tag, row.name, rank, row.kind])
+                    new.append([sid, row.tag, row.name, rank, row.kind, extra_attributes(row.attributes)])
                 block = blocks.get(sid)
                 if block is None:
                     block = blocks[sid] = ([], array("d"))
@@ -157,7 +159,7 @@ class LoggedRecord:
                 sid = series.get(key)
                 if sid is None:
                     sid = series[key] = len(series)
-                    new.append([sid, span.name, span.name, span.run.rank, "span"])
+                    new.append([sid, span.name, span.name, span.run.rank, "span", {}])
                 spans.append([sid, span.step, span.span_id])
             metrics = []
             top = self._last_step
@@ -244,7 +246,7 @@ def open_record(backends: Mapping[str, Any], run: RunInfo, directory: str | os.P
     if cap_bytes <= 0 or not backends:
         return None
     record = LoggedRecord(run_folder(directory, run.run_name), run.rank, cap_bytes,
-                          backend_header(backends, run.run_id, run.run_name))
+                          {**backend_header(backends, run.run_id, run.run_name), "world_size": run.world_size})
     if resume_step is not None:
         record.note_resume(run.rank, resume_step)
     return record
