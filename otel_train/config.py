@@ -21,6 +21,7 @@ from otel_train.config_values import (
     parse_exporters,
     parse_int,
     parse_nice,
+    parse_non_negative_float,
     parse_positive_float,
     parse_text,
 )
@@ -132,7 +133,7 @@ OTEL_TRAIN_VERIFY = "OTEL_TRAIN_VERIFY"
 backends closed) and puts the verdict in the summary line. Default false."""
 OTEL_TRAIN_VERIFY_RECORD_MB = "OTEL_TRAIN_VERIFY_RECORD_MB"
 """The cap, in MiB per delivering process, of the run's record of what was logged (``<run folder>/verify/``),
-which `otel-train verify` compares the backends with (int >= 0; 0: no record). Past it recording stops and
+which `otel-train verify` compares the backends with (number >= 0; 0: no record). Past it recording stops and
 verify says "not checked past step S". Default 256."""
 
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
@@ -300,7 +301,7 @@ class Settings:
     step_order: str = "warn"
     resume_step: int | None = None
     verify: bool = False
-    verify_record_mb: int = 256
+    verify_record_mb: float = 256.0
 
 
 def _parse_ranks(name: str, raw: str) -> str:
@@ -346,7 +347,7 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
     "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: parse_int(n, r, 0)),
     "verify": (OTEL_TRAIN_VERIFY, parse_bool),
-    "verify_record_mb": (OTEL_TRAIN_VERIFY_RECORD_MB, lambda n, r: parse_int(n, r, 0)),
+    "verify_record_mb": (OTEL_TRAIN_VERIFY_RECORD_MB, parse_non_negative_float),
 }
 
 
@@ -440,7 +441,7 @@ def _validate_kwarg(field: str, value: Any) -> Any:
     if field in ("export_every", "queue_size", "buffer_size"):
         return parse_int(field, str(value), 1)
     if field == "verify_record_mb":
-        return parse_int(field, str(value), 0)
+        return parse_non_negative_float(field, str(value))
     if field == "verify":
         return value if isinstance(value, bool) else parse_bool(field, str(value))
     if field == "resume_step":

@@ -174,11 +174,12 @@ class Delivery:
             self._cuts.append((window.cut_after, window.step))  # before any backend can be handed it
             if self.record is not None:
                 self.record.note_resume(window.run.rank, window.step)
-        elif self.annotate is not None:
-            try:
-                window = self.annotate(window, max_step)
-            except Exception as err:  # self-telemetry must never cost a window
-                _logger.debug("self-telemetry failed: %s", err)
+        else:
+            if self.annotate is not None:
+                try:
+                    window = self.annotate(window, max_step)
+                except Exception as err:  # self-telemetry must never cost a window
+                    _logger.debug("self-telemetry failed: %s", err)
             if self.record is not None:
                 self.record.add(window)
         for b in self._backends:

@@ -19,6 +19,9 @@ record runs no code). Entries, by their ``k``:
 - ``x``: the record reached its cap (`OTEL_TRAIN_VERIFY_RECORD_MB`) after windows up to ``step``; nothing
   after it is recorded, and verify says "not checked past step S".
 
+Beside them, ``rank<R>.session.json``: the values the training process refused at the call (`Session.refusals`),
+written at shutdown.
+
 A torn last entry (a process killed mid-write) is cut off when a process opens the record (only this
 writer's own file, whose tail it can prove torn), and a reader stops before it. Histograms are not
 recorded: verify checks scalars and spans.
@@ -46,12 +49,15 @@ if TYPE_CHECKING:
     from otel_train.backend import Window
     from otel_train.run_identity import RunInfo
 
-__all__ = ["FOLDER", "LoggedRecord", "backend_header", "open_record", "read_entries", "record_files"]
+__all__ = ["FOLDER", "SESSION_FILE", "LoggedRecord", "backend_header", "open_record", "read_entries", "record_files",
+           "write_session_record"]
 
 _logger = logging.getLogger(__name__)
 
 #: The folder under the run folder that holds every rank's record.
 FOLDER = "verify"
+#: The training process's own part, written at shutdown: the values it refused at the call, by cause.
+SESSION_FILE = "rank{rank}.session.json"
 _LEN = struct.Struct("<I")
 _STOP_ROOM = 64  # bytes kept free under the cap for the stop entry
 
@@ -236,6 +242,18 @@ class LoggedRecord:
         self._file = None
         _logger.warning("the run's record of what was logged cannot be written (%s: %s); `otel-train verify` will "
                         "say the record is incomplete", self.path, err)
+
+
+def write_session_record(run_dir: Path, rank: int, refusals: Mapping[str, int]) -> None:
+    """The session's refusals at the call (values never logged, so in no window), for verify; never raises."""
+    import json
+
+    path = run_dir / FOLDER / SESSION_FILE.format(rank=rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"refusals": {str(k): int(v) for k, v in refusals.items() if v}}))
+    except OSError as err:
+        _logger.debug("no session record at %s: %s", path, err)
 
 
 def open_record(backends: Mapping[str, Any], run: RunInfo, directory: str | os.PathLike[str], cap_bytes: int,

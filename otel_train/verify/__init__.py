@@ -29,10 +29,9 @@ from typing import Any
 
 from otel_train.verify.compare import SeriesResult
 
-__all__ = ["BackendReport", "VerifyReport", "check", "format_report", "write_session_record"]
+__all__ = ["BackendReport", "VerifyReport", "check", "format_report"]
 
 _SHOWN_PER_SERIES = 5  # problems listed per series in the text report
-SESSION_FILE = "rank{rank}.session.json"
 
 
 @dataclasses.dataclass
@@ -195,22 +194,14 @@ def _check_spans(out: BackendReport, expected: dict[str, list[int | None]], held
 
 
 def _session_refusals(run_dir: Path, rank: int) -> dict[str, int]:
-    path = run_dir / "verify" / SESSION_FILE.format(rank=rank)
+    from otel_train.ship.logged_record import FOLDER, SESSION_FILE
+
+    path = run_dir / FOLDER / SESSION_FILE.format(rank=rank)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return {str(k): int(v) for k, v in dict(data.get("refusals", {})).items() if v}
-
-
-def write_session_record(run_dir: Path, rank: int, refusals: dict[str, int]) -> None:
-    """The session's refusals at the call (values never logged), for verify; never raises."""
-    path = run_dir / "verify" / SESSION_FILE.format(rank=rank)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"refusals": {k: int(v) for k, v in refusals.items() if v}}))
-    except OSError:
-        pass
 
 
 def format_report(report: VerifyReport) -> str:

@@ -57,6 +57,8 @@ class BackendPlan:
 @dataclasses.dataclass
 class RankPlan:
     rank: int
+    #: The run folder verify was given (file backends are read there, so a moved run folder checks too).
+    run_dir: Path = Path(".")
     run_id: str = ""
     run_name: str = ""
     world_size: int = 1
@@ -83,7 +85,7 @@ def load(run_dir: Path, ranks: Iterable[int] | None = None) -> dict[int, RankPla
     plans: dict[int, RankPlan] = {}
     for _, path, header in sorted(writers, key=lambda w: (w[0], w[1].name)):
         rank = int(header.get("rank", 0))
-        plan = plans.setdefault(rank, RankPlan(rank, str(header.get("run_id", "")), str(header.get("run_name", "")),
+        plan = plans.setdefault(rank, RankPlan(rank, run_dir, str(header.get("run_id", "")), str(header.get("run_name", "")),
                                                int(header.get("world_size", 1)), dict(header.get("env", {}))))
         _read_writer(plan, path, header)
     return plans

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otel_train.run_paths import run_folder
 from otel_train.verify import readers
 from otel_train.verify.expected import BackendPlan, RankPlan, SeriesKey
 
@@ -41,7 +40,7 @@ def read_backend(plan: RankPlan, backend: BackendPlan) -> Held | str:
 
 
 def _run_dir(plan: RankPlan, backend: BackendPlan) -> Path:
-    return run_folder(backend.info.get("directory", "."), plan.run_name)
+    return plan.run_dir
 
 
 def _tag(key: SeriesKey) -> str:
@@ -62,9 +61,7 @@ def _tensorboard(plan: RankPlan, backend: BackendPlan) -> Held:
 
 
 def _jsonl(plan: RankPlan, backend: BackendPlan) -> Held:
-    from otel_train.exporters.jsonl import jsonl_path
-
-    path = jsonl_path(backend.info.get("directory", "."), plan.run_name, plan.rank)
+    path = plan.run_dir / f"rank{plan.rank}.jsonl"
     points = readers.jsonl(path)
     return Held(points, _tag, readers.jsonl_spans(path), where=str(path))
 
