@@ -114,7 +114,7 @@ class Session:
                 self.export_process = ExportProcess(
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
                     nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd,
-                    record_bytes=int(settings.verify_record_mb * 2**20))
+                    record_bytes=settings.record_bytes)
                 undo.callback(_undo, self.export_process.end, 1.0)
             self.exporters = build_backends(local, options) + list(instances)
             for ex in self.exporters:  # the caller's instances too: `init()` took them, as `shutdown()` does
@@ -135,7 +135,7 @@ class Session:
                 channel=self.export_process,
                 phases=settings.phases,
                 record=functools.partial(open_record, run=self.run, directory=directory,
-                                         cap_bytes=int(settings.verify_record_mb * 2**20),
+                                         cap_bytes=settings.record_bytes,
                                          resume_step=settings.resume_step),
             )
             undo.pop_all()  # the reader's shutdown closes the exporters and the exporter process from here on
@@ -370,9 +370,9 @@ class Session:
         from otel_train.run_paths import run_folder
 
         run_dir = run_folder(self.settings.dir, self.run.run_name)
-        if self.settings.verify_record_mb:
+        if self.settings.record_bytes:
             write_session_record(run_dir, self.run.rank, self.refusals)
-        if not self.settings.verify:
+        if self.settings.verify != "on":
             return
         try:
             from otel_train.verify import check

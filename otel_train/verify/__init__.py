@@ -113,8 +113,8 @@ def check(run_dir: Path, ranks: list[int] | None = None) -> VerifyReport:
     report = VerifyReport(run_dir)
     plans = load(run_dir, ranks)
     if not plans:
-        report.problem = (f"no record of what was logged under {run_dir / 'verify'} (a run with "
-                          "OTEL_TRAIN_VERIFY_RECORD_MB=0, or not a run folder)")
+        report.problem = (f"no record of what was logged under {run_dir / 'verify'} (the run did not keep one: "
+                          "set OTEL_TRAIN_VERIFY=record or on; or this is not a run folder)")
         return report
     for rank, plan in sorted(plans.items()):
         for cause, n in _session_refusals(run_dir, rank).items():

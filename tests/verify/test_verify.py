@@ -222,7 +222,8 @@ def test_no_record_is_not_a_pass(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def accounted(tmp_path_factory: pytest.TempPathFactory) -> Job:
     """A job whose backends lack values for a reason: a routing rule, and a step going backwards."""
     return _run_job(tmp_path_factory.mktemp("rules"), "r", "backwards", None,
-                    OTEL_TRAIN_EXPORTERS="jsonl,tensorboard", OTEL_TRAIN_JSONL_EXCLUDE="train/lr")
+                    OTEL_TRAIN_EXPORTERS="jsonl,tensorboard", OTEL_TRAIN_JSONL_EXCLUDE="train/lr",
+                    OTEL_TRAIN_VERIFY="record")
 
 
 def test_rows_skipped_by_rule_or_counted_are_accounted(accounted: Job, capsys: pytest.CaptureFixture[str]) -> None:
@@ -241,7 +242,7 @@ def test_rows_skipped_by_rule_or_counted_are_accounted(accounted: Job, capsys: p
 def test_a_record_past_its_cap_says_where_checking_stops(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     job = _run_job(tmp_path, "c", "plain", None, OTEL_TRAIN_EXPORTERS="jsonl", OTEL_TRAIN_EXPORT_INTERVAL_S="0.01",
-                   OTEL_TRAIN_VERIFY_RECORD_MB="0.002")
+                   OTEL_TRAIN_VERIFY="record", OTEL_TRAIN_VERIFY_RECORD_MB="0.002")
     assert "OTEL_TRAIN_VERIFY_RECORD_MB" in job.stderr  # warned once, naming the setting
     code, report, text = _verify(job.run_dir, capsys)
     b = _backend(report, "jsonl")
