@@ -20,8 +20,9 @@ until its store holds it).
 The single entry into a backend is `RowExporter.export_window`.
 
 With a `record` (`otel_train.ship.logged_record`), every window the backends are handed here is recorded as
-they get it (spooled, in-process and child windows; a seq already spooled is not recorded again), and each
-backend's losses at every flush and at close: what `otel-train verify` compares the backends with.
+they get it (spooled, in-process and child windows; a seq already spooled is not recorded again; the exporter
+process's self-telemetry rows are not, as replay cannot deliver them again), and each backend's losses at every
+flush and at close: what `otel-train verify` compares the backends with.
 
 A child process's window (a DataLoader worker's values, `submit_side`) is not spooled; it is handed to each
 backend in stream order, right after the last window queued when it arrived, so its values (stamped with
@@ -160,6 +161,8 @@ class Delivery:
         with self._lock:
             if seq <= self._last_seq:
                 return
+            if self.record is not None:  # before the spool: a kill between the two leaves a window recorded twice
+                self._record_payload(seq, payload, window)  # (once by the next writer: verify counts a seq once)
             if self.spool is not None:
                 self.spool.append(seq, max_step, payload)
             self._last_seq = seq
@@ -172,19 +175,30 @@ class Delivery:
                 return
         if isinstance(window, Resume):
             self._cuts.append((window.cut_after, window.step))  # before any backend can be handed it
-            if self.record is not None:
-                self.record.note_resume(window.run.rank, window.step)
         else:
             if self.annotate is not None:
                 try:
                     window = self.annotate(window, max_step)
                 except Exception as err:  # self-telemetry must never cost a window
                     _logger.debug("self-telemetry failed: %s", err)
-            if self.record is not None:
-                self.record.add(window)
         for b in self._backends:
             b.submit(seq, max_step, window)
         self._queued_seq = seq
+
+    def _record_payload(self, seq: int, payload: bytes, window: Window | None) -> None:
+        """Record a spooled window as spooled (the self-telemetry rows `annotate` adds are not: replay cannot
+        deliver them again)."""
+        record = self.record
+        if record is None:
+            return
+        try:
+            decoded = window if window is not None else decode_window(payload)
+        except Exception:
+            return  # unreadable: `submit` says so
+        if isinstance(decoded, Resume):
+            record.note_resume(decoded.run.rank, decoded.step)
+        else:
+            record.add(decoded, seq=seq)
 
     def submit_window(self, window: Window, max_step: int, wait_s: float) -> bool:
         """Queue a decoded window for every backend (memory only, no spool), waiting up to `wait_s`

@@ -11,7 +11,8 @@ record runs no code). Entries, by their ``k``:
   rule, rebuilt by verify to tell "skipped by rule" from "missing").
 - ``w``: one window as the backends get it: new series (``S``: id, tag, name, rank, kind, extra attributes), then per series
   its steps (``[first, count]`` when consecutive, else the list) and values (float64, packed little-endian),
-  and spans (series id of the span name, step, span id). ``side``: a child process's window.
+  and spans (series id of the span name, step, span id). ``side``: a child process's window; ``q``: a spooled
+  window's sequence number (recorded before it is spooled; a window recorded by two writers counts once).
 - ``l``: per backend the rows it did not write, by cause, and its step-order drops; cumulative for this
   writer, written at every flush and at close (verify takes each writer's last).
 - ``r``: a declared resume (`ot.resume`, `resume_step`) of ``rank`` at ``step``: what was recorded before it at
@@ -136,8 +137,9 @@ class LoggedRecord:
             return
         self._append({"k": "h", "pid": os.getpid(), "rank": rank, "t": time.time(), **header})
 
-    def add(self, window: Window, side: bool = False) -> None:
-        """Record one window as the backends get it (any thread; cheap next to the backends' writes)."""
+    def add(self, window: Window, side: bool = False, seq: int | None = None) -> None:
+        """Record one window as the backends get it (any thread; cheap next to the backends' writes). `seq`: its
+        spool sequence number (a window two writers recorded, around a restart, counts once)."""
         if self.stopped or not window:
             return
         new: list[list[Any]] = []
@@ -179,6 +181,8 @@ class LoggedRecord:
             entry: dict[str, Any] = {"k": "w", "S": new, "m": metrics, "sp": spans}
             if side:
                 entry["side"] = True
+            if seq is not None:
+                entry["q"] = seq
             if self._append_locked(entry):  # else the record stopped for good (its cap, a write error)
                 self._last_step = top
 

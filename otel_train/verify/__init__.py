@@ -57,6 +57,8 @@ class BackendReport:
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
     #: The record stopped at its cap after this step: nothing later is checked.
     not_checked_past: int | None = None
+    #: Whether its scalars were compared (the Chrome trace's counter events carry no step: only its spans are).
+    scalars_checked: bool = True
     #: Series with a problem.
     series: list[SeriesResult] = dataclasses.field(default_factory=list)
     #: Span names with a problem: name -> (missing steps, duplicated steps).
@@ -139,6 +141,7 @@ def _check_backend(plan: Any, backend: Any) -> BackendReport:
         out.status, out.reason = "not checked", held
         return out
     out.where = held.where
+    out.scalars_checked = held.points is not None
     stop = plan.stopped_at
     present: dict[str, list[tuple[int, float]]] = {}
     for p in held.points or ():
@@ -217,7 +220,8 @@ def format_report(report: VerifyReport) -> str:
         if b.reason:
             lines.append(f"{head} ({b.reason})")
             continue
-        counts = [f"{b.expected:,} expected", f"{b.present:,} present"]
+        counts = [f"{b.expected:,} expected", f"{b.present:,} present"] if b.scalars_checked else [
+            "scalars not compared (its counter events carry no step)"]
         counts += [f"{n:,} {what}" for n, what in ((b.missing, "missing"), (b.duplicated, "duplicated"),
                                                    (b.wrong_value, "wrong value"), (b.unexpected, "unexpected step"),
                                                    (b.skipped_by_rule, "skipped by rule")) if n]

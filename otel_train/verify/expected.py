@@ -83,15 +83,17 @@ def load(run_dir: Path, ranks: Iterable[int] | None = None) -> dict[int, RankPla
             continue
         writers.append((float(header.get("t", 0.0)), path, header))
     plans: dict[int, RankPlan] = {}
+    seen: dict[int, set[int]] = {}  # per rank: the spooled windows' seqs already read
     for _, path, header in sorted(writers, key=lambda w: (w[0], w[1].name)):
         rank = int(header.get("rank", 0))
-        plan = plans.setdefault(rank, RankPlan(rank, run_dir, str(header.get("run_id", "")), str(header.get("run_name", "")),
-                                               int(header.get("world_size", 1)), dict(header.get("env", {}))))
-        _read_writer(plan, path, header)
+        plan = plans.setdefault(rank, RankPlan(rank, run_dir, str(header.get("run_id", "")),
+                                               str(header.get("run_name", "")), int(header.get("world_size", 1)),
+                                               dict(header.get("env", {}))))
+        _read_writer(plan, path, header, seen.setdefault(rank, set()))
     return plans
 
 
-def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any]) -> None:
+def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[int]) -> None:
     from otel_train.config import Route
     from otel_train.routing import RowFilter
     from otel_train.rows import MetricRow, SpanRow
@@ -117,6 +119,11 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any]) -> None:
         if kind == "w":
             for sid, tag, name, rank, row_kind, attrs in entry.get("S", ()):
                 series[int(sid)] = [tag, name, int(rank), row_kind, dict(attrs or {})]
+            seq = entry.get("q")
+            if seq is not None:
+                if seq in seen:
+                    continue
+                seen.add(int(seq))
             rows: list[MetricRow] = []
             spans: list[SpanRow] = []
             for block in entry.get("m", ()):

@@ -250,3 +250,41 @@ def test_a_record_past_its_cap_says_where_checking_stops(tmp_path: Path,
     assert stop is not None and 0 <= stop < STEPS - 1, b
     assert code == 0 and b["status"] == "pass" and b["missing"] == 0
     assert f"not checked past step {stop}" in text
+
+
+def test_in_process_backends_are_recorded_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Backends in the training process (`OTEL_TRAIN_EXPORT_PROCESS=off`) are fed by the same delivery: recorded."""
+    job = _run_job(tmp_path, "p", "plain", None, OTEL_TRAIN_EXPORTERS="jsonl,tensorboard",
+                   OTEL_TRAIN_EXPORT_PROCESS="off", OTEL_TRAIN_VERIFY="on")
+    assert "verify: pass (2 backends)" in job.stderr
+    code, report, text = _verify(job.run_dir, capsys)
+    assert code == 0, text
+    for name in ("jsonl", "tensorboard"):
+        b = _backend(report, name)
+        assert b["expected"] >= len(USER_SERIES) * STEPS and b["present"] == b["expected"], b
+
+
+def test_a_job_killed_whole_is_complete_after_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every process of the job killed (the exporter process right after a TensorBoard write at step >= 10, before
+    it is recorded; its restart and the training process's fallback likewise): verify finds nothing but missing
+    values, and after `otel-train replay` every recorded value is in JSONL and TensorBoard once."""
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, str(DRIVER), str(out), "k", str(STEPS), "plain"], check=False,
+                          capture_output=True, text=True, timeout=300,
+                          env=_env(tmp_path / "home", OTEL_TRAIN_EXPORTERS="jsonl,tensorboard",
+                                   OTEL_TRAIN_VERIFY="record", OTEL_TRAIN_TEST_KILL_AFTER_WRITE="tensorboard@10"))
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    run_dir = out / "k"
+    code, report, text = _verify(run_dir, capsys)
+    for b in report["backends"]:
+        assert b["duplicated"] == b["wrong_value"] == b["unexpected"] == 0, text
+    assert cli_main(["replay", str(run_dir)]) == 0
+    code, report, text = _verify(run_dir, capsys)
+    assert code == 0, text
+    from otel_train.verify.expected import load
+
+    loss = next(v for k, v in load(run_dir)[0].backends["jsonl"].expected.points.items() if k.tag == "train/loss")
+    assert [s for s, _ in loss][:11] == list(range(11))  # the record holds the steps up to the kill at least
+    for name in ("jsonl", "tensorboard"):
+        b = _backend(report, name)
+        assert b["present"] == b["expected"] > 0 and b["missing"] == 0, b
