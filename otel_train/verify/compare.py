@@ -1,7 +1,7 @@
 """One series compared as lists of (step, value): what was logged against what a backend holds.
 
 Each logged value is matched with one held value at its step that equals it as the backend can keep it
-(`same_value`: TensorBoard and ClearML keep float32); NaN equals NaN, infinities by sign. What is left at a
+(`same_value`: TensorBoard keeps float32, so the logged value is rounded to float32 first); NaN equals NaN, infinities by sign. What is left at a
 step pairs up as wrong values; then a logged value left over is missing, and a held one left over is a
 duplicate (a step that was logged) or an unexpected step (one that was never logged in that series).
 """
@@ -30,10 +30,10 @@ def same_value(logged: float, held: float, float32: bool = False) -> bool:
     if math.isnan(logged) or math.isnan(held):
         return math.isnan(logged) and math.isnan(held)
     if float32:
-        logged = _as_float32(logged)
+        return _as_float32(logged) == held
     if math.isinf(logged) or math.isinf(held):
         return logged == held
-    return logged == held or math.isclose(logged, held, rel_tol=1e-6 if float32 else 1e-12, abs_tol=0.0)
+    return logged == held or math.isclose(logged, held, rel_tol=1e-12, abs_tol=0.0)
 
 
 @dataclasses.dataclass

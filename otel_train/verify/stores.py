@@ -140,7 +140,7 @@ def _clearml(plan: RankPlan, backend: BackendPlan) -> Held | str:
         title, series = title_series(key.name, _rank_tag(key))
         return f"{title}/{series}"
 
-    return Held([p for f in folders for p in readers.clearml(f)], name_of, float32=True,
+    return Held([p for f in folders for p in readers.clearml(f)], name_of,
                 where=", ".join(map(str, folders)))
 
 

@@ -42,6 +42,7 @@ def test_float32_backends_compare_at_their_precision() -> None:
     stored = float(__import__("numpy").float32(v))
     assert same_value(v, stored, float32=True)
     assert not same_value(v, stored, float32=False)
+    assert not same_value(v, v, float32=True)  # a float32 backend holds no float64 value
     assert not same_value(0.1, 0.2, float32=True)
     assert same_value(math.nan, math.nan) and same_value(math.inf, math.inf)
     assert not same_value(math.inf, -math.inf) and not same_value(1.0, math.nan)
@@ -110,3 +111,18 @@ def test_a_record_that_cannot_be_written_stops_without_raising(tmp_path: Path) -
     record.add(_window(range(3)))  # nothing raised
     assert record.stopped and not record_files(blocked)
     assert os.path.isfile(blocked / "verify")
+
+
+def test_a_window_recorded_twice_around_a_restart_counts_once(tmp_path: Path) -> None:
+    """A spooled window is recorded before it is spooled: a writer killed between the two has it recorded, and the
+    next writer (to which the training process sends it again) records it again, with the same seq."""
+    first = _record(tmp_path)
+    first.add(_window(range(2)), seq=1)
+    first.add(_window(range(2, 4)), seq=2)
+    first.close()
+    again = _record(tmp_path)
+    again.add(_window(range(2, 4)), seq=2)
+    again.add(_window(range(4, 6)), seq=3)
+    again.close()
+    (points,) = load(tmp_path)[0].backends["jsonl"].expected.points.values()
+    assert [s for s, _ in points] == [0, 1, 2, 3, 4, 5]
