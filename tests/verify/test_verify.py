@@ -288,3 +288,21 @@ def test_a_job_killed_whole_is_complete_after_replay(tmp_path: Path, capsys: pyt
     for name in ("jsonl", "tensorboard"):
         b = _backend(report, name)
         assert b["present"] == b["expected"] > 0 and b["missing"] == 0, b
+
+
+def test_a_forked_childs_values_are_recorded_and_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A child process's values reach the backends in side windows (not spooled): they are recorded as delivered."""
+    job = _run_job(tmp_path, "f", "fork", None, OTEL_TRAIN_EXPORTERS="jsonl,tensorboard", OTEL_TRAIN_VERIFY="on")
+    code, report, text = _verify(job.run_dir, capsys)
+    assert code == 0, text
+    from otel_train.verify.expected import load
+
+    points = load(job.run_dir)[0].backends["jsonl"].expected.points
+    child = sorted(p for k, v in points.items() if k.name == "data/x" for p in v)
+    assert child == [(5, 105.0), (15, 115.0)]
+    # Removed from the JSONL file, they are missing there.
+    _rewrite_jsonl(job.run_dir / "rank0.jsonl", lambda r: [] if r.get("name") == "data/x" and r["step"] == 15 else [r])
+    code, report, text = _verify(job.run_dir, capsys)
+    assert code == 1
+    (series,) = _backend(report, "jsonl")["series"]
+    assert series["missing"] == [15] and series["series"].startswith("data/x{worker=")
