@@ -61,9 +61,13 @@ def _tensorboard(plan: RankPlan, backend: BackendPlan) -> Held:
 
 
 def _jsonl(plan: RankPlan, backend: BackendPlan) -> Held:
+    from otel_train.exporters.jsonl import read_jsonl, resolve_resumes
+
     path = plan.run_dir / f"rank{plan.rank}.jsonl"
-    points = readers.jsonl(path)
-    return Held(points, _tag, readers.jsonl_spans(path), where=str(path))
+    records = resolve_resumes(read_jsonl(path)) if path.exists() else []  # the run as it stands after a resume
+    points = [readers.Point(r["tag"], r["step"], r["value"]) for r in records if r.get("type") == "metric"]
+    spans = [readers.SpanPoint(r["name"], r.get("step")) for r in records if r.get("type") == "span"]
+    return Held(points, _tag, spans, where=str(path))
 
 
 def _chrome_trace(plan: RankPlan, backend: BackendPlan) -> Held | str:

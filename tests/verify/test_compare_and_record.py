@@ -126,3 +126,15 @@ def test_a_window_recorded_twice_around_a_restart_counts_once(tmp_path: Path) ->
     again.close()
     (points,) = load(tmp_path)[0].backends["jsonl"].expected.points.values()
     assert [s for s, _ in points] == [0, 1, 2, 3, 4, 5]
+
+
+def test_values_refused_at_the_call_are_reported_with_their_cause(tmp_path: Path) -> None:
+    from otel_train.ship.logged_record import write_session_record
+    from otel_train.verify import check, format_report
+
+    _record(tmp_path).close()  # a run whose backends were handed nothing
+    write_session_record(tmp_path, 0, {"not_a_number": 3, "bad_key": 1, "none": 0})
+    report = check(tmp_path)
+    assert report.refusals == {"not_a_number": 3, "bad_key": 1}
+    assert report.ok and report.exit_code == 0
+    assert "refused at the call (never logged): 3 not_a_number, 1 bad_key" in format_report(report)
