@@ -313,6 +313,8 @@ class BackendFeed:
                 faults.after_write(self.name, step)
             if ok and self._kill_safe and last > self.handed:
                 self._advance(last)
+            elif ok and self._kill_safe and self._recorded >= self.handed:
+                self._children_recorded()
             self._hand(last, step)
             start = end
 
@@ -336,6 +338,17 @@ class BackendFeed:
             self._log.error("written", "cannot record how far `%s` has written: %s", self.name, err)
             return
         self._recorded = max(self._recorded, seq)
+
+    def _children_recorded(self) -> None:
+        """A write of child windows only (not spooled, no seq of their own) landed after every recorded window:
+        the intent record is cleared, so a later resume never cuts them back out (replay cannot bring them
+        back); the next append records the files' sizes afresh."""
+        assert self.spool is not None
+        if self._intent_mark < 0:
+            return  # nothing recorded since the last clear (the backend reported no append)
+        self._intent_mark = -1
+        self._intent_files.clear()
+        self.spool.intent(self.name).clear()
 
     def _intend(self, files: Sequence[tuple[str, int]]) -> None:
         """The backend is about to append to `files` (`RowExporter.mark_appending`): record it first (in the spool's
