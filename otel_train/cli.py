@@ -55,14 +55,19 @@ def _trace_merge(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from otel_train.ship.export_process import replay
 
-    results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every)
+    results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every,
+                     allow_outside=args.allow_outside)
     if not results:
         sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
         return 0
     behind = False
     for name, progress in results.items():
-        sys.stdout.write(f"{name}: {progress.summary()}\n")
-        behind = behind or bool(progress.behind())
+        if progress.behind():
+            behind = True
+            sys.stdout.write(f"{name}: {progress.summary()}; missing, kept in {args.run_dir / 'spool' / name} for "
+                             "the next `otel-train replay`\n")
+        else:
+            sys.stdout.write(f"{name}: {progress.summary()}\n")
     return 1 if behind else 0
 
 
@@ -96,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="give up on a backend after this many seconds without progress (default 60)")
     replay.add_argument("--report-every", type=float, default=10.0,
                         help="seconds between the messages saying what is left per rank and backend (default 10)")
+    replay.add_argument("--allow-outside", action="store_true",
+                        help="write where the run's exporters.json says even outside the folder holding the run "
+                             "(its directory, a recorded MLflow URI, Trackio, W&B or ClearML folder); default: refuse")
     replay.set_defaults(func=_replay)
 
     try:
