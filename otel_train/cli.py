@@ -1,4 +1,4 @@
-"""The `otel-train` command: `demo`, `trace merge`, `replay`, `sink`."""
+"""The `otel-train` command: `demo`, `trace merge`, `replay`, `verify`, `sink`."""
 
 from __future__ import annotations
 
@@ -71,6 +71,19 @@ def _replay(args: argparse.Namespace) -> int:
     return 1 if behind else 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    import json
+
+    from otel_train.verify import check, format_report
+
+    report = check(args.run_dir)
+    if args.json:
+        sys.stdout.write(json.dumps(report.to_json(), indent=1, default=str) + "\n")
+    else:
+        sys.stdout.write(format_report(report) + "\n")
+    return report.exit_code
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="otel-train", description="OpenTelemetry for training loops.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +118,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="write where the run's exporters.json says even outside the folder holding the run "
                              "(its directory, a recorded MLflow URI, Trackio, W&B or ClearML folder); default: refuse")
     replay.set_defaults(func=_replay)
+
+    verify = sub.add_parser("verify", help="check that every local backend holds what the run logged",
+                            description="Read every local backend of the run back with its own reader and compare it, "
+                                        "as lists of (step, value), with the run's record of what was logged. "
+                                        "Exit 0 when every value is present once or accounted for (refused, "
+                                        "skipped by a routing rule, counted as not written); 1 when a backend "
+                                        "misses, duplicates or alters values; 2 when the run has no record.")
+    verify.add_argument("run_dir", type=Path, help="the run folder (OTEL_TRAIN_DIR/<run name>)")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON (for tools)")
+    verify.set_defaults(func=_verify)
 
     try:
         from otel_train.sink import cli as sink_cli

@@ -21,6 +21,7 @@ from otel_train.config_values import (
     parse_exporters,
     parse_int,
     parse_nice,
+    parse_non_negative_float,
     parse_positive_float,
     parse_text,
 )
@@ -127,6 +128,15 @@ below the latest step raise `StepOrderError` on the training thread). Default ``
 OTEL_TRAIN_RESUME_STEP = "OTEL_TRAIN_RESUME_STEP"
 """The step a resumed run restarts at (int >= 0): every backend is told, so curves do not zig-zag.
 Default none (a fresh run)."""
+OTEL_TRAIN_VERIFY = "OTEL_TRAIN_VERIFY"
+"""``off``, ``record`` or ``on`` (a boolean also: true is ``on``). ``record`` keeps the run's record of what was
+logged (``<run folder>/verify/``) for `otel-train verify`; ``on`` also runs verify at the end of the job, each
+rank on its own part after its backends closed, and puts the verdict in the summary line. Default ``off``
+(the record costs about 8 bytes per point on disk: see docs/performance.md)."""
+OTEL_TRAIN_VERIFY_RECORD_MB = "OTEL_TRAIN_VERIFY_RECORD_MB"
+"""The cap, in MiB per delivering process, of the run's record of what was logged (``<run folder>/verify/``),
+which `otel-train verify` compares the backends with (number >= 0; 0: no record). Past it recording stops and
+verify says "not checked past step S". Only used when `OTEL_TRAIN_VERIFY` records. Default 256."""
 
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
 OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
@@ -292,6 +302,13 @@ class Settings:
     self_metrics: bool = True
     step_order: str = "warn"
     resume_step: int | None = None
+    verify: str = "off"
+    verify_record_mb: float = 256.0
+
+    @property
+    def record_bytes(self) -> int:
+        """The cap of the record of what was logged (0: no record): `verify_record_mb` when `verify` records."""
+        return int(self.verify_record_mb * 2**20) if self.verify != "off" else 0
 
 
 def _parse_ranks(name: str, raw: str) -> str:
@@ -302,6 +319,17 @@ def _parse_ranks(name: str, raw: str) -> str:
 
 
 _parse_step_order = choice(STEP_ORDER_ALLOWED)
+VERIFY_ALLOWED = ("off", "record", "on")
+
+
+def _parse_verify(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value in VERIFY_ALLOWED:
+        return value
+    try:
+        return "on" if parse_bool(name, value) else "off"
+    except ConfigError:
+        raise ConfigError(f"{name}: {raw!r} is not allowed; use off, record or on (or a boolean)") from None
 _parse_export_process = choice(EXPORT_PROCESS_ALLOWED)
 
 
@@ -336,6 +364,8 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "self_metrics": (OTEL_TRAIN_SELF_METRICS, parse_bool),
     "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
     "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: parse_int(n, r, 0)),
+    "verify": (OTEL_TRAIN_VERIFY, lambda n, r: _parse_verify(n, r)),
+    "verify_record_mb": (OTEL_TRAIN_VERIFY_RECORD_MB, parse_non_negative_float),
 }
 
 
@@ -428,6 +458,10 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return parse_int(field, str(value), 1)
+    if field == "verify_record_mb":
+        return parse_non_negative_float(field, str(value))
+    if field == "verify":
+        return _parse_verify(field, ("on" if value else "off") if isinstance(value, bool) else str(value))
     if field == "resume_step":
         from otel_train.capture.step import coerce_step
 

@@ -12,6 +12,7 @@ from typing import Any
 from otel_train.errors import ConfigError
 
 __all__ = ["choice", "parse_bool", "parse_config_json", "parse_cpus", "parse_exporters", "parse_int", "parse_nice",
+           "parse_non_negative_float",
            "parse_positive_float", "parse_text"]
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -45,6 +46,17 @@ def parse_positive_float(name: str, raw: str) -> float:
         raise ConfigError(f"{name}: {raw!r} is not a number; expected seconds > 0") from None
     if not value > 0 or math.isinf(value):
         raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite number of seconds > 0")
+    return value
+
+
+def parse_non_negative_float(name: str, raw: str) -> float:
+    """A finite number >= 0 (a size, a cap where 0 turns a feature off)."""
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a number; expected a finite number >= 0") from None
+    if not value >= 0 or math.isinf(value):
+        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite number >= 0")
     return value
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import socket
@@ -46,6 +47,7 @@ from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
 from otel_train.placement import _env_int, _env_rank, resolve_run_id
 from otel_train.run_identity import RunInfo, config_hash
+from otel_train.ship.logged_record import open_record, write_session_record
 from otel_train.summary import write_session_summary
 
 __all__ = ["DisabledSession", "Session", "start"]
@@ -111,7 +113,8 @@ class Session:
 
                 self.export_process = ExportProcess(
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
-                    nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd)
+                    nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd,
+                    record_bytes=settings.record_bytes)
                 undo.callback(_undo, self.export_process.end, 1.0)
             self.exporters = build_backends(local, options) + list(instances)
             for ex in self.exporters:  # the caller's instances too: `init()` took them, as `shutdown()` does
@@ -131,6 +134,9 @@ class Session:
                 resource=self.resource,
                 channel=self.export_process,
                 phases=settings.phases,
+                record=functools.partial(open_record, run=self.run, directory=directory,
+                                         cap_bytes=settings.record_bytes,
+                                         resume_step=settings.resume_step),
             )
             undo.pop_all()  # the reader's shutdown closes the exporters and the exporter process from here on
             undo.callback(_undo, self.run_claim.release)
@@ -169,6 +175,8 @@ class Session:
         #: Values refused at the call, by cause (a type that is no number, a bad key, a step out of range, ...):
         #: never in any window; the summary line and `otel-train verify` report them.
         self.refusals: dict[str, int] = {}
+        #: `OTEL_TRAIN_VERIFY`: this rank's verdict at shutdown (`otel_train.verify`), for the summary line.
+        self.verify_verdict: str | None = None
         set_refused_step_hook(self.refuse_step)
         self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
         self._step_hook = self.reader.step_end_hook()
@@ -346,6 +354,7 @@ class Session:
         except Exception:
             _logger.warning("shutdown did not complete cleanly", exc_info=True)
         self.run_claim.release()  # an exporter process still draining keeps the run folder's lock until it is done
+        self._verify_own_part()
         if self.run.rank == 0 and not self.settings.quiet:
             write_session_summary(self)
         if not any(not s.closed for s in exit_hooks._active):  # after the hand-off: a signal during it still hands off
@@ -354,6 +363,26 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _verify_own_part(self) -> None:
+        """Record the values refused at the call; under `OTEL_TRAIN_VERIFY`, check this rank's part of the run
+        (its backends are closed now) and keep the verdict for the summary line. Never raises."""
+        from otel_train.run_paths import run_folder
+
+        run_dir = run_folder(self.settings.dir, self.run.run_name)
+        if self.settings.record_bytes:
+            write_session_record(run_dir, self.run.rank, self.refusals)
+        if self.settings.verify != "on":
+            return
+        try:
+            from otel_train.verify import check
+
+            report = check(run_dir, ranks=[self.run.rank])
+            self.verify_verdict = report.verdict()
+        except Exception as err:
+            self.verify_verdict = f"verify: could not run ({type(err).__name__}: {err})"
+        if self.run.rank != 0 and not self.verify_verdict.startswith("verify: pass"):
+            _logger.warning("otel-train rank %d: %s", self.run.rank, self.verify_verdict)
 
     release_signal = staticmethod(exit_hooks.release_signal)
 

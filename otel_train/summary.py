@@ -42,7 +42,7 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
                  failures: Mapping[str, int], run_folder: str | None = None, *,
                  steps_backwards: Mapping[str, int] | None = None, steps_order_dropped: Mapping[str, int] | None = None,
                  spool_failed_appends: int = 0, dropped_by: Mapping[str, int] | None = None,
-                 rows_lost: Mapping[str, Mapping[str, int]] | None = None) -> str:
+                 rows_lost: Mapping[str, Mapping[str, int]] | None = None, verify: str | None = None) -> str:
     """Format the shutdown summary.
 
     Args:
@@ -58,6 +58,7 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         dropped_by: What makes up `dropped`: its cause with its unit (``values over the log buffer``) -> count.
         rows_lost: Backend name -> cause (`otel_train.backend.LOSS_CAUSES`, ``queue_full``) -> rows
             that backend did not write.
+        verify: The verdict of `otel-train verify` at the end of the job (`OTEL_TRAIN_VERIFY`), a clause of its own.
 
     Example:
         >>> summary_line(1200, 4, ["tensorboard", "wandb"], 0, {"wandb": 3}, "runs/demo")
@@ -87,6 +88,8 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
     if spool_failed_appends:
         parts.append(f"{spool_failed_appends:,} window{'s' if spool_failed_appends != 1 else ''} not written ahead "
                      "to the spool (disk full?)")
+    if verify:
+        parts.append(verify)
     if run_folder:
         parts.append(f"run folder {run_folder}")
     return "; ".join(parts)
@@ -146,6 +149,7 @@ def write_session_summary(session: Session) -> None:
         write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
                                    failures, str(run_folder(session.settings.dir, session.run.run_name)),
                                    steps_backwards=backwards, steps_order_dropped=order_dropped,
-                                   spool_failed_appends=spool_failed, dropped_by=dropped_by, rows_lost=lost))
+                                   spool_failed_appends=spool_failed, dropped_by=dropped_by, rows_lost=lost,
+                                   verify=getattr(session, "verify_verdict", None)))
     except Exception:
         _logger.debug("no shutdown summary", exc_info=True)

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricReader, MetricsData
@@ -112,6 +112,7 @@ class StepAlignedMetricReader(MetricReader):
         resource: Resource | None = None,
         channel: Any = None,
         phases: bool = True,
+        record: Callable[[Mapping[str, Any]], Any] | None = None,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(**sdk.reader_options(DELTA_TEMPORALITY, limit))
@@ -122,7 +123,7 @@ class StepAlignedMetricReader(MetricReader):
         self._resource = resource or Resource.create()
         self._builder = WindowBuilder(export_metrics, phases)
         #: The backends of this process (exporter objects; every named one without an exporter process).
-        self._local = LocalDelivery(exporters, queue_size, lambda: self._resource) if exporters else None
+        self._local = LocalDelivery(exporters, queue_size, lambda: self._resource, record) if exporters else None
         self._channel = channel
         self._channels: list[Any] = [c for c in (self._local, channel) if c is not None]
         self._log = LogOnce(_logger)

@@ -19,6 +19,10 @@ store holds the data (`RowExporter.durable_step`): its cursor moves only over th
 until its store holds it).
 The single entry into a backend is `RowExporter.export_window`.
 
+With a `record` (`otel_train.ship.logged_record`), every window the backends are handed here is recorded as
+they get it (spooled, in-process and child windows; a seq already spooled is not recorded again), and each
+backend's losses at every flush and at close: what `otel-train verify` compares the backends with.
+
 A child process's window (a DataLoader worker's values, `submit_side`) is not spooled; it is handed to each
 backend in stream order, right after the last window queued when it arrived, so its values (stamped with
 that window's step) never reach a backend after later steps (W&B drops writes to earlier steps).
@@ -41,6 +45,7 @@ from typing import Any
 from otel_train.backend import RowExporter, Window
 from otel_train.ship.backend_feed import BackendFeed, BackendPool
 from otel_train.ship.framing import Resume, decode_window, is_resume
+from otel_train.ship.logged_record import LoggedRecord
 from otel_train.ship.spool import Spool
 
 __all__ = ["BackendPool", "Delivery", "Progress"]
@@ -139,6 +144,8 @@ class Delivery:
         self.annotate: Callable[[Window, int], Window] | None = None
         self._side_lost: dict[str, int] = {}
         self._side_lost_lock = threading.Lock()
+        #: Where the windows handed to the backends are recorded for `otel-train verify` (None: nowhere).
+        self.record: LoggedRecord | None = None
 
     @property
     def last_step(self) -> int:
@@ -168,11 +175,16 @@ class Delivery:
                 return
         if isinstance(window, Resume):
             self._cuts.append((window.cut_after, window.step))  # before any backend can be handed it
-        elif self.annotate is not None:
-            try:
-                window = self.annotate(window, max_step)
-            except Exception as err:  # self-telemetry must never cost a window
-                _logger.debug("self-telemetry failed: %s", err)
+            if self.record is not None:
+                self.record.note_resume(window.run.rank, window.step)
+        else:
+            if self.annotate is not None:
+                try:
+                    window = self.annotate(window, max_step)
+                except Exception as err:  # self-telemetry must never cost a window
+                    _logger.debug("self-telemetry failed: %s", err)
+            if self.record is not None:
+                self.record.add(window)
         for b in self._backends:
             b.submit(seq, max_step, window)
         self._queued_seq = seq
@@ -202,6 +214,11 @@ class Delivery:
         `otel_train.ship.local_delivery`). A backend whose queue is full merges it into its last queued window
         (at most `_MERGE_ROWS` rows), else drops its oldest window (counted)."""
         seq = self._next_seq(max_step)
+        if self.record is not None:
+            if isinstance(window, Resume):
+                self.record.note_resume(window.run.rank, window.step)
+            else:
+                self.record.add(window)
         for b in self._backends:
             b.submit(seq, max_step, window)
         self._queued_seq = seq
@@ -234,6 +251,8 @@ class Delivery:
         """Hand every backend a window that is not spooled (a child process's data): best effort, once, right
         after the last window queued so far (its rows carry that window's step)."""
         if window:
+            if self.record is not None:
+                self.record.add(window, side=True)
             after = self._queued_seq
             for b in self._backends:
                 b.submit_side(window, after)
@@ -273,7 +292,14 @@ class Delivery:
         self.sync()
         target = self._last_seq
         tickets = [b.request_flush() for b in self._backends]
-        return all([b.wait_flushed(target, t, deadline) for b, t in zip(self._backends, tickets)])
+        ok = all([b.wait_flushed(target, t, deadline) for b, t in zip(self._backends, tickets)])
+        self._note_losses()
+        return ok
+
+    def _note_losses(self) -> None:
+        if self.record is not None:
+            self.record.note_losses(self.rows_lost(), {n: int(s["order_dropped"])
+                                                       for n, s in self.backend_stats().items()})
 
     def stop(self) -> None:
         """Ask every backend to deliver what is left and shut down, without waiting (`close` waits)."""
@@ -288,6 +314,9 @@ class Delivery:
         done = all([b.wait_acked(target, deadline) for b in self._backends])
         for b in self._backends:
             b.done.wait(timeout=max(0.0, deadline - time.monotonic()))
+        self._note_losses()
+        if self.record is not None:
+            self.record.close()
         if self.spool is not None:
             self.spool.close()
             self.spool.remove_acknowledged()

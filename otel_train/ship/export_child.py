@@ -28,6 +28,7 @@ from otel_train.run_identity import RunInfo
 from otel_train.ship import store_env
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_resume
+from otel_train.ship.logged_record import open_record
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, mark_draining
 from otel_train.ship.workers import WorkerListener
@@ -145,6 +146,8 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     _write_meta(spool.path, config)
     tune_for_row_churn()  # the backends' clients are imported now: frozen out of the collector's sight
     delivery = Delivery(backends, spool)
+    delivery.record = open_record(backends, config["run"], options.directory, int(config.get("record_bytes", 0)),
+                                  options.resume_step)
     if config.get("self_metrics"):
         delivery.annotate = SelfMetrics(delivery.backend_stats, lambda: delivery.spool_failed_appends)
     listener = None

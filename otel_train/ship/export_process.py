@@ -48,6 +48,7 @@ from otel_train.ship.export_child import (
     set_hparams,
 )
 from otel_train.ship.framing import encode_resume, encode_window
+from otel_train.ship.logged_record import open_record
 from otel_train.ship.replay import replay
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, spool_dir
@@ -113,6 +114,7 @@ class ExportProcess:
         self_metrics: Add otel-train's own health rows to every window (`otel_train.ship.self_metrics`).
         lock_fd: The run folder's lock (`otel_train.ship.spool.claim_run`): the child inherits it and holds the
             claim until it has drained (-1: none).
+        record_bytes: The cap of the record of what was logged (`otel_train.ship.logged_record`; 0: none).
 
     Raises:
         ConfigError: an unknown name, a missing package, or a backend that failed to start in the child.
@@ -120,7 +122,7 @@ class ExportProcess:
 
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
                  drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0,
-                 self_metrics: bool = True, lock_fd: int = -1) -> None:
+                 self_metrics: bool = True, lock_fd: int = -1, record_bytes: int = 0) -> None:
         from otel_train.registry import check_available, get_spec
 
         for spec in [get_spec(n) for n in names]:
@@ -131,12 +133,15 @@ class ExportProcess:
         self.log_path = self.spool_path / LOG_FILE
         self._lock_fd = lock_fd
         self._options = options
+        self._run = run
+        self._record_bytes = record_bytes
         #: Where child processes (DataLoader workers) connect to this run (`otel_train.ship.workers`).
         self.worker_address = listen_address(self.spool_path)
         self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice,
                         "run": run, "workers": self.worker_address, "self_metrics": self_metrics,
-                        "lock_fd": lock_fd, "export_metrics": exports_metrics(run, options)}
+                        "lock_fd": lock_fd, "export_metrics": exports_metrics(run, options),
+                        "record_bytes": record_bytes}
         self._lock = threading.RLock()  # one sender at a time; held across restarts
         self._backlog = Backlog()
         self._ids = itertools.count(1)
@@ -286,6 +291,7 @@ class ExportProcess:
             try:
                 backends = build_backends(self.names, self._options)
                 fallback = Delivery(backends, Spool(self.spool_path))
+                fallback.record = open_record(backends, self._run, self._options.directory, self._record_bytes)
                 if self._config["self_metrics"]:
                     fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
                 self.fallback = fallback

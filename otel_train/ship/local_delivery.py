@@ -12,7 +12,7 @@ OTel exporters are adapted by `otel_train.ship.otel_adapter`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from otel_train.backend import RowExporter, Window
@@ -20,6 +20,7 @@ from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import Resume
+from otel_train.ship.logged_record import LoggedRecord
 from otel_train.ship.otel_adapter import as_row_exporter
 
 if TYPE_CHECKING:
@@ -37,10 +38,13 @@ class LocalDelivery:
         exporters: `RowExporter`s and plain OTel `MetricExporter` / `SpanExporter`s.
         queue_windows: Windows queued per backend (merged while it is busy) before the oldest is dropped.
         resource: The Resource plain OTel exporters' requests carry (the reader's).
+        record: Opens the record of what was logged for these backends (`otel_train.ship.logged_record`;
+            None, or returning None: no record).
     """
 
     def __init__(self, exporters: Sequence[Any], queue_windows: int = 16,
-                 resource: Callable[[], Resource] | None = None) -> None:
+                 resource: Callable[[], Resource] | None = None,
+                 record: Callable[[Mapping[str, RowExporter]], LoggedRecord | None] | None = None) -> None:
         self.exporters = list(exporters)
         backends: dict[str, RowExporter] = {}
         for exporter in self.exporters:
@@ -51,6 +55,8 @@ class LocalDelivery:
                 name = f"{row_exporter.name}-{n}"
             backends[name] = row_exporter
         self.delivery = Delivery(backends, None, max(1, queue_windows), thread_name="otel-train-export")
+        if record is not None:
+            self.delivery.record = record(backends)
 
     def send_window(self, run: RunInfo, points: Sequence[tuple[str, int, float, int]],
                     metrics: Sequence[MetricRow] = (), histograms: Sequence[HistogramRow] = (),

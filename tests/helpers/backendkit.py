@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import pytest
 
 from otel_train.rows import MetricRow
 from otel_train.run_identity import RunInfo, config_hash
+from otel_train.verify.readers import wandb_records  # the package's reader, re-exported for the tests
 
 
 def row(run: RunInfo, step: int, tag: str, value: float, time_ns: int = 0, **attrs: Any) -> MetricRow:
@@ -80,40 +79,6 @@ def isolated_wandb_env(mp: pytest.MonkeyPatch, root: Path) -> None:
     for var, sub in (("WANDB_CONFIG_DIR", "config"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data"),
                      ("WANDB_ARTIFACT_DIR", "artifacts")):
         mp.setenv(var, str(root / sub))
-
-
-# -- reading a .wandb file back (LevelDB log format of protobuf `Record`s) -----------------------
-_BLOCK = 32768
-_HEADER = 7
-
-
-def wandb_records(path: Path) -> Iterator[Any]:
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = path.read_bytes()
-    ident, magic, _version = struct.unpack("<4sHB", data[:_HEADER])
-    assert (ident, magic) == (b":W&B", 0xBEE1)
-    off, pending = _HEADER, b""
-    while off + _HEADER <= len(data):
-        left = _BLOCK - off % _BLOCK
-        if left < _HEADER:
-            off += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[off:off + _HEADER])
-        if kind == 0 and length == 0:  # zero padding up to the block end
-            off += left
-            continue
-        chunk = data[off + _HEADER:off + _HEADER + length]
-        off += _HEADER + length
-        if kind in (1, 4):  # FULL, LAST
-            record = pb.Record()
-            record.ParseFromString(pending + chunk if kind == 4 else chunk)
-            pending = b""
-            yield record
-        elif kind == 2:  # FIRST
-            pending = chunk
-        else:  # MIDDLE
-            pending += chunk
 
 
 def read_run(path: Path) -> dict[str, Any]:

@@ -15,22 +15,11 @@ A value spec is ``{"form": <value form>, "v": number}``, or for a 0-d tensor
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-
-class Point(NamedTuple):
-    """One logged value as a backend holds it; `step` is None where a backend keeps no step."""
-
-    name: str
-    step: int | None
-    value: float
-
-
-class SpanPoint(NamedTuple):
-    name: str
-    step: int | None
+from otel_train.verify.readers import Point, SpanPoint
 
 
 def logged_value(spec: dict[str, Any]) -> float:

@@ -1,0 +1,308 @@
+"""The run's record of what was logged: every window the delivery engine hands its backends, kept for
+`otel-train verify` (`otel_train.verify`).
+
+Where: ``<run folder>/verify/rank<R>.<pid>.rec``, one file per process that delivers (the exporter process, a
+restarted one, the training process for its in-process backends), appended only by that process. Each entry
+is a 4-byte little-endian length and one msgpack map (msgpack builds values and nothing else, so reading a
+record runs no code). Entries, by their ``k``:
+
+- ``h`` (first): the writer's pid and rank, the run id, and per backend what verify needs to read it back
+  (``stores``: where its store is, as that process saw it) and which rows it gets (``routes``: the routing
+  rule, rebuilt by verify to tell "skipped by rule" from "missing").
+- ``w``: one window as the backends get it: new series (``S``: id, tag, name, rank, kind, extra attributes), then per series
+  its steps (``[first, count]`` when consecutive, else the list) and values (float64, packed little-endian),
+  and spans (series id of the span name, step, span id). ``side``: a child process's window.
+- ``l``: per backend the rows it did not write, by cause, and its step-order drops; cumulative for this
+  writer, written at every flush and at close (verify takes each writer's last).
+- ``r``: a declared resume (`ot.resume`, `resume_step`) of ``rank`` at ``step``: what was recorded before it at
+  steps >= ``step`` is superseded.
+- ``x``: the record reached its cap (`OTEL_TRAIN_VERIFY_RECORD_MB`) after windows up to ``step``; nothing
+  after it is recorded, and verify says "not checked past step S".
+
+Beside them, ``rank<R>.session.json``: the values the training process refused at the call (`Session.refusals`),
+written at shutdown.
+
+A torn last entry (a process killed mid-write) is cut off when a process opens the record (only this
+writer's own file, whose tail it can prove torn), and a reader stops before it. Histograms are not
+recorded: verify checks scalars and spans.
+
+Cost (measured, docs/performance.md): about 9 bytes per scalar point plus the series ids and step ranges
+of each window; the writing happens where the delivery runs (the exporter process by default), never on
+the training thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import time
+from array import array
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from otel_train.rows import extra_attributes
+
+if TYPE_CHECKING:
+    from otel_train.backend import Window
+    from otel_train.run_identity import RunInfo
+
+__all__ = ["FOLDER", "SESSION_FILE", "LoggedRecord", "backend_header", "open_record", "read_entries", "record_files",
+           "write_session_record"]
+
+_logger = logging.getLogger(__name__)
+
+#: The folder under the run folder that holds every rank's record.
+FOLDER = "verify"
+#: The training process's own part, written at shutdown: the values it refused at the call, by cause.
+SESSION_FILE = "rank{rank}.session.json"
+_LEN = struct.Struct("<I")
+_STOP_ROOM = 64  # bytes kept free under the cap for the stop entry
+
+
+def record_files(run_dir: Path) -> list[Path]:
+    """Every record file of a run folder, in name order."""
+    return sorted((run_dir / FOLDER).glob("rank*.rec"))
+
+
+def read_entries(path: Path) -> Iterator[dict[str, Any]]:
+    """The entries of one record file in order, stopping before a torn or unreadable tail."""
+    import msgpack
+
+    data = path.read_bytes()
+    off = 0
+    while off + _LEN.size <= len(data):
+        (n,) = _LEN.unpack_from(data, off)
+        end = off + _LEN.size + n
+        if end > len(data):
+            return
+        try:
+            entry = msgpack.unpackb(data[off + _LEN.size:end], raw=False, strict_map_key=False)
+        except Exception:
+            return
+        if not isinstance(entry, dict):
+            return
+        yield entry
+        off = end
+
+
+def _whole_entries_end(path: Path) -> int:
+    """The size of `path` up to its last whole entry (what an append may start after)."""
+    size = path.stat().st_size
+    off = 0
+    with open(path, "rb") as f:
+        while off + _LEN.size <= size:
+            f.seek(off)
+            (n,) = _LEN.unpack(f.read(_LEN.size))
+            if off + _LEN.size + n > size:
+                break
+            off += _LEN.size + n
+    return off
+
+
+class LoggedRecord:
+    """Appends what one process's delivery hands its backends to that process's record file.
+
+    Never raises: a record that cannot be written (disk full, a deleted folder) stops, logged once, and
+    verify then says the record is incomplete rather than pass.
+
+    Args:
+        run_dir: The run's folder (`otel_train.run_paths.run_folder`).
+        rank: This process's rank.
+        cap_bytes: Stop recording past this many bytes (a stop entry says where).
+        header: What verify needs besides the windows (run id, per backend its store and routing rule).
+    """
+
+    def __init__(self, run_dir: Path, rank: int, cap_bytes: int, header: Mapping[str, Any]) -> None:
+        self.path = run_dir / FOLDER / f"rank{rank}.{os.getpid()}.rec"
+        self.cap_bytes = cap_bytes
+        self._lock = threading.Lock()
+        self._series: dict[tuple[str, int, str], int] = {}
+        self._size = 0
+        self._last_step = -1
+        self.stopped = False
+        self._file: Any = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():  # a pid reused by a later process of the same run: continue after its entries
+                end = _whole_entries_end(self.path)
+                os.truncate(self.path, end)
+                self._size = end
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held open until close()
+        except OSError as err:
+            self._fail(err)
+            return
+        self._append({"k": "h", "pid": os.getpid(), "rank": rank, "t": time.time(), **header})
+
+    def add(self, window: Window, side: bool = False) -> None:
+        """Record one window as the backends get it (any thread; cheap next to the backends' writes)."""
+        if self.stopped or not window:
+            return
+        new: list[list[Any]] = []
+        blocks: dict[int, tuple[list[int], array[float]]] = {}
+        series = self._series
+        with self._lock:
+            for row in window.metrics:
+                rank = row.run.rank
+                key = (row.tag, rank, "m")
+                sid = series.get(key)
+                if sid is None:
+                    sid = series[key] = len(series)
+                    new.append([sid, row.tag, row.name, rank, row.kind, extra_attributes(row.attributes)])
+                block = blocks.get(sid)
+                if block is None:
+                    block = blocks[sid] = ([], array("d"))
+                block[0].append(row.step)
+                try:
+                    block[1].append(row.value)
+                except TypeError:
+                    block[1].append(float("nan"))  # a value no backend takes either: `row_problem` refuses it
+            spans = []
+            for span in window.spans:
+                key = (span.name, span.run.rank, "s")
+                sid = series.get(key)
+                if sid is None:
+                    sid = series[key] = len(series)
+                    new.append([sid, span.name, span.name, span.run.rank, "span", {}])
+                spans.append([sid, span.step, span.span_id])
+            metrics = []
+            top = self._last_step
+            for sid, (steps, values) in blocks.items():
+                first = steps[0]
+                if steps == list(range(first, first + len(steps))):
+                    metrics.append([sid, first, len(steps), values.tobytes()])
+                else:
+                    metrics.append([sid, steps, values.tobytes()])
+                top = max(top, max(steps))
+            entry: dict[str, Any] = {"k": "w", "S": new, "m": metrics, "sp": spans}
+            if side:
+                entry["side"] = True
+            if self._append_locked(entry):  # else the record stopped for good (its cap, a write error)
+                self._last_step = top
+
+    def note_resume(self, rank: int, step: int) -> None:
+        """The run of `rank` restarts at `step` (rows recorded before it at steps >= `step` are superseded)."""
+        self._append({"k": "r", "rank": int(rank), "step": int(step)})
+
+    def note_losses(self, rows_lost: Mapping[str, Mapping[str, int]], order_dropped: Mapping[str, int]) -> None:
+        """Per backend, the rows it did not write so far, by cause, and its step-order drops (cumulative)."""
+        if self._file is None:
+            return
+        with self._lock:
+            self._write({"k": "l", "lost": {n: dict(c) for n, c in rows_lost.items()},
+                         "order": {n: int(v) for n, v in order_dropped.items() if v}})
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError:
+                    pass
+                self._file = None
+            self.stopped = True
+
+    # -- writing -----------------------------------------------------------------------------------
+    def _append(self, entry: Mapping[str, Any]) -> bool:
+        with self._lock:
+            return self._append_locked(entry)
+
+    def _append_locked(self, entry: Mapping[str, Any]) -> bool:
+        """Write `entry` unless it would pass the cap (then write the stop entry and stop)."""
+        if self.stopped:
+            return False
+        payload = _pack(entry)
+        if self._size + _LEN.size + len(payload) > self.cap_bytes - _STOP_ROOM:
+            self._write({"k": "x", "step": self._last_step})
+            self.stopped = True
+            _logger.warning("the run's record of what was logged reached OTEL_TRAIN_VERIFY_RECORD_MB (%.1f MiB) at "
+                            "step %d; `otel-train verify` checks no step past it", self.cap_bytes / 2**20,
+                            self._last_step)
+            return False
+        return self._write_payload(payload)
+
+    def _write(self, entry: Mapping[str, Any]) -> bool:
+        return self._write_payload(_pack(entry))
+
+    def _write_payload(self, payload: bytes) -> bool:
+        if self._file is None:
+            return False
+        try:
+            self._file.write(_LEN.pack(len(payload)) + payload)
+        except OSError as err:
+            self._fail(err)
+            return False
+        self._size += _LEN.size + len(payload)
+        return True
+
+    def _fail(self, err: OSError) -> None:
+        self.stopped = True
+        self._file = None
+        _logger.warning("the run's record of what was logged cannot be written (%s: %s); `otel-train verify` will "
+                        "say the record is incomplete", self.path, err)
+
+
+def write_session_record(run_dir: Path, rank: int, refusals: Mapping[str, int]) -> None:
+    """The session's refusals at the call (values never logged, so in no window), for verify; never raises."""
+    import json
+
+    path = run_dir / FOLDER / SESSION_FILE.format(rank=rank)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"refusals": {str(k): int(v) for k, v in refusals.items() if v}}))
+    except OSError as err:
+        _logger.debug("no session record at %s: %s", path, err)
+
+
+def open_record(backends: Mapping[str, Any], run: RunInfo, directory: str | os.PathLike[str], cap_bytes: int,
+                resume_step: int | None = None) -> LoggedRecord | None:
+    """This process's record of `run`'s windows to `backends` (None when `cap_bytes` is 0: no record)."""
+    from otel_train.run_paths import run_folder
+
+    if cap_bytes <= 0 or not backends:
+        return None
+    record = LoggedRecord(run_folder(directory, run.run_name), run.rank, cap_bytes,
+                          {**backend_header(backends, run.run_id, run.run_name), "world_size": run.world_size})
+    if resume_step is not None:
+        record.note_resume(run.rank, resume_step)
+    return record
+
+
+#: The variables that say where a backend's store is (recorded as the delivering process saw them).
+_STORE_VARIABLES = ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING_URI", "TRACKIO_DIR",
+                    "CLEARML_CACHE_DIR", "CLEARML_API_HOST", "CLEARML_CONFIG_FILE")
+
+
+def backend_header(backends: Mapping[str, Any], run_id: str, run_name: str) -> dict[str, Any]:
+    """The ``h`` entry's content: the run, and per backend its kind, options, store and routing rule."""
+    out: dict[str, Any] = {}
+    for name, ex in backends.items():
+        options = getattr(ex, "options", None)
+        route = getattr(getattr(ex, "window_writer", None), "route", None)
+        entry: dict[str, Any] = {"kind": str(getattr(ex, "name", name)), "class": type(ex).__module__}
+        if options is not None:
+            entry.update(directory=str(Path(options.directory).resolve()), project=str(options.project),
+                         ranks=str(options.ranks), trace_counters=bool(options.trace_counters),
+                         trace_steps=options.trace_steps is not None)
+        if route is not None:
+            entry["route"] = {"include": list(route.include), "exclude": list(route.exclude),
+                              "every": int(route.every), "rank0_only": bool(route.rank0_only),
+                              "display_names": bool(route.display_names)}
+        uri = getattr(type(ex), "tracking_uri", None)
+        if isinstance(uri, property):
+            try:
+                entry["tracking_uri"] = str(ex.tracking_uri)
+            except Exception as err:  # verify then reads the store it finds, or says "not checked"
+                _logger.debug("no tracking URI for `%s`: %s", name, err)
+        out[name] = entry
+    env = {v: os.environ[v] for v in _STORE_VARIABLES if os.environ.get(v)}
+    return {"run_id": run_id, "run_name": run_name, "backends": out, "env": env}
+
+
+def _pack(entry: Mapping[str, Any]) -> bytes:
+    import msgpack
+
+    out: bytes = msgpack.packb(entry, use_bin_type=True, default=str)
+    return out

@@ -1,0 +1,112 @@
+"""The parts of verify that need no backend: comparing lists of (step, value), and the record's file format
+(a torn tail, the cap, a pid's file reopened)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from otel_train.backend import Window
+from otel_train.rows import MetricRow, SpanRow
+from otel_train.run_identity import RunInfo
+from otel_train.ship.logged_record import LoggedRecord, read_entries, record_files
+from otel_train.verify.compare import compare, same_value
+from otel_train.verify.expected import load
+
+RUN = RunInfo("r", "r")
+
+
+def test_each_kind_of_difference_is_named_with_its_steps() -> None:
+    logged = [(0, 1.0), (1, 2.0), (2, 3.0), (3, 4.0)]
+    held = [(0, 1.0), (1, 2.0), (1, 2.0), (2, 3.5), (9, 1.0)]
+    r = compare("loss", 0, logged, held)
+    assert (r.expected, r.present) == (4, 5)
+    assert r.missing == [3]
+    assert r.duplicated == [1]
+    assert r.wrong_value == [(2, 3.0, 3.5)]
+    assert r.unexpected_step == [9]
+    assert not r.ok
+
+
+def test_a_value_logged_twice_at_one_step_is_expected_twice() -> None:
+    assert compare("x", 0, [(5, 1.0), (5, 2.0)], [(5, 2.0), (5, 1.0)]).ok
+    r = compare("x", 0, [(5, 1.0), (5, 2.0)], [(5, 1.0)])
+    assert r.missing == [5] and not r.duplicated
+
+
+def test_float32_backends_compare_at_their_precision() -> None:
+    v = 0.1 + 1e-12  # not a float32
+    stored = float(__import__("numpy").float32(v))
+    assert same_value(v, stored, float32=True)
+    assert not same_value(v, stored, float32=False)
+    assert not same_value(0.1, 0.2, float32=True)
+    assert same_value(math.nan, math.nan) and same_value(math.inf, math.inf)
+    assert not same_value(math.inf, -math.inf) and not same_value(1.0, math.nan)
+
+
+def _window(steps: range, tag: str = "loss") -> Window:
+    return Window([MetricRow(RUN, s, tag, tag, float(s), "gauge", 0) for s in steps],
+                  spans=[SpanRow(RUN, "step", 1, s + 1, None, 0, 0, 0, "", s, {}) for s in steps])
+
+
+def _record(run_dir: Path, cap: int = 1 << 20) -> LoggedRecord:
+    return LoggedRecord(run_dir, 0, cap, {"run_id": "r", "run_name": "r", "backends": {"jsonl": {"kind": "jsonl"}}})
+
+
+def test_the_record_reads_back_as_logged(tmp_path: Path) -> None:
+    record = _record(tmp_path)
+    record.add(_window(range(3)))
+    record.add(Window([MetricRow(RUN, s, "loss", "loss", 9.0, "gauge", 0) for s in (7, 5)]))  # not consecutive
+    record.note_losses({"jsonl": {"refused": 2}}, {"jsonl": 1})
+    record.close()
+    plan = load(tmp_path)[0]
+    backend = plan.backends["jsonl"]
+    (points,) = backend.expected.points.values()
+    assert points == [(0, 0.0), (1, 1.0), (2, 2.0), (7, 9.0), (5, 9.0)]
+    assert backend.expected.spans == {"step": [0, 1, 2]}
+    assert backend.lost == {"refused": 2, "step_order": 1}
+    assert plan.stopped_at is None
+
+
+def test_a_torn_tail_is_cut_when_the_file_is_reopened(tmp_path: Path) -> None:
+    record = _record(tmp_path)
+    record.add(_window(range(2)))
+    record.close()
+    (path,) = record_files(tmp_path)
+    whole = path.stat().st_size
+    with open(path, "ab") as f:  # a process killed mid-entry
+        f.write(b"\x40\x00\x00\x00partial")
+    assert [e["k"] for e in read_entries(path)] == ["h", "w"]  # the reader stops before it
+    again = _record(tmp_path)  # the same pid: the same file, continued after its last whole entry
+    assert again.path == path and path.stat().st_size > whole
+    again.add(_window(range(2, 4)))
+    again.close()
+    assert [e["k"] for e in read_entries(path)] == ["h", "w", "h", "w"]
+    (points,) = load(tmp_path)[0].backends["jsonl"].expected.points.values()
+    assert [s for s, _ in points] == [0, 1, 2, 3]
+
+
+def test_past_its_cap_the_record_says_where_it_stopped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    record = _record(tmp_path, cap=1500)
+    for start in range(0, 400, 10):
+        record.add(_window(range(start, start + 10)))
+    record.close()
+    (path,) = record_files(tmp_path)
+    assert path.stat().st_size <= 1500
+    plan = load(tmp_path)[0]
+    (points,) = plan.backends["jsonl"].expected.points.values()
+    assert plan.stopped_at == points[-1][0] and 0 < plan.stopped_at < 399
+    assert sum("OTEL_TRAIN_VERIFY_RECORD_MB" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_record_that_cannot_be_written_stops_without_raising(tmp_path: Path) -> None:
+    blocked = tmp_path / "run"
+    blocked.mkdir()
+    (blocked / "verify").write_text("a file where the folder should be")
+    record = _record(blocked)
+    record.add(_window(range(3)))  # nothing raised
+    assert record.stopped and not record_files(blocked)
+    assert os.path.isfile(blocked / "verify")
