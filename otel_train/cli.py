@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -56,7 +57,7 @@ def _replay(args: argparse.Namespace) -> int:
     from otel_train.ship.export_process import replay
 
     results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every,
-                     allow_outside=args.allow_outside)
+                     allow_outside=args.allow_outside, wanted=_missing_rows(args.run_dir))
     if not results:
         sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
         return 0
@@ -69,6 +70,25 @@ def _replay(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(f"{name}: {progress.summary()}\n")
     return 1 if behind else 0
+
+
+def _missing_rows(run_dir: Path) -> Any:
+    """Replay's `wanted` from `otel-train verify`'s report when the run kept a record; else None (the cursors)."""
+    from otel_train.verify import check
+    from otel_train.verify.wanted import rows_missing
+
+    if not (run_dir / "verify").is_dir():
+        return None
+    try:
+        report = check(run_dir)
+    except Exception as err:  # a record verify cannot read: replay as the cursors say
+        logging.getLogger("otel_train").warning("replay: cannot verify %s (%s: %s); every backend gets what its "
+                                                "cursor says it lacks", run_dir, type(err).__name__, err)
+        return None
+    if report.problem:
+        return None
+    logging.getLogger("otel_train").info("replay: each backend verify could check gets only what it lacks")
+    return rows_missing(report)
 
 
 def _verify(args: argparse.Namespace) -> int:
