@@ -238,11 +238,13 @@ class WindowWriter:
         return True
 
     def _backoff_s(self) -> float:
-        """The wait before the next try: `backoff_s` by attempt; a kept window's past it doubles to `MAX_BACKOFF_S`."""
+        """The wait before the next try: `backoff_s` by attempt; past it and `max_attempts` (a kept window), the
+        wait doubles up to `MAX_BACKOFF_S`. A backend retried for as long as it takes (`max_attempts` 0: a
+        collector that is down) keeps its own table."""
         table = self.backend.backoff_s
         delay = table[min(self._attempts, len(table)) - 1]
-        beyond = self._attempts - len(table)
-        if self.keep_failed and beyond > 0:
+        beyond = self._attempts - max(len(table), self.backend.max_attempts)
+        if self.keep_failed and self.backend.max_attempts and beyond > 0:
             delay = min(MAX_BACKOFF_S, max(delay, MAX_BACKOFF_S if beyond >= 16 else delay * 2.0 ** beyond))
         return delay
 
