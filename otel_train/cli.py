@@ -73,15 +73,22 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _missing_rows(run_dir: Path) -> Any:
-    """Replay's `wanted` from `otel-train verify`'s report when the run kept a record; else None (the cursors)."""
-    from otel_train.verify import check
-    from otel_train.verify.wanted import rows_missing
+    """Replay's `wanted` from `otel-train verify`'s report when the run kept a record; else None (the cursors).
+
+    Verify runs in a process of its own: reading a store back imports its client, and one that fixes its store at
+    import (Trackio) would then make replay write to the store of this shell, not the run's."""
+    import json
+    import subprocess
+
+    from otel_train.verify.wanted import report_from_json, rows_missing
 
     if not (run_dir / "verify").is_dir():
         return None
     try:
-        report = check(run_dir)
-    except Exception as err:  # a record verify cannot read: replay as the cursors say
+        done = subprocess.run([sys.executable, "-m", "otel_train.cli", "verify", "--json", str(run_dir)],
+                              capture_output=True, text=True, timeout=600, check=False)
+        report = report_from_json(json.loads(done.stdout))
+    except (OSError, ValueError, subprocess.SubprocessError) as err:  # replay as the cursors say
         logging.getLogger("otel_train").warning("replay: cannot verify %s (%s: %s); every backend gets what its "
                                                 "cursor says it lacks", run_dir, type(err).__name__, err)
         return None

@@ -53,7 +53,7 @@ def _replay(run_dir: Path) -> int:
 @pytest.mark.timeout(300)
 def test_replay_after_kill9_with_workers_logging_keeps_every_point(tmp_path: Path) -> None:
     run = "workers-kill9"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "OTEL_TRAIN_VERIFY": "record"}
     proc = subprocess.Popen([sys.executable, str(DRIVER), str(tmp_path), run], stdout=subprocess.PIPE, text=True,
                             env=env)
     assert proc.stdout is not None
@@ -80,3 +80,4 @@ def test_replay_after_kill9_with_workers_logging_keeps_every_point(tmp_path: Pat
             assert not missing, (backend, len(missing), missing[:5])  # nothing the files held is gone
             assert len(after[backend]) == len(points), (backend, len(after[backend]), len(points))  # nothing added twice
         json.loads((run_dir / "trace" / "rank0.trace.json").read_text())  # still valid JSON
+    assert cli_main(["verify", str(run_dir)]) == 0  # every backend holds what the run logged, once

@@ -48,7 +48,8 @@ def _job_with_a_broken_store(tmp_path: Path, exporters: str, broken: Path, **env
     script.write_text(TRAIN)
     broken.mkdir(parents=True)
     done = subprocess.run([sys.executable, str(script), str(runs), exporters, str(Path(__file__).parent), str(STEPS)],
-                          env=_env(OTEL_TRAIN_DRAIN_TIMEOUT_S="2", **env), capture_output=True, text=True,
+                          env=_env(OTEL_TRAIN_DRAIN_TIMEOUT_S="2", OTEL_TRAIN_VERIFY="record", OTEL_TRAIN_SELF_METRICS="0",
+                                   **env), capture_output=True, text=True,
                           timeout=240, check=False, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     _wait_unlocked(runs / "stores" / "spool" / "rank0")
@@ -96,6 +97,13 @@ def test_replay_from_a_shell_with_another_environment_writes_to_the_recorded_sto
     points = [(p.name, p.step, p.value) for p in readback.trackio(recorded, "otel-train", "stores") if p.name in SERIES]
     assert sorted(points) == ALL  # every value once, in the store the run used
     assert sorted(_jsonl(run_dir)) == ALL
+    verified = _verify(run_dir, elsewhere, TRACKIO_DIR=str(elsewhere / "trackio"))
+    assert verified.returncode == 0, verified.stdout
+
+
+def _verify(run_dir: Path, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "otel_train.cli", "verify", str(run_dir)], env=_env(**env),
+                          capture_output=True, text=True, timeout=240, check=False, cwd=cwd)
 
 
 @pytest.mark.timeout(600)
@@ -113,3 +121,5 @@ def test_replay_never_writes_to_a_directory_a_crafted_exporters_json_names(tmp_p
     assert "--allow-outside" in done.stderr and str(outside) in done.stderr  # says what it did not follow
     assert not outside.exists()
     assert sorted(_jsonl(run_dir)) == ALL and max(Counter(_jsonl(run_dir)).values()) == 1
+    verified = _verify(run_dir, tmp_path / "shell")
+    assert verified.returncode == 0, verified.stdout
