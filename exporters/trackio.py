@@ -7,8 +7,10 @@
   with ``resume="allow"``, so a restarted job (same `train.run.id`) continues its run. Trackio keys runs by
   name, so when the local store already has a run of that name from another `train.run.id`, the run
   is named ``<run name>-<run id>`` instead of merging two training runs.
-- Steps: ``step=`` is `train.step`; a resumed run drops (and counts) rows at or below the last step it
-  already holds, so steps it holds keep the earlier attempt's values; with `OTEL_TRAIN_RESUME_STEP`
+- Steps: ``step=`` is `train.step`; a resumed run drops (and counts) rows below the last step it already
+  holds, and at that step the rows of series it already holds there: steps it holds keep the earlier attempt's
+  values, and a step whose values were split over two windows (a kill between them) gets the rest once,
+  e.g. from `otel-train replay`; with `OTEL_TRAIN_RESUME_STEP`
   the restart step is in the run config as ``otel_train.resume_step``.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the same run, and the run's
   group is `train.run.id`. Trackio keys a run record by an id it draws at random unless it resumes a record
@@ -83,11 +85,14 @@ class TrackioExporter(RowExporter):
         self._gate = StepGate("trackio", monotonic=False)
         # Steps logged to a local run and not yet seen in its database: Trackio run id -> step -> a key logged.
         self._unseen: dict[str, dict[int, str]] = {}
+        # A resumed run's last stored step per (train.run.id, rank), with the keys it holds there.
+        self._held_last: dict[tuple[str, int], tuple[int, set[str]]] = {}
+        self._held_dropped = 0  # rows of a series the resumed run already holds at its last step
 
     @property
     def steps_dropped(self) -> int:
         """Rows dropped because the resumed run already held their step."""
-        return int(self._gate.dropped)
+        return int(self._gate.dropped) + self._held_dropped
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
@@ -106,6 +111,10 @@ class TrackioExporter(RowExporter):
                     if not self._gate.admit((run_id, row.run.rank), step):
                         continue
                     key = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
+                    held = self._held_last.get((run_id, row.run.rank))
+                    if held is not None and held[0] == step and key in held[1]:
+                        self._held_dropped += 1  # the earlier attempt stored this series at this step
+                        continue
                     if isinstance(row, MetricRow):
                         value: Any = row.value
                     else:
@@ -217,12 +226,19 @@ class TrackioExporter(RowExporter):
         # Trackio continues a resumed run after its last step; below that nothing is written again. Each rank's
         # floor is the last step of its own series: another rank of the same job writing into the run (its
         # `{rank=N}` series) is not an earlier attempt of this one.
+        # At the last stored step itself only the series it holds there are dropped: the rest of a step split
+        # over two windows by a kill is still written.
         if resumed:
             last = _last_steps_by_rank(self.options.project, name)
             for rank in range(max(1, info.world_size)):
-                floor = next_step - 1 if last is None else last.get(rank)
-                if floor is not None:
-                    self._gate.set_floor((info.run_id, rank), floor)
+                held = None if last is None else last.get(rank)
+                if held is None:
+                    if last is None:
+                        self._gate.set_floor((info.run_id, rank), next_step - 1)
+                    continue
+                step, keys = held
+                self._gate.set_floor((info.run_id, rank), step - 1)
+                self._held_last[(info.run_id, rank)] = (step, keys)
         return run
 
 
@@ -242,16 +258,17 @@ def shared_run_id(project: str, name: str, train_run_id: str) -> str:
 _RANK_IN_KEY = re.compile(r"[{,]rank=(\d+)[,}]")
 
 
-def _last_steps_by_rank(project: str, name: str) -> dict[int, int] | None:
-    """The last stored step of each rank's series in run `name` (rank N > 0: keys with ``rank=N``); None
-    when the store cannot be read (then the run's last step counts for every rank, as Trackio resumes)."""
+def _last_steps_by_rank(project: str, name: str) -> dict[int, tuple[int, set[str]]] | None:
+    """The last stored step of each rank's series in run `name` (rank N > 0: keys with ``rank=N``) and the keys
+    stored at it; None when the store cannot be read (then the run's last step counts for every rank, as
+    Trackio resumes)."""
     try:
         from trackio.sqlite_storage import SQLiteStorage
 
         logs = SQLiteStorage.get_logs(project, name)
     except Exception:
         return None
-    out: dict[int, int] = {}
+    out: dict[int, tuple[int, set[str]]] = {}
     for entry in logs:
         step = entry.get("step")
         if not isinstance(step, int):
@@ -261,8 +278,11 @@ def _last_steps_by_rank(project: str, name: str) -> dict[int, int] | None:
                 continue
             found = _RANK_IN_KEY.search(key)
             rank = int(found.group(1)) if found else 0
-            if step > out.get(rank, -1):
-                out[rank] = step
+            last = out.get(rank)
+            if last is None or step > last[0]:
+                out[rank] = (step, set())
+            if out[rank][0] == step:
+                out[rank][1].update({key, key.removeprefix("__")})  # a reserved key is stored as __key
     return out
 
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -55,15 +56,46 @@ def _trace_merge(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from otel_train.ship.export_process import replay
 
-    results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every)
+    results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every,
+                     allow_outside=args.allow_outside, wanted=_missing_rows(args.run_dir))
     if not results:
         sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
         return 0
     behind = False
     for name, progress in results.items():
-        sys.stdout.write(f"{name}: {progress.summary()}\n")
-        behind = behind or bool(progress.behind())
+        if progress.behind():
+            behind = True
+            sys.stdout.write(f"{name}: {progress.summary()}; missing, kept in {args.run_dir / 'spool' / name} for "
+                             "the next `otel-train replay`\n")
+        else:
+            sys.stdout.write(f"{name}: {progress.summary()}\n")
     return 1 if behind else 0
+
+
+def _missing_rows(run_dir: Path) -> Any:
+    """Replay's `wanted` from `otel-train verify`'s report when the run kept a record; else None (the cursors).
+
+    Verify runs in a process of its own: reading a store back imports its client, and one that fixes its store at
+    import (Trackio) would then make replay write to the store of this shell, not the run's."""
+    import json
+    import subprocess
+
+    from otel_train.verify.wanted import report_from_json, rows_missing
+
+    if not (run_dir / "verify").is_dir():
+        return None
+    try:
+        done = subprocess.run([sys.executable, "-m", "otel_train.cli", "verify", "--json", str(run_dir)],
+                              capture_output=True, text=True, timeout=600, check=False)
+        report = report_from_json(json.loads(done.stdout))
+    except (OSError, ValueError, subprocess.SubprocessError) as err:  # replay as the cursors say
+        logging.getLogger("otel_train").warning("replay: cannot verify %s (%s: %s); every backend gets what its "
+                                                "cursor says it lacks", run_dir, type(err).__name__, err)
+        return None
+    if report.problem:
+        return None
+    logging.getLogger("otel_train").info("replay: each backend verify could check gets only what it lacks")
+    return rows_missing(report)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -109,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="give up on a backend after this many seconds without progress (default 60)")
     replay.add_argument("--report-every", type=float, default=10.0,
                         help="seconds between the messages saying what is left per rank and backend (default 10)")
+    replay.add_argument("--allow-outside", action="store_true",
+                        help="write where the run's exporters.json says even outside the folder holding the run "
+                             "(its directory, a recorded MLflow URI, Trackio, W&B or ClearML folder); default: refuse")
     replay.set_defaults(func=_replay)
 
     verify = sub.add_parser("verify", help="check that every local backend holds what the run logged",

@@ -237,3 +237,37 @@ def test_progress_has_the_rows_each_backend_did_not_write(tmp_path: Path) -> Non
     assert d.flush(time.monotonic() + 30)
     assert d.progress().rows_lost == {"picky": {"refused": 1}}
     d.close(time.monotonic() + 30)
+
+
+def test_sync_says_durable_only_when_every_window_was_written_ahead(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    sp = Spool(tmp_path)
+    assert sp.append(1, 1, window(1)) and sp.sync()
+    real_roll = sp._roll
+
+    def full_disk(seq: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sp, "_roll", full_disk)
+    sp._file = None  # the next append opens a segment: the disk is full
+    assert not sp.append(2, 2, window(2))
+    assert not sp.sync()  # window 2 is in memory only: not durable, whatever fsync says
+    monkeypatch.setattr(sp, "_roll", real_roll)
+    sp.close()
+
+
+def test_a_kept_window_is_retried_with_a_backoff_growing_to_minutes() -> None:
+    from otel_train.backend import Window
+    from otel_train.rows import MetricRow
+    from otel_train.ship.window_writer import MAX_BACKOFF_S
+
+    down = InMemoryRowExporter(fail_times=10**9)
+    writer = down.window_writer
+    writer.keep_failed = True  # as delivery sets it when a spool holds the windows
+    writer.pending.append(Window([MetricRow(RUN, 1, "loss", "loss", 1.0, "gauge", 0, {})]))
+    waits = []
+    for _ in range(14):  # past `max_attempts` (8)
+        assert not writer.drain(force=True)
+        waits.append(round(writer.retry_in_s()))
+    assert down.dropped_windows == 0 and len(writer.pending) == 1 and not down.metrics
+    assert waits == sorted(waits) and waits[8] > 100 and waits[-1] == MAX_BACKOFF_S

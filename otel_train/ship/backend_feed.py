@@ -49,12 +49,21 @@ class BackendFeed:
 
     def __init__(self, name: str, exporter: RowExporter, spool: Spool | None, queue_windows: int,
                  on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver",
-                 cuts: list[tuple[int, int]] | None = None, pool: BackendPool | None = None) -> None:
+                 cuts: list[tuple[int, int]] | None = None, pool: BackendPool | None = None,
+                 row_filter: Callable[[str, Window], Window] | None = None) -> None:
         self.name = name
+        self._row_filter = row_filter  # which rows of a window this backend is handed (replay); None: all
         self._cuts = cuts if cuts is not None else []  # (cut_after, step) of the resumes known (shared)
         self.exporter = exporter
         self.spool = spool
         self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
+        writer = getattr(exporter, "window_writer", None)
+        #: A window the backend failed to write stays pending in its writer (and in the spool, the cursor before
+        #: it) instead of being dropped after `max_attempts`; nothing later is handed to it meanwhile.
+        self._keeps_failed = spool is not None and writer is not None and hasattr(writer, "keep_failed")
+        if self._keeps_failed:
+            assert writer is not None
+            writer.keep_failed = True
         if self._kill_safe:
             assert spool is not None
             # Before the backend opens a file: what a killed writer appended but did not record goes first.
@@ -81,6 +90,7 @@ class BackendFeed:
         self._log = LogOnce(_logger, interval_s=60.0)
         self.dropped = 0
         self.dropped_rows = 0  # rows of the windows dropped from a full queue (no spool)
+        self.lost_side_rows = 0  # child-process rows still waiting when the backend closed while it failed
         self.rows_written = 0  # metric and histogram rows handed to the backend
         self._on_error = on_error
         self._flushes_asked = 0
@@ -205,28 +215,42 @@ class BackendFeed:
         return self._cycle(0.0)
 
     def _cycle(self, wait_s: float) -> float | None:
-        """Wait up to `wait_s` for work, do it; None once closed, else the seconds until a flush is due."""
+        """Wait up to `wait_s` for work, do it; None once closed, else the seconds until a flush is due.
+
+        While the backend holds a window it failed to write (`_stuck`), nothing new is handed to it: the
+        spool keeps the rest, and the held window is retried (a flush) when its backoff has passed."""
+        stuck = self._stuck()
         with self._cv:
             if wait_s > 0:
-                self._cv.wait_for(lambda: self._queue or self._side or self._reload or self._flush_wanted
-                                  or self._stop, timeout=wait_s)
-            items = list(self._queue)
-            self._queue.clear()
-            side = list(self._side)
-            self._side.clear()
-            reload, self._reload = self._reload, False
+                self._cv.wait_for(lambda: (not stuck and (self._queue or self._side or self._reload))
+                                  or self._flush_wanted or self._stop, timeout=wait_s)
+            stop = self._stop
+            if stuck:
+                items: list[tuple[int, int, Window]] = []
+                side: list[tuple[int, Window]] = []
+                reload = False
+            else:
+                items = list(self._queue)
+                self._queue.clear()
+                side = list(self._side)
+                self._side.clear()
+                reload, self._reload = self._reload, False
             flush, self._flush_wanted = self._flush_wanted, False
             asked = self._flushes_asked
-            stop = self._stop
             if items:
                 self._cv.notify_all()  # room in the queue for a producer waiting in `wait_room`
         if reload and self.spool is not None:
             items = self._from_spool() + items
         self._export(items, side)
-        # Without a spool there is no cursor to keep fresh: flush only when asked.
-        due = (self.spool is not None and self.handed > self.acked
-               and time.monotonic() - self._last_flush >= FLUSH_EVERY_S)
-        flushed = self._flush() if flush or due else False
+        if stuck:
+            # The held window's retry is a flush, at its backoff (an explicit flush does not hurry it), and
+            # once more before the backend closes.
+            flushed = self._flush() if stop or self._retry_in_s() <= 0 else False
+        else:
+            # Without a spool there is no cursor to keep fresh: flush only when asked.
+            due = (self.spool is not None and self.handed > self.acked
+                   and time.monotonic() - self._last_flush >= FLUSH_EVERY_S)
+            flushed = self._flush() if flush or due else False
         if flush:
             with self._cv:
                 self._flushes_done = max(self._flushes_done, asked)
@@ -235,17 +259,30 @@ class BackendFeed:
                 self._cv.notify_all()
         if stop:
             with self._cv:
-                if self._queue or self._side or self._reload:
+                if (self._queue or self._side or self._reload) and not self._stuck():
                     return 0.0
+                left = list(self._side)
+                self._side.clear()
+            self.lost_side_rows += sum(rows_in(w) for _, w in left)  # not spooled: nowhere to keep them
             self._close()
             with self._cv:
                 self._closed = True
                 self._cv.notify_all()
             self.done.set()
             return None
+        if self._stuck():
+            return self._retry_in_s()
         if self.spool is None or self.handed <= self.acked:
             return math.inf
         return max(0.0, FLUSH_EVERY_S - (time.monotonic() - self._last_flush))
+
+    def _stuck(self) -> bool:
+        """Whether the backend holds a window it failed to write while a spool holds the rest (`keep_failed`)."""
+        return self._keeps_failed and bool(getattr(self.exporter, "unwritten_windows", 0))
+
+    def _retry_in_s(self) -> float:
+        writer = getattr(self.exporter, "window_writer", None)
+        return float(writer.retry_in_s()) if writer is not None else 0.0
 
     def _from_spool(self) -> list[tuple[int, int, Window]]:
         assert self.spool is not None
@@ -264,27 +301,38 @@ class BackendFeed:
             if item[0] > (fresh[-1][0] if fresh else self.handed):
                 fresh.append(item)
         children = sorted(side or (), key=lambda c: c[0])
-        group: list[tuple[int, int, Window]] = []
+        group: list[tuple[int, int, Window, bool]] = []  # (seq, step, window, a child's window)
 
         def children_after(seq: int) -> None:
             # A child's window goes right after the window it followed (its rows carry that window's step).
             while children and children[0][0] <= seq:
-                group.append((seq, -1, children.pop(0)[1]))
+                group.append((seq, -1, children.pop(0)[1], True))
 
         children_after(self.handed)
         for seq, step, window in fresh:
             if isinstance(window, Resume):  # never merged: what came before is written first
-                self._export_windows(group)
+                if not self._export_windows(group):
+                    self._hold_back([(seq, step, window, False)], children)  # it and what follows: the spool's
+                    return
                 group = []
                 self._apply_resume(seq, window)
                 continue
             for cut_after, resume_step in self._cuts:
                 if seq <= cut_after:
                     window = cut_window(window, resume_step)
-            group.append((seq, step, window))
+            group.append((seq, step, window, False))
             children_after(seq)
-        group += [(self.handed if not group else group[-1][0], -1, w) for _, w in children]
+        group += [(self.handed if not group else group[-1][0], -1, w, True) for _, w in children]
         self._export_windows(group)
+
+    def _hold_back(self, items: list[tuple[int, int, Window, bool]], children: list[tuple[int, Window]]) -> None:
+        """The backend failed a write and holds it (`_stuck`): what was not handed waits, the spool's windows
+        in the spool (read back from there), the children's in memory, in their place."""
+        held = [(seq, w) for seq, _, w, child in items if child] + children
+        with self._cv:
+            if any(not child for *_, child in items):
+                self._reload = True
+            self._side.extendleft(reversed(held))
 
     def _apply_resume(self, seq: int, resume: Resume) -> None:
         try:
@@ -298,7 +346,9 @@ class BackendFeed:
         # (TensorBoard and JSONL then also supersede what was written twice after it).
         self._flush()
 
-    def _export_windows(self, items: list[tuple[int, int, Window]]) -> None:
+    def _export_windows(self, items: list[tuple[int, int, Window, bool]]) -> bool:
+        """Hand `items` to the backend in merged writes; False when it failed one and holds it (`_stuck`): the
+        rest is held back (`_hold_back`)."""
         start = 0
         while start < len(items):
             end, rows = start, 0
@@ -306,15 +356,21 @@ class BackendFeed:
                 rows += rows_in(items[end][2])
                 end += 1
             batch = items[start:end]
-            ok = self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w in batch]))
+            ok = self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w, _ in batch]))
             last = max(self.handed, batch[-1][0])
-            step = max(s for _, s, _ in batch)
+            step = max(s for _, s, _, _ in batch)
             if faults.ARMED and self._kill_safe:  # tests only: a kill between the write and its record
                 faults.after_write(self.name, step)
             if ok and self._kill_safe and last > self.handed:
                 self._advance(last)
+            elif ok and self._kill_safe and self._recorded >= self.handed:
+                self._children_recorded()
             self._hand(last, step)
             start = end
+            if not ok and self._stuck():
+                self._hold_back(items[start:], [])
+                return False
+        return True
 
     def _hand(self, seq: int, step: int) -> None:
         """Windows up to `seq` (steps up to `step`) were handed to the backend."""
@@ -336,6 +392,17 @@ class BackendFeed:
             self._log.error("written", "cannot record how far `%s` has written: %s", self.name, err)
             return
         self._recorded = max(self._recorded, seq)
+
+    def _children_recorded(self) -> None:
+        """A write of child windows only (not spooled, no seq of their own) landed after every recorded window:
+        the intent record is cleared, so a later resume never cuts them back out (replay cannot bring them
+        back); the next append records the files' sizes afresh."""
+        assert self.spool is not None
+        if self._intent_mark < 0:
+            return  # nothing recorded since the last clear (the backend reported no append)
+        self._intent_mark = -1
+        self._intent_files.clear()
+        self.spool.intent(self.name).clear()
 
     def _intend(self, files: Sequence[tuple[str, int]]) -> None:
         """The backend is about to append to `files` (`RowExporter.mark_appending`): record it first (in the spool's
@@ -360,6 +427,8 @@ class BackendFeed:
             self._log.error("intent", "cannot record the files `%s` is about to append to: %s", self.name, err)
 
     def _write(self, window: Window) -> bool:
+        if self._row_filter is not None:
+            window = self._row_filter(self.name, window)
         started = time.perf_counter()
         try:
             ok = self.exporter.export_window(window)  # isolates and retries on its own (`window_writer`)

@@ -85,7 +85,8 @@ class Progress:
         behind = self.behind()
         if not behind:
             return f"{self.spooled} window(s), every backend up to date"
-        return ", ".join(f"`{name}` behind by {steps} step(s)" for name, steps in behind.items())
+        return ", ".join(f"`{name}` behind by {steps} step(s) ({self.spooled - self.delivered[name]} window(s) "
+                         f"after step {self.delivered_step.get(name, -1)} not held)" for name, steps in behind.items())
 
 
 def _order_counts(exporter: Any) -> dict[str, int]:
@@ -121,11 +122,13 @@ class Delivery:
         on_error: Called (on the backend's thread) with its name when a backend did not write a window.
         thread_name: Prefix of the backends' thread names.
         pool: Runs the backends' work on its bounded threads (the sink's many runs); None: a thread per backend.
+        row_filter: (backend name, window) -> the part of it that backend is handed (`otel-train replay`'s
+            `wanted`); None: all of it.
     """
 
     def __init__(self, backends: Mapping[str, RowExporter], spool: Spool | None, queue_windows: int = 16,
                  on_error: Callable[[str], None] | None = None, thread_name: str = "otel-train-deliver",
-                 pool: BackendPool | None = None) -> None:
+                 pool: BackendPool | None = None, row_filter: Callable[[str, Window], Window] | None = None) -> None:
         self.spool = spool
         self._lock = threading.Lock()
         self._last_seq = spool.last_seq if spool is not None else 0
@@ -134,8 +137,8 @@ class Delivery:
             spool.backends = list(backends)
         #: (cut_after, step) of every resume in the stream (`framing.Resume`); the spool's are known up front.
         self._cuts = _spooled_cuts(spool, list(backends)) if spool is not None else []
-        self._backends = [BackendFeed(name, ex, spool, queue_windows, on_error, thread_name, self._cuts, pool)
-                          for name, ex in backends.items()]
+        self._backends = [BackendFeed(name, ex, spool, queue_windows, on_error, thread_name, self._cuts, pool,
+                                      row_filter) for name, ex in backends.items()]
         self._queued_seq = self._last_seq  # the last window queued to every backend (children follow it)
         #: Called with each decoded window and its max step; returns the window the backends get
         #: (the exporter process adds its self-telemetry rows here; they are not spooled).
@@ -282,6 +285,8 @@ class Delivery:
             lost = {cause: n for cause, n in dict(getattr(b.exporter, "rows_lost", {}) or {}).items() if n}
             if b.dropped_rows:
                 lost["queue_full"] = lost.get("queue_full", 0) + b.dropped_rows
+            if b.lost_side_rows:
+                lost["gave_up"] = lost.get("gave_up", 0) + b.lost_side_rows
             if lost:
                 out[b.name] = lost
         return out
@@ -291,11 +296,10 @@ class Delivery:
         """Windows the spool could not write ahead (disk full): delivered from memory only."""
         return self.spool.failed_appends if self.spool is not None else 0
 
-    def sync(self) -> None:
-        """Make every submitted window durable in the spool."""
+    def sync(self) -> bool:
+        """Make every submitted window durable in the spool; whether they all are (`Spool.sync`; False without one)."""
         with self._lock:
-            if self.spool is not None:
-                self.spool.sync()
+            return self.spool.sync() if self.spool is not None else False
 
     def flush(self, deadline: float) -> bool:
         """Spool durable, then wait until every backend has made everything durable (or `deadline`)."""
@@ -330,6 +334,11 @@ class Delivery:
         if self.spool is not None:
             self.spool.close()
             self.spool.remove_acknowledged()
+            behind = self.progress().behind()
+            if behind:
+                _logger.warning("%s; those windows stay in the spool %s until each backend holds them: "
+                                "`otel-train replay %s` retries them", self.progress().summary(), self.spool.path,
+                                self.spool.path.parent.parent)
         return done and all(b.done.is_set() for b in self._backends)
 
     def still_running(self) -> list[str]:

@@ -25,6 +25,7 @@ from otel_train._internal.gc_tuning import tune_for_row_churn
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions, options_to_json
 from otel_train.run_identity import RunInfo
+from otel_train.ship import store_env
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_resume
 from otel_train.ship.logged_record import open_record
@@ -188,8 +189,8 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
             continue
         (rid,) = ID.unpack_from(frame, 1)
         if kind == b"F":
-            delivery.sync()
-            reply("durable", rid, delivery.progress())
+            if delivery.sync():  # said only when true: every window is written ahead and synced
+                reply("durable", rid, delivery.progress())
             threading.Thread(target=flush_later, args=(rid, _trainer_wait(frame, drain_s)), daemon=True).start()
         elif kind == b"P":
             reply("progress", rid, delivery.progress())
@@ -208,8 +209,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     watchdog = threading.Timer(trainer_wait_s + drain_s + 5.0, os._exit, args=(0,))
     watchdog.daemon = True
     watchdog.start()
-    delivery.sync()
-    if close_id is not None:
+    if delivery.sync() and close_id is not None:  # said only when true: every window written ahead and synced
         reply("durable", close_id, delivery.progress())
     ok = delivery.close(deadline)
     if close_id is not None:
@@ -269,5 +269,7 @@ def _write_meta(path: Path, config: dict[str, Any]) -> None:
     """What `otel-train replay` needs to rebuild the backends of this spool, as JSON (reading it runs no code)."""
     tmp = path / (META + ".tmp")
     options = dataclasses.replace(config["options"], resume_step=None)  # a replay never resumes the run again
-    tmp.write_text(json.dumps({"names": list(config["names"]), "options": options_to_json(options)}))
+    # The backends' stores as this run sees them (`store_env`), and where relative paths start: replay uses them.
+    tmp.write_text(json.dumps({"names": list(config["names"]), "options": options_to_json(options),
+                               "env": store_env.record(), "cwd": os.getcwd()}))
     os.replace(tmp, path / META)

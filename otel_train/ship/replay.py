@@ -2,24 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from otel_train.exporter_options import options_from_json
+from otel_train.backend import Window
+from otel_train.exporter_options import ExporterOptions, options_from_json
+from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.ship import store_env
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import META, OLD_META, build_backends
 from otel_train.ship.spool import Spool, holder, try_lock
 
-__all__ = ["replay"]
+__all__ = ["RowWanted", "replay"]
 
 _logger = logging.getLogger("otel_train")
 
+#: Whether replay hands a row to a backend: (rank folder name, backend name, row) -> hand it.
+RowWanted = Callable[[str, str, "MetricRow | HistogramRow | SpanRow"], bool]
+
 
 def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
-           report_every_s: float = 10.0) -> dict[str, Progress]:
+           report_every_s: float = 10.0, *, allow_outside: bool = False,
+           wanted: RowWanted | None = None) -> dict[str, Progress]:
     """Deliver every spooled window a backend has not acknowledged, for each rank under `run_dir`.
 
     Idempotent: each backend resumes after its durable cursor, so a second replay writes nothing. Every
@@ -27,6 +37,14 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
     progress for `stall_s` is given up on (its windows stay in the spool for a later replay), so a backend
     that cannot deliver costs `stall_s`, not `timeout_s`. A rank whose folder another process is writing
     (a training or draining exporter process holds its lock) is skipped with a warning.
+
+    The backends are built as the run recorded them at `init()` (`exporters.json`): its directory, and its
+    stores' variables (`otel_train.ship.store_env`), not the replaying shell's. A directory other than the one
+    holding `run_dir` (a moved or crafted description) is not followed, with a warning: replay writes under
+    the folder holding `run_dir`, unless `allow_outside`.
+
+    Args:
+        wanted: Which rows each backend is handed (None: every row of the windows it lacks).
 
     Returns:
         Spool folder name -> progress after the replay.
@@ -50,14 +68,49 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
             try:
                 meta = json.loads(meta_file.read_text())
                 names, options = [str(n) for n in meta["names"]], options_from_json(meta["options"])
-            except (OSError, ValueError, KeyError, TypeError) as err:
+                env = {str(k): (None if v is None else str(v)) for k, v in dict(meta.get("env") or {}).items()}
+                cwd = Path(str(meta.get("cwd") or os.getcwd()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
                 _logger.warning("%s: skipped: %s is unreadable (%s)", rank_dir.name, META, err)
                 continue
-            delivery = Delivery(build_backends(names, options), Spool(rank_dir))
-            results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)
+            options = _own_directory(rank_dir.name, Path(run_dir), dataclasses.replace(
+                options, directory=cwd / options.directory), allow_outside)
+            env = store_env.of_backends(env, names)
+            if env:
+                _logger.info("%s: the backends' stores as the run recorded them: %s", rank_dir.name,
+                             ", ".join(f"{k}={v}" for k, v in env.items() if v is not None) or "their defaults")
+            with store_env.applied(env, cwd) if "env" in meta else contextlib.nullcontext():  # earlier: the shell's
+                delivery = Delivery(build_backends(names, options), Spool(rank_dir),
+                                    row_filter=None if wanted is None else _keep(rank_dir.name, wanted))
+                results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)
         finally:
             os.close(fd)
     return results
+
+
+def _own_directory(label: str, run_dir: Path, options: ExporterOptions, allow_outside: bool) -> ExporterOptions:
+    """`options` writing under the folder that holds `run_dir`: a description naming another directory (a run
+    folder moved since, or a crafted file) is not followed unless `allow_outside`."""
+    own = run_dir.resolve().parent
+    named = Path(os.path.realpath(options.directory))
+    if named == own:
+        return options
+    if allow_outside:
+        _logger.warning("%s: writing to %s as its %s says (--allow-outside), outside the folder %s holding the run",
+                        label, named, META, own)
+        return options
+    _logger.warning("%s: its %s names the directory %s, not the folder %s holding the run: replay writes only "
+                    "inside the run's own folder, so it writes there (pass --allow-outside to write to %s)", label,
+                    META, named, own, named)
+    return dataclasses.replace(options, directory=own)
+
+
+def _keep(label: str, wanted: RowWanted) -> Callable[[str, Window], Window]:
+    def only_wanted(backend: str, window: Window) -> Window:
+        return Window([r for r in window.metrics if wanted(label, backend, r)],
+                      [h for h in window.histograms if wanted(label, backend, h)],
+                      [s for s in window.spans if wanted(label, backend, s)])
+    return only_wanted
 
 
 def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: float,

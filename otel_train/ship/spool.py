@@ -278,14 +278,17 @@ class Spool:
         self._file = open(self.path / f"{seq:016d}.seg", "ab", buffering=0)  # noqa: SIM115 - kept open across appends
         self._file_bytes = 0
 
-    def sync(self) -> None:
-        """Make every appended window durable (flush + fsync)."""
+    def sync(self) -> bool:
+        """Make every appended window durable (flush + fsync). Returns whether every window given to `append`
+        is durable now: the sync succeeded and no append failed (`failed_appends`)."""
         with self._file_lock:
             if self._file is not None:
                 try:
                     os.fsync(self._file.fileno())
                 except OSError as err:  # a full disk: the windows are still delivered from memory
                     self._log.warning("spool-sync", "otel-train: cannot sync the spool %s: %s", self.path, err)
+                    return False
+            return self.failed_appends == 0
 
     def close(self) -> None:
         self.sync()

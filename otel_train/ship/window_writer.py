@@ -11,8 +11,11 @@ OTel SDK pipeline. It runs the backend's hooks one at a time (its lock) and neve
 - A write that raises is counted in `failures` and followed at once by one row at a time (each row its own
   write, tried twice): a row that fails alone while others land is one the backend refuses (skipped,
   counted, warned once); when none lands the backend is down and the rest of the window waits for a retry.
-- Waiting windows are retried in order, with backoff (`backoff_s`), before any new one; one retried
-  `max_attempts` times is dropped (given up, counted), and past `max_pending_windows` the oldest goes.
+- Waiting windows are retried in order, with backoff (`backoff_s`), before any new one. Memory only (no
+  spool behind the backend), one retried `max_attempts` times is dropped (given up, counted), and past
+  `max_pending_windows` the oldest goes. With a spool behind it (`keep_failed`, set by delivery), given up is
+  a state, not a loss: the window stays pending (and in the spool, the cursor before it) and is retried with
+  a backoff that keeps growing, past `backoff_s`, to `MAX_BACKOFF_S`, for as long as the backend lives.
 - Rows a write has landed are never handed to the backend again: a backend whose window write is not
   all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
 - A forked child forgets the windows waiting (its parent writes them); at shutdown what is waiting gets one
@@ -42,6 +45,8 @@ __all__ = ["WindowWriter"]
 
 _logger = logging.getLogger(__name__)
 _DOWN_AFTER = 4  # rows failing (twice each), none landing, after which a backend counts as down
+#: The longest wait between two tries of a window kept after `max_attempts` (`WindowWriter.keep_failed`).
+MAX_BACKOFF_S = 300.0
 _STEP, _VALUE = attrgetter("step"), attrgetter("value")
 _INT, _NUMBER_TYPES = frozenset({int}), frozenset({float, int})
 
@@ -65,6 +70,9 @@ class WindowWriter:
         self.pending: deque[Window] = deque()
         self._attempts = 0
         self._retry_at = 0.0
+        #: Keep a window past `max_attempts` instead of dropping it (delivery sets it when a spool holds the
+        #: windows: the cursor stays before it, and `otel-train replay` retries it if the run ends first).
+        self.keep_failed = False
         # ids of the head pending window's rows the backend has landed (a retry skips them).
         self._landed_ids: set[int] = set()
         self.closed = False
@@ -200,7 +208,7 @@ class WindowWriter:
                     self._done_with_head()
                     continue
                 self.pending[0] = rest
-                if backend.max_attempts and self._attempts >= backend.max_attempts:
+                if backend.max_attempts and self._attempts >= backend.max_attempts and not self.keep_failed:
                     # A window the backend rejects every time must not hold back every later one.
                     self._done_with_head()
                     self._lose_window(rest, "gave_up")
@@ -211,8 +219,14 @@ class WindowWriter:
                         backend.name, backend.max_attempts, type(err).__name__, err,
                     )
                     continue
-                delay = backend.backoff_s[min(self._attempts, len(backend.backoff_s)) - 1]
+                delay = self._backoff_s()
                 self._retry_at = time.monotonic() + delay
+                if self.keep_failed and self._attempts == backend.max_attempts:
+                    self._log.error(
+                        "kept", "exporter `%s` failed %d times on one window (%s: %s); it is kept, not dropped: "
+                        "retried with a backoff growing to %.0f s while the run lives, left in the spool for "
+                        "`otel-train replay` after it", backend.name, self._attempts, type(err).__name__, err,
+                        MAX_BACKOFF_S)
                 self._log.error(
                     "write",
                     "exporter `%s` failed (%s: %s); %d failure(s) so far, retrying in %.0f s "
@@ -222,6 +236,21 @@ class WindowWriter:
                 return False
             self._done_with_head()
         return True
+
+    def _backoff_s(self) -> float:
+        """The wait before the next try: `backoff_s` by attempt; past it and `max_attempts` (a kept window), the
+        wait doubles up to `MAX_BACKOFF_S`. A backend retried for as long as it takes (`max_attempts` 0: a
+        collector that is down) keeps its own table."""
+        table = self.backend.backoff_s
+        delay = table[min(self._attempts, len(table)) - 1]
+        beyond = self._attempts - max(len(table), self.backend.max_attempts)
+        if self.keep_failed and self.backend.max_attempts and beyond > 0:
+            delay = min(MAX_BACKOFF_S, max(delay, MAX_BACKOFF_S if beyond >= 16 else delay * 2.0 ** beyond))
+        return delay
+
+    def retry_in_s(self) -> float:
+        """Seconds until a failed window is due for its next try (0: due now, or nothing failed)."""
+        return max(0.0, self._retry_at - time.monotonic()) if self.pending and self._attempts else 0.0
 
     def _done_with_head(self) -> None:
         self.pending.popleft()
