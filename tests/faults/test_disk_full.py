@@ -160,3 +160,126 @@ def test_a_segment_that_cannot_be_opened_is_skipped_then_retried(tmp_path: Path,
         (1, b"one"), (3, b"three")]
     messages = [r.getMessage() for r in caplog.records]
     assert sum("cannot write the spool" in m for m in messages) == 1 and sum("writable again" in m for m in messages) == 1
+
+
+# -- The run folder itself on a full disk: every file backend (TensorBoard, JSONL, the Chrome trace) ----------
+ON_TMPFS = textwrap.dedent(f"""
+    # argv: the run folder's root (a small tmpfs), the step after which the disk is filled, the step after
+    # which it is freed again (-1: never).
+    import os, sys, time
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    import otel_train as ot
+    from faultkit import SERIES, value
+    out, fill_at, free_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    filler = os.path.join(out, "filler")
+    ot.init(exporters=["jsonl", "tensorboard", "chrome_trace"], dir=out, run_id="full", run_name="full",
+            export_interval_s=0.02)
+    pad = {{f"pad/{{i}}": float(i) for i in range(16)}}  # windows large enough to be cut mid-record
+    for s in ot.steps(range({STEPS} * 2)):
+        ot.log({{**pad, **{{tag: value(tag, s) for tag in SERIES}}}})
+        time.sleep(0.01)
+        if s == fill_at:
+            assert ot.flush(timeout_s=30)
+            with open(filler, "wb", buffering=0) as f:  # to the last byte
+                try:
+                    while f.write(b"\\0" * 4096):
+                        pass
+                except OSError:
+                    pass
+                try:
+                    while f.write(b"\\0"):
+                        pass
+                except OSError:
+                    pass
+        if s == free_at:
+            os.unlink(filler)
+    print("TRAINED", s, flush=True)
+    ot.shutdown()
+""")
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir(parents=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no `mount` command to mount a tmpfs with")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+
+
+def _train_on_tmpfs(tmp_path: Path, fill_at: int, free_at: int) -> tuple[Path, str]:
+    out = tmp_path / "runs"
+    _mount_tmpfs(out, "2m")
+    (tmp_path / "train.py").write_text(ON_TMPFS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_TRAIN_")}
+    env.update(OTEL_TRAIN_SELF_METRICS="0", OTEL_TRAIN_SYSTEM_METRICS="0", OTEL_TRAIN_SHUTDOWN_TIMEOUT_S="5")
+    try:
+        proc = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(out), str(fill_at), str(free_at)],
+                              env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.splitlines() == [f"TRAINED {2 * STEPS - 1}"]  # training never stopped
+        if free_at < 0:
+            (out / "filler").unlink()  # room to copy the files out before the tmpfs goes
+        copy = tmp_path / "copy"
+        shutil.copytree(out, copy, ignore=shutil.ignore_patterns("filler"))
+    finally:
+        subprocess.run(["umount", "-l", str(out)], check=False)
+    return copy, proc.stderr
+
+
+def _summary(stderr: str) -> str:
+    lines = [x for x in stderr.splitlines() if x.startswith("otel-train: ") and " points in " in x]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def _trace_counters(run_dir: Path) -> list[tuple[str, float]]:
+    import json
+
+    (path,) = (run_dir / "trace").iterdir()
+    events = json.loads(path.read_text())  # valid JSON: the file was closed cleanly
+    return [(e["name"], e["args"]["value"]) for e in events if e.get("ph") == "C"]
+
+
+def _all_rows(run_dir: Path) -> dict[str, int]:
+    """Rows each backend holds (every series): JSONL and TensorBoard metric points, trace counter events."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+    import readback
+
+    from otel_train.exporters.jsonl import read_jsonl
+
+    return {"jsonl": sum(r["type"] == "metric" for r in read_jsonl(run_dir / "rank0.jsonl")),
+            "tensorboard": len(readback.tensorboard(run_dir)), "chrome_trace": len(_trace_counters(run_dir))}
+
+
+def test_run_folder_on_a_full_disk_then_freed_every_point_once(tmp_path: Path) -> None:
+    copy, err = _train_on_tmpfs(tmp_path, fill_at=10, free_at=50)
+    steps = range(2 * STEPS)
+    points = jsonl_points(copy, "full")
+    assert sorted(points) == sorted(expected(steps))  # every step, once: nothing garbled, nothing twice
+    assert sorted(tb_points(copy / "full")) == sorted(expected(steps, as_f32=True))  # TensorBoard reads past the fault
+    want = sorted((tag, value(tag, s)) for s in steps for tag in SERIES)
+    assert sorted(c for c in _trace_counters(copy / "full") if c[0] in SERIES) == want
+    assert "No space left on device" in err, err[-3000:]  # the fault was real, and said
+    line = _summary(err)
+    assert "rows not written" not in line and "; 0 dropped;" in line, line  # no backend lost a row
+
+
+def test_run_folder_on_a_full_disk_never_freed_counts_the_loss_exactly(tmp_path: Path) -> None:
+    copy, err = _train_on_tmpfs(tmp_path, fill_at=10, free_at=-1)
+    run = copy / "full"
+    points = jsonl_points(copy, "full")
+    assert len(points) == len(set(points)) and set(points) <= expected(range(2 * STEPS))  # what landed: once
+    assert set(points) >= expected(range(11))  # everything before the disk filled
+    from otel_train.exporters.jsonl import read_jsonl
+
+    per_step = len({r["name"] for r in read_jsonl(run / "rank0.jsonl") if r["type"] == "metric" and r["step"] == 0})
+    handed = per_step * 2 * STEPS  # rows each backend was handed (no self or system metrics)
+    line = _summary(err)
+    held = _all_rows(run)
+    for backend in ("jsonl", "tensorboard", "chrome_trace"):
+        lost = handed - held[backend]
+        assert lost > 0, (backend, held)
+        assert f"{backend}: {lost:,} rows not written ({lost:,} disk full)" in line, (backend, lost, line)
+    assert "durable" not in line and "data is durable" not in err, err[-3000:]  # the spool could not hold it either
