@@ -244,7 +244,7 @@ class ChromeTraceExporter(RowExporter):
         key = (run.run_id, run.rank)
         trace = self._ranks.get(key)
         if trace is not None and trace.unlinked():  # the run folder was deleted: a new trace file there
-            warn_recreated(trace.path.parent, self.name)
+            warn_recreated(run_folder(self.options.directory, run.run_name), self.name)
             self.files_recreated += 1
             del self._ranks[key]
             trace = None

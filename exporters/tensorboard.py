@@ -201,7 +201,7 @@ class TensorBoardExporter(RowExporter):
         key = (run.run_id, run.rank)
         writer = self._writers.get(key)
         if writer is not None and writer.unlinked():  # the run folder was deleted: a new event file there
-            warn_recreated(writer.path.parent, self.name)
+            warn_recreated(self._log_dir or run_folder(self.options.directory, run.run_name), self.name)
             self.files_recreated += 1
             del self._writers[key]
             writer = None

@@ -81,7 +81,7 @@ def test_a_full_disk_leaves_no_torn_record_and_every_row_lands_once_when_space_r
     monkeypatch.setattr(file_append, "_write", _full_disk(lambda: full["on"]))
     backend = _backend(name, tmp_path)
     with backend:
-        assert backend.export_window(_window(range(0, 3)))
+        assert backend.export_window(_window(range(3)))
         sizes = {p: p.stat().st_size for p in (tmp_path / "disk").rglob("*") if p.is_file()}
         full["on"] = True
         assert not backend.export_window(_window(range(3, 6)))
@@ -102,7 +102,7 @@ def test_a_disk_never_freed_counts_what_was_not_written(name: str, tmp_path: Pat
     full = {"on": False}
     monkeypatch.setattr(file_append, "_write", _full_disk(lambda: full["on"]))
     backend = _backend(name, tmp_path)
-    assert backend.export_window(_window(range(0, 2)))
+    assert backend.export_window(_window(range(2)))
     full["on"] = True
     for start in range(2, 12, 2):
         backend.export_window(_window(range(start, start + 2)))
@@ -125,7 +125,7 @@ def test_a_deleted_run_folder_is_said_once_and_written_again(name: str, tmp_path
     file_append._warned.clear()
     caplog.set_level(logging.WARNING)
     with _backend(name, tmp_path) as backend:
-        assert backend.export_window(_window(range(0, 3)))
+        assert backend.export_window(_window(range(3)))
         shutil.rmtree(tmp_path / "disk")  # the user's `rm -rf` of the run folder
         assert backend.export_window(_window(range(3, 6)))
         assert backend.export_window(_window(range(6, 9)))
