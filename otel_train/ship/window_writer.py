@@ -69,7 +69,6 @@ class WindowWriter:
         self.pending: deque[Window] = deque()
         self._attempts = 0
         self._retry_at = 0.0
-        self._disk_full = False  # the last write failed on a full disk (cleared by the next that lands)
         # ids of the head pending window's rows the backend has landed (a retry skips them).
         self._landed_ids: set[int] = set()
         self.closed = False
@@ -82,6 +81,7 @@ class WindowWriter:
         self.dropped_windows = 0
         #: Rows (metric, histogram, span) this backend did not write, by cause (keys of `LOSS_CAUSES`).
         self.rows_lost: dict[str, int] = {}
+        self._disk_full = False  # the last write failed on a full disk (cleared by the next that lands)
         self._warned_series: set[tuple[str, str]] = set()
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters.
         self.step_order = StepOrder(backend.options.step_order, backend.name, backend.stores_older_steps)
