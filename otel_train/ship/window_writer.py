@@ -13,11 +13,11 @@ OTel SDK pipeline. It runs the backend's hooks one at a time (its lock) and neve
   counted, warned once); when none lands the backend is down and the rest of the window waits for a retry.
 - Waiting windows are retried in order, with backoff (`backoff_s`), before any new one; one retried
   `max_attempts` times is dropped (given up, counted), and past `max_pending_windows` the oldest goes.
+- Rows a write has landed are never handed to the backend again: a backend whose window write is not
+  all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
 - A full disk (`otel_train.file_append.is_disk_full`) is an outage, not a refused row: no row-at-a-time, no
   giving up, a retry every `backoff_s[0]`; windows past `max_pending_windows` or still waiting at close are
   counted as lost to it (``disk_full``).
-- Rows a write has landed are never handed to the backend again: a backend whose window write is not
-  all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
 - A forked child forgets the windows waiting (its parent writes them); at shutdown what is waiting gets one
   last try, then the backend is flushed, marked preempted if the run was, and closed, once.
 """
