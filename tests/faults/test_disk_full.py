@@ -1,8 +1,10 @@
-"""A full disk under the spool: training never stops, every step still lands once, the failure is logged once.
+"""A full disk: training never stops, every step still lands once, the failure is logged once, a loss is counted.
 
-Two ways to fill it: a patched segment write in the exporter process (a `sitecustomize` that makes the
-spool's file object return a short write, then raise ENOSPC, for a range of appends: runs anywhere), and
-a real 64 KiB tmpfs mounted on the spool folder and filled up mid-run (needs root to mount).
+Under the spool, two ways to fill it: a patched segment write in the exporter process (a `sitecustomize` that
+makes the spool's file object return a short write, then raise ENOSPC, for a range of appends: runs anywhere),
+and a real 64 KiB tmpfs mounted on the spool folder and filled up mid-run (needs root to mount). Under the whole
+run folder (every file backend and the spool): a real 2 MiB tmpfs filled mid-run, then freed or never freed
+(needs root; the same faults through a hook that runs anywhere are in tests/exporters/test_storage_faults.py).
 """
 
 from __future__ import annotations
