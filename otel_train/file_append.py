@@ -29,6 +29,7 @@ _logger = logging.getLogger(__name__)
 
 #: What a write gets when the storage is full (ENOSPC) or the user's quota is spent (EDQUOT).
 _FULL = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+_FLAGS = os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)  # Windows: no \r\n
 _write = os.write  # every append's write: tests put a full disk here (a short write, then ENOSPC)
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -71,7 +72,7 @@ class AppendFile:
     def __init__(self, path: Path, *, keep_open: bool = True) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, _FLAGS | os.O_CREAT, 0o644)
         st = os.fstat(fd)
         #: Bytes on disk, every append a whole one: where a failed append is cut back to.
         self.size = st.st_size
@@ -84,7 +85,7 @@ class AppendFile:
 
     def _open(self) -> int:
         # No O_CREAT: a file deleted since is an error here, never a new file that lacks its header.
-        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        return os.open(self.path, _FLAGS)
 
     def append(self, data: bytes | bytearray | memoryview) -> None:
         """Append `data` whole, or cut the file back to `size` and raise.
