@@ -167,7 +167,8 @@ def test_a_segment_that_cannot_be_opened_is_skipped_then_retried(tmp_path: Path,
 # -- The run folder itself on a full disk: every file backend (TensorBoard, JSONL, the Chrome trace) ----------
 ON_TMPFS = textwrap.dedent(f"""
     # argv: the run folder's root (a small tmpfs), the step after which the disk is filled, the step after
-    # which it is freed again (-1: never).
+    # which it is freed again (-1: never). With FAKE_FULL_FLAG set, the disk is "full" while that file exists
+    # (the `sitecustomize` below), not filled.
     import os, sys, time
     sys.path.insert(0, {str(Path(__file__).parent)!r})
     import otel_train as ot
@@ -180,7 +181,10 @@ ON_TMPFS = textwrap.dedent(f"""
     for s in ot.steps(range({STEPS} * 2)):
         ot.log({{**pad, **{{tag: value(tag, s) for tag in SERIES}}}})
         time.sleep(0.01)
-        if s == fill_at:
+        if s == fill_at and os.environ.get("FAKE_FULL_FLAG"):
+            assert ot.flush(timeout_s=30)
+            open(os.environ["FAKE_FULL_FLAG"], "w").close()
+        elif s == fill_at:
             assert ot.flush(timeout_s=30)
             with open(filler, "wb", buffering=0) as f:  # to the last byte
                 try:
@@ -194,7 +198,7 @@ ON_TMPFS = textwrap.dedent(f"""
                 except OSError:
                     pass
         if s == free_at:
-            os.unlink(filler)
+            os.unlink(os.environ.get("FAKE_FULL_FLAG") or filler)
     print("TRAINED", s, flush=True)
     ot.shutdown()
 """)
@@ -210,23 +214,50 @@ def _mount_tmpfs(where: Path, size: str) -> None:
         pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
 
 
-def _train_on_tmpfs(tmp_path: Path, fill_at: int, free_at: int) -> tuple[Path, str]:
+# Loaded at start by every interpreter of the test (the exporter process too): while the flag file exists, the
+# file backends' appends (`otel_train.file_append`) get what a full disk gives, a short write, then ENOSPC.
+FULL_FLAG = textwrap.dedent("""
+    import errno, os
+    import otel_train.file_append as file_append
+    real, flag = file_append._write, os.environ["FAKE_FULL_FLAG"]
+
+    def write(fd, data):
+        if not os.path.exists(flag):
+            return real(fd, data)
+        if len(data) > 64:
+            return real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    file_append._write = write
+""")
+
+
+def _train_on_a_full_disk(tmp_path: Path, fill_at: int, free_at: int, how: str) -> tuple[Path, str]:
+    """Run the trainer with its run folder on a real tmpfs (`how="tmpfs"`, needs root) or with the fault hook."""
     out = tmp_path / "runs"
-    _mount_tmpfs(out, "2m")
     (tmp_path / "train.py").write_text(ON_TMPFS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_TRAIN_")}
     env.update(OTEL_TRAIN_SELF_METRICS="0", OTEL_TRAIN_SYSTEM_METRICS="0", OTEL_TRAIN_SHUTDOWN_TIMEOUT_S="5")
+    if how == "hook":
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(FULL_FLAG)
+        env.update(PYTHONPATH=str(tmp_path / "site"), FAKE_FULL_FLAG=str(tmp_path / "full"))
+    else:
+        _mount_tmpfs(out, "2m")
     try:
         proc = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(out), str(fill_at), str(free_at)],
                               env=env, capture_output=True, text=True, timeout=300, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.splitlines() == [f"TRAINED {2 * STEPS - 1}"]  # training never stopped
+        if how == "hook":
+            return out, proc.stderr
         if free_at < 0:
             (out / "filler").unlink()  # room to copy the files out before the tmpfs goes
         copy = tmp_path / "copy"
         shutil.copytree(out, copy, ignore=shutil.ignore_patterns("filler"))
     finally:
-        subprocess.run(["umount", "-l", str(out)], check=False)
+        if how == "tmpfs":
+            subprocess.run(["umount", "-l", str(out)], check=False)
     return copy, proc.stderr
 
 
@@ -236,11 +267,15 @@ def _summary(stderr: str) -> str:
     return lines[0]
 
 
-def _trace_counters(run_dir: Path) -> list[tuple[str, float]]:
+def _trace_counters(run_dir: Path, strict: bool = True) -> list[tuple[str, float]]:
+    """The trace's counter events; `strict`: the file must be valid JSON (closed cleanly), else as viewers load
+    a file whose closing ``]`` never got written (a disk still full at shutdown)."""
     import json
 
+    from otel_train.trace_merge import load_trace
+
     (path,) = (run_dir / "trace").iterdir()
-    events = json.loads(path.read_text())  # valid JSON: the file was closed cleanly
+    events = json.loads(path.read_text()) if strict else load_trace(path)
     return [(e["name"], e["args"]["value"]) for e in events if e.get("ph") == "C"]
 
 
@@ -252,11 +287,12 @@ def _all_rows(run_dir: Path) -> dict[str, int]:
     from otel_train.exporters.jsonl import read_jsonl
 
     return {"jsonl": sum(r["type"] == "metric" for r in read_jsonl(run_dir / "rank0.jsonl")),
-            "tensorboard": len(readback.tensorboard(run_dir)), "chrome_trace": len(_trace_counters(run_dir))}
+            "tensorboard": len(readback.tensorboard(run_dir)), "chrome_trace": len(_trace_counters(run_dir, strict=False))}
 
 
-def test_run_folder_on_a_full_disk_then_freed_every_point_once(tmp_path: Path) -> None:
-    copy, err = _train_on_tmpfs(tmp_path, fill_at=10, free_at=50)
+@pytest.mark.parametrize("how", ["tmpfs", "hook"])
+def test_run_folder_on_a_full_disk_then_freed_every_point_once(tmp_path: Path, how: str) -> None:
+    copy, err = _train_on_a_full_disk(tmp_path, fill_at=10, free_at=50, how=how)
     steps = range(2 * STEPS)
     points = jsonl_points(copy, "full")
     assert sorted(points) == sorted(expected(steps))  # every step, once: nothing garbled, nothing twice
@@ -268,8 +304,9 @@ def test_run_folder_on_a_full_disk_then_freed_every_point_once(tmp_path: Path) -
     assert "rows not written" not in line and "; 0 dropped;" in line, line  # no backend lost a row
 
 
-def test_run_folder_on_a_full_disk_never_freed_counts_the_loss_exactly(tmp_path: Path) -> None:
-    copy, err = _train_on_tmpfs(tmp_path, fill_at=10, free_at=-1)
+@pytest.mark.parametrize("how", ["tmpfs", "hook"])
+def test_run_folder_on_a_full_disk_never_freed_counts_the_loss_exactly(tmp_path: Path, how: str) -> None:
+    copy, err = _train_on_a_full_disk(tmp_path, fill_at=10, free_at=-1, how=how)
     run = copy / "full"
     points = jsonl_points(copy, "full")
     assert len(points) == len(set(points)) and set(points) <= expected(range(2 * STEPS))  # what landed: once
@@ -284,4 +321,10 @@ def test_run_folder_on_a_full_disk_never_freed_counts_the_loss_exactly(tmp_path:
         lost = handed - held[backend]
         assert lost > 0, (backend, held)
         assert f"{backend}: {lost:,} rows not written ({lost:,} disk full)" in line, (backend, lost, line)
-    assert "durable" not in line and "data is durable" not in err, err[-3000:]  # the spool could not hold it either
+    if how == "tmpfs":  # the spool (on the same full disk) could not hold it either
+        assert "durable" not in line and "data is durable" not in err, err[-3000:]
+        return
+    # The hook fills only the backends' disk: the spool kept every window, so a replay (with space) heals it all.
+    _replay(copy / "full")
+    assert sorted(jsonl_points(copy, "full")) == sorted(expected(range(2 * STEPS)))
+    assert sorted(tb_points(copy / "full")) == sorted(expected(range(2 * STEPS), as_f32=True))
