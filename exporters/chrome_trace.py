@@ -34,6 +34,9 @@ complete file).
 Before each window's append the files and their sizes are reported (`RowExporter.mark_appending`): a window a
 killed process appended but had not recorded as written is cut back out of the earlier file (at a line, or with
 gzip at a sync-flush point) before the restarted process writes it into its new file, so it is in the trace once.
+An append that fails (a full disk) leaves nothing behind and is retried whole when there is space; a run folder
+deleted during the run is noticed at the next append, said once, and a new trace file is started where it was
+(`otel_train.file_append`).
 
 Example:
     >>> import tempfile
@@ -50,7 +53,6 @@ Example:
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import math
@@ -59,10 +61,11 @@ import time
 import zlib
 from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
+from otel_train.file_append import AppendFile, warn_recreated
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.run_paths import run_folder
@@ -137,66 +140,81 @@ def _fallback_tid(thread_name: str) -> int:
 
 
 class _RankTrace:
-    """The open streaming file of one rank, and which thread names it already holds."""
+    """The streaming file of one rank, and which thread names it already holds.
+
+    Events are appended a window at a time (`AppendFile`: a failed append leaves nothing behind); with gzip,
+    each window is its own sync-flushed piece of one deflate stream, and a failed one also rewinds the
+    compressor (a copy taken before), so the stream goes on as if the window had never been tried.
+    """
 
     def __init__(self, path: Path, run: RunInfo, gzipped: bool = False) -> None:
         self.path = path
         self.pid = run.rank
         self.run = run
         self._threads: set[int] = set()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._raw: IO[bytes] = open(path, "wb")  # noqa: SIM115 - held open, closed in close()
-        # Sync-flushed per window (`push`): what reached the OS decompresses even without the trailer.
-        self._gzip = gzip.GzipFile(fileobj=self._raw, mode="wb", compresslevel=6) if gzipped else None
-        self._file: gzip.GzipFile | IO[bytes] = self._gzip if self._gzip is not None else self._raw
-        self._pushed = False  # whether everything emitted has reached the OS
-        self._file.write(b"[\n")
+        self._file = AppendFile(path)
+        # wbits 31: a gzip header, then the deflate stream; the trailer comes at `close`.
+        self._deflate = zlib.compressobj(6, zlib.DEFLATED, 31) if gzipped else None
+        self._pending = bytearray(b"[\n")  # emitted, not appended yet
         label = f"rank {run.rank}"
         if run.host or run.pid:
             label += f" ({run.host or '?'} pid {run.pid})"
         self.emit({"name": "process_name", "ph": "M", "pid": self.pid, "args": {"name": label}})
         self.emit({"name": "process_sort_index", "ph": "M", "pid": self.pid, "args": {"sort_index": run.rank}})
 
+    def unlinked(self) -> bool:
+        return self._file.unlinked()
+
     def emit(self, event: Mapping[str, Any]) -> None:
-        self._file.write(encode_event(event))
-        self._pushed = False
+        self._pending += encode_event(event)
 
     def size_before_append(self) -> int:
-        """The file's size in bytes with everything emitted so far handed to the OS (a new file's header is
-        pushed here), i.e. where a window appended next starts: with gzip, at a sync-flush point."""
-        if not self._pushed:
-            self.push()
-        return os.fstat(self._raw.fileno()).st_size
+        """The file's size in bytes with everything emitted so far appended (a new file's header is appended
+        here), i.e. where a window appended next starts: with gzip, at a sync-flush point."""
+        self.push()
+        return self._file.size
 
     def emit_all(self, encoded: list[bytes], threads: Mapping[int, str]) -> None:
-        """Append events encoded beforehand (one write), after the names of the threads new to the file."""
+        """Append events encoded beforehand (one append), after the names of the threads new to the file."""
         head = [encode_event({"name": "thread_name", "ph": "M", "pid": self.pid, "tid": tid,
                               "args": {"name": name or f"thread {tid}"}})
                 for tid, name in threads.items() if tid not in self._threads]
-        self._file.write(b"".join(head + encoded))
+        self._append(b"".join([self._pending, *head, *encoded]))
+        self._pending.clear()
         self._threads.update(threads)
-        self._pushed = False
+
+    def _append(self, data: bytes, last: bool = False) -> None:
+        deflate = self._deflate
+        if deflate is None:
+            self._file.append(data)
+            return
+        before = deflate.copy()
+        try:
+            self._file.append(deflate.compress(data) + deflate.flush(zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH))
+        except BaseException:
+            self._deflate = before
+            raise
 
     def push(self) -> None:
-        """Hand the window to the OS: a killed process keeps it (a machine crash needs `sync`)."""
-        self._file.flush()  # GzipFile.flush is a zlib sync flush, then the file's flush
-        self._raw.flush()
-        self._pushed = True
+        """Hand what was emitted to the OS: a killed process keeps it (a machine crash needs `sync`)."""
+        if self._pending:
+            self._append(bytes(self._pending))
+            self._pending.clear()
 
     def sync(self) -> None:
         self.push()
-        os.fsync(self._raw.fileno())
+        self._file.sync()
 
     def close(self) -> None:
         # The last event carries no trailing comma, so the array closes as valid JSON.
         end = {"name": "process_labels", "ph": "M", "pid": self.pid,
                "args": {"labels": f"run {self.run.run_name} ({self.run.run_id})"}}
-        self._file.write((json.dumps(end, separators=(",", ":")) + "\n]\n").encode())
-        if self._gzip is not None:
-            self._gzip.close()  # writes the gzip trailer; leaves the raw file open
-        self._raw.flush()
-        os.fsync(self._raw.fileno())
-        self._raw.close()
+        try:
+            self._append(bytes(self._pending) + (json.dumps(end, separators=(",", ":")) + "\n]\n").encode(),
+                         last=True)  # with gzip: the trailer
+            self._file.sync()
+        finally:
+            self._file.close()
 
 
 class ChromeTraceExporter(RowExporter):
@@ -219,10 +237,17 @@ class ChromeTraceExporter(RowExporter):
         self._paths: list[Path] = []
         self._steps: Container[int] | None = self.options.trace_steps
         self._gzip = bool(self.options.trace_gzip)
+        #: Trace files started again because the run folder was deleted under them (`otel_train.file_append`).
+        self.files_recreated = 0
 
     def _trace(self, run: RunInfo) -> _RankTrace:
         key = (run.run_id, run.rank)
         trace = self._ranks.get(key)
+        if trace is not None and trace.unlinked():  # the run folder was deleted: a new trace file there
+            warn_recreated(run_folder(self.options.directory, run.run_name), self.name)
+            self.files_recreated += 1
+            del self._ranks[key]
+            trace = None
         if trace is None:
             path = trace_path(self.options.directory, run.run_name, run.rank, self._gzip)
             suffix = path.name[len(f"rank{run.rank}"):]

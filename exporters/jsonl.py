@@ -6,6 +6,9 @@ the row's fields (a span with events has ``events``: name, time, attributes; ``k
 ``links`` when it has some). Lines are handed to the OS after every window and fsynced on flush. Before each
 append the file and its size are reported (`RowExporter.mark_appending`): a window a killed process appended
 but had not recorded as written is cut back out before delivery writes it again, so it is in the file once.
+An append that fails (a full disk) leaves nothing behind and is retried whole once there is space; a run folder
+deleted during the run is noticed at the next append, said once, and a new file is started where it was
+(`otel_train.file_append`).
 
 A run that ended on SIGTERM or SIGUSR1 (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
@@ -36,10 +39,11 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
+from otel_train.file_append import AppendFile, warn_recreated
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.run_paths import run_folder
@@ -145,7 +149,9 @@ class JsonlExporter(RowExporter):
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         super().__init__(options)
-        self._files: dict[tuple[str, int], tuple[Path, IO[str]]] = {}
+        self._files: dict[tuple[str, int], tuple[Path, AppendFile]] = {}
+        #: Files started again because the run folder was deleted under them (`otel_train.file_append`).
+        self.files_recreated = 0
         self._runs: dict[tuple[str, int], RunInfo] = {}
         self._paths: list[Path] = []
 
@@ -154,42 +160,52 @@ class JsonlExporter(RowExporter):
         """The files written so far (also after `close()`)."""
         return list(self._paths)
 
-    def _file(self, run: RunInfo) -> IO[str]:
+    def _file(self, run: RunInfo) -> AppendFile:
         # Append: a resumed run (or a restarted sink) continues the same record.
         key = (run.run_id, run.rank)
         entry = self._files.get(key)
+        if entry is not None and entry[1].unlinked():  # the run folder was deleted: a new file where it was
+            warn_recreated(entry[0].parent, self.name)
+            self.files_recreated += 1
+            del self._files[key]
+            entry[1].close()
+            entry = None
         if entry is None:
             path = jsonl_path(self.options.directory, run.run_name, run.rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            entry = self._files[key] = (path, open(path, "a", encoding="utf-8"))  # noqa: SIM115
-            if _torn_tail(path):  # a process killed mid-line: the next record starts on a line of its own
-                entry[1].write("\n")
-            self._paths.append(path)
-            self._runs[key] = run
+            torn = _torn_tail(path)  # a process killed mid-line: the next record starts on a line of its own
+            f = AppendFile(path)
+            head = [b"\n"] if torn else []
             if self.options.resume_step is not None:
-                self._write_resume_record(entry[1], run, self.options.resume_step)
-            entry[1].flush()  # the file's size on disk is all it holds (`_appending`)
+                head.append(self._resume_record(run, self.options.resume_step))
+            try:
+                f.append(b"".join(head))  # before the file is kept: a failure here is retried with the window
+            except OSError:
+                f.close()
+                raise
+            entry = self._files[key] = (path, f)
+            if path not in self._paths:
+                self._paths.append(path)
+            self._runs[key] = run
         return entry[1]
 
-    def _appending(self, files: Sequence[tuple[RunInfo, IO[str]]]) -> None:
+    def _appending(self, files: Sequence[tuple[RunInfo, AppendFile]]) -> None:
         """Report the files about to be appended to, with their sizes (`mark_appending`)."""
-        self.mark_appending([(self._files[(run.run_id, run.rank)][0], os.fstat(f.fileno()).st_size)
-                             for run, f in files])
+        self.mark_appending([(f.path, f.size) for _, f in files])
 
     @staticmethod
-    def _write_resume_record(f: IO[str], run: RunInfo, step: int) -> None:
-        f.write(json.dumps({"type": "resume", **_run_fields(run), "step": step}, separators=(",", ":")) + "\n")
+    def _resume_record(run: RunInfo, step: int) -> bytes:
+        return (json.dumps({"type": "resume", **_run_fields(run), "step": step}, separators=(",", ":")) + "\n").encode()
 
     def write_resume(self, run: RunInfo, step: int) -> None:
         """A ``resume`` record for `run`'s rank, now: `resolve_resumes` drops its earlier rows at steps >= `step`."""
         f = self._file(run)
         self._appending([(run, f)])
-        self._write_resume_record(f, run, step)
-        f.flush()
+        f.append(self._resume_record(run, step))
 
     def _write(self, records: list[tuple[RunInfo, dict[str, Any]]], rows: Sequence[Any]) -> None:
         # Every line is encoded before the first is written, and each rank's file gets its lines in one
-        # write (reported with `mark_written`): a retry after a failure never writes a line twice.
+        # append (reported with `mark_written`): a retry after a failure never writes a line twice, and a
+        # failed append leaves nothing behind (`AppendFile`).
         per_file: dict[tuple[str, int], tuple[RunInfo, list[str], list[Any]]] = {}
         for (run, record), row in zip(records, rows, strict=True):
             # default=str: an attribute value of an unexpected type must not lose the whole window.
@@ -200,8 +216,7 @@ class JsonlExporter(RowExporter):
         files = [(run, self._file(run)) for run, _, _ in per_file.values()]
         self._appending(files)
         for (_, f), (_, lines, written) in zip(files, per_file.values()):
-            f.write("".join(lines))
-            f.flush()  # a killed process keeps every finished window
+            f.append("".join(lines).encode())  # handed to the OS: a killed process keeps every finished window
             self.mark_written(written)
 
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
@@ -230,13 +245,12 @@ class JsonlExporter(RowExporter):
         now = time.time_ns()
         for key, (_, f) in self._files.items():
             record = {"type": "preempted", **_run_fields(self._runs[key]), "signal": cause, "time_unix_nano": now}
-            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            f.append((json.dumps(record, separators=(",", ":")) + "\n").encode())
         self.flush()
 
     def flush(self) -> None:
         for _, f in self._files.values():
-            f.flush()
-            os.fsync(f.fileno())
+            f.sync()
 
     def close(self) -> None:
         files, self._files = list(self._files.values()), {}

@@ -22,7 +22,9 @@
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 writes into the same run with ``{rank=N}`` in its keys
   (``train/loss__rank-1``, ``train/step_duration_s__rank-1``); MLflow runs can be shared by processes.
   Processes opening the default store at once take turns (a file lock ``mlflow.db.lock`` beside it) while
-  MLflow creates or migrates it and the experiment is found or created.
+  MLflow creates or migrates it and the experiment is found or created. A new local store is built aside and
+  renamed into place, so a kill during its creation cannot leave a half-built store; one a kill left so
+  (by an older version) is set aside as ``mlflow.db.broken-<time>`` when it holds no run, and built again.
 - Preemption: a run that ended on SIGTERM or SIGUSR1 gets the tag ``otel_train.preempted`` = the signal's
   name and ends with status KILLED (else FINISHED).
 - Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.
@@ -30,18 +32,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import posixpath
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_train.exporter_options import ExporterOptions
+from otel_train.exporters._mlflow_store import open_store, store_lock
 from otel_train.exporters._runs import (
     RANK_SUFFIX_KEY,
     StepGate,
@@ -253,14 +255,12 @@ class MLflowExporter(RowExporter):
     # -- internals -------------------------------------------------------------------------------
     def _get_client(self) -> MlflowClient:
         if self._client is None:
-            from mlflow.tracking import MlflowClient
 
             uri = self._uri = self.tracking_uri
             if self._default_store is not None:
                 self._default_store.mkdir(parents=True, exist_ok=True)
-            with _store_lock(uri):  # one process at a time creates / migrates the store and the experiment
-                client = MlflowClient(tracking_uri=uri)  # opens the store: MLflow creates or migrates it here
-                client.search_experiments(max_results=1)  # (and here, in MLflow versions that open it lazily)
+            client = open_store(uri)  # a local store: built aside, or rebuilt when a kill left it half-built
+            with store_lock(uri):  # one process at a time finds or creates the experiment
                 self._experiment(client)
             self._client = client
         return self._client
@@ -303,7 +303,7 @@ class MLflowExporter(RowExporter):
         client = self._get_client()
         experiment_id = self._experiment(client)
         params = hparams_for(self.options, info)
-        with _store_lock(self._uri):  # a local store: one process at a time finds or creates the run
+        with store_lock(self._uri):  # a local store: one process at a time finds or creates the run
             found = self._find(client, experiment_id, info.run_id)
             if found:
                 run = found[0]
@@ -363,26 +363,3 @@ class MLflowExporter(RowExporter):
                                   mlflow_id, k, held[k], v)
         for chunk in bounded(new, _PARAMS_PER_BATCH):
             client.log_batch(mlflow_id, params=list(chunk))
-
-
-@contextlib.contextmanager
-def _store_lock(uri: str) -> Iterator[None]:
-    """An exclusive lock on ``<db>.lock`` beside a local SQLite store (no-op for other stores, or no `fcntl`).
-
-    MLflow creates and migrates a SQLite store on first use with no lock of its own: two processes doing it
-    at once fail ("Online migration expected to match one row") or leave a store no client opens.
-    """
-    path = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no advisory locks here
-        path = ""
-    if not path or path == ":memory:" or not os.path.isdir(os.path.dirname(path) or "."):
-        yield
-        return
-    with open(path + ".lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -17,6 +17,9 @@ record and hands each one to a thread of its own, which cost more than everythin
 sink's path. Each window is appended here in one write instead, on the export thread, after reporting each
 event file and its size (`RowExporter.mark_appending`): records a killed process appended but had not recorded
 as written are cut back out (at a record boundary) before delivery writes them again, so each lands once.
+An append that fails (a full disk) is cut back at once and retried whole when there is space; a run folder
+deleted during the run is noticed at the next append, said once, and a new event file is started there
+(`otel_train.file_append`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
+from otel_train.file_append import AppendFile, warn_recreated
 from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import RunInfo
 from otel_train.run_paths import run_folder
@@ -85,20 +89,33 @@ class _EventFile:
     """One event file (TensorBoard's naming), appended a window at a time, never held open.
 
     Not holding the file open keeps a sink with hundreds of runs x ranks within its file limit.
-    A failed append is truncated back, so a retried window neither duplicates nor corrupts records.
+    A failed append is cut back (`otel_train.file_append.AppendFile`), so a retried window neither duplicates
+    nor corrupts records, and TensorBoard's reader never meets a torn record mid-file.
     """
 
     def __init__(self, directory: Path, first_event: bytes) -> None:
         from tensorboard.summary.writer.record_writer import RecordWriter
 
-        self.path = directory / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-                                 f"{os.getpid()}.{next(_file_ids):06d}")  # padded: files sort in creation order
+        path = directory / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+                            f"{os.getpid()}.{next(_file_ids):06d}")  # padded: files sort in creation order
         self._records = bytearray()
         self._framer = RecordWriter(self)  # frames each record and calls our `write`
-        #: Bytes on disk (every record a whole one): where the file can be cut back to.
-        self.size = 0
+        self._file = AppendFile(path, keep_open=False)
+        self.path = path
         self.add(first_event)
-        self.flush()
+        try:
+            self.flush()
+        except OSError:
+            path.unlink(missing_ok=True)  # an empty file without its version event: the retry starts another
+            raise
+
+    @property
+    def size(self) -> int:
+        """Bytes on disk (every record a whole one): where the file can be cut back to."""
+        return self._file.size
+
+    def unlinked(self) -> bool:
+        return self._file.unlinked()
 
     def write(self, framed: bytes) -> None:  # RecordWriter's file interface
         self._records += framed
@@ -109,17 +126,10 @@ class _EventFile:
     def flush(self) -> None:
         if not self._records:
             return
-        with open(self.path, "ab") as f:
-            size = f.tell()
-            try:
-                f.write(self._records)
-                f.flush()
-            except BaseException:
-                self._records.clear()  # the caller retries the whole window
-                f.truncate(size)
-                raise
-        self.size = size + len(self._records)
-        self._records.clear()
+        try:
+            self._file.append(bytes(self._records))
+        finally:
+            self._records.clear()  # landed, or cut back: the caller retries the whole window
 
 
 class TensorBoardExporter(RowExporter):
@@ -171,6 +181,8 @@ class TensorBoardExporter(RowExporter):
         self._summary_pb2 = summary_pb2
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._writers: dict[tuple[str, int], _EventFile] = {}
+        #: Event files started again because the run folder was deleted under them (`otel_train.file_append`).
+        self.files_recreated = 0
         self._value_prefix: dict[str, bytes] = {}
         # Concatenated encodings of a message merge (repeated fields append): an event is its
         # header, this field key, and the concatenation of one-value summaries.
@@ -188,16 +200,22 @@ class TensorBoardExporter(RowExporter):
     def _writer(self, run: RunInfo) -> _EventFile:
         key = (run.run_id, run.rank)
         writer = self._writers.get(key)
+        if writer is not None and writer.unlinked():  # the run folder was deleted: a new event file there
+            warn_recreated(self._log_dir or run_folder(self.options.directory, run.run_name), self.name)
+            self.files_recreated += 1
+            del self._writers[key]
+            writer = None
         if writer is None:
             path = self.run_dir(run)
             path.mkdir(parents=True, exist_ok=True)
             first = self._event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2")
-            writer = self._writers[key] = _EventFile(path, first.SerializeToString())
+            writer = _EventFile(path, first.SerializeToString())
             if self.options.hparams:
                 self._write_hparams(writer, self.options.hparams, run)
             if self.options.resume_step is not None:
                 self._add_start(writer, self.options.resume_step)
             writer.flush()  # on disk before any window: `size` is where a window's records start
+            self._writers[key] = writer  # kept once whole: a failure above is retried with a file of its own
         return writer
 
     def _add_start(self, writer: _EventFile, step: int) -> None:

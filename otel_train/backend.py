@@ -72,6 +72,7 @@ LOSS_CAUSES: dict[str, str] = {
     "bad_value": "bad value",
     "refused": "refused by the backend",
     "gave_up": "given up after retries",
+    "disk_full": "disk full",
 }
 _NUMBERS = (float, int)
 

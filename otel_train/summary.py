@@ -30,6 +30,7 @@ _CAUSES = {
     "bad_value": "bad value",
     "refused": "refused by the backend",
     "gave_up": "given up after retries",
+    "disk_full": "disk full",
     "queue_full": "queue full",
 }
 

@@ -14,6 +14,7 @@ MODULES = [
     "otel_train.run_paths",
     "otel_train.ship.framing",
     "otel_train.ship.append_intent",
+    "otel_train.file_append",
     "otel_train.collect.reader",
     "otel_train.testing",
     "otel_train.sink.temporality",

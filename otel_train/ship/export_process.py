@@ -341,7 +341,8 @@ class ExportProcess:
         rid, ok = self._ask(b"C", deadline)
         if not ok and rid:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
-            state = "durable in the spool" if durable else "NOT confirmed durable"
+            held = durable and not self.last_progress.spool_failed_appends  # not: windows the spool never held
+            state = "durable in the spool" if held else "NOT confirmed durable"
             _logger.warning("otel-train: shutdown timed out; data is %s; %s; the exporter process (pid %d) keeps "
                             "delivering for up to OTEL_TRAIN_DRAIN_TIMEOUT_S, and `otel-train replay %s` "
                             "finishes the rest", state, self.last_progress.summary(), self._proc.pid,

@@ -18,6 +18,9 @@ OTel SDK pipeline. It runs the backend's hooks one at a time (its lock) and neve
   a backoff that keeps growing, past `backoff_s`, to `MAX_BACKOFF_S`, for as long as the backend lives.
 - Rows a write has landed are never handed to the backend again: a backend whose window write is not
   all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
+- A full disk (`otel_train.file_append.is_disk_full`) is an outage, not a refused row: no row-at-a-time, no
+  giving up, a retry every `backoff_s[0]`; windows past `max_pending_windows` or still waiting at close are
+  counted as lost to it (``disk_full``).
 - A forked child forgets the windows waiting (its parent writes them); at shutdown what is waiting gets one
   last try, then the backend is flushed, marked preempted if the run was, and closed, once.
 """
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.backend import LOSS_CAUSES, RowExporter, Window
+from otel_train.file_append import is_disk_full
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.step_order import StepOrder
 
@@ -85,6 +89,7 @@ class WindowWriter:
         self.dropped_windows = 0
         #: Rows (metric, histogram, span) this backend did not write, by cause (keys of `LOSS_CAUSES`).
         self.rows_lost: dict[str, int] = {}
+        self._disk_full = False  # the last write failed on a full disk (cleared by the next that lands)
         self._warned_series: set[tuple[str, str]] = set()
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters.
         self.step_order = StepOrder(backend.options.step_order, backend.name, backend.stores_older_steps)
@@ -104,11 +109,12 @@ class WindowWriter:
                     window = self._in_step_order(window)
                 self.pending.append(window)
                 while len(self.pending) > self.backend.max_pending_windows:
+                    cause = "disk_full" if self._disk_full else "gave_up"
                     if len(self.pending) > 1 and self._landed_ids:  # the head is partly written: drop the next
-                        self._lose_window(self.pending[1], "gave_up")
+                        self._lose_window(self.pending[1], cause)
                         del self.pending[1]
                     else:
-                        self._lose_window(self.pending.popleft(), "gave_up")
+                        self._lose_window(self.pending.popleft(), cause)
             return self.drain(force=False)
 
     def resume(self, run: RunInfo, step: int) -> bool:
@@ -155,8 +161,11 @@ class WindowWriter:
                 return
             self.drain(force=True)
             if self.pending:
-                _logger.warning("exporter `%s` closed with %d window(s) it could not write", backend.name,
-                                len(self.pending))
+                _logger.warning("exporter `%s` closed with %d window(s) it could not write%s", backend.name,
+                                len(self.pending), " (disk full)" if self._disk_full else "")
+                if self._disk_full:  # counted: the summary must not read as if they had landed
+                    for window in self.pending:
+                        self._lose_window(window, "disk_full", self._landed_ids)
             self.closed = True
             if self.route is not None:
                 self.route.report()  # "pattern ... matched no metric", once
@@ -202,8 +211,11 @@ class WindowWriter:
             except Exception as err:  # isolate the backend: find a refused row, else retry later
                 self.failures += 1
                 self._attempts += 1
+                self._disk_full = full = is_disk_full(err)
+                if full:  # an outage that ends when space returns: never given up, tried every `backoff_s[0]`
+                    self._attempts = 1
                 isolate = backend.isolate_rows if backend.isolate_rows is not None else bool(backend.max_attempts)
-                rest = self._one_row_at_a_time(window) if isolate else window
+                rest = self._one_row_at_a_time(window) if isolate and not full else window
                 if rest is None:
                     self._done_with_head()
                     continue
@@ -256,6 +268,7 @@ class WindowWriter:
         self.pending.popleft()
         self._landed_ids.clear()
         self._attempts = 0
+        self._disk_full = False
 
     def _in_step_order(self, window: Window) -> Window:
         metrics = self.step_order.filter(window.metrics)
@@ -348,9 +361,10 @@ class WindowWriter:
                         "about", self.backend.name, series, getattr(row, "step", None), LOSS_CAUSES.get(cause, cause),
                         detail)
 
-    def _lose_window(self, window: Window, cause: str) -> None:
+    def _lose_window(self, window: Window, cause: str, landed: set[int] | None = None) -> None:
         self.dropped_windows += 1
-        n = len(window.metrics) + len(window.histograms) + len(window.spans)
+        rows = [*window.metrics, *window.histograms, *window.spans]
+        n = len(rows) if not landed else sum(id(r) not in landed for r in rows)
         self.rows_lost[cause] = self.rows_lost.get(cause, 0) + n
 
 

@@ -163,37 +163,22 @@ def test_a_failed_append_leaves_no_partial_record_and_the_retry_writes_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A disk error halfway through a window's append: the file is cut back to its last whole record,
     the exporter retries the window later, and every step is then in the file exactly once."""
-    import builtins
+    import errno
+    import os
 
-    from otel_train.exporters import tensorboard as tb_module
+    from otel_train import file_append
 
     run = RunInfo("r", "disk")
-    real_open = builtins.open
     failing = {"on": False}
 
-    class HalfWriter:
-        def __init__(self, f: Any) -> None:
-            self._f = f
+    def half_then_full(fd: int, data: Any) -> int:  # what the kernel does on a full disk
+        if not failing["on"]:
+            return os.write(fd, data)
+        if len(data) > 1:
+            return os.write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self._f, name)
-
-        def __enter__(self) -> HalfWriter:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self._f.close()
-
-        def write(self, data: bytes) -> int:
-            self._f.write(bytes(data[: len(data) // 2]))
-            self._f.flush()
-            raise OSError(28, "No space left on device")
-
-    def flaky_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        f = real_open(path, mode, *args, **kwargs)
-        return HalfWriter(f) if failing["on"] and "a" in mode else f
-
-    monkeypatch.setattr(tb_module, "open", flaky_open, raising=False)
+    monkeypatch.setattr(file_append, "_write", half_then_full)
     with TensorBoardExporter(ExporterOptions(directory=tmp_path)) as tb:
         assert tb.export_window(Window([MetricRow(run, 0, "loss", "loss", 1.0, "gauge", 0)]))
         (events,) = (tmp_path / "disk").iterdir()

@@ -1,8 +1,10 @@
-"""A full disk under the spool: training never stops, every step still lands once, the failure is logged once.
+"""A full disk: training never stops, every step still lands once, the failure is logged once, a loss is counted.
 
-Two ways to fill it: a patched segment write in the exporter process (a `sitecustomize` that makes the
-spool's file object return a short write, then raise ENOSPC, for a range of appends: runs anywhere), and
-a real 64 KiB tmpfs mounted on the spool folder and filled up mid-run (needs root to mount).
+Under the spool, two ways to fill it: a patched segment write in the exporter process (a `sitecustomize` that
+makes the spool's file object return a short write, then raise ENOSPC, for a range of appends: runs anywhere),
+and a real 64 KiB tmpfs mounted on the spool folder and filled up mid-run (needs root to mount). Under the whole
+run folder (every file backend and the spool): a real 2 MiB tmpfs filled mid-run, then freed or never freed
+(needs root; the same faults through a hook that runs anywhere are in tests/exporters/test_storage_faults.py).
 """
 
 from __future__ import annotations
@@ -160,3 +162,169 @@ def test_a_segment_that_cannot_be_opened_is_skipped_then_retried(tmp_path: Path,
         (1, b"one"), (3, b"three")]
     messages = [r.getMessage() for r in caplog.records]
     assert sum("cannot write the spool" in m for m in messages) == 1 and sum("writable again" in m for m in messages) == 1
+
+
+# -- The run folder itself on a full disk: every file backend (TensorBoard, JSONL, the Chrome trace) ----------
+ON_TMPFS = textwrap.dedent(f"""
+    # argv: the run folder's root (a small tmpfs), the step after which the disk is filled, the step after
+    # which it is freed again (-1: never). With FAKE_FULL_FLAG set, the disk is "full" while that file exists
+    # (the `sitecustomize` below), not filled.
+    import os, sys, time
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    import otel_train as ot
+    from faultkit import SERIES, value
+    out, fill_at, free_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    filler = os.path.join(out, "filler")
+    ot.init(exporters=["jsonl", "tensorboard", "chrome_trace"], dir=out, run_id="full", run_name="full",
+            export_interval_s=0.02)
+    pad = {{f"pad/{{i}}": float(i) for i in range(16)}}  # windows large enough to be cut mid-record
+    for s in ot.steps(range({STEPS} * 2)):
+        ot.log({{**pad, **{{tag: value(tag, s) for tag in SERIES}}}})
+        time.sleep(0.01)
+        if s == fill_at and os.environ.get("FAKE_FULL_FLAG"):
+            assert ot.flush(timeout_s=30)
+            open(os.environ["FAKE_FULL_FLAG"], "w").close()
+        elif s == fill_at:
+            assert ot.flush(timeout_s=30)
+            with open(filler, "wb", buffering=0) as f:  # to the last byte
+                try:
+                    while f.write(b"\\0" * 4096):
+                        pass
+                except OSError:
+                    pass
+                try:
+                    while f.write(b"\\0"):
+                        pass
+                except OSError:
+                    pass
+        if s == free_at:
+            os.unlink(os.environ.get("FAKE_FULL_FLAG") or filler)
+    print("TRAINED", s, flush=True)
+    ot.shutdown()
+""")
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir(parents=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no `mount` command to mount a tmpfs with")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root (CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+
+
+# Loaded at start by every interpreter of the test (the exporter process too): while the flag file exists, the
+# file backends' appends (`otel_train.file_append`) get what a full disk gives, a short write, then ENOSPC.
+FULL_FLAG = textwrap.dedent("""
+    import errno, os
+    import otel_train.file_append as file_append
+    real, flag = file_append._write, os.environ["FAKE_FULL_FLAG"]
+
+    def write(fd, data):
+        if not os.path.exists(flag):
+            return real(fd, data)
+        if len(data) > 64:
+            return real(fd, bytes(data[: len(data) // 2]))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    file_append._write = write
+""")
+
+
+def _train_on_a_full_disk(tmp_path: Path, fill_at: int, free_at: int, how: str) -> tuple[Path, str]:
+    """Run the trainer with its run folder on a real tmpfs (`how="tmpfs"`, needs root) or with the fault hook."""
+    out = tmp_path / "runs"
+    (tmp_path / "train.py").write_text(ON_TMPFS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_TRAIN_")}
+    env.update(OTEL_TRAIN_SELF_METRICS="0", OTEL_TRAIN_SYSTEM_METRICS="0", OTEL_TRAIN_SHUTDOWN_TIMEOUT_S="5")
+    if how == "hook":
+        (tmp_path / "site").mkdir()
+        (tmp_path / "site" / "sitecustomize.py").write_text(FULL_FLAG)
+        env.update(PYTHONPATH=str(tmp_path / "site"), FAKE_FULL_FLAG=str(tmp_path / "full"))
+    else:
+        _mount_tmpfs(out, "2m")
+    try:
+        proc = subprocess.run([sys.executable, str(tmp_path / "train.py"), str(out), str(fill_at), str(free_at)],
+                              env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.splitlines() == [f"TRAINED {2 * STEPS - 1}"]  # training never stopped
+        if how == "hook":
+            return out, proc.stderr
+        if free_at < 0:
+            (out / "filler").unlink()  # room to copy the files out before the tmpfs goes
+        copy = tmp_path / "copy"
+        shutil.copytree(out, copy, ignore=shutil.ignore_patterns("filler"))
+    finally:
+        if how == "tmpfs":
+            subprocess.run(["umount", "-l", str(out)], check=False)
+    return copy, proc.stderr
+
+
+def _summary(stderr: str) -> str:
+    lines = [x for x in stderr.splitlines() if x.startswith("otel-train: ") and " points in " in x]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def _trace_counters(run_dir: Path, strict: bool = True) -> list[tuple[str, float]]:
+    """The trace's counter events; `strict`: the file must be valid JSON (closed cleanly), else as viewers load
+    a file whose closing ``]`` never got written (a disk still full at shutdown)."""
+    import json
+
+    from otel_train.trace_merge import load_trace
+
+    (path,) = (run_dir / "trace").iterdir()
+    events = json.loads(path.read_text()) if strict else load_trace(path)
+    return [(e["name"], e["args"]["value"]) for e in events if e.get("ph") == "C"]
+
+
+def _all_rows(run_dir: Path) -> dict[str, int]:
+    """Rows each backend holds (every series): JSONL and TensorBoard metric points, trace counter events."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+    import readback
+
+    from otel_train.exporters.jsonl import read_jsonl
+
+    return {"jsonl": sum(r["type"] == "metric" for r in read_jsonl(run_dir / "rank0.jsonl")),
+            "tensorboard": len(readback.tensorboard(run_dir)), "chrome_trace": len(_trace_counters(run_dir, strict=False))}
+
+
+@pytest.mark.parametrize("how", ["tmpfs", "hook"])
+def test_run_folder_on_a_full_disk_then_freed_every_point_once(tmp_path: Path, how: str) -> None:
+    copy, err = _train_on_a_full_disk(tmp_path, fill_at=10, free_at=50, how=how)
+    steps = range(2 * STEPS)
+    points = jsonl_points(copy, "full")
+    assert sorted(points) == sorted(expected(steps))  # every step, once: nothing garbled, nothing twice
+    assert sorted(tb_points(copy / "full")) == sorted(expected(steps, as_f32=True))  # TensorBoard reads past the fault
+    want = sorted((tag, value(tag, s)) for s in steps for tag in SERIES)
+    assert sorted(c for c in _trace_counters(copy / "full") if c[0] in SERIES) == want
+    assert "No space left on device" in err, err[-3000:]  # the fault was real, and said
+    line = _summary(err)
+    assert "rows not written" not in line and "; 0 dropped;" in line, line  # no backend lost a row
+
+
+@pytest.mark.parametrize("how", ["tmpfs", "hook"])
+def test_run_folder_on_a_full_disk_never_freed_counts_the_loss_exactly(tmp_path: Path, how: str) -> None:
+    copy, err = _train_on_a_full_disk(tmp_path, fill_at=10, free_at=-1, how=how)
+    run = copy / "full"
+    points = jsonl_points(copy, "full")
+    assert len(points) == len(set(points)) and set(points) <= expected(range(2 * STEPS))  # what landed: once
+    assert set(points) >= expected(range(11))  # everything before the disk filled
+    from otel_train.exporters.jsonl import read_jsonl
+
+    per_step = len({r["name"] for r in read_jsonl(run / "rank0.jsonl") if r["type"] == "metric" and r["step"] == 0})
+    handed = per_step * 2 * STEPS  # rows each backend was handed (no self or system metrics)
+    line = _summary(err)
+    held = _all_rows(run)
+    for backend in ("jsonl", "tensorboard", "chrome_trace"):
+        lost = handed - held[backend]
+        assert lost > 0, (backend, held)
+        assert f"{backend}: {lost:,} rows not written ({lost:,} disk full)" in line, (backend, lost, line)
+    if how == "tmpfs":  # the spool (on the same full disk) could not hold it either
+        assert "durable" not in line and "data is durable" not in err, err[-3000:]
+        return
+    # The hook fills only the backends' disk: the spool kept every window, so a replay (with space) heals it all.
+    _replay(copy / "full")
+    assert sorted(jsonl_points(copy, "full")) == sorted(expected(range(2 * STEPS)))
+    assert sorted(tb_points(copy / "full")) == sorted(expected(range(2 * STEPS), as_f32=True))

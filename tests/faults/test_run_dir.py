@@ -222,3 +222,50 @@ def test_claims_in_one_process(tmp_path: Path, caplog: Any) -> None:
     assert (third.run_id, third.path) == ("job", first.path) and "still drains" in caplog.text
     for claim in (other_rank, second, third):
         claim.release()
+
+
+# The user deletes the run folder (`rm -rf`) in the middle of a run: the file backends notice at their next
+# append, say so once, and write what comes after into new files there (what was deleted is gone).
+DELETED = textwrap.dedent("""
+    import json, os, shutil, sys, time
+    import otel_train as ot
+    out = sys.argv[1]
+    ot.init(exporters=["jsonl", "tensorboard", "chrome_trace"], dir=out, run_id="gone", run_name="gone",
+            export_interval_s=0.02)
+    for s in ot.steps(range(40)):
+        ot.log({"loss": 1.0 / (s + 1), "acc": s * 0.5})
+        time.sleep(0.005)
+        if s == 19:
+            assert ot.flush(timeout_s=30)
+            shutil.rmtree(os.path.join(out, "gone"))
+    ot.shutdown()
+""")
+
+
+def test_a_run_folder_deleted_mid_run_is_said_once_and_later_steps_land_in_new_files(tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+    import readback
+
+    script = tmp_path / "deleted.py"
+    script.write_text(DELETED)
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, str(script), str(out)], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "was deleted while the run wrote to it" in line]
+    assert len(said) == 1 and str(out / "gone") in said[0], done.stderr[-3000:]  # once, naming the folder
+    want = sorted([("acc", step, step * 0.5) for step in range(20, 40)]
+                  + [("loss", step, 1.0 / (step + 1)) for step in range(20, 40)])
+    jsonl = [(p.name, p.step, p.value) for p in readback.jsonl(out / "gone" / "rank0.jsonl") if p.name in ("loss", "acc")]
+    assert sorted(jsonl) == want  # every later step once, in a file that exists
+    tb = [(p.name, p.step, p.value) for p in readback.tensorboard(out / "gone") if p.name in ("loss", "acc")]
+    assert sorted(tb) == sorted((n, s, _f32(v)) for n, s, v in want)
+    counters = [(p.name, p.value) for p in readback.chrome_counters(out / "gone" / "trace" / "rank0.trace.json")
+                if p.name in ("loss", "acc")]
+    assert sorted(counters) == sorted((n, v) for n, _, v in want)
+
+
+def _f32(x: float) -> float:
+    import struct
+
+    return float(struct.unpack("<f", struct.pack("<f", x))[0])
