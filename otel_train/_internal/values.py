@@ -23,7 +23,7 @@ __all__ = ["REFUSAL_CAUSES", "REFUSED_PREFIX", "RefusalCounts", "refusal", "to_f
 #: first word is the unit counted.
 REFUSAL_CAUSES = {
     "not_a_number": "values not a number",
-    "not_a_scalar": "values not a scalar (a tensor, array or list not of one element)",
+    "not_a_scalar": "values not a scalar (more or fewer than one element)",
     "bad_key": "values with a key that is not a non-empty string",
     "not_a_mapping": "calls of `ot.log` without a mapping",
     "bad_step": "values at a step that is no step",
