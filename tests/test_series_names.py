@@ -7,11 +7,16 @@ characters the escaping is about.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from otel_train.rows import series_tag
+
+sys.path.insert(0, str(Path(__file__).parent / "sink"))  # the sink tests' helpers
 
 
 def parse(tag: str) -> tuple[str, tuple[tuple[str, str], ...]]:
@@ -78,3 +83,34 @@ def test_the_three_series_of_one_step_that_used_to_be_one() -> None:
     tags = {series_tag("acc", {"a": "1,b=2"}), series_tag("acc", {"a": "1", "b": "2"}), series_tag("acc{a=1,b=2}", {})}
     assert tags == {"acc{a=1\\,b\\=2}", "acc{a=1,b=2}", "acc\\{a=1,b=2}"}
     assert series_tag("a\\", {"x": 1}) != series_tag("a{x=1}", None)  # a backslash before the suffix is escaped
+
+
+def test_the_sink_names_the_three_series_as_the_training_process_does(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through `otlp` and a real `otel-train sink` (JSONL): the key holding `{` travels as a mapped instrument name
+    with the key in its description; the sink escapes it in the tag as the training process does."""
+    from sinkkit import make_sink
+
+    from otel_train.exporters.base import Window
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+    from otel_train.exporters.otlp import OTLPExporter
+    from otel_train.rows import MetricRow
+    from otel_train.run_identity import RunInfo
+
+    run = RunInfo("otlp-series", "otlp-series")
+    series = [("acc", {"a": "1,b=2"}, 1.0), ("acc", {"a": "1", "b": "2"}, 2.0), ("acc{a=1,b=2}", {}, 3.0)]
+    rows = [MetricRow(run, 20, name, series_tag(name, attrs), value, "gauge", 1_700_000_000_000_000_000, attrs)
+            for name, attrs, value in series]
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.grpc_port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        exp = OTLPExporter()
+        assert exp.export_window(Window(metrics=rows))
+        exp.shutdown()
+        assert sink.flush(10)
+    finally:
+        sink.stop()
+    got = sorted((r["tag"], r["step"], r["value"]) for r in read_jsonl(jsonl_path(tmp_path / "runs", run.run_name, 0))
+                 if r["type"] == "metric")
+    assert got == sorted((row.tag, 20, row.value) for row in rows)
