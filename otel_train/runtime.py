@@ -32,7 +32,6 @@ from otel_train.capture.instrument import (
     SpanScope,
 )
 from otel_train.capture.step import (
-    MAX_STEP,
     StepEnd,
     StepOutOfRange,
     _current,
@@ -218,7 +217,7 @@ class Session:
             if step is None:
                 step = current_step() or 0
         else:
-            if type(step) is not int or not 0 <= step <= MAX_STEP:
+            if type(step) is not int or step >> 63:  # not 0..MAX_STEP (2**63-1): one shift, no lookup
                 try:
                     step = coerce_step(step, "otel_train.log(step=)")
                 except ValueError as err:  # never into the loop: counted, warned once, the values go nowhere

@@ -289,7 +289,7 @@ class step:
     __slots__ = ("_samples", "_start_ns", "_step", "_token")
 
     def __init__(self, i: int | None = None, *, samples: int | None = None) -> None:
-        if i is not None and (type(i) is not int or not 0 <= i <= MAX_STEP):
+        if i is not None and (type(i) is not int or i >> 63):  # i >> 63: i is not in 0..MAX_STEP
             # Not a step (2.5, "3"): raised before init(); after it, warned once and the block is the next step
             i = _coerce_or_none(i, "otel_train.step()")
         if i is None:
