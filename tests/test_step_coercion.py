@@ -198,3 +198,10 @@ def test_a_raw_otel_point_at_a_step_out_of_range_is_counted_not_written(tmp_path
     assert ot.flush()
     assert mem.values("raw/g") == [(4, 3.0)] and mem.values("a") == [(4, 4.0)]
     assert dict(session.refusals) == {"step_out_of_range": 2}
+
+
+def test_the_sink_refuses_a_negative_step_as_ot_log_does() -> None:
+    from otel_train.sink.otlp import BAD_STEP, step_value
+
+    assert [step_value(v) for v in (0, 2**63 - 1, 7.0, "8")] == [0, 2**63 - 1, 7, 8]
+    assert [step_value(v) for v in (-1, -5.0, "-2", 2**63)] == [BAD_STEP] * 4
