@@ -26,6 +26,8 @@ from otel_train.exporters.clearml import title_series
 from otel_train.exporters.mlflow import mlflow_key
 from otel_train.rows import series_tag
 
+# One real job with seven backends (about a minute on 2 shared cores), under a 300 s limit of its own.
+pytestmark = pytest.mark.timeout(600)
 JOB = Path(__file__).with_name("bad_inputs_job.py")
 RUN = "bad-inputs"
 PROJECT = "otel-bad-inputs"
