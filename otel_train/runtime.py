@@ -164,6 +164,7 @@ class Session:
         self._check_step = settings.step_order == "raise"
         self._warned_step = False
         self._warned_attributes = False
+        self._warned_mapping = False
         #: Values refused at the call, by cause (`otel_train._internal.values.REFUSAL_CAUSES`: a type that is no
         #: number, a bad key, a step out of range, ...): never in any window; the summary line reports them. The
         #: collector counts here what it refuses as it converts values; at shutdown the child processes' join.
@@ -241,8 +242,10 @@ class Session:
                     self._append(step, dict(mapping))
         except (TypeError, ValueError):
             self.refusals.add("not_a_mapping")
-            _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped",
-                            type(mapping).__name__)
+            if not self._warned_mapping:
+                self._warned_mapping = True
+                _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped (warned once; "
+                                "counted in the shutdown summary)", type(mapping).__name__)
 
     @property
     def refused_step_values(self) -> int:
@@ -412,6 +415,7 @@ class DisabledSession:
 
     def __init__(self, settings: cfg.Settings) -> None:
         self.settings = settings
+        self.refusals = RefusalCounts()  # nothing is checked, so nothing is refused
 
     def export_progress(self, timeout_s: float = 5.0) -> None:
         return None

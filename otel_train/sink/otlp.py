@@ -76,7 +76,7 @@ def attributes(kvs: Any) -> dict[str, Any]:
 #: The step of a point whose `train.step` is no step (2.5, NaN, ±inf, below 0 or beyond int64, a word): such a
 #: point is refused alone (counted), never written at a made-up step. Steps are 0..2**63-1, as at `ot.log`.
 BAD_STEP = -(1 << 64)
-_STEPS = range(0, 1 << 63)
+_STEPS = range(1 << 63)
 
 
 def step_value(value: Any) -> int:
