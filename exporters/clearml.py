@@ -34,7 +34,7 @@ from typing import Any
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
 from otel_train.exporters.base import RowExporter
-from otel_train.rows import HistogramRow, MetricRow
+from otel_train.rows import HistogramRow, MetricRow, series_tag
 from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RunInfo
 
 __all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
@@ -55,7 +55,11 @@ def title_series(name: str, tag: str) -> tuple[str, str]:
         ('eval', 'acc{split=val}')
         >>> title_series("lr", "lr{rank=1}")
         ('lr', 'lr{rank=1}')
+        >>> title_series("eval/acc{a=1}", "eval/acc\\\\{a=1}")  # a key holding `{`, not the series `a=1`
+        ('eval', 'acc\\\\{a=1}')
     """
+    if not tag.startswith(name) and "{" in name:  # a name holding `{` is escaped in its tag (`series_tag`)
+        name = series_tag(name, None)
     suffix = tag[len(name):] if tag.startswith(name) else ""
     title, sep, series = name.rpartition("/")
     if not sep or not title or not series:

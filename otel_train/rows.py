@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -135,19 +136,42 @@ class SpanRow:
 
 
 def series_tag(name: str, attributes: Mapping[str, Any] | None) -> str:
-    """The series key: `name`, plus sorted extra attributes as ``{k=v,...}``.
+    r"""The series key: `name`, plus sorted extra attributes as ``{k=v,...}``.
+
+    Distinct series never share a tag: in attribute keys and values a backslash, ``,``, ``=``, ``{`` and ``}`` are
+    escaped with a backslash; the name is written as it is unless it holds a ``{`` or the series has attributes,
+    where its backslashes and ``{`` are escaped too (so a key ``acc{a=1}`` is not the series ``acc`` with ``a=1``).
+    Ordinary names and values are unchanged. Values are shown as text: ``1`` and ``"1"`` name the same series.
 
     Example:
         >>> series_tag("eval/acc", {"split": "val", "train.step": 3})
         'eval/acc{split=val}'
+        >>> series_tag("acc", {"a": "1,b=2"}), series_tag("acc", {"a": "1", "b": "2"}), series_tag("acc{a=1,b=2}", None)
+        ('acc{a=1\\,b\\=2}', 'acc{a=1,b=2}', 'acc\\{a=1,b=2}')
     """
-    if not attributes:
-        return name
-    extra = [(k, v) for k, v in attributes.items() if k not in _SERIES_EXCLUDED]
+    extra = [(k, v) for k, v in attributes.items() if k not in _SERIES_EXCLUDED] if attributes else None
     if not extra:
-        return name
+        return name if "{" not in name else _escape_name(name)
     extra.sort()
-    return name + "{" + ",".join(f"{k}={v}" for k, v in extra) + "}"
+    items = ",".join([f"{k}={v}" for k, v in extra])
+    if (items.count("=") != len(extra) or items.count(",") != len(extra) - 1  # more than its own `,` and `=`
+            or "\\" in items or "{" in items or "}" in items):
+        items = ",".join([f"{_escape_item(str(k))}={_escape_item(str(v))}" for k, v in extra])
+    return (name if "\\" not in name and "{" not in name else _escape_name(name)) + "{" + items + "}"
+
+
+_ITEM_SPECIAL = re.compile(r"[\\,={}]")
+_NAME_SPECIAL = re.compile(r"[\\{]")
+
+
+def _escape_item(text: str) -> str:
+    r"""An attribute key or value inside a tag's ``{...}``: ``\ , = { }`` each after a backslash."""
+    return _ITEM_SPECIAL.sub(r"\\\g<0>", text)
+
+
+def _escape_name(name: str) -> str:
+    r"""The name part of a tag that has ``{``: ``\`` and ``{`` each after a backslash."""
+    return _NAME_SPECIAL.sub(r"\\\g<0>", name)
 
 
 def extra_attributes(attributes: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from typing import Any
 from otel_train import config as cfg
 from otel_train import exit_hooks
 from otel_train._internal.at_fork import after_fork_in_child
+from otel_train._internal.values import REFUSED_PREFIX, RefusalCounts
 from otel_train.backend_setup import build_backends, split_backends
 from otel_train.capture.attributes import clean_attributes, refused_reason
 from otel_train.capture.instrument import (
@@ -33,6 +34,7 @@ from otel_train.capture.instrument import (
 )
 from otel_train.capture.step import (
     StepEnd,
+    StepOutOfRange,
     _current,
     check_log_step,
     coerce_step,
@@ -166,15 +168,14 @@ class Session:
         self._append = self.log_buffer.append
         set_step_order(settings.step_order, resume=False if settings.resume_step is None else settings.resume_step)
         self._check_step = settings.step_order == "raise"
-        #: Values of `ot.log` calls whose step was refused (2.5, NaN, "3"): never written, counted here.
-        self.refused_step_values = 0
         self._warned_step = False
-        #: Attributes of `ot.log(..., attributes=)` calls left out by OTel's rule (the values were still logged).
-        self.refused_attributes = 0
         self._warned_attributes = False
-        #: Values refused at the call, by cause (a type that is no number, a bad key, a step out of range, ...):
-        #: never in any window; the summary line and `otel-train verify` report them.
-        self.refusals: dict[str, int] = {}
+        self._warned_mapping = False
+        #: Values refused at the call, by cause (`otel_train._internal.values.REFUSAL_CAUSES`: a type that is no
+        #: number, a bad key, a step out of range, ...): never in any window; the summary line and `otel-train
+        #: verify` report them. The collector counts here what it refuses as it converts values; at shutdown the
+        #: child processes' join.
+        self.refusals: RefusalCounts = self.reader.refusals
         #: `OTEL_TRAIN_VERIFY`: this rank's verdict at shutdown (`otel_train.verify`), for the summary line.
         self.verify_verdict: str | None = None
         set_refused_step_hook(self.refuse_step)
@@ -226,11 +227,14 @@ class Session:
             if step is None:
                 step = current_step() or 0
         else:
-            if type(step) is not int:
+            if type(step) is not int or step >> 63:  # not 0..MAX_STEP (2**63-1): one shift, no lookup
                 try:
                     step = coerce_step(step, "otel_train.log(step=)")
                 except ValueError as err:  # never into the loop: counted, warned once, the values go nowhere
-                    self.refuse_step(err, len(mapping) if isinstance(mapping, Mapping) else 0)
+                    if isinstance(mapping, Mapping):
+                        self.refuse_step(err, len(mapping))
+                    else:
+                        self.refusals.add("not_a_mapping")
                     return
             if self._check_step and attributes is None:  # attributed values: other series, checked per series
                 check_log_step(step)  # OTEL_TRAIN_STEP_ORDER=raise: API misuse, raised where it happens
@@ -246,22 +250,39 @@ class Session:
                 else:
                     self._append(step, dict(mapping))
         except (TypeError, ValueError):
-            _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped",
-                            type(mapping).__name__)
+            self.refusals.add("not_a_mapping")
+            if not self._warned_mapping:
+                self._warned_mapping = True
+                _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped (warned once; "
+                                "counted in the shutdown summary)", type(mapping).__name__)
+
+    @property
+    def refused_step_values(self) -> int:
+        """Values of `ot.log` calls whose step was refused (2.5, NaN, "3", -1, 2**63): never written."""
+        return self.refusals.get("bad_step", 0) + self.refusals.get("step_out_of_range", 0)
+
+    @property
+    def refused_attributes(self) -> int:
+        """Attributes of `ot.log(..., attributes=)` calls left out by OTel's rule (the values were still logged)."""
+        return self.refusals.get("bad_attribute", 0)
 
     def refuse_attributes(self, attributes: Any, refused: list[Any]) -> None:
         """Attributes of an `ot.log` call that OTel's rule leaves out (`clean_attributes`): counted and warned
         once; the values are logged with the attributes that remain."""
-        self.refused_attributes += len(refused)
+        self.refusals.add("bad_attribute", len(refused))
         if not self._warned_attributes:
             self._warned_attributes = True
             _logger.warning("otel_train.log: %s; left out, the values are logged without it (warned once; "
-                            "`refused_attributes` counts them)", refused_reason(attributes, refused[0]))
+                            "counted in the shutdown summary)", refused_reason(attributes, refused[0]))
 
-    def refuse_step(self, err: ValueError, values: int = 0) -> None:
-        """A step that is no step, given after `init()`: counted (with the `values` of its call, which go
-        nowhere) and warned once; never raised into the training loop."""
-        self.refused_step_values += values
+    def refuse_step(self, err: ValueError, values: int | None = None) -> None:
+        """A step that is no step, given after `init()`: counted (the `values` of an `ot.log` call, which go
+        nowhere; else, `values` None, the `ot.step`/`ot.steps` call, whose block takes the next step) and warned
+        once; never raised into the training loop."""
+        if values is not None:
+            self.refusals.add("step_out_of_range" if isinstance(err, StepOutOfRange) else "bad_step", values)
+        else:
+            self.refusals.add("bad_step_entered")
         if not self._warned_step:
             self._warned_step = True
             _logger.warning("%s (warned once; an `ot.log` with such a step is not written, an `ot.step` or "
@@ -354,11 +375,19 @@ class Session:
         except Exception:
             _logger.warning("shutdown did not complete cleanly", exc_info=True)
         self.run_claim.release()  # an exporter process still draining keeps the run folder's lock until it is done
+        self._add_children_refusals()  # before the record of this session is written for verify
         self._verify_own_part()
         if self.run.rank == 0 and not self.settings.quiet:
             write_session_summary(self)
         if not any(not s.closed for s in exit_hooks._active):  # after the hand-off: a signal during it still hands off
             exit_hooks._restore_signal_handlers()
+
+    def _add_children_refusals(self) -> None:
+        """What child processes refused (they tell the exporter process, whose last progress report has it)."""
+        progress = self.export_process.last_progress if self.export_process is not None else None
+        for cause, n in (getattr(progress, "children_lost", None) or {}).items():
+            if cause.startswith(REFUSED_PREFIX):
+                self.refusals.add(cause[len(REFUSED_PREFIX):], n)
 
     @property
     def closed(self) -> bool:
@@ -419,6 +448,7 @@ class DisabledSession:
 
     def __init__(self, settings: cfg.Settings) -> None:
         self.settings = settings
+        self.refusals = RefusalCounts()  # nothing is checked, so nothing is refused
 
     def export_progress(self, timeout_s: float = 5.0) -> None:
         return None

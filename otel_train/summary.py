@@ -17,6 +17,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from otel_train._internal.values import REFUSAL_CAUSES, REFUSED_PREFIX
+
 if TYPE_CHECKING:
     from otel_train.runtime import Session
 
@@ -35,6 +37,12 @@ _CAUSES = {
 }
 
 
+def _unit(words: str, n: int) -> str:
+    """`words` (a plural unit first: ``values not a number``) for `n` of them."""
+    unit, space, rest = words.partition(" ")
+    return f"{unit[:-1]}{space}{rest}" if n == 1 and unit.endswith("s") else words
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
@@ -43,7 +51,8 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
                  failures: Mapping[str, int], run_folder: str | None = None, *,
                  steps_backwards: Mapping[str, int] | None = None, steps_order_dropped: Mapping[str, int] | None = None,
                  spool_failed_appends: int = 0, dropped_by: Mapping[str, int] | None = None,
-                 rows_lost: Mapping[str, Mapping[str, int]] | None = None, verify: str | None = None) -> str:
+                 rows_lost: Mapping[str, Mapping[str, int]] | None = None,
+                 refusals: Mapping[str, int] | None = None, verify: str | None = None) -> str:
     """Format the shutdown summary.
 
     Args:
@@ -59,6 +68,7 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         dropped_by: What makes up `dropped`: its cause with its unit (``values over the log buffer``) -> count.
         rows_lost: Backend name -> cause (`otel_train.backend.LOSS_CAUSES`, ``queue_full``) -> rows
             that backend did not write.
+        refusals: Cause (`otel_train._internal.values.REFUSAL_CAUSES`) -> what was refused at the call.
         verify: The verdict of `otel-train verify` at the end of the job (`OTEL_TRAIN_VERIFY`), a clause of its own.
 
     Example:
@@ -70,6 +80,8 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         >>> summary_line(10, 2, ["jsonl", "wandb"], 3, {}, dropped_by={"values over the log buffer": 3},
         ...              rows_lost={"wandb": {"bad_value": 2, "refused": 1}})
         'otel-train: 10 points in 2 windows to jsonl, wandb; 3 dropped (3 values over the log buffer); wandb: 3 rows not written (2 bad value, 1 refused by the backend)'
+        >>> summary_line(10, 2, ["jsonl"], 0, {}, refusals={"not_a_number": 2, "bad_key": 1})
+        'otel-train: 10 points in 2 windows to jsonl; 0 dropped; refused at the call: 2 values not a number, 1 value with a key that is not a non-empty string'
     """
     causes = ", ".join(f"{n:,} {cause}" for cause, n in (dropped_by or {}).items() if n)
     parts = [f"otel-train: {points:,} points in {windows:,} windows to {', '.join(backends) or 'no backend'}",
@@ -80,6 +92,10 @@ def summary_line(points: int, windows: int, backends: Sequence[str], dropped: in
         if total:
             why = ", ".join(f"{n:,} {_CAUSES.get(cause, cause)}" for cause, n in lost.items() if n)
             parts.append(f"{name}: {_plural(total, 'row')} not written ({why})")
+    refused = ", ".join(f"{n:,} {_unit(REFUSAL_CAUSES.get(cause, cause), n)}" for cause, n in (refusals or {}).items()
+                        if n)
+    if refused:
+        parts.append(f"refused at the call: {refused}")
     backwards, order_dropped = steps_backwards or {}, steps_order_dropped or {}
     for name in dict.fromkeys([*backwards, *order_dropped]):
         went, gone = backwards.get(name, 0), order_dropped.get(name, 0)
@@ -128,9 +144,7 @@ def write_session_summary(session: Session) -> None:
         dropped_by = {"values over the log buffer": int(getattr(reader.log_buffer, "dropped", 0)),
                       "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
                       "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
-                      - int(reader.span_buffer.dropped),
-                      "values at a refused step": session.refused_step_values}
-        dropped += session.refused_step_values
+                      - int(reader.span_buffer.dropped)}
         lost = {ex.name: {k: v for k, v in ex.rows_lost.items() if v}
                 for ex in in_process if getattr(ex, "rows_lost", None)}
         if session.export_process is not None:  # the exporter process's backends: its last progress report
@@ -144,13 +158,14 @@ def write_session_summary(session: Session) -> None:
             lost.update(progress.rows_lost)
             dropped_by["windows the exporter process could not take or its backends dropped"] = (
                 session.export_process.dropped + sum(progress.dropped.values()))
-            children = getattr(progress, "children_lost", None) or {}  # child processes' values
+            children = {cause: n for cause, n in (getattr(progress, "children_lost", None) or {}).items()
+                        if not cause.startswith(REFUSED_PREFIX)}  # child processes' values; refusals: below
             dropped_by.update(children)
             dropped += sum(children.values())
         write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
                                    failures, str(run_folder(session.settings.dir, session.run.run_name)),
                                    steps_backwards=backwards, steps_order_dropped=order_dropped,
                                    spool_failed_appends=spool_failed, dropped_by=dropped_by, rows_lost=lost,
-                                   verify=getattr(session, "verify_verdict", None)))
+                                   refusals=session.refusals.snapshot(), verify=session.verify_verdict))
     except Exception:
         _logger.debug("no shutdown summary", exc_info=True)

@@ -95,10 +95,12 @@ def test_non_numbers_are_skipped_with_one_warning_per_key(
     assert [(r.step, r.value) for r in mem.metrics if r.tag == "any name!"] == [(0, 1.0), (1, 1.0), (2, 1.0)]
     assert not {"text", "many", "d", "", 3} & {r.tag for r in mem.metrics}
     messages = [r.getMessage() for r in caplog.records]
-    for key in ("'text'", "'many'", "'d'"):
-        assert sum(key in m and "not a number" in m for m in messages) == 1
+    for key, why in (("'text'", "not a number"), ("'many'", "not a scalar"), ("'d'", "not a number")):
+        assert sum(key in m and why in m for m in messages) == 1
     for key in ("''", "3"):
         assert sum(f"key {key} is not a non-empty string" in m for m in messages) == 1
+    # counted by cause, every value of the three calls
+    assert dict(ot.current_session().refusals) == {"not_a_number": 6, "not_a_scalar": 3, "bad_key": 6}  # type: ignore[union-attr]
 
 
 def test_log_does_not_keep_the_callers_dict(mem: InMemoryRowExporter) -> None:

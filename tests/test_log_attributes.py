@@ -86,7 +86,8 @@ def test_bad_attributes_are_counted_and_left_out_not_raised(run_dir: Path, mem: 
     records = _metrics(run_dir)
     assert _points(records, "x{ok=v}") == [(3, "nan", {"ok": "v"})]
     assert _points(records, "y") == [(3, "1.0", {})]  # no attribute could be read: logged without
-    assert _points(records, "z{flag=True,sizes=(1, 2)}") == [(3, "2.0", {"flag": True, "sizes": [1, 2]})]
+    # the comma of a sequence value is escaped in the series name (`series_tag`)
+    assert _points(records, "z{flag=True,sizes=(1\\, 2)}") == [(3, "2.0", {"flag": True, "sizes": [1, 2]})]
 
 
 def test_an_explicit_step_back_in_another_series_does_not_raise(run_dir: Path,

@@ -144,3 +144,64 @@ def test_jsonl_steps_are_numbers_not_strings(tmp_path: Path) -> None:
     lines = (run_folder(tmp_path, "types") / "rank0.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if '"metric"' in line and '"x"' in line]
     assert steps == [3]
+
+
+@pytest.mark.parametrize("value", [-1, np.int64(-3), -2.0, 2**63, 2**64, np.uint64(2**63), 2.0**63, 1e300])
+def test_a_step_outside_64_bits_or_below_zero_is_out_of_range(value: object) -> None:
+    from otel_train.capture.step import StepOutOfRange
+
+    with pytest.raises(StepOutOfRange, match=r"^here: .* is not a step; expected an integer from 0 to 2\*\*63-1$"):
+        coerce_step(value, "here")
+
+
+def test_the_largest_step_is_taken() -> None:
+    assert coerce_step(2**63 - 1, "here") == 2**63 - 1
+    assert coerce_step(np.int64(2**63 - 1), "here") == 2**63 - 1
+
+
+def test_steps_out_of_range_are_counted_and_never_cost_a_window(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An int step below 0 or beyond 64 bits (which no backend stores, and which used to lose its whole window when
+    the window was packed) is refused at the call and counted; the values beside it in the window land."""
+    ot.init(exporters="jsonl,tensorboard", dir=tmp_path, run_id="range", export_every=10**6)
+    with caplog.at_level(logging.WARNING, logger="otel_train"):
+        with ot.step(1):
+            ot.log({"a": 1.0})
+        ot.log({"b": 9.0, "c": 9.0}, step=2**63)  # an int: the call's fast path checks the range too
+        ot.log({"b": 9.0}, step=-1)
+        ot.log({"b": 9.0}, step=np.int64(-5))  # type: ignore[arg-type]
+        with ot.step(-3):  # type: ignore[arg-type]  # refused: the block is the next step (2)
+            ot.log({"a": 2.0})
+        ot.log({"a": 3.0}, step=2**63 - 1)
+        refusals = dict(ot._session.refusals)
+    ot.shutdown()
+    folder = run_folder(tmp_path, "range")
+    assert _metric_rows(folder, "a") == [(1, 1.0), (2, 2.0), (2**63 - 1, 3.0)]
+    assert _metric_rows(folder, "b") == [] and _metric_rows(folder, "c") == []
+    assert _tb(folder, "a") == [(1, 1.0), (2, 2.0), (2**63 - 1, 3.0)]
+    assert refusals == {"step_out_of_range": 4, "bad_step_entered": 1}
+    warned = [r.getMessage() for r in caplog.records if "is not a step" in r.getMessage()]
+    assert len(warned) == 1 and "9223372036854775808 is not a step; expected an integer from 0 to 2**63-1" in warned[0]
+
+
+def test_a_raw_otel_point_at_a_step_out_of_range_is_counted_not_written(tmp_path: Path) -> None:
+    """A raw OTel instrument's own `train.step` is not checked at the call: the collector refuses the point."""
+    from otel_train.testing import InMemoryRowExporter
+
+    mem = InMemoryRowExporter()
+    session = ot.init(exporters=[mem], dir=tmp_path, run_id="raw", export_every=10**6)
+    gauge = ot.get_meter("test").create_gauge("raw/g")
+    with ot.step(4):
+        gauge.set(1.0, {"train.step": 2**63})
+        gauge.set(2.0, {"train.step": -2, "k": "v"})
+        gauge.set(3.0)
+        ot.log({"a": 4.0})
+    assert ot.flush()
+    assert mem.values("raw/g") == [(4, 3.0)] and mem.values("a") == [(4, 4.0)]
+    assert dict(session.refusals) == {"step_out_of_range": 2}
+
+
+def test_the_sink_refuses_a_negative_step_as_ot_log_does() -> None:
+    from otel_train.sink.otlp import BAD_STEP, step_value
+
+    assert [step_value(v) for v in (0, 2**63 - 1, 7.0, "8")] == [0, 2**63 - 1, 7, 8]
+    assert [step_value(v) for v in (-1, -5.0, "-2", 2**63)] == [BAD_STEP] * 4

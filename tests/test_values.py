@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 import weakref
 from fractions import Fraction
@@ -132,3 +133,31 @@ def test_strict_sync_off_costs_no_check(recwarn: pytest.WarningsRecorder) -> Non
     buf = LogBuffer(10)
     buf.append(0, {"x": _DeviceArray()})
     assert not [w for w in recwarn if "device sync" in str(w.message)]
+
+
+def test_decimal_fraction_and_other_reals_are_numbers() -> None:
+    from decimal import Decimal
+
+    assert V.to_float(Decimal("1.1")) == 1.1 and V.to_float(Decimal("-0.25")) == -0.25
+    assert V.to_float(Decimal("Infinity")) == float("inf") and math.isnan(V.to_float(Decimal("NaN")))  # type: ignore[arg-type]
+    assert V.to_float(Fraction(1, 3)) == 1 / 3 and V.to_float(np.longdouble(0.5)) == 0.5
+    assert V.to_floats([Decimal("2.5"), Fraction(3, 4)]) == [2.5, 0.75]
+    assert V.to_float(Decimal("sNaN")) is None  # a signaling NaN cannot be read: refused, not raised
+    assert V.refusal(Decimal("sNaN")) == "not_a_number"
+
+
+@pytest.mark.parametrize(("value", "cause"), [
+    (1 + 2j, "not_a_number"), ("0.5", "not_a_number"), (None, "not_a_number"), (b"1", "not_a_number"),
+    (object(), "not_a_number"), ({"a": 1}, "not_a_number"), ([1.0, 2.0], "not_a_scalar"),
+    ([], "not_a_scalar"), (["x"], "not_a_number"), (np.zeros((2, 2)), "not_a_scalar"), (np.array("s"), "not_a_number"),
+])
+def test_why_a_value_is_refused(value: object, cause: str) -> None:
+    assert V.to_float(value) is None
+    assert V.refusal(value) == cause
+
+
+def test_why_a_tensor_is_refused() -> None:
+    assert V.refusal(torch.zeros(3)) == "not_a_scalar" and V.refusal(torch.zeros(0)) == "not_a_scalar"
+    assert V.to_float(torch.tensor(1 + 2j)) is None and V.refusal(torch.tensor(1 + 2j)) == "not_a_number"
+    assert set(V.REFUSAL_CAUSES) >= {"not_a_number", "not_a_scalar", "bad_key", "not_a_mapping", "bad_step",
+                                     "step_out_of_range", "bad_attribute", "bad_step_entered"}

@@ -20,9 +20,11 @@ from otel_train import semconv
 from otel_train.errors import StepOrderError
 
 __all__ = [
+    "MAX_STEP",
     "RANK_ATTRIBUTE",
     "STEP_ATTRIBUTE",
     "StepEnd",
+    "StepOutOfRange",
     "add_step_end_listener",
     "check_log_step",
     "coerce_step",
@@ -42,6 +44,15 @@ RANK_ATTRIBUTE = semconv.TRAIN_RANK
 _logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+#: The highest step: steps are 64-bit signed integers in TensorBoard, MLflow, Trackio, W&B, OTLP and the window
+#: format, so a step is an integer from 0 to this.
+MAX_STEP = 2**63 - 1
+
+
+class StepOutOfRange(ValueError):
+    """An integer step below 0 or above `MAX_STEP` (a `ValueError`, as every refused step)."""
+
+
 _current: contextvars.ContextVar[int | None] = contextvars.ContextVar("otel_train_step", default=None)
 _clock = time.perf_counter_ns  # bound once: a step boundary is on the training thread's hot path
 
@@ -50,17 +61,19 @@ def coerce_step(value: Any, where: str) -> int:
     """`value` as a step: what every entry point that takes a step accepts (`ot.step`, `ot.steps(start=)`,
     `ot.log(step=)`, `ot.resume`, `init(resume_step=)`, child processes, the integrations).
 
-    Accepted, when >= 0: anything `operator.index` takes (`int`, NumPy integers, integer 0-d tensors and
-    arrays) and numbers with an integral value (``61.0``, a float tensor holding 3.0). Refused: negative
-    steps (-1 means "no step" in spools and child processes), ``True``/``False`` (a step is never a flag),
-    fractions (2.5), NaN, ±inf, strings and everything else.
+    Accepted, from 0 to `MAX_STEP` (2**63 - 1): anything `operator.index` takes (`int`, NumPy integers, integer
+    0-d tensors and arrays) and numbers with an integral value (``61.0``, a float tensor holding 3.0). Refused:
+    ``True``/``False`` (a step is never a flag), fractions (2.5), NaN, ±inf, strings and everything else; and,
+    as `StepOutOfRange`, integers outside that range: a negative step (W&B and Trackio refuse one, and -1 means
+    "no step" in spools and child processes) and one beyond 64 bits (no backend stores it).
 
     Args:
         value: The step given.
         where: The call it was given to, for the message (e.g. ``"otel_train.log(step=)"``).
 
     Raises:
-        ValueError: `value` is not a step; the one-line message names it and what is allowed.
+        ValueError: `value` is not a step; the one-line message names it and what is allowed
+            (`StepOutOfRange` for an integer outside 0..2**63-1).
 
     Example:
         >>> import numpy as np
@@ -70,8 +83,12 @@ def coerce_step(value: Any, where: str) -> int:
         Traceback (most recent call last):
         ...
         ValueError: ot.step: 2.5 is not a step; expected an integer >= 0 (or a number with an integral value, e.g. 3.0)
+        >>> coerce_step(-1, "ot.step")
+        Traceback (most recent call last):
+        ...
+        otel_train.capture.step.StepOutOfRange: ot.step: -1 is not a step; expected an integer from 0 to 2**63-1
     """
-    if type(value) is int and value >= 0:  # the common case first
+    if type(value) is int and 0 <= value <= MAX_STEP:  # the common case first
         return value
     if not isinstance(value, (bool, str, bytes)):
         step: int | None = None
@@ -84,8 +101,10 @@ def coerce_step(value: Any, where: str) -> int:
                 number = math.nan
             if math.isfinite(number) and number.is_integer():
                 step = int(number)
-        if step is not None and step >= 0:
-            return step
+        if step is not None:
+            if 0 <= step <= MAX_STEP:
+                return step
+            raise StepOutOfRange(f"{where}: {step} is not a step; expected an integer from 0 to 2**63-1")
     shown = repr(value)
     raise ValueError(f"{where}: {shown[:80]} is not a step; expected an integer >= 0 (or a number with an "
                      "integral value, e.g. 3.0)")
@@ -270,7 +289,7 @@ class step:
     __slots__ = ("_samples", "_start_ns", "_step", "_token")
 
     def __init__(self, i: int | None = None, *, samples: int | None = None) -> None:
-        if i is not None and type(i) is not int:
+        if i is not None and (type(i) is not int or i >> 63):  # i >> 63: i is not in 0..MAX_STEP
             # Not a step (2.5, "3"): raised before init(); after it, warned once and the block is the next step
             i = _coerce_or_none(i, "otel_train.step()")
         if i is None:

@@ -122,6 +122,8 @@ class StepAlignedMetricReader(MetricReader):
         self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(100_000)
         self._resource = resource or Resource.create()
         self._builder = WindowBuilder(export_metrics, phases)
+        #: Values refused as they were converted (no number, no scalar, a bad key, a step out of range), by cause.
+        self.refusals = self._builder.refusals
         #: The backends of this process (exporter objects; every named one without an exporter process).
         self._local = LocalDelivery(exporters, queue_size, lambda: self._resource, record) if exporters else None
         self._channel = channel

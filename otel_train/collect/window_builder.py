@@ -4,6 +4,11 @@ The collector drains the `ot.log` and span buffers and collects the SDK's instru
 turns that into the parts of a window: ``(tag, step, value, time)`` tuples for `ot.log` values (and the
 per-step phase timings), rows for the SDK's points and histograms (only where this rank exports metrics),
 and span rows (from every rank). `DropCounter` adds the drop counts to the window once they change.
+
+What cannot be a point is refused here, counted by cause in `WindowBuilder.refusals` (the session's
+`refusals`) and warned about once per key: a value that is no number or no scalar, a key that is not a
+non-empty string, a step outside 0..2**63-1 (a raw OTel point's `train.step`; `ot.log` refuses one at the call).
+A window never carries such a row, so one bad value never costs the values beside it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricsData
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train._internal.values import to_floats, valid_name
+from otel_train._internal.values import RefusalCounts, refusal, to_floats, valid_name
 from otel_train.capture.instrument import AttributedValues, LogBuffer, SpanBuffer, SpanRecord
-from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd
+from otel_train.capture.step import MAX_STEP, STEP_ATTRIBUTE, StepEnd
 from otel_train.collect.phases import PhaseTimer
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
 from otel_train.rows import HistogramRow, MetricRow, SpanRow, series_tag
@@ -28,6 +33,9 @@ from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo
 __all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points"]
 
 _logger = logging.getLogger("otel_train.collect.reader")
+#: Keys known to be their own tag (valid, without `{`) are remembered, up to this many: the common point's check
+#: is then one set lookup.
+_PLAIN_KEYS_MAX = 65536
 
 
 @dataclasses.dataclass
@@ -55,6 +63,9 @@ class WindowBuilder:
         self._phases = PhaseTimer() if phases and export_metrics else None
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
         self._log = LogOnce(_logger)
+        #: What was refused, by cause (`otel_train._internal.values.REFUSAL_CAUSES`); the session's `refusals`.
+        self.refusals = RefusalCounts()
+        self._plain_keys: set[str] = set()
 
     def run_for(self, resource_attributes: Any) -> RunInfo:
         return self.converter.run_for(resource_attributes)
@@ -71,6 +82,7 @@ class WindowBuilder:
         # Metric rows only where this rank exports metrics (spans: every rank).
         if self.export_metrics and has_points(metrics_data):
             sdk_rows, hists = self.converter.rows(metrics_data, step)  # type: ignore[arg-type]
+            sdk_rows, hists = self._in_range(sdk_rows), self._in_range(hists)
         row_spans: list[SpanRow] = []
         if spans:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
@@ -86,6 +98,7 @@ class WindowBuilder:
         (the shape a gauge set with those attributes has), converted by the same rules."""
         out: list[Any] = []
         append = out.append
+        plain = self._plain_keys
         slow = []
         for _, step, mapping, t in records:
             if type(mapping) is not dict:
@@ -95,40 +108,65 @@ class WindowBuilder:
                 elif type(mapping) is AttributedValues:
                     self._attributed_rows(run, step, mapping, t, attributed)
                     continue
+            if not 0 <= step <= MAX_STEP:  # `ot.log` refuses such a step at the call: this is the last guard
+                self.refusals.add("step_out_of_range", len(mapping.items()))
+                continue
             for key, value in mapping.items():
-                if type(value) is float and valid_name(key):  # the common case: nothing to convert
+                if type(value) is float and key in plain:  # the common case: nothing to convert
                     append((key, step, value, t))
-                else:  # tensors, ints, bad names: converted together below, order kept
+                else:  # tensors, ints, new or bad keys: converted together below, order kept
                     slow.append((len(out), key, step, value, t))
                     append(None)
         if not slow:
             return out
         floats = to_floats([s[3] for s in slow])
         for (idx, key, step, raw, t), value in zip(slow, floats):
-            if self._usable(key, raw, value):
-                out[idx] = (key, step, value, t)
+            if self._usable(key, raw, value) and value is not None:
+                if "{" in key:  # its tag is escaped (`series_tag`): a row, so the key stays its name
+                    attributed.append(MetricRow(run, step, key, series_tag(key, None), value, "gauge", t))
+                else:
+                    out[idx] = (key, step, value, t)
         return [p for p in out if p is not None]
 
     def _attributed_rows(self, run: RunInfo, step: int, record: AttributedValues, t: int,
                          rows: list[MetricRow]) -> None:
         attrs = record.attributes
         items = list(record.values.items())
+        if not 0 <= step <= MAX_STEP:
+            self.refusals.add("step_out_of_range", len(items))
+            return
         floats = to_floats([v for _, v in items])
         for (key, raw), value in zip(items, floats):
             if self._usable(key, raw, value) and value is not None:
                 rows.append(MetricRow(run, step, key, series_tag(key, attrs), value, "gauge", t, attrs))
 
     def _usable(self, key: Any, raw: Any, value: float | None) -> bool:
-        """Whether `key` -> `value` (converted from `raw`) is written; warns once per key when it is not."""
-        if value is None:
-            self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a number; "
-                              "skipped (warned once per key)", key, type(raw).__name__)
-            return False
+        """Whether `key` -> `value` (converted from `raw`) is written; counted and warned about once per key when
+        it is not."""
         if not valid_name(key):
+            self.refusals.add("bad_key")
             self._log.warning(f"name:{key!r}", "otel_train.log: key %r is not a non-empty string; skipped "
                               "(warned once per key)", key)
             return False
+        if value is None:
+            cause = refusal(raw)
+            self.refusals.add(cause)
+            self._log.warning(f"value:{key}", "otel_train.log: key %r has a %s value that is not a %s; skipped "
+                              "(warned once per key)", key, type(raw).__name__,
+                              "scalar" if cause == "not_a_scalar" else "number")
+            return False
+        if len(self._plain_keys) < _PLAIN_KEYS_MAX and "{" not in key:
+            self._plain_keys.add(key)
         return True
+
+    def _in_range(self, rows: list[Any]) -> list[Any]:
+        """`rows` less those whose step is outside 0..2**63-1 (a raw OTel point's `train.step`), counted."""
+        kept = [r for r in rows if 0 <= r.step <= MAX_STEP]
+        if len(kept) != len(rows):
+            self.refusals.add("step_out_of_range", len(rows) - len(kept))
+            self._log.warning("step_range", "otel-train: %d points with a `train.step` outside 0..2**63-1 were "
+                              "not written (warned once)", len(rows) - len(kept))
+        return kept
 
 
 class DropCounter:

@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train._internal.values import to_float, valid_name
+from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name
 from otel_train.backend import Window
 from otel_train.capture.attributes import clean_attributes, refused_reason
-from otel_train.capture.step import coerce_step
+from otel_train.capture.step import StepOutOfRange, coerce_step
 from otel_train.rows import MetricRow, SpanRow, series_tag
 from otel_train.run_identity import RunInfo
 
@@ -48,7 +48,7 @@ _CONNECT_TIMEOUT_S = 2.0
 _SEND_TIMEOUT_S = 5.0  # a stalled exporter process: give up and drop, never block the worker's exit for long
 _MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropped (counted)
 #: What a child lost, as the trainer's shutdown summary words it (`WorkerListener.lost`).
-LOST_REFUSED_STEP = "values at a refused step in child processes"
+LOST_REFUSED_STEP = REFUSED_PREFIX + "bad_step"  # refusals: the trainer's summary counts them with its own
 LOST_BUFFER = "values over a child process's buffer"
 LOST_SPANS = "spans over a child process's buffer"
 
@@ -261,6 +261,7 @@ class WorkerClient:
         if attributes is not None:  # checked as in the training process; what is left out is warned about once
             extra, refused = clean_attributes(attributes)
             if refused:
+                self._lose(REFUSED_PREFIX + "bad_attribute", len(refused))
                 _warn_once.warning("attributes", "otel_train.log in a child process: %s; left out (warned once)",
                                    refused_reason(attributes, refused[0]))
         t = time.time_ns()
@@ -269,18 +270,27 @@ class WorkerClient:
             try:
                 s = coerce_step(step, "otel_train.log(step=) in a child process")
             except ValueError as err:  # never raised into the child's loop: warned once, its values go nowhere
-                self._lose(LOST_REFUSED_STEP, len(mapping))
+                out_of_range = isinstance(err, StepOutOfRange)
+                self._lose(REFUSED_PREFIX + "step_out_of_range" if out_of_range else LOST_REFUSED_STEP,
+                           len(mapping) if isinstance(mapping, Mapping) else 0)
                 _warn_once.warning("step", "%s (warned once; such values are not written)", err)
                 return
         points = []
+        if not isinstance(mapping, Mapping):
+            self._lose(REFUSED_PREFIX + "not_a_mapping", 1)
+            return
+        refusals: list[str] = []
         for key, value in mapping.items():
             v = to_float(value)  # the same rules as `ot.log` in the training process
             if v is None or not valid_name(key):
+                refusals.append(REFUSED_PREFIX + ("bad_key" if not valid_name(key) else refusal(value)))
                 _warn_once.warning(f"value:{key!r}", "otel_train.log in a child process: %r is not a non-empty "
                                    "string key with a number; skipped (warned once per key)", key)
                 continue
             points.append((key, s, v, t, extra) if extra else (key, s, v, t))
         with self._lock:
+            for cause in refusals:  # counted where the sender takes them (under the lock)
+                self._lose(cause, 1)
             if len(self._points) + len(points) > _MAX_BUFFERED:
                 self._lose(LOST_BUFFER, len(points))
                 return

@@ -190,7 +190,7 @@ def _histogram_stats(h: HistogramRow) -> list[MetricRow]:
         if math.isnan(value):
             continue
         stat_name = f"{h.name}/{stat}"
-        tag = series_tag(stat_name, h.attributes) if h.attributes else stat_name
+        tag = series_tag(stat_name, h.attributes)
         out.append(MetricRow(h.run, h.step, stat_name, tag, value, "histogram", h.time_unix_nano, h.attributes))
     return out
 
@@ -212,7 +212,7 @@ def _sum_mode(s: Any) -> int:
 
 def _one_point(p: Any, name: str, kind: str, run: RunInfo, unit: str = "", description: str = "") -> MetricRow:
     step, extra = point_attributes(p.attributes)
-    tag = series_tag(name, extra) if extra else name
+    tag = series_tag(name, extra)
     return MetricRow(run, STEPLESS if step is None else step, name, tag, p.as_double or float(p.as_int), kind,
                      p.time_unix_nano, extra, None, unit, description)
 
@@ -309,7 +309,8 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                         if entry is not WHOLE:
                             step, extra = entry
                             if step is not None and step != BAD_STEP:
-                                tag = name if extra is NO_EXTRA else series_tag(name, extra)
+                                tag = (name if "{" not in name else series_tag(name, None)) if extra is NO_EXTRA \
+                                    else series_tag(name, extra)  # a key holding `{` is escaped in its tag
                                 tags.add(tag)
                                 if step > hi:  # noqa: PLR1730 - cheaper than a max() call per point
                                     hi = step
@@ -381,7 +382,7 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                     continue
                 if extra is NO_EXTRA:
                     plain = True
-                    tag = name
+                    tag = name if "{" not in name else series_tag(name, None)  # a key holding `{`: escaped
                 else:
                     tag = series_tag(name, extra)
                     tags.add(tag)
@@ -397,7 +398,7 @@ def _lean_resource(scope_metrics: Any, run: RunInfo, out: Decoded, cache: Attrib
                 append((MetricRow(run, step, name, tag, value, row_kind, t, extra, None, unit, description), mode,
                         start, sender))
             if plain:
-                tags.add(name)
+                tags.add(series_tag(name, None))
             if mode != GAUGE:
                 rows.sort(key=_by_step)  # running totals follow the step order
                 out._numbers.extend(rows)
@@ -444,7 +445,7 @@ def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: D
             tags = out.tags_of(run)
             for q in p.quantile_values:
                 q_name = f"{name}/p{q.quantile * 100:g}"
-                tag = series_tag(q_name, row.attributes) if row.attributes else q_name
+                tag = series_tag(q_name, row.attributes)
                 tags.add(tag)
                 out._numbers.append((MetricRow(run, row.step, q_name, tag, float(q.value), "gauge",
                                                p.time_unix_nano, row.attributes), GAUGE, 0, out.sender))
@@ -474,11 +475,11 @@ def _pending_histogram(out: Decoded, run: RunInfo, name: str, p: Any, bounds: tu
     total = float(p.sum) if _has(p, "sum") else 0.0
     lo = float(p.min) if _has(p, "min") else math.nan
     hi = float(p.max) if _has(p, "max") else math.nan
-    tag = series_tag(name, extra) if extra else name
+    tag = series_tag(name, extra)
     tags = out.tags_of(run)
     tags.add(tag)
     for stat in ("count", "sum", "min", "max"):
-        tags.add(series_tag(f"{name}/{stat}", extra) if extra else f"{name}/{stat}")
+        tags.add(series_tag(f"{name}/{stat}", extra))
     out.saw(run, step)
     row = HistogramRow(run, step, name, tag, int(p.count), total, lo, hi, bounds, counts, p.time_unix_nano, extra,
                        *_unit_description(metric), exponential)

@@ -73,26 +73,28 @@ def attributes(kvs: Any) -> dict[str, Any]:
     return {kv.key: any_value(kv.value) for kv in kvs}
 
 
-#: The step of a point whose `train.step` is no step (2.5, NaN, ±inf, beyond int64, a word): such a
-#: point is refused alone (counted), never written at a made-up step.
+#: The step of a point whose `train.step` is no step (2.5, NaN, ±inf, below 0 or beyond int64, a word): such a
+#: point is refused alone (counted), never written at a made-up step. Steps are 0..2**63-1, as at `ot.log`.
 BAD_STEP = -(1 << 64)
-_INT64 = range(-(1 << 63), 1 << 63)
+_STEPS = range(1 << 63)
 
 
 def step_value(value: Any) -> int:
-    """A `train.step` attribute value as a step: an int64, a float with an integral value, or the
-    decimal text of one; anything else is `BAD_STEP`.
+    """A `train.step` attribute value as a step: an integer from 0 to 2**63-1, a float with such an integral
+    value, or the decimal text of one; anything else is `BAD_STEP`.
 
     Example:
         >>> step_value(3), step_value(4.0), step_value("5"), step_value(2.5) == BAD_STEP, step_value(1e19) == BAD_STEP
         (3, 4, 5, True, True)
+        >>> step_value(-1) == BAD_STEP
+        True
     """
     if isinstance(value, bool):
         return BAD_STEP
     if isinstance(value, int):
-        return value if value in _INT64 else BAD_STEP
+        return value if value in _STEPS else BAD_STEP
     if isinstance(value, float):
-        return int(value) if value.is_integer() and int(value) in _INT64 else BAD_STEP
+        return int(value) if value.is_integer() and int(value) in _STEPS else BAD_STEP
     if isinstance(value, str):
         try:
             return step_value(int(value.strip()))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import otel_train as ot
 from otel_train import config as cfg
 from otel_train.errors import ConfigError
+from otel_train.rows import series_tag
 from otel_train.testing import InMemoryRowExporter
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_./\-]{0,254}\Z")  # the OTel instrument name syntax (README)
@@ -68,7 +69,8 @@ def test_log_never_raises_and_writes_the_documented_rows(tmp_path: Path, mapping
     ot.log(mapping, step=step)  # must not raise, whatever the mapping holds
     assert ot.flush(10.0)
     got = {r.tag: r.value for r in memory.metrics if r.step == step and not r.tag.startswith("train.")}
-    want = {k: documented(v) for k, v in mapping.items() if k and documented(v) is not None}  # any non-empty key
+    # any non-empty key, as its series name (a key holding `{` is escaped: `series_tag`)
+    want = {series_tag(k, None): documented(v) for k, v in mapping.items() if k and documented(v) is not None}
     assert set(got) == set(want)
     for key, value in want.items():
         assert got[key] == value or (math.isnan(got[key]) and math.isnan(value))  # type: ignore[arg-type]
