@@ -72,6 +72,7 @@ LOSS_CAUSES: dict[str, str] = {
     "bad_value": "bad value",
     "refused": "refused by the backend",
     "gave_up": "given up after retries",
+    "not_started": "the backend did not start",
 }
 _NUMBERS = (float, int)
 

@@ -8,32 +8,25 @@ import sys
 from typing import Any
 
 from otel_train import config as cfg
-from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
-from otel_train.registry import check_available, get_spec, load_class
+from otel_train.registry import check_available, get_spec
 
 __all__ = ["build_backends", "split_backends"]
 
 
 def build_backends(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:
-    """The backends named `names`, each given `options`; none left open when one fails (`ConfigError`)."""
-    specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
-    for spec in specs:
-        check_available(spec)
-    built = []
-    for spec in specs:
-        try:
-            built.append(load_class(spec)(options))
-        except (ImportError, ConfigError):
-            for ex in built:
-                ex.shutdown()
-            raise
-        except Exception as err:
-            for ex in built:
-                ex.shutdown()
-            raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
-                              f"{type(err).__name__}: {err}") from err
-    return built
+    """The backends named `names`, each given `options`, each starting on a thread of its own
+    (`otel_train.ship.backend_start`): nobody waits for a backend's client to import or its run to open.
+
+    Raises:
+        ConfigError: an unknown name or a missing package, before anything starts.
+    """
+    from otel_train.ship.backend_start import starting_backends
+
+    built = starting_backends(names, options, spooled=False)
+    for backend in built.values():
+        backend.start()
+    return list(built.values())
 
 
 #: Backends whose job is the trainer's terminal: they stay in the training process, whose stderr that is (the

@@ -60,6 +60,9 @@ def known_exporters() -> dict[str, ExporterSpec]:
 
 def get_spec(name: str, setting: str = "OTEL_TRAIN_EXPORTERS") -> ExporterSpec:
     """The spec for `name`, or a `ConfigError` listing the known names."""
+    spec = _BUILTIN.get(name)
+    if spec is not None:  # built-ins win over entry points: no need to scan every installed distribution
+        return spec
     known = known_exporters()
     spec = known.get(name)
     if spec is None:

@@ -30,6 +30,7 @@ _CAUSES = {
     "bad_value": "bad value",
     "refused": "refused by the backend",
     "gave_up": "given up after retries",
+    "not_started": "the backend did not start",
     "queue_full": "queue full",
 }
 
