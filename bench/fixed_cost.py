@@ -92,7 +92,9 @@ def _env(root: Path, extra: dict[str, str]) -> dict[str, str]:
 
 def run_once(code: str, extra: dict[str, str]) -> dict[str, float]:
     """One fresh process: its wall time, and `init` / `shutdown` as it timed them (ours only)."""
-    with tempfile.TemporaryDirectory() as tmp:
+    # The wall time is the training process's: an exporter process still draining (after a shutdown timeout)
+    # may write on; its folder is then left behind.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", code], env=_env(Path(tmp), extra), capture_output=True,
                               text=True, timeout=600, check=False)
