@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from otel_train import config as cfg
+from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
 from otel_train.registry import check_available, get_spec
 
@@ -34,6 +35,18 @@ def build_backends(names: tuple[str, ...], options: ExporterOptions) -> list[Any
 _TERMINAL_BACKENDS = frozenset({"console"})
 
 
+#: What the `otlp` backend speaks (its `PROTOCOLS`): checked here, as the backend itself starts later, elsewhere.
+_OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def _check_otlp_protocols() -> None:
+    """An unsupported ``OTEL_EXPORTER_OTLP_*PROTOCOL`` fails `init()`, with the line the backend would give."""
+    for var in ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        raw = os.environ.get(var)
+        if raw is not None and raw.strip() and raw.strip().lower() not in _OTLP_PROTOCOLS:
+            raise ConfigError(f"{var}: {raw!r} is not supported; use one of {', '.join(_OTLP_PROTOCOLS)}")
+
+
 def _is_builtin(target: str) -> bool:
     """Whether a registry target (``module:Class``) is one of our own backends."""
     return target.partition(":")[0].split(".")[:2] == ["otel_train", "exporters"]
@@ -50,6 +63,8 @@ def split_backends(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, 
     names = settings.exporters
     for spec in [get_spec(n) for n in names]:
         check_available(spec)
+    if "otlp" in names:
+        _check_otlp_protocols()
     if settings.export_process == "off" or (settings.export_process == "auto" and (
             os.name != "posix" or not sys.executable)):
         return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start

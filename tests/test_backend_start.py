@@ -19,6 +19,7 @@ import pytest
 from fake_wandb import fake_wandb_env
 
 import otel_train as ot
+from otel_train.errors import ConfigError
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.ship.spool import Spool, spool_dir
 
@@ -106,6 +107,15 @@ def test_a_backend_that_cannot_start_is_said_once_and_counted_and_the_loop_goes_
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _logged_steps(tmp_path / "wandb-out") == list(range(STEPS))
+
+
+def test_a_bad_setting_of_a_backend_started_elsewhere_still_fails_init(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpcx")
+    with pytest.raises(ConfigError, match=r"^OTEL_EXPORTER_OTLP_PROTOCOL: 'grpcx' is not supported; "
+                                          r"use one of grpc, http/protobuf$"):
+        ot.init(exporters=["otlp"], dir=tmp_path / "runs")
+    assert ot._session is None
 
 
 def test_a_child_process_left_alive_does_not_hold_the_listener_at_close(tmp_path: Path) -> None:
