@@ -402,7 +402,7 @@ class ExportProcess:
             unsent = len(self._early) if self._seq is None else 0
         if unsent:
             _logger.error("otel-train: the exporter process did not start before the shutdown deadline; %d "
-                          "message(s) logged meanwhile were never handed to it", unsent)
+                          "window(s) and request(s) sent meanwhile never reached it", unsent)
         if not ok and rid:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
             state = "durable in the spool" if durable else "NOT confirmed durable"
