@@ -7,6 +7,7 @@ ratios of wall time per step. `init` (child start included) and `shutdown` are t
 
     python bench/real_loop.py               # 3 repetitions, pinned and unpinned (~10 min on 2 cores)
     python bench/real_loop.py --reps 1 --modes pinned
+    python bench/real_loop.py --step 1ms --modes pinned --configs 0,2   # the ~0.6 ms step (256-96-96-10)
 
 Pinned: the loop runs under `taskset -c 0` and `OTEL_TRAIN_EXPORT_CPUS=1` (as on a node where the loop
 has its own cores and logging runs on housekeeping cores). Unpinned: both share every core.
@@ -36,6 +37,9 @@ CONFIGS = {  # label -> extra environment
     "otlp -> sink, EXPORT_PROCESS=off": {"OTEL_TRAIN_EXPORTERS": "otlp", "OTEL_TRAIN_EXPORT_PROCESS": "off"},
 }
 
+#: The MLP's hidden width per step size (batch 128, one thread).
+STEP_SIZES = {"4ms": 512, "1ms": 96}
+
 LOOP = textwrap.dedent("""
     import json, sys, time
     t0 = time.perf_counter()
@@ -43,9 +47,9 @@ LOOP = textwrap.dedent("""
     import otel_train as ot
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    steps = int(sys.argv[1])
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                                torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    steps, hidden = int(sys.argv[1]), int(sys.argv[2])
+    model = torch.nn.Sequential(torch.nn.Linear(256, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
     t_init = time.perf_counter()
@@ -78,8 +82,8 @@ LOOP = textwrap.dedent("""
 """)
 
 
-def _run(script: Path, steps: int, env: dict[str, str], pinned: bool) -> dict[str, float]:
-    cmd = [sys.executable, str(script), str(steps)]
+def _run(script: Path, steps: int, env: dict[str, str], pinned: bool, hidden: int = 512) -> dict[str, float]:
+    cmd = [sys.executable, str(script), str(steps), str(hidden)]
     if pinned:
         cmd = ["taskset", "-c", "0", *cmd]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
@@ -105,6 +109,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--modes", default="pinned,unpinned")
+    parser.add_argument("--step", choices=list(STEP_SIZES), default="4ms",
+                        help="the MLP's width: 4ms (256-512-512-10, the default) or 1ms (256-96-96-10, ~0.6 ms "
+                             "steps on a 2-core VM: where the per-step cost around the loop shows)")
     parser.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
                         help="indices into the config list (default: all)")
     args = parser.parse_args()
@@ -122,7 +129,8 @@ def main() -> int:
             sink = _start_sink(root / "sink-runs")
             base.update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{sink.grpc_port}",
                         OTEL_EXPORTER_OTLP_INSECURE="true")
-        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps, median of {args.reps}")
+        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps, median of "
+              f"{args.reps}; step size {args.step} (hidden width {STEP_SIZES[args.step]})")
         for mode in args.modes.split(","):
             pinned = mode == "pinned"
             extra = {"OTEL_TRAIN_EXPORT_CPUS": "1"} if pinned else {}
@@ -132,12 +140,13 @@ def main() -> int:
             disabled_cpu: list[float] = []
             for rep in range(args.reps):
                 for label in labels:
-                    off = _run(script, args.steps, {**base, "OTEL_TRAIN_DISABLED": "1"}, pinned)
+                    hidden = STEP_SIZES[args.step]
+                    off = _run(script, args.steps, {**base, "OTEL_TRAIN_DISABLED": "1"}, pinned, hidden)
                     name = f"{mode}-{rep}-{labels.index(label)}"
                     directory = root / f"runs-{name}"
                     env = {**base, **extra, **CONFIGS[label], "OTEL_TRAIN_DIR": str(directory),
                            "OTEL_TRAIN_RUN_NAME": name, "OTEL_TRAIN_RUN_ID": name}
-                    on = _run(script, args.steps, env, pinned)
+                    on = _run(script, args.steps, env, pinned, hidden)
                     if sink is not None and CONFIGS[label].get("OTEL_TRAIN_EXPORTERS") == "otlp":
                         sink.flush(60)
                         directory = root / "sink-runs" / name

@@ -73,6 +73,7 @@ LOSS_CAUSES: dict[str, str] = {
     "refused": "refused by the backend",
     "gave_up": "given up after retries",
     "disk_full": "disk full",
+    "not_started": "the backend did not start",
 }
 _NUMBERS = (float, int)
 

@@ -10,35 +10,41 @@ from typing import Any
 from otel_train import config as cfg
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
-from otel_train.registry import check_available, get_spec, load_class
+from otel_train.registry import check_available, get_spec
 
 __all__ = ["build_backends", "split_backends"]
 
 
 def build_backends(names: tuple[str, ...], options: ExporterOptions) -> list[Any]:
-    """The backends named `names`, each given `options`; none left open when one fails (`ConfigError`)."""
-    specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
-    for spec in specs:
-        check_available(spec)
-    built = []
-    for spec in specs:
-        try:
-            built.append(load_class(spec)(options))
-        except (ImportError, ConfigError):
-            for ex in built:
-                ex.shutdown()
-            raise
-        except Exception as err:
-            for ex in built:
-                ex.shutdown()
-            raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
-                              f"{type(err).__name__}: {err}") from err
-    return built
+    """The backends named `names`, each given `options`, each starting on a thread of its own
+    (`otel_train.ship.backend_start`): nobody waits for a backend's client to import or its run to open.
+
+    Raises:
+        ConfigError: an unknown name or a missing package, before anything starts.
+    """
+    from otel_train.ship.backend_start import starting_backends
+
+    built = starting_backends(names, options, spooled=False)
+    for backend in built.values():
+        backend.start()
+    return list(built.values())
 
 
 #: Backends whose job is the trainer's terminal: they stay in the training process, whose stderr that is (the
 #: exporter process writes its own stdout/stderr to a log file in the spool, so a table written there is never seen).
 _TERMINAL_BACKENDS = frozenset({"console"})
+
+
+#: What the `otlp` backend speaks (its `PROTOCOLS`): checked here, as the backend itself starts later, elsewhere.
+_OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+
+
+def _check_otlp_protocols() -> None:
+    """An unsupported ``OTEL_EXPORTER_OTLP_*PROTOCOL`` fails `init()`, with the line the backend would give."""
+    for var in ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        raw = os.environ.get(var)
+        if raw is not None and raw.strip() and raw.strip().lower() not in _OTLP_PROTOCOLS:
+            raise ConfigError(f"{var}: {raw!r} is not supported; use one of {', '.join(_OTLP_PROTOCOLS)}")
 
 
 def _is_builtin(target: str) -> bool:
@@ -57,6 +63,8 @@ def split_backends(settings: cfg.Settings) -> tuple[tuple[str, ...], tuple[str, 
     names = settings.exporters
     for spec in [get_spec(n) for n in names]:
         check_available(spec)
+    if "otlp" in names:
+        _check_otlp_protocols()
     if settings.export_process == "off" or (settings.export_process == "auto" and (
             os.name != "posix" or not sys.executable)):
         return names, ()  # the exporter process needs Unix sockets, fd passing and an interpreter to start

@@ -33,6 +33,7 @@ _CAUSES = {
     "refused": "refused by the backend",
     "gave_up": "given up after retries",
     "disk_full": "disk full",
+    "not_started": "the backend did not start",
     "queue_full": "queue full",
 }
 

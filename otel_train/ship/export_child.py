@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -22,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from otel_train._internal.gc_tuning import tune_for_row_churn
+from otel_train.backend import RowExporter
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions, options_to_json
 from otel_train.run_identity import RunInfo
 from otel_train.ship import store_env
+from otel_train.ship.backend_start import StartingBackend, starting_backends
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_resume
 from otel_train.ship.logged_record import open_record
@@ -81,19 +84,6 @@ def boot(fd: int) -> None:
     os._exit(0)
 
 
-def _place(cpus: Sequence[int], nice: int) -> None:
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, set(cpus))
-        except OSError as err:
-            _logger.warning("OTEL_TRAIN_EXPORT_CPUS: cannot pin the exporter process to %s: %s", list(cpus), err)
-    if nice:
-        try:
-            os.nice(nice)
-        except OSError as err:
-            _logger.warning("OTEL_TRAIN_EXPORT_NICE: cannot renice the exporter process: %s", err)
-
-
 class _Forward(logging.Handler):
     """Sends the exporter process's log records to the training process (its own stderr once that is gone)."""
 
@@ -129,12 +119,12 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
                 return False  # the trainer is gone; we drain anyway
 
     logging.basicConfig(level=logging.WARNING, handlers=[_Forward(reply)], force=True)
-    _place(config["cpus"], config["nice"])
 
     try:
         spool = Spool(Path(config["spool"]))
         options = config["options"]
-        backends = build_backends(config["names"], dataclasses.replace(options, resume_step=None))
+        # Each backend starts on a thread of its own once delivery holds it; until then its windows wait in the spool.
+        backends = starting_backends(config["names"], dataclasses.replace(options, resume_step=None), spooled=True)
         if options.resume_step is not None:
             _spool_resume(spool, config["run"], options.resume_step, backends)
     except ConfigError as err:
@@ -144,18 +134,22 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         reply("error", f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process could not start: {type(err).__name__}: {err}")
         return
     _write_meta(spool.path, config)
-    tune_for_row_churn()  # the backends' clients are imported now: frozen out of the collector's sight
-    delivery = Delivery(backends, spool)
+    delivery = Delivery(dict[str, RowExporter](backends), spool)
     delivery.record = open_record(backends, config["run"], options.directory, int(config.get("record_bytes", 0)),
                                   options.resume_step)
+    for backend in backends.values():
+        backend.start()
+    threading.Thread(target=_tune_once_started, args=(list(backends.values()),), daemon=True).start()
     if config.get("self_metrics"):
         delivery.annotate = SelfMetrics(delivery.backend_stats, lambda: delivery.spool_failed_appends)
     listener = None
     if config.get("workers"):
-        try:
+        try:  # the training process bound it: children could connect before we were up
+            fd = int(config.get("workers_fd", -1))
+            sock = socket.socket(fileno=fd) if fd >= 0 else None
             listener = WorkerListener(config["workers"], config["run"], delivery.submit_side,
                                       lambda: delivery.last_step, metrics=config.get("export_metrics", True),
-                                      lost=delivery.count_side_lost)
+                                      lost=delivery.count_side_lost, sock=sock)
         except OSError as err:
             _logger.warning("child processes cannot reach this run: listening on %s failed: %s",
                             config["workers"], err)
@@ -220,6 +214,13 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _tune_once_started(backends: Sequence[StartingBackend]) -> None:
+    """Once every backend's client is imported: freeze them out of the cycle collector's sight."""
+    for backend in backends:
+        backend.wait_started()
+    tune_for_row_churn()
 
 
 def _trainer_wait(frame: bytes, default: float) -> float:

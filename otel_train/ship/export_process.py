@@ -8,6 +8,11 @@ dies it keeps delivering for at most `OTEL_TRAIN_DRAIN_TIMEOUT_S`, then exits. I
 trainer restarts it once (it resumes from the spool); if it dies again, the trainer exports in
 its own process from the same spool.
 
+Nobody waits for the child to start: `ExportProcess()` spawns it and returns. What the trainer sends before the
+child's ``ready`` (which carries the spool's last window, so numbering goes on from there) waits in order in the
+trainer and goes out when it comes; the child says ``ready`` once its spool is open and starts each backend on a
+thread of its own (`otel_train.ship.backend_start`), so a window waits in the spool until its backend is up.
+
 Messages, trainer -> child: ``W`` + seq, max step + encoded window (or resume, `framing.encode_resume`); ``F`` + id (flush); ``C`` + id
 [+ the preemption signal's name, e.g. ``SIGTERM``: the backends mark their runs preempted] (close); ``P`` + id (progress); ``H`` + pickled hyperparameters (reported after `init()`). Child -> trainer (pickled tuples): ``("ready", last seq)``,
 ``("error", message)``, ``("spooled", seq)``, ``("durable", id, progress)``, ``("done", id, ok, progress)``.
@@ -27,13 +32,12 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
-from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
 from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
@@ -52,12 +56,12 @@ from otel_train.ship.logged_record import open_record
 from otel_train.ship.replay import replay
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, spool_dir
-from otel_train.ship.workers import listen_address
+from otel_train.ship.workers import listen_address, listen_on
 
 __all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
 
 _logger = logging.getLogger("otel_train")
-_START_TIMEOUT_S = 60.0  # building W&B / ClearML runs can take seconds; a stuck start must not hang init()
+_START_TIMEOUT_S = 60.0  # a child that has not said ``ready`` by then is killed (then restarted once)
 _BACKLOG = 4096  # windows kept until the child confirms they are spooled (a restart resends them)
 _BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
 #: The exporter process's stdout/stderr, in the rank's spool folder: its messages once the trainer is gone.
@@ -117,7 +121,8 @@ class ExportProcess:
         record_bytes: The cap of the record of what was logged (`otel_train.ship.logged_record`; 0: none).
 
     Raises:
-        ConfigError: an unknown name, a missing package, or a backend that failed to start in the child.
+        ConfigError: an unknown name or a missing package (a backend that fails to start in the child is
+            logged and counted there; its windows stay in the spool).
     """
 
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
@@ -137,9 +142,18 @@ class ExportProcess:
         self._record_bytes = record_bytes
         #: Where child processes (DataLoader workers) connect to this run (`otel_train.ship.workers`).
         self.worker_address = listen_address(self.spool_path)
-        self._config = {"names": list(names), "options": options, "spool": str(self.spool_path),
+        # Bound here and handed to each child: a DataLoader worker may connect before the child is up.
+        self._worker_sock: socket.socket | None = None
+        try:
+            self._worker_sock = listen_on(self.worker_address)
+        except OSError as err:
+            _logger.warning("otel-train: child processes cannot reach this run: listening on %s failed: %s",
+                            self.worker_address, err)
+        self._config: dict[str, Any] = {"names": list(names), "options": options, "spool": str(self.spool_path),
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice,
-                        "run": run, "workers": self.worker_address, "self_metrics": self_metrics,
+                        "run": run, "workers": self.worker_address if self._worker_sock is not None else None,
+                        "workers_fd": self._worker_sock.fileno() if self._worker_sock is not None else -1,
+                        "self_metrics": self_metrics,
                         "lock_fd": lock_fd, "export_metrics": exports_metrics(run, options),
                         "record_bytes": record_bytes}
         self._lock = threading.RLock()  # one sender at a time; held across restarts
@@ -155,8 +169,12 @@ class ExportProcess:
         self.last_progress = Progress()
         #: The preemption signal's name when the training process ends on one (set before `close`).
         self.preempted: str | None = None
-        self._conn, self._proc, self._seq = self._start()
-        self._earlier_seq = self._seq  # the spool's windows up to here are an earlier attempt's (see `send_resume`)
+        #: The last window's seq; None until the first child says ``ready`` with its spool's (until then
+        #: `_early` keeps what is sent, in order).
+        self._seq: int | None = None
+        self._earlier_seq = 0  # the spool's windows up to here are an earlier attempt's (see `send_resume`)
+        self._early: list[Callable[[], object]] = []
+        self._conn, self._proc = self._start()
         # The first child told each backend about a resume; a restarted child or the fallback must not
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
         self._options = dataclasses.replace(options, resume_step=None)
@@ -164,11 +182,30 @@ class ExportProcess:
         after_fork_in_child(self._after_fork)  # held weakly: a closed handle is freed
 
     # -- starting -------------------------------------------------------------------------------
-    def _start(self) -> tuple[Connection, subprocess.Popen[bytes], int]:
-        conn, proc, last_seq = start_child(self._config, self.log_path, self._lock_fd)
+    def _start(self) -> tuple[Connection, subprocess.Popen[bytes]]:
+        fds = [fd for fd in (self._lock_fd, self._config["workers_fd"]) if fd >= 0]
+        conn, proc = spawn_child(self._config, self.log_path, fds)
+        _place(proc.pid, self._config["cpus"], self._config["nice"])  # here: pinned before its imports run
         threading.Thread(target=self._receive, args=(conn, proc), name="otel-train-export-replies",
                          daemon=True).start()
-        return conn, proc, last_seq
+        return conn, proc
+
+    def _later(self, action: Callable[[], object]) -> bool:
+        """Keep `action` (a send) until the first child is ready; False when it can run now. Lock held."""
+        if self._seq is None and self.fallback is None:
+            self._early.append(action)
+            return True
+        return False
+
+    def _on_ready(self, conn: Connection, last_seq: int) -> None:
+        """A child is ready: the first one numbers windows on from its spool's last; what waited goes out."""
+        with self._lock:
+            if conn is not self._conn or self._seq is not None:
+                return  # a restarted child: the backlog was sent to it when it was spawned
+            self._seq = self._earlier_seq = last_seq
+            early, self._early = self._early, []
+            for action in early:
+                action()
 
     def _after_fork(self) -> None:
         # A forked DataLoader worker must neither write to the socket nor keep it open (the child
@@ -178,6 +215,8 @@ class ExportProcess:
             self._conn.close()
         except OSError:
             pass
+        if self._worker_sock is not None:  # the child holds its own copy of the listening socket
+            self._worker_sock.close()
 
     @property
     def dropped(self) -> int:
@@ -203,10 +242,15 @@ class ExportProcess:
         it once, in order; the earlier attempt's windows still undelivered lose their rows at steps >= `step`."""
         if os.getpid() != self._pid:
             return
-        self._send_encoded(-1, encode_resume(run, step, self._earlier_seq))
+        with self._lock:
+            if not self._later(lambda: self.send_resume(run, step)):
+                self._send_encoded(-1, encode_resume(run, step, self._earlier_seq))
 
     def _send_encoded(self, max_step: int, payload: bytes) -> None:
         with self._lock:
+            if self._later(lambda: self._send_encoded(max_step, payload)):
+                return
+            assert self._seq is not None
             self._seq += 1
             seq = self._seq
             if self.fallback is not None:
@@ -223,7 +267,9 @@ class ExportProcess:
             if self.fallback is not None:
                 set_hparams(self.fallback.exporters(), config)
             else:
-                self._send(b"H" + pickle.dumps(dict(config)))
+                frame = b"H" + pickle.dumps(dict(config))
+                if not self._later(lambda: self.add_config(config)):
+                    self._send(frame)
 
     def _send(self, frame: bytes) -> bool:
         try:
@@ -234,9 +280,10 @@ class ExportProcess:
 
     def _request(self, kind: bytes, extra: bytes = b"") -> int:
         rid = next(self._ids)
+        frame = kind + ID.pack(rid) + extra
         with self._lock:
-            if self.fallback is None:
-                self._send(kind + ID.pack(rid) + extra)
+            if self.fallback is None and not self._later(lambda: self._send(frame)):
+                self._send(frame)
         return rid
 
     def _wait(self, rid: int, key: str, deadline: float) -> dict[str, Any] | None:
@@ -247,8 +294,14 @@ class ExportProcess:
 
     # -- replies (reply thread) -------------------------------------------------------------------
     def _receive(self, conn: Connection, proc: subprocess.Popen[bytes]) -> None:
+        ready = False
         while True:
             try:
+                if not ready and not conn.poll(_START_TIMEOUT_S):
+                    _logger.warning("otel-train: the exporter process did not start within %.0f s; ending it",
+                                    _START_TIMEOUT_S)
+                    proc.kill()
+                    break
                 msg = conn.recv()
             except (EOFError, OSError):
                 break
@@ -258,6 +311,13 @@ class ExportProcess:
             kind = msg[0]
             if kind == "log":  # the child's warnings, re-emitted here: the user's logging sees them
                 logging.getLogger(msg[2]).log(msg[1], "%s", msg[3])
+                continue
+            if kind == "ready":
+                ready = True
+                self._on_ready(conn, int(msg[1]))
+                continue
+            if kind == "error":  # it exits now: the death below restarts it, or exports here
+                _logger.warning("otel-train: the exporter process could not start: %s", msg[1])
                 continue
             spooled = msg[1] if kind == "spooled" else msg[-1].spooled
             self._backlog.confirm(spooled)  # never the send lock: a sender blocked on a full socket holds it
@@ -280,11 +340,11 @@ class ExportProcess:
                 _logger.warning("otel-train: the exporter process exited (code %s); restarting it once; "
                                 "windows it had spooled are delivered from the spool", code)
                 try:
-                    self._conn, self._proc, _ = self._start()
+                    self._conn, self._proc = self._start()
                     for seq, step, payload in self._backlog.pending():
                         self._send(b"W" + WINDOW.pack(seq, step) + payload)
                     return
-                except ConfigError as err:
+                except OSError as err:
                     _logger.warning("otel-train: restarting the exporter process failed: %s", err)
             _logger.warning("otel-train: the exporter process exited again (code %s); exporting in the "
                             "training process from now on", code)
@@ -297,6 +357,11 @@ class ExportProcess:
                 self.fallback = fallback
                 for seq, step, payload in self._backlog.pending(clear=True):
                     self.fallback.submit(seq, step, payload)
+                if self._seq is None:  # no child ever started: what waited is numbered on from the spool
+                    self._seq = self._earlier_seq = fallback.spool.last_seq if fallback.spool is not None else 0
+                    early, self._early = self._early, []
+                    for action in early:
+                        action()
             except Exception as err:
                 _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
                               "more data; `otel-train replay` delivers what was spooled", err)
@@ -339,19 +404,27 @@ class ExportProcess:
             return True
         self._handoff = True
         rid, ok = self._ask(b"C", deadline)
+        with self._lock:
+            unsent = len(self._early) if self._seq is None else 0
+        if unsent:
+            _logger.error("otel-train: the exporter process did not start before the shutdown deadline; %d "
+                          "window(s) and request(s) sent meanwhile never reached it", unsent)
         if not ok and rid:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
             held = durable and not self.last_progress.spool_failed_appends  # not: windows the spool never held
             state = "durable in the spool" if held else "NOT confirmed durable"
-            _logger.warning("otel-train: shutdown timed out; data is %s; %s; the exporter process (pid %d) keeps "
+            why = "shutdown timed out" if time.monotonic() >= deadline else "a backend ended without everything"
+            _logger.warning("otel-train: %s; data is %s; %s; the exporter process (pid %d) keeps "
                             "delivering for up to OTEL_TRAIN_DRAIN_TIMEOUT_S, and `otel-train replay %s` "
-                            "finishes the rest", state, self.last_progress.summary(), self._proc.pid,
+                            "finishes the rest", why, state, self.last_progress.summary(), self._proc.pid,
                             self.spool_path.parent.parent)
         self._closing = True
         try:
             self._conn.close()
         except OSError:
             pass
+        if self._worker_sock is not None:  # the child holds its own copy of the listening socket
+            self._worker_sock.close()
         return ok
 
     def end(self, timeout_s: float) -> None:
@@ -378,18 +451,29 @@ class ExportProcess:
         return self.last_progress
 
 
-def start_child(config: Mapping[str, Any], log_path: Path, lock_fd: int = -1,
-                ) -> tuple[Connection, subprocess.Popen[bytes], int]:
-    """Start the exporter process, send it `config` and wait for it to be ready.
+def _place(pid: int, cpus: Sequence[int], nice: int) -> None:
+    """Pin the exporter process `pid` to `cpus` and add `nice` to its niceness (ours + `nice`)."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(pid, set(cpus))
+        except OSError as err:
+            _logger.warning("OTEL_TRAIN_EXPORT_CPUS: cannot pin the exporter process to %s: %s", list(cpus), err)
+    if nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError as err:
+            _logger.warning("OTEL_TRAIN_EXPORT_NICE: cannot renice the exporter process: %s", err)
+
+
+def spawn_child(config: Mapping[str, Any], log_path: Path, fds: Sequence[int] = (),
+                ) -> tuple[Connection, subprocess.Popen[bytes]]:
+    """Start the exporter process with `fds` open in it and send it `config`, without waiting for it (it
+    answers ``ready`` with the last window seq its spool holds, or ``error``).
 
     Returns:
-        The connection to it, the process, and the last window seq its spool holds.
-
-    Raises:
-        ConfigError: a backend failed to start there, or it did not answer within `_START_TIMEOUT_S`.
+        The connection to it and the process.
     """
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    fds = (theirs.fileno(),) + ((lock_fd,) if lock_fd >= 0 else ())
     try:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Never the trainer's stdout/stderr: a `| tee`, a CI step or `subprocess.run(capture_output=True)`
@@ -397,25 +481,13 @@ def start_child(config: Mapping[str, Any], log_path: Path, lock_fd: int = -1,
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(  # a fresh interpreter (never a fork), in its own session
                 [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
-                pass_fds=fds, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                pass_fds=(theirs.fileno(), *fds), start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             )
+    except BaseException:
+        ours.close()
+        raise
     finally:
         theirs.close()
     conn = Connection(ours.detach())
     conn.send(dict(config))
-    reply: Any = None
-    if conn.poll(_START_TIMEOUT_S):
-        try:
-            reply = conn.recv()
-        except (EOFError, OSError):
-            reply = None
-    if not (isinstance(reply, tuple) and reply[0] == "ready"):
-        conn.close()
-        if proc.poll() is None:
-            proc.kill()
-        if isinstance(reply, tuple) and reply[0] == "error":
-            raise ConfigError(reply[1])
-        raise ConfigError(f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process did not start within "
-                          f"{_START_TIMEOUT_S:.0f} s (exit code {proc.poll()}); set "
-                          "OTEL_TRAIN_EXPORT_PROCESS=off to export in the training process")
-    return conn, proc, int(reply[1])
+    return conn, proc

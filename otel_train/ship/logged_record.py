@@ -15,6 +15,9 @@ record runs no code). Entries, by their ``k``:
   window's sequence number (recorded before it is spooled; a window recorded by two writers counts once).
 - ``l``: per backend the rows it did not write, by cause, and its step-order drops; cumulative for this
   writer, written at every flush and at close (verify takes each writer's last).
+- ``b``: one backend's ``h`` information again, written when a backend that starts on a thread of its own
+  (`otel_train.ship.backend_start`) is up: its options, routing rule and store are only known then (it
+  replaces that backend's part of ``h``, whose entry was written before).
 - ``r``: a declared resume (`ot.resume`, `resume_step`) of ``rank`` at ``step``: what was recorded before it at
   steps >= ``step`` is superseded.
 - ``x``: the record reached its cap (`OTEL_TRAIN_VERIFY_RECORD_MB`) after windows up to ``step``; nothing
@@ -50,7 +53,7 @@ if TYPE_CHECKING:
     from otel_train.backend import Window
     from otel_train.run_identity import RunInfo
 
-__all__ = ["FOLDER", "SESSION_FILE", "LoggedRecord", "backend_header", "open_record", "read_entries", "record_files",
+__all__ = ["FOLDER", "SESSION_FILE", "LoggedRecord", "backend_header", "backend_info", "open_record", "read_entries", "record_files",
            "write_session_record"]
 
 _logger = logging.getLogger(__name__)
@@ -186,6 +189,10 @@ class LoggedRecord:
             if self._append_locked(entry):  # else the record stopped for good (its cap, a write error)
                 self._last_step = top
 
+    def note_backend(self, name: str, info: Mapping[str, Any]) -> None:
+        """What verify needs of backend `name`, now that it is up (replaces its part of the header)."""
+        self._append({"k": "b", "name": name, "info": dict(info)})
+
     def note_resume(self, rank: int, step: int) -> None:
         """The run of `rank` restarts at `step` (rows recorded before it at steps >= `step` are superseded)."""
         self._append({"k": "r", "rank": int(rank), "step": int(step)})
@@ -271,6 +278,11 @@ def open_record(backends: Mapping[str, Any], run: RunInfo, directory: str | os.P
                           {**backend_header(backends, run.run_id, run.run_name), "world_size": run.world_size})
     if resume_step is not None:
         record.note_resume(run.rank, resume_step)
+    from otel_train.ship.backend_start import StartingBackend
+
+    for name, ex in backends.items():
+        if isinstance(ex, StartingBackend):  # its routing rule and store are known once it is up
+            ex.when_started(lambda up, name=name: record.note_backend(name, backend_info(name, up)))
     return record
 
 
@@ -281,28 +293,31 @@ _STORE_VARIABLES = ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "MLFLOW_TRACKING
 
 def backend_header(backends: Mapping[str, Any], run_id: str, run_name: str) -> dict[str, Any]:
     """The ``h`` entry's content: the run, and per backend its kind, options, store and routing rule."""
-    out: dict[str, Any] = {}
-    for name, ex in backends.items():
-        options = getattr(ex, "options", None)
-        route = getattr(getattr(ex, "window_writer", None), "route", None)
-        entry: dict[str, Any] = {"kind": str(getattr(ex, "name", name)), "class": type(ex).__module__}
-        if options is not None:
-            entry.update(directory=str(Path(options.directory).resolve()), project=str(options.project),
-                         ranks=str(options.ranks), trace_counters=bool(options.trace_counters),
-                         trace_steps=options.trace_steps is not None)
-        if route is not None:
-            entry["route"] = {"include": list(route.include), "exclude": list(route.exclude),
-                              "every": int(route.every), "rank0_only": bool(route.rank0_only),
-                              "display_names": bool(route.display_names)}
-        uri = getattr(type(ex), "tracking_uri", None)
-        if isinstance(uri, property):
-            try:
-                entry["tracking_uri"] = str(ex.tracking_uri)
-            except Exception as err:  # verify then reads the store it finds, or says "not checked"
-                _logger.debug("no tracking URI for `%s`: %s", name, err)
-        out[name] = entry
+    out = {name: backend_info(name, ex) for name, ex in backends.items()}
     env = {v: os.environ[v] for v in _STORE_VARIABLES if os.environ.get(v)}
     return {"run_id": run_id, "run_name": run_name, "backends": out, "env": env}
+
+
+def backend_info(name: str, ex: Any) -> dict[str, Any]:
+    """One backend's part of the ``h`` entry (a backend still starting: what is known before it is up)."""
+    options = getattr(ex, "options", None)
+    route = getattr(getattr(ex, "window_writer", None), "route", None)
+    entry: dict[str, Any] = {"kind": str(getattr(ex, "name", name)), "class": type(ex).__module__}
+    if options is not None:
+        entry.update(directory=str(Path(options.directory).resolve()), project=str(options.project),
+                     ranks=str(options.ranks), trace_counters=bool(options.trace_counters),
+                     trace_steps=options.trace_steps is not None)
+    if route is not None:
+        entry["route"] = {"include": list(route.include), "exclude": list(route.exclude),
+                          "every": int(route.every), "rank0_only": bool(route.rank0_only),
+                          "display_names": bool(route.display_names)}
+    uri = getattr(type(ex), "tracking_uri", None)
+    if isinstance(uri, property):
+        try:
+            entry["tracking_uri"] = str(ex.tracking_uri)
+        except Exception as err:  # verify then reads the store it finds, or says "not checked"
+            _logger.debug("no tracking URI for `%s`: %s", name, err)
+    return entry
 
 
 def _pack(entry: Mapping[str, Any]) -> bytes:

@@ -39,7 +39,8 @@ from otel_train.capture.step import StepOutOfRange, coerce_step
 from otel_train.rows import MetricRow, SpanRow, series_tag
 from otel_train.run_identity import RunInfo
 
-__all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "WorkerClient", "WorkerListener", "client_from_env"]
+__all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "WorkerClient", "WorkerListener", "client_from_env",
+           "listen_on"]
 
 _logger = logging.getLogger("otel_train")
 _LEN = struct.Struct("<I")
@@ -83,6 +84,8 @@ class WorkerListener:
 
     Args:
         address: Unix socket path (replaced if a stale one is there).
+        sock: The socket already listening there (`listen_on`, bound by the training process so that children
+            can connect before the exporter process is up); None: bind it here.
         run: The run every child row belongs to (the trainer's rank and pid track).
         submit: Takes a `Window` of child rows (`Delivery.submit_side`).
         lost: Takes ``(cause, count)`` of values a child lost before sending (`Delivery.count_side_lost`).
@@ -92,20 +95,16 @@ class WorkerListener:
     """
 
     def __init__(self, address: str, run: RunInfo, submit: Any, last_step: Any, *, metrics: bool = True,
-                 lost: Any = None) -> None:
+                 lost: Any = None, sock: socket.socket | None = None) -> None:
         self.address = address
         self._lost = lost
         self._metrics = metrics
         self._run = run
         self._submit = submit
         self._last_step = last_step
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(address)
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(address)
-        os.chmod(address, 0o600)  # only this user's processes may add to the run
-        self._sock.listen(64)
+        self._sock = sock if sock is not None else listen_on(address)
         self._serving: list[threading.Thread] = []
+        self._conns: list[socket.socket] = []  # the children's connections (ended at `close`)
         self._serving_lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept, name="otel-train-workers", daemon=True)
         self._acceptor.start()
@@ -124,6 +123,7 @@ class WorkerListener:
         thread.start()
         with self._serving_lock:
             self._serving = [t for t in self._serving if t.is_alive()] + [thread]
+            self._conns = [c for c in self._conns if c.fileno() >= 0] + [conn]
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -154,7 +154,8 @@ class WorkerListener:
         return Window(rows, [], span_rows)
 
     def close(self, timeout_s: float = 1.0) -> None:
-        """Stop accepting; give connected children up to `timeout_s` to deliver what they sent."""
+        """Stop accepting; deliver what connected children have sent (at most `timeout_s`), never waiting for a
+        child still alive (a persistent DataLoader worker) to send more or to exit."""
         deadline = time.monotonic() + timeout_s
         with contextlib.suppress(OSError):  # children that connected but were not accepted yet: serve them too
             self._sock.setblocking(False)
@@ -168,6 +169,10 @@ class WorkerListener:
         self._acceptor.join(max(0.0, deadline - time.monotonic()))
         with self._serving_lock:
             serving = list(self._serving)
+            conns = list(self._conns)
+        for conn in conns:  # what each child sent is still read; then its reader sees the end at once
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
         for thread in serving:  # children that exited: their last frames are still being read
             thread.join(max(0.0, deadline - time.monotonic()))
         with contextlib.suppress(OSError):
@@ -183,6 +188,21 @@ def _worker_row(run: RunInfo, last: int, worker: dict[str, Any], key: str, s: in
     """A child's value as a row: ``worker=N`` beside the `attributes=` it was logged with (if any)."""
     attrs = worker if extra is None else {**extra, **worker}
     return MetricRow(run, s if s >= 0 else last, key, series_tag(key, attrs), v, "gauge", t, attrs)
+
+
+def listen_on(address: str) -> socket.socket:
+    """A Unix socket listening at `address` (a stale one there is replaced), for this user only."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(address)
+        os.chmod(address, 0o600)  # only this user's processes may add to the run
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def listen_address(spool_path: Path) -> str:

@@ -101,7 +101,11 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
 
     mine: list[BackendPlan] = []
     filters: dict[str, RowFilter | None] = {}
-    for name, info in dict(header.get("backends", {})).items():
+    infos = dict(header.get("backends", {}))
+    for entry in read_entries(path):  # backends that started on their own thread: known once they were up
+        if entry.get("k") == "b" and entry.get("name") in infos:
+            infos[str(entry["name"])] = dict(entry.get("info") or {})
+    for name, info in infos.items():
         backend = plan.backends.get(name)
         if backend is None:
             backend = plan.backends[name] = BackendPlan(name, dict(info))

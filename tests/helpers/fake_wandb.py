@@ -1,5 +1,6 @@
 """A stand-in `wandb` module that an exporter process (a fresh interpreter) imports from disk, for fault tests
-of a backend that records, hangs, is slow at its first write, or fails (`FAKE_WANDB`)."""
+of a backend that records, hangs, is slow at its first write, fails, or fails to import (`FAKE_WANDB`); its
+import takes `FAKE_WANDB_IMPORT_S` seconds when set (then it leaves a file ``imported``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ from pathlib import Path
 FAKE_WANDB = textwrap.dedent("""
     import json, os, time, types
     Settings = dict
+    if os.environ.get("FAKE_WANDB") == "broken":
+        raise RuntimeError("injected: no wandb here")
+    if os.environ.get("FAKE_WANDB_IMPORT_S"):  # a client whose import takes that long (a busy machine, a big one)
+        time.sleep(float(os.environ["FAKE_WANDB_IMPORT_S"]))
+        open(os.path.join(os.environ["FAKE_WANDB_DIR"], "imported"), "w").close()
 
     class _Run:
         starting_step = 0
@@ -35,7 +41,7 @@ FAKE_WANDB = textwrap.dedent("""
 
 
 def fake_wandb_env(root: Path, mode: str) -> dict[str, str]:
-    """Environment for a process whose `import wandb` gets the stand-in, in `mode` (record, hang, slow, fail);
+    """Environment for a process whose `import wandb` gets the stand-in, in `mode` (record, hang, slow, fail, broken);
     what it records goes to ``<root>/wandb-out/logged.jsonl``."""
     fakes = root / "fakes"
     (fakes / "wandb").mkdir(parents=True, exist_ok=True)
