@@ -162,7 +162,8 @@ class ExportProcess:
         self._replies: dict[int, dict[str, Any]] = {}
         self._reply_cv = threading.Condition()
         self._closing = False
-        self._handoff = False  # close() asked: the child's exit after its answer is not a death
+        self._handoff = False  # close() asked
+        self._close_request: tuple[int, bytes] | None = None  # the close's request id and frame, once sent
         self._pid = os.getpid()
         self.restarts = 0
         self.fallback: Delivery | None = None
@@ -282,9 +283,18 @@ class ExportProcess:
         rid = next(self._ids)
         frame = kind + ID.pack(rid) + extra
         with self._lock:
+            if kind == b"C":  # a child that dies before it answers is restarted and asked again
+                self._close_request = (rid, frame)
             if self.fallback is None and not self._later(lambda: self._send(frame)):
                 self._send(frame)
         return rid
+
+    def _close_answered(self) -> bool:
+        """Whether the child answered the trainer's close: its exit after that is not a death."""
+        if self._close_request is None:
+            return False
+        with self._reply_cv:
+            return "done" in self._replies.get(self._close_request[0], {})
 
     def _wait(self, rid: int, key: str, deadline: float) -> dict[str, Any] | None:
         with self._reply_cv:
@@ -327,7 +337,7 @@ class ExportProcess:
                     entry = self._replies.setdefault(msg[1], {})
                     entry[kind] = msg[2] if kind == "done" else True
                     self._reply_cv.notify_all()
-        if conn is self._conn and not self._closing and not self._handoff:
+        if conn is self._conn and not self._closing and not self._close_answered():
             proc.wait()
             self._on_child_death(proc.returncode)
 
@@ -343,6 +353,8 @@ class ExportProcess:
                     self._conn, self._proc = self._start()
                     for seq, step, payload in self._backlog.pending():
                         self._send(b"W" + WINDOW.pack(seq, step) + payload)
+                    if self._close_request is not None:  # it died while closing: the new one closes
+                        self._send(self._close_request[1])
                     return
                 except OSError as err:
                     _logger.warning("otel-train: restarting the exporter process failed: %s", err)
