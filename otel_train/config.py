@@ -131,8 +131,9 @@ Default none (a fresh run)."""
 OTEL_TRAIN_VERIFY = "OTEL_TRAIN_VERIFY"
 """``off``, ``record`` or ``on`` (a boolean also: true is ``on``). ``record`` keeps the run's record of what was
 logged (``<run folder>/verify/``) for `otel-train verify`; ``on`` also runs verify at the end of the job, each
-rank on its own part after its backends closed, and puts the verdict in the summary line. Default ``off``
-(the record costs about 8 bytes per point on disk: see docs/performance.md)."""
+rank on its own part after its backends closed, and puts the verdict in the summary line. ``off`` keeps no
+record. Default ``record`` (about 8 bytes per point on disk, capped by `OTEL_TRAIN_VERIFY_RECORD_MB`: see
+docs/performance.md)."""
 OTEL_TRAIN_VERIFY_RECORD_MB = "OTEL_TRAIN_VERIFY_RECORD_MB"
 """The cap, in MiB per delivering process, of the run's record of what was logged (``<run folder>/verify/``),
 which `otel-train verify` compares the backends with (number >= 0; 0: no record). Past it recording stops and
@@ -302,7 +303,7 @@ class Settings:
     self_metrics: bool = True
     step_order: str = "warn"
     resume_step: int | None = None
-    verify: str = "off"
+    verify: str = "record"
     verify_record_mb: float = 256.0
 
     @property
