@@ -10,8 +10,9 @@
   reports in-process (ClearML's reporter subprocess costs a process and ~10 s at close).
 - Names: instrument ``train/loss`` -> title ``train``, series ``loss``; the title is everything before
   the last ``/`` (``optim/lr/group0`` -> ``optim/lr`` / ``group0``); a name without ``/`` is both title
-  and series. The ``{k=v}`` suffix stays on the series (``eval/acc{split=val}`` -> ``eval`` /
-  ``acc{split=val}``). Iteration = `train.step`. Histograms: `report_histogram` of the bucket counts.
+  and series. The ``{k=v}`` suffix (extra attributes, ``rank=N``) stays on the series
+  (``eval/acc{split=val}`` -> ``eval`` / ``acc{split=val}``); a built-in series splits under its display
+  name (``train.step.duration_s`` -> ``train`` / ``step_duration_s``). Iteration = `train.step`. Histograms: `report_histogram` of the bucket counts.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the run's Task (the sink
   sees every rank in one instance, so one Task holds them all). In-process, each rank's process opens
   its own Task of the same name (offline sessions cannot be shared), its series still suffixed.
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_train.exporter_options import ExporterOptions
-from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
+from otel_train.exporters._runs import by_step, hparams_for, rank_tag, series_name, wanted
 from otel_train.exporters.base import RowExporter
 from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RunInfo
@@ -48,6 +49,10 @@ PREEMPTED_TAG = PREEMPTED
 def title_series(name: str, tag: str) -> tuple[str, str]:
     """ClearML (title, series) of a series tag: split the name at its last ``/``, suffix on the series.
 
+    `name` is the row's metric name (``train.step.duration_s``), `tag` its series tag as routing shows it
+    (``train/step_duration_s{rank=1}``): the name part of the tag is split, its ``{k=v}`` suffix (extra
+    attributes, rank) always stays on the series, so distinct series never share one ClearML series.
+
     Example:
         >>> title_series("train/loss", "train/loss")
         ('train', 'loss')
@@ -55,11 +60,18 @@ def title_series(name: str, tag: str) -> tuple[str, str]:
         ('eval', 'acc{split=val}')
         >>> title_series("lr", "lr{rank=1}")
         ('lr', 'lr{rank=1}')
+        >>> title_series("train.step.duration_s", "train/step_duration_s{rank=1}")
+        ('train', 'step_duration_s{rank=1}')
     """
-    suffix = tag[len(name):] if tag.startswith(name) else ""
-    title, sep, series = name.rpartition("/")
+    shown = series_name(tag, name)
+    if tag.startswith(shown):
+        base, suffix = shown, tag[len(shown):]
+    else:  # a tag not built from this name: its own name part, never dropping the suffix
+        brace = tag.find("{")
+        base, suffix = (tag[:brace], tag[brace:]) if brace > 0 else (tag, "")
+    title, sep, series = base.rpartition("/")
     if not sep or not title or not series:
-        return name, name + suffix
+        return base, base + suffix
     return title, series + suffix
 
 
