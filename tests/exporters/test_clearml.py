@@ -24,7 +24,7 @@ HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
 RUN_ID = "cml-run-1"
 
 
-def _BUILT_IN_ROWS(r0: RunInfo, r1: RunInfo) -> list[MetricRow]:  # noqa: N802 - a fixture table
+def _built_in_rows(r0: RunInfo, r1: RunInfo) -> list[MetricRow]:
     """Built-in series under their dotted names: two ranks' step durations, two exporters' error counts."""
     def built_in(run: RunInfo, step: int, name: str, value: float, **attrs: Any) -> MetricRow:
         tag = series_tag(name, attrs)
@@ -55,7 +55,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 row(r0, 1, "eval/acc{split=val}", 0.75, split="val"), row(r0, 0, "lr", 0.01),
                 row(r0, 0, "optim/lr/group0", 0.02), row(r1, 0, "train/loss", 1.5),
                 row(RunInfo("other-run", "x"), 0, "train/loss", 9.0),
-                *_BUILT_IN_ROWS(r0, r1),
+                *_built_in_rows(r0, r1),
             ], histograms=[HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)])))
             results.append(exporter.force_flush())
 
