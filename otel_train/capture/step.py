@@ -241,9 +241,15 @@ def check_log_step(step: int) -> None:
     _state.last_logged = step
 
 
-def _reset_for_tests() -> None:
+def new_step_sequence() -> None:
+    """Forget the previous run's steps: a new run in this process starts at step 0, with its own clock,
+    iteration count and step-order state (the runtime calls it at an `init()` after a `shutdown()`)."""
     global _state
     _state = _ProcessState()
+
+
+def _reset_for_tests() -> None:
+    new_step_sequence()
 
 
 class step:
