@@ -202,7 +202,7 @@ class Mapping:
 MAPPINGS: dict[str, Mapping] = {
     "tensorboard": Mapping(per_rank_store, value=float32),  # `simple_value` is a float32
     "jsonl": Mapping(per_rank_store),
-    "chrome_trace": Mapping(per_rank_store, keeps=math.isfinite, has_step=False),  # counters: finite, no step
+    "chrome_trace": Mapping(per_rank_store, has_step=False),  # counters: no step; NaN/±inf as strings
     "mlflow": Mapping(mlflow_name, value=mlflow_value),
     "wandb": Mapping(per_rank_store),  # rank N > 0: its own run `<run id>-rank<N>`
     "trackio": Mapping(trackio_name),

@@ -64,17 +64,28 @@ def jsonl_spans(path: Path) -> list[SpanPoint]:
 
 
 # -- Chrome trace: the JSON file chrome://tracing and Perfetto load ----------------------------------------
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON: trace viewers reject the file")
+
+
 def _trace_events(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    data = json.loads(path.read_text())
+    data = json.loads(path.read_text(), parse_constant=_not_json)
     events: list[dict[str, Any]] = data["traceEvents"] if isinstance(data, dict) else data
     return events
 
 
 def chrome_counters(path: Path) -> list[Point]:
-    """Counter tracks (``"ph": "C"``) of logged scalars; a counter event has a time, no step."""
-    return [Point(e["name"], None, e["args"]["value"]) for e in _trace_events(path) if e.get("ph") == "C"]
+    """Counter tracks (``"ph": "C"``) of logged scalars; a counter event has a time, no step. NaN and ±inf are
+    the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (strict JSON); anything else that is no number fails."""
+    out: list[Point] = []
+    for e in _trace_events(path):
+        if e.get("ph") == "C":
+            value = e["args"]["value"]
+            assert isinstance(value, (int, float)) or value in ("NaN", "Infinity", "-Infinity"), value
+            out.append(Point(e["name"], None, float(value)))
+    return out
 
 
 def chrome_spans(path: Path) -> list[SpanPoint]:
