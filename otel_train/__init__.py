@@ -119,6 +119,7 @@ def init(
     from otel_train import runtime
     from otel_train._internal import sdk
     from otel_train.capture.step import new_step_sequence
+    from otel_train.exit_hooks import forget_preemption
 
     with _init_lock:
         if _session is not None and not _session.closed:
@@ -149,6 +150,7 @@ def init(
             # A new run after `shutdown()` in this process (a notebook, an in-process sweep): steps from 0.
             # Not in a forked child, whose `init()` continues its parent's run.
             new_step_sequence()
+            forget_preemption()
         session: Session = runtime.start(settings, env=env, instances=instances)
         _session = session
         return session

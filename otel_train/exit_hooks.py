@@ -47,6 +47,12 @@ _active: list[Session] = []
 _handoff: threading.Thread | None = None
 
 
+def forget_preemption() -> None:
+    """A new run in this process (an `init()` after `shutdown()`): a preemption the last run ended on is not its."""
+    global _preempted_by
+    _preempted_by = None
+
+
 def _shutdown_budget_s() -> float:
     """The one deadline for hand-offs: the longest `OTEL_TRAIN_SHUTDOWN_TIMEOUT_S` of the open sessions."""
     return max((s.settings.shutdown_timeout_s for s in _active if not s.closed), default=0.0)

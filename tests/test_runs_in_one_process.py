@@ -4,13 +4,16 @@ loader as lists, so a point at a wrong step or written twice fails."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import readback
 from reference import Point
 
 import otel_train as ot
-from otel_train.exporters.jsonl import jsonl_path
+from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.run_paths import run_folder
 
 
@@ -45,3 +48,34 @@ def test_step_order_of_the_first_run_does_not_reach_the_second(run_dir: Path) ->
     ot.log({"loss": 7.0}, step=1)  # below the first run's last step: not "backwards" in a run of its own
     ot.shutdown()
     assert _loss(readback.jsonl(jsonl_path(run_dir, "again", 0))) == [Point("loss", 1, 7.0)]
+
+
+_PREEMPTED_THEN_AGAIN = textwrap.dedent("""
+    import os, signal, sys
+    import otel_train as ot
+
+    stop = []
+    signal.signal(signal.SIGUSR1, lambda *_: stop.append(1))  # a requeue handler: the loop stops by itself
+    ot.init(exporters=["jsonl"], dir=sys.argv[1], run_id="first", run_name="first")
+    for i in ot.steps(range(10)):
+        ot.log({"loss": float(i)})
+        if i == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the scheduler's warning
+        if stop:
+            break
+    ot.shutdown()
+    ot.init(exporters=["jsonl"], dir=sys.argv[1], run_id="second", run_name="second")
+    for i in ot.steps(range(3)):
+        ot.log({"loss": float(i)})
+    ot.shutdown()
+""")
+
+
+def test_a_preemption_of_the_first_run_does_not_mark_the_second(run_dir: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _PREEMPTED_THEN_AGAIN, str(run_dir)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    marks = {name: [r["signal"] for r in read_jsonl(jsonl_path(run_dir, name, 0)) if r["type"] == "preempted"]
+             for name in ("first", "second")}
+    assert marks == {"first": ["SIGUSR1"], "second": []}
+    assert _loss(readback.jsonl(jsonl_path(run_dir, "second", 0))) == [Point("loss", s, float(s)) for s in range(3)]
