@@ -200,6 +200,11 @@ class WandbExporter(RowExporter):
             if held is not None:
                 self._write_marker(key, held)
 
+    def write_resume(self, run: RunInfo, step: int) -> None:
+        """What was logged before the restart is written first (everything held), then the restart applies."""
+        self._release(everything=True)
+        super().write_resume(run, step)
+
     def mark_preempted(self, cause: str) -> None:
         """W&B's own preemption mark (`run.mark_preempting()`: online, the run shows as preempted
         rather than crashed) and the summary field ``otel_train.preempted`` = `cause`."""
