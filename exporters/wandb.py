@@ -14,8 +14,10 @@
   the step written last is merged into it (W&B commits a step when a later one arrives, or at `finish`). W&B
   holds one value per series and step: the last; every row not written, one going back or one whose value a
   later one of its series and step replaced, is counted in `steps_dropped` (rows; the summary's "not
-  written"), with one warning per cause. `flush` writes the steps held long enough, `close` everything; the
-  cursor of the exporter process's spool never passes a held row (`durable_step`).
+  written"), with one warning per cause. `flush` writes the steps held long enough, an explicit flush
+  (`ot.flush()`, delivery's `write_held_at_next_flush`) and `close` everything; the cursor of the exporter
+  process's spool never passes a held row (`durable_step`). Behind the sink's reorder hold, that hold takes
+  the place of this one.
 - Keys: the series tag as is, except a key W&B reserves for its own history (`_step`, `_runtime`,
   `_timestamp`, anything starting with `_wandb`), which W&B would overwrite or hide: such a key, and one of
   the same shape with more leading underscores, gets one more ``_`` (`_step` -> `__step`, `__step` ->
@@ -154,6 +156,7 @@ class WandbExporter(RowExporter):
         self._open_step: dict[tuple[str, int], tuple[int, set[str]]] = {}  # W&B's open step and its keys
         self._replaced = 0
         self._tries: dict[tuple[tuple[str, int], int], int] = {}  # failed writes of a held step
+        self._write_all = False  # the next flush writes everything held (an explicit flush)
 
     @property
     def steps_dropped(self) -> int:
@@ -166,16 +169,17 @@ class WandbExporter(RowExporter):
         # What was held long enough goes first: should it raise, this window is retried and nothing of it is held.
         self._release(everything=False)
         now = time.monotonic()
-        taken: list[MetricRow | HistogramRow] = []
         given: list[MetricRow | HistogramRow] = [*rows, *histograms]
-        for row in given:
-            if not wanted(self.options, row.run):
-                continue
+        taken = [row for row in given if wanted(self.options, row.run)]
+        for row in taken:  # opened with their first rows (W&B starts early), before any row is held
             key = (row.run.run_id, row.run.rank)
-            self._infos.setdefault(key, row.run)
+            if key not in self._infos:
+                self._run(key, row.run)
+                self._infos[key] = row.run
+        for row in taken:
+            key = (row.run.run_id, row.run.rank)
             self._held.setdefault(key, {}).setdefault(row.step, []).append(row)
             self._arrived.setdefault(key, {}).setdefault(row.step, now)
-            taken.append(row)
         self._held_rows += len(taken)
         self.mark_written(taken)  # held now: a retry of this window does not hold them twice
         if self.hold_s <= 0 or self._held_rows > _MAX_HELD_ROWS:
@@ -192,9 +196,15 @@ class WandbExporter(RowExporter):
         behind.extend(min(steps) - 1 for steps in self._held.values() if steps)
         return min(behind) if behind else None
 
+    def write_held_at_next_flush(self) -> None:
+        """Have the next `flush` write everything held (delivery asks at an explicit flush: `ot.flush()`)."""
+        self._write_all = True
+
     def flush(self) -> None:
-        """Write the steps held long enough; read how far each run file got, and record it in the resume marker."""
-        self._release(everything=False)
+        """Write the steps held long enough (everything, when asked); read how far each run file got, and
+        record it in the resume marker."""
+        everything, self._write_all = self._write_all, False
+        self._release(everything=everything)
         for key in self._runs:
             held = self._file_step(key)
             if held is not None:

@@ -226,6 +226,10 @@ class BackendFeed:
         # Without a spool there is no cursor to keep fresh: flush only when asked.
         due = (self.spool is not None and self.handed > self.acked
                and time.monotonic() - self._last_flush >= FLUSH_EVERY_S)
+        if flush:  # an explicit flush (`ot.flush()`, shutdown, replay): a backend's own hold writes all it holds
+            write_held = getattr(self.exporter, "write_held_at_next_flush", None)
+            if write_held is not None:
+                write_held()
         flushed = self._flush() if flush or due else False
         if flush:
             with self._cv:
