@@ -248,7 +248,12 @@ class WandbExporter(RowExporter):
         """Write the held steps that are due: per run, every step held `hold_s` and every held step below the
         highest of those, in step order (everything: all of them; oldest_first: at least the oldest step, to
         bound memory). A step leaves the hold only once W&B took it: should `log` raise, the rest stays held."""
-        cutoff = time.monotonic() - self.hold_s
+        try:
+            self._release_due(time.monotonic() - self.hold_s, everything, oldest_first)
+        finally:
+            self._held_rows = sum(len(rows) for steps in self._held.values() for rows in steps.values())
+
+    def _release_due(self, cutoff: float, everything: bool, oldest_first: bool) -> None:
         for key, steps in self._held.items():
             if not steps:
                 continue
@@ -273,7 +278,6 @@ class WandbExporter(RowExporter):
                 self._tries.pop((key, step), None)
                 del steps[step]
                 del arrived[step]
-        self._held_rows = sum(len(rows) for steps in self._held.values() for rows in steps.values())
 
     def _write_step(self, key: tuple[str, int], step: int, step_rows: list[MetricRow | HistogramRow]) -> None:
         """Log one held step. When W&B raises, each row is tried alone: a row that fails alone while others land
