@@ -168,7 +168,6 @@ class WandbExporter(RowExporter):
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         # What was held long enough goes first: should it raise, this window is retried and nothing of it is held.
         self._release(everything=False)
-        now = time.monotonic()
         given: list[MetricRow | HistogramRow] = [*rows, *histograms]
         taken = [row for row in given if wanted(self.options, row.run)]
         for row in taken:  # opened with their first rows (W&B starts early), before any row is held
@@ -176,6 +175,7 @@ class WandbExporter(RowExporter):
             if key not in self._infos:
                 self._run(key, row.run)
                 self._infos[key] = row.run
+        now = time.monotonic()  # after opening a run (seconds): its first rows are held `hold_s` from here
         for row in taken:
             key = (row.run.run_id, row.run.rank)
             self._held.setdefault(key, {}).setdefault(row.step, []).append(row)
