@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -72,6 +73,14 @@ def test_kill_9_of_the_whole_job_then_replay_writes_every_step_to_wandb_once(
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
+    # Replay runs once the job is gone: a killed process holds the spool's lock until its exit completes (the
+    # exporter process is not ours to reap, so wait for it to vanish; SIGKILL is delivered asynchronously).
+    for _ in range(600):
+        try:
+            os.kill(exporter, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
     spool = Spool(spool_dir(tmp_path, RUN, 0))
     assert spool.last_step == STEPS - 1
     held = {s for _, s, _ in _wandb_points(tmp_path)}
