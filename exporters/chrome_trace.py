@@ -24,7 +24,7 @@ timeline. Histogram statistic rows are left out of the counters. NaN and ±inf a
 the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (strict JSON has no such numbers; Perfetto reads a
 counter's string value as a number, and `float()` reads them back).
 
-A run that ended on SIGTERM or SIGUSR1 (preemption) gets a process-wide instant event (``"ph": "i"``,
+A run that ended on SIGTERM, SIGUSR1 or SIGHUP (preemption) gets a process-wide instant event (``"ph": "i"``,
 ``"s": "p"``) named ``preempted (SIGTERM)`` at the hand-off.
 
 Long runs: ``trace_steps`` (`OTEL_TRAIN_TRACE_STEPS`, e.g. ``100-120`` or ``every:1000:5``) keeps only

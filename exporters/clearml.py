@@ -19,7 +19,7 @@
 - Hyperparameters: `Task.connect` in section ``General`` (with `train.config.hash`).
 - Resume (`OTEL_TRAIN_RESUME_STEP` = N): the Task is tagged ``otel_train.resume_step:N``; a continued
   Task's initial-iteration offset is reset to 0, since `train.step` is already absolute.
-- Preemption: a process that ended on SIGTERM or SIGUSR1 tags the Task ``otel_train.preempted:<signal>``
+- Preemption: a process that ended on SIGTERM, SIGUSR1 or SIGHUP tags the Task ``otel_train.preempted:<signal>``
   and adds ``otel-train: preempted by <signal>`` to its comment.
 - One Task per process: rows of a second run id in the same exporter are dropped with a warning.
 """
@@ -42,7 +42,7 @@ __all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
 
 _logger = logging.getLogger(__name__)
 
-#: Tag prefix of a Task whose process ended on SIGTERM / SIGUSR1 (``otel_train.preempted:SIGTERM``).
+#: Tag prefix of a Task whose process ended on SIGTERM / SIGUSR1 / SIGHUP (``otel_train.preempted:SIGTERM``).
 PREEMPTED_TAG = PREEMPTED
 
 

@@ -7,7 +7,7 @@ the row's fields (a span with events has ``events``: name, time, attributes; ``k
 append the file and its size are reported (`RowExporter.mark_appending`): a window a killed process appended
 but had not recorded as written is cut back out before delivery writes it again, so it is in the file once.
 
-A run that ended on SIGTERM or SIGUSR1 (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
+A run that ended on SIGTERM, SIGUSR1 or SIGHUP (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
 rows after it supersede the earlier attempt's rows at steps >= N (`resolve_resumes` applies that).
 

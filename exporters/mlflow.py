@@ -23,7 +23,7 @@
   (``train/loss__rank-1``, ``train/step_duration_s__rank-1``); MLflow runs can be shared by processes.
   Processes opening the default store at once take turns (a file lock ``mlflow.db.lock`` beside it) while
   MLflow creates or migrates it and the experiment is found or created.
-- Preemption: a run that ended on SIGTERM or SIGUSR1 gets the tag ``otel_train.preempted`` = the signal's
+- Preemption: a run that ended on SIGTERM, SIGUSR1 or SIGHUP gets the tag ``otel_train.preempted`` = the signal's
   name and ends with status KILLED (else FINISHED).
 - Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.
 """

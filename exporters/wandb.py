@@ -37,7 +37,7 @@
   resumed run reads the steps the earlier attempts' files hold, and drops those rows). The open step is
   in the file after `finish`, at the close. The resume marker (``otel-train-<id>.last-step``) also holds
   only steps the file has.
-- Preemption: a run that ended on SIGTERM or SIGUSR1 gets `run.mark_preempting()` and the summary
+- Preemption: a run that ended on SIGTERM, SIGUSR1 or SIGHUP gets `run.mark_preempting()` and the summary
   field ``otel_train.preempted`` = the signal's name.
 - Settings: `WANDB_PROJECT` (default: the otel-train project), `WANDB_ENTITY`, `WANDB_MODE`,
   `WANDB_DIR` (default: the run's folder under `OTEL_TRAIN_DIR`), `WANDB_RUN_GROUP`, `WANDB_CONSOLE`
@@ -75,7 +75,7 @@ __all__ = ["PREEMPTED_KEY", "WandbExporter", "wandb_key", "wandb_run_id"]
 
 _logger = logging.getLogger(__name__)
 
-#: Summary field of a run that ended on SIGTERM / SIGUSR1 (its value: the signal's name).
+#: Summary field of a run that ended on SIGTERM / SIGUSR1 / SIGHUP (its value: the signal's name).
 PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
