@@ -128,7 +128,7 @@ def open_step_cell(path: str) -> memoryview | None:
     except OSError:
         return None
     try:
-        return memoryview(mmap.mmap(fd, 8, prot=mmap.PROT_READ)).cast("q")
+        return memoryview(mmap.mmap(fd, 8, access=mmap.ACCESS_READ)).cast("q")
     except (OSError, ValueError):
         return None
     finally:
