@@ -59,3 +59,26 @@ def test_a_childs_value_without_a_step_lands_at_the_trainers_step(tmp_path: Path
         child = [p for p in points if p.name.startswith("child/x{worker=")]
         assert sorted((p.step, p.value) for p in child) == [(2, 2.0), (3, 3.0), (5, 5.0)], points
         assert len({p.name for p in child}) == 1
+
+
+def test_a_forked_child_entering_steps_of_its_own_leaves_the_trainers_step_alone(tmp_path: Path) -> None:
+    from otel_train.capture.step import step
+    from otel_train.child_handoff import ChildHandOff
+    from otel_train.ship.workers import open_step_cell, read_step, step_cell_path
+
+    address = str(tmp_path / "workers.sock")
+    handoff = ChildHandOff(address)
+    try:
+        with step(7):
+            pid = os.fork()
+            if pid == 0:  # the child: steps of its own
+                try:
+                    with step(99):
+                        pass
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+            assert read_step(open_step_cell(step_cell_path(address))) == 7
+    finally:
+        handoff.release()
+    assert not Path(step_cell_path(address)).exists()  # removed at shutdown
