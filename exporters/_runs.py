@@ -134,11 +134,12 @@ class StepGate:
     def last(self, key: Any) -> int:
         return self._last.get(key, -1)
 
-    def admit(self, key: Any, step: int) -> bool:
-        """True when `step` may be written for `key`; records it as written."""
+    def admit(self, key: Any, step: int, rows: int = 1) -> bool:
+        """True when `step` may be written for `key`; records it as written. A refused step counts `rows`
+        (the rows it held) in `dropped`."""
         floor = self._floor.get(key, -1)
         if step <= floor:
-            self.dropped += 1
+            self.dropped += rows
             self._log.warning(
                 f"floor-{key}",
                 "%s: dropping rows for step %d and older of a resumed run (the run already holds steps "
@@ -148,7 +149,7 @@ class StepGate:
             return False
         last = self._last.get(key, -1)
         if self._monotonic and step < last:
-            self.dropped += 1
+            self.dropped += rows
             self._log.warning(
                 f"late-{key}",
                 "%s: dropping rows for step %d that arrived after step %d: the run has one step axis and "

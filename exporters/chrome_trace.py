@@ -20,9 +20,11 @@ What a span becomes:
 
 With ``trace_counters`` (`OTEL_TRAIN_TRACE_COUNTERS`, default on), logged scalars become counter
 events (``"ph": "C"``, name = the tag, ``args = {"value": v}``), so the loss curve sits under the
-timeline. Histogram statistic rows and non-finite values are left out of the counters.
+timeline. Histogram statistic rows are left out of the counters. NaN and ±inf are exported as they are, as
+the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (strict JSON has no such numbers; Perfetto reads a
+counter's string value as a number, and `float()` reads them back).
 
-A run that ended on SIGTERM or SIGUSR1 (preemption) gets a process-wide instant event (``"ph": "i"``,
+A run that ended on SIGTERM, SIGUSR1 or SIGHUP (preemption) gets a process-wide instant event (``"ph": "i"``,
 ``"s": "p"``) named ``preempted (SIGTERM)`` at the hand-off.
 
 Long runs: ``trace_steps`` (`OTEL_TRAIN_TRACE_STEPS`, e.g. ``100-120`` or ``every:1000:5``) keeps only
@@ -99,6 +101,20 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {str(k): json_safe(v) for k, v in value.items()}
     return str(value)
+
+
+def counter_value(value: float) -> float | str:
+    """A counter's value in strict JSON: the number, or ``"NaN"`` / ``"Infinity"`` / ``"-Infinity"``.
+
+    Example:
+        >>> [counter_value(v) for v in (0.5, math.nan, math.inf, -math.inf)]
+        [0.5, 'NaN', 'Infinity', '-Infinity']
+    """
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
 
 
 def _us(unix_nano: int) -> float:
@@ -291,13 +307,13 @@ class ChromeTraceExporter(RowExporter):
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         per_rank: dict[tuple[str, int], tuple[RunInfo, list[bytes], list[MetricRow]]] = {}
         for row in rows:
-            if row.kind == "histogram" or not row.time_unix_nano or not math.isfinite(row.value):
+            if row.kind == "histogram" or not row.time_unix_nano:
                 continue
             if self._steps is not None and row.step not in self._steps:
                 continue
             _, encoded, written = per_rank.setdefault((row.run.run_id, row.run.rank), (row.run, [], []))
             encoded.append(encode_event({"name": row.tag, "ph": "C", "ts": _us(row.time_unix_nano),
-                                         "pid": row.run.rank, "args": {"value": row.value}}))
+                                         "pid": row.run.rank, "args": {"value": counter_value(row.value)}}))
             written.append(row)
         traces = [(self._trace(run), encoded, written) for run, encoded, written in per_rank.values()]
         self._appending([trace for trace, _, _ in traces])

@@ -10,15 +10,16 @@
   reports in-process (ClearML's reporter subprocess costs a process and ~10 s at close).
 - Names: instrument ``train/loss`` -> title ``train``, series ``loss``; the title is everything before
   the last ``/`` (``optim/lr/group0`` -> ``optim/lr`` / ``group0``); a name without ``/`` is both title
-  and series. The ``{k=v}`` suffix stays on the series (``eval/acc{split=val}`` -> ``eval`` /
-  ``acc{split=val}``). Iteration = `train.step`. Histograms: `report_histogram` of the bucket counts.
+  and series. The ``{k=v}`` suffix (extra attributes, ``rank=N``) stays on the series
+  (``eval/acc{split=val}`` -> ``eval`` / ``acc{split=val}``); a built-in series splits under its display
+  name (``train.step.duration_s`` -> ``train`` / ``step_duration_s``). Iteration = `train.step`. Histograms: `report_histogram` of the bucket counts.
 - Ranks: with `OTEL_TRAIN_RANKS=all`, rank N > 0 series get ``{rank=N}`` in the run's Task (the sink
   sees every rank in one instance, so one Task holds them all). In-process, each rank's process opens
   its own Task of the same name (offline sessions cannot be shared), its series still suffixed.
 - Hyperparameters: `Task.connect` in section ``General`` (with `train.config.hash`).
 - Resume (`OTEL_TRAIN_RESUME_STEP` = N): the Task is tagged ``otel_train.resume_step:N``; a continued
   Task's initial-iteration offset is reset to 0, since `train.step` is already absolute.
-- Preemption: a process that ended on SIGTERM or SIGUSR1 tags the Task ``otel_train.preempted:<signal>``
+- Preemption: a process that ended on SIGTERM, SIGUSR1 or SIGHUP tags the Task ``otel_train.preempted:<signal>``
   and adds ``otel-train: preempted by <signal>`` to its comment.
 - One Task per process: rows of a second run id in the same exporter are dropped with a warning.
 """
@@ -32,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from otel_train.exporter_options import ExporterOptions
-from otel_train.exporters._runs import by_step, hparams_for, rank_tag, wanted
+from otel_train.exporters._runs import by_step, hparams_for, rank_tag, series_name, wanted
 from otel_train.exporters.base import RowExporter
 from otel_train.rows import HistogramRow, MetricRow, series_tag
 from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RunInfo
@@ -41,12 +42,16 @@ __all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
 
 _logger = logging.getLogger(__name__)
 
-#: Tag prefix of a Task whose process ended on SIGTERM / SIGUSR1 (``otel_train.preempted:SIGTERM``).
+#: Tag prefix of a Task whose process ended on SIGTERM / SIGUSR1 / SIGHUP (``otel_train.preempted:SIGTERM``).
 PREEMPTED_TAG = PREEMPTED
 
 
 def title_series(name: str, tag: str) -> tuple[str, str]:
     """ClearML (title, series) of a series tag: split the name at its last ``/``, suffix on the series.
+
+    `name` is the row's metric name (``train.step.duration_s``), `tag` its series tag as routing shows it
+    (``train/step_duration_s{rank=1}``): the name part of the tag is split, its ``{k=v}`` suffix (extra
+    attributes, rank) always stays on the series, so distinct series never share one ClearML series.
 
     Example:
         >>> title_series("train/loss", "train/loss")
@@ -57,13 +62,20 @@ def title_series(name: str, tag: str) -> tuple[str, str]:
         ('lr', 'lr{rank=1}')
         >>> title_series("eval/acc{a=1}", "eval/acc\\\\{a=1}")  # a key holding `{`, not the series `a=1`
         ('eval', 'acc\\\\{a=1}')
+        >>> title_series("train.step.duration_s", "train/step_duration_s{rank=1}")
+        ('train', 'step_duration_s{rank=1}')
     """
-    if not tag.startswith(name) and "{" in name:  # a name holding `{` is escaped in its tag (`series_tag`)
-        name = series_tag(name, None)
-    suffix = tag[len(name):] if tag.startswith(name) else ""
-    title, sep, series = name.rpartition("/")
+    shown = series_name(tag, name)
+    if not tag.startswith(shown) and "{" in name:  # a name holding `{` is escaped in its tag (`series_tag`)
+        shown = series_tag(name, None)
+    if tag.startswith(shown):
+        base, suffix = shown, tag[len(shown):]
+    else:  # a tag not built from this name: its own name part, never dropping the suffix
+        brace = tag.find("{")
+        base, suffix = (tag[:brace], tag[brace:]) if brace > 0 else (tag, "")
+    title, sep, series = base.rpartition("/")
     if not sep or not title or not series:
-        return name, name + suffix
+        return base, base + suffix
     return title, series + suffix
 
 

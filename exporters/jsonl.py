@@ -10,7 +10,7 @@ An append that fails (a full disk) leaves nothing behind and is retried whole on
 deleted during the run is noticed at the next append, said once, and a new file is started where it was
 (`otel_train.file_append`).
 
-A run that ended on SIGTERM or SIGUSR1 (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
+A run that ended on SIGTERM, SIGUSR1 or SIGHUP (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
 rows after it supersede the earlier attempt's rows at steps >= N (`resolve_resumes` applies that).
 

@@ -20,7 +20,7 @@
 - Durability: Trackio writes its queue to SQLite from a thread of its own (every 0.5 s). `flush` has it write
   the queue now, and `durable_step` reads the store back (the rows of the steps logged since the last look), so
   delivery's cursor never claims a step the database lacks: after a `kill -9`, `otel-train replay` writes it.
-- Preemption: a run whose process ended on SIGTERM or SIGUSR1 gets a WARN alert titled ``preempted``
+- Preemption: a run whose process ended on SIGTERM, SIGUSR1 or SIGHUP gets a WARN alert titled ``preempted``
   (Trackio versions without alerts: the config key ``otel_train.preempted``, best effort).
 - Trackio keeps its current run in a context variable; the run is opened in a context of its own, so
   a Trackio run of the user's (on any thread) is never finished or replaced by this exporter.
@@ -55,7 +55,7 @@ __all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter", "shared_run_id
 
 _logger = logging.getLogger(__name__)
 
-#: Alert title (and, without alerts, config key) of a run whose process ended on SIGTERM / SIGUSR1.
+#: Alert title (and, without alerts, config key) of a run whose process ended on SIGTERM / SIGUSR1 / SIGHUP.
 PREEMPTED_TITLE = "preempted"
 PREEMPTED_KEY = PREEMPTED
 

@@ -2,13 +2,26 @@
 
 - Run identity: the W&B run id is `train.run.id` (characters W&B reserves become `-`), opened with
   ``resume="allow"``, so a restarted job continues the same run. The name is `train.run.name`.
-- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call, steps in increasing order
-  within a window. A row whose step went backwards in its series (without a declared restart) is skipped and
-  counted under every `OTEL_TRAIN_STEP_ORDER` (W&B cannot store it; TensorBoard skips it too). W&B has one step
-  axis per run: a row of another series for a step older than the last step written is dropped here too and
-  counted (`steps_dropped`, one warning that names the cure) instead of W&B's drop with a warning per call.
-  A row for the step written last is merged into it (W&B commits a step when a later one arrives, or at
-  `finish`), so W&B holds one value per series and step: the last.
+- Steps: ``step=`` is `train.step`; the rows of one step go into one `log` call, steps in increasing order.
+  W&B has one step axis per run and cannot go back, so rows are held `hold_s` seconds (2 s) before they are
+  written, and then go out by the sink's reorder rule: once a step has been held that long it is written, with
+  every held step below it, in step order. Rows that arrive out of order by less than that (a DataLoader
+  worker's values logged with ``step=`` ahead of the loop, a child's values reaching the exporter process after
+  the loop's next window) are written at their step with the rest of it. A row whose step went backwards in
+  its series (without a declared restart) is skipped and counted under every `OTEL_TRAIN_STEP_ORDER` (W&B
+  cannot store it; TensorBoard skips it too). A row of another series for a step older than the last step
+  written (later than the hold) is dropped here too, instead of W&B's drop with a warning per call. A row for
+  the step written last is merged into it (W&B commits a step when a later one arrives, or at `finish`). W&B
+  holds one value per series and step: the last; every row not written, one going back or one whose value a
+  later one of its series and step replaced, is counted in `steps_dropped` (rows; the summary's "not
+  written"), with one warning per cause. `flush` writes the steps held long enough, an explicit flush
+  (`ot.flush()`, delivery's `write_held_at_next_flush`) and `close` everything; the cursor of the exporter
+  process's spool never passes a held row (`durable_step`). Behind the sink's reorder hold, that hold takes
+  the place of this one.
+- Keys: the series tag as is, except a key W&B reserves for its own history (`_step`, `_runtime`,
+  `_timestamp`, anything starting with `_wandb`), which W&B would overwrite or hide: such a key, and one of
+  the same shape with more leading underscores, gets one more ``_`` (`_step` -> `__step`, `__step` ->
+  `___step`), so two keys never share a name (`wandb_key`).
 - Resume (`OTEL_TRAIN_RESUME_STEP` = N): online, the run is rewound with W&B's ``resume_from``
   (``<id>?_step=N``), so the new values replace steps >= N; when W&B refuses (offline, or rewind not
   enabled for the account) the run is resumed with ``resume="allow"`` and steps it already holds
@@ -24,7 +37,7 @@
   resumed run reads the steps the earlier attempts' files hold, and drops those rows). The open step is
   in the file after `finish`, at the close. The resume marker (``otel-train-<id>.last-step``) also holds
   only steps the file has.
-- Preemption: a run that ended on SIGTERM or SIGUSR1 gets `run.mark_preempting()` and the summary
+- Preemption: a run that ended on SIGTERM, SIGUSR1 or SIGHUP gets `run.mark_preempting()` and the summary
   field ``otel_train.preempted`` = the signal's name.
 - Settings: `WANDB_PROJECT` (default: the otel-train project), `WANDB_ENTITY`, `WANDB_MODE`,
   `WANDB_DIR` (default: the run's folder under `OTEL_TRAIN_DIR`), `WANDB_RUN_GROUP`, `WANDB_CONSOLE`
@@ -36,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Sequence
@@ -45,29 +59,46 @@ from typing import TYPE_CHECKING, Any
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._runs import (
     StepGate,
-    by_step,
     histogram_bins,
     hparams_for,
     run_folder,
     wanted,
 )
-from otel_train.exporters.base import RowExporter
+from otel_train.exporters.base import LOSS_CAUSES, RowExporter
 from otel_train.rows import HistogramRow, MetricRow
 from otel_train.run_identity import PREEMPTED, RunInfo
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
-__all__ = ["PREEMPTED_KEY", "WandbExporter", "wandb_run_id"]
+__all__ = ["PREEMPTED_KEY", "WandbExporter", "wandb_key", "wandb_run_id"]
 
 _logger = logging.getLogger(__name__)
 
-#: Summary field of a run that ended on SIGTERM / SIGUSR1 (its value: the signal's name).
+#: Summary field of a run that ended on SIGTERM / SIGUSR1 / SIGHUP (its value: the signal's name).
 PREEMPTED_KEY = PREEMPTED
 _RESERVED = ":;,#?/'\\%"
 _MAX_BINS = 512  # W&B's limit for a histogram
 _FILE_FLUSH_S = 0.25  # how often W&B's service writes the run file (its default, 15 s, is what a kill loses)
 _FINISH_WAIT_S = 10.0  # at close, how long to wait for the run file to hold the last step (then: a later replay)
+
+
+#: Keys of W&B's own history (`_step` is replaced by the step, `_runtime` by W&B's clock, `_timestamp` is taken
+#: for the row's time) and its namespace (`_wandb...`), with any number of extra leading underscores.
+_RESERVED_KEY = re.compile(r"_+(?:step|runtime|timestamp|wandb.*)", re.DOTALL)
+#: Rows held at most, over every run of the exporter: past it the oldest steps are written early.
+_MAX_HELD_ROWS = 200_000
+
+
+def wandb_key(tag: str) -> str:
+    """The W&B key of a series tag: as is, but one more leading ``_`` on a key W&B reserves (and on one of the
+    same shape with more underscores, so the mapping never merges two keys).
+
+    Example:
+        >>> [wandb_key(k) for k in ("train/loss", "_step", "__step", "_wandb_x", "_x", "_step{worker=1}")]
+        ['train/loss', '__step', '___step', '__wandb_x', '_x', '_step{worker=1}']
+    """
+    return "_" + tag if _RESERVED_KEY.fullmatch(tag) else tag
 
 
 def wandb_run_id(run: RunInfo) -> str:
@@ -97,6 +128,8 @@ class WandbExporter(RowExporter):
 
     name = "wandb"
     stores_older_steps = False  # a run's history cannot go back (module docstring)
+    #: Seconds a row is held before it is written (module docstring, "Steps"); 0 writes each window at once.
+    hold_s: float = 2.0
     display_names = True
     handles_metrics = True
     handles_spans = False
@@ -115,46 +148,72 @@ class WandbExporter(RowExporter):
         self._gate = StepGate("wandb", monotonic=True)
         self._files: dict[tuple[str, int], _RunFile] = {}
         self._floor: dict[tuple[str, int], int] = {}  # steps earlier attempts hold
+        # Held rows per run: step -> rows, and when each step first arrived (`hold_s`).
+        self._held: dict[tuple[str, int], dict[int, list[MetricRow | HistogramRow]]] = {}
+        self._arrived: dict[tuple[str, int], dict[int, float]] = {}
+        self._infos: dict[tuple[str, int], RunInfo] = {}
+        self._held_rows = 0
+        self._open_step: dict[tuple[str, int], tuple[int, set[str]]] = {}  # W&B's open step and its keys
+        self._replaced = 0
+        self._tries: dict[tuple[tuple[str, int], int], int] = {}  # failed writes of a held step
+        self._write_all = False  # the next flush writes everything held (an explicit flush)
 
     @property
     def steps_dropped(self) -> int:
-        """Rows' steps dropped because W&B already held a later (or the same, resumed) step."""
-        return int(self._gate.dropped)
+        """Rows not written: their step was below one W&B already held (or one a resumed run holds), or a later
+        value of their series at the same step replaced them (W&B keeps one per series and step)."""
+        return int(self._gate.dropped) + self._replaced
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
-        per_run: dict[tuple[str, int], tuple[RunInfo, list[MetricRow | HistogramRow]]] = {}
-        all_rows: list[MetricRow | HistogramRow] = [*rows, *histograms]
-        for row in all_rows:
-            if not wanted(self.options, row.run):
-                continue
+        # What was held long enough goes first: should it raise, this window is retried and nothing of it is held.
+        self._release(everything=False)
+        given: list[MetricRow | HistogramRow] = [*rows, *histograms]
+        taken = [row for row in given if wanted(self.options, row.run)]
+        for row in taken:  # opened with their first rows (W&B starts early), before any row is held
             key = (row.run.run_id, row.run.rank)
-            per_run.setdefault(key, (row.run, []))[1].append(row)
-        for key, (run_info, run_rows) in per_run.items():
-            run = self._run(key, run_info)
-            for step, step_rows in by_step(run_rows):
-                payload = self._payload(step_rows)
-                if not payload or not self._gate.admit(key, step):  # nothing W&B can draw, or a step it cannot take
-                    self.mark_written(step_rows)
-                    continue
-                run.log(payload, step=step)
-                self.mark_written(step_rows)  # a retry after a later step's failure does not log it again
+            if key not in self._infos:
+                self._run(key, row.run)
+                self._infos[key] = row.run
+        now = time.monotonic()  # after opening a run (seconds): its first rows are held `hold_s` from here
+        for row in taken:
+            key = (row.run.run_id, row.run.rank)
+            self._held.setdefault(key, {}).setdefault(row.step, []).append(row)
+            self._arrived.setdefault(key, {}).setdefault(row.step, now)
+        self._held_rows += len(taken)
+        self.mark_written(taken)  # held now: a retry of this window does not hold them twice
+        if self.hold_s <= 0 or self._held_rows > _MAX_HELD_ROWS:
+            self._release(everything=self.hold_s <= 0, oldest_first=self._held_rows > _MAX_HELD_ROWS)
 
     def durable_step(self) -> int | None:
-        """The last step the run file holds, where a run has steps it does not hold yet (else None)."""
+        """The last step the run file holds, where a run has steps it does not hold yet, and one below the
+        lowest step held back (else None)."""
         behind = []
         for key in self._files:  # also after `close`: a run whose finish failed is not all in its file
-            held = self._held(key)
+            held = self._file_step(key)
             if held is not None and self._gate.last(key) > held:
                 behind.append(held)
+        behind.extend(min(steps) - 1 for steps in self._held.values() if steps)
         return min(behind) if behind else None
 
+    def write_held_at_next_flush(self) -> None:
+        """Have the next `flush` write everything held (delivery asks at an explicit flush: `ot.flush()`)."""
+        self._write_all = True
+
     def flush(self) -> None:
-        """Read how far each run file got, and record it in the resume marker."""
+        """Write the steps held long enough (everything, when asked); read how far each run file got, and
+        record it in the resume marker."""
+        everything, self._write_all = self._write_all, False
+        self._release(everything=everything)
         for key in self._runs:
-            held = self._held(key)
+            held = self._file_step(key)
             if held is not None:
                 self._write_marker(key, held)
+
+    def write_resume(self, run: RunInfo, step: int) -> None:
+        """What was logged before the restart is written first (everything held), then the restart applies."""
+        self._release(everything=True)
+        super().write_resume(run, step)
 
     def mark_preempted(self, cause: str) -> None:
         """W&B's own preemption mark (`run.mark_preempting()`: online, the run shows as preempted
@@ -164,23 +223,115 @@ class WandbExporter(RowExporter):
             run.mark_preempting()
 
     def close(self) -> None:
+        try:
+            self._release(everything=True)
+        except Exception as err:  # the runs are finished all the same; what is held stays in the spool
+            _logger.error("wandb: writing the rows held back failed: %s", err)
         for key, run in list(self._runs.items()):
             try:
                 run.finish()
                 # W&B's service writes the run file on its own schedule, also after `finish` returned: wait a
                 # moment for it, so delivery's cursor can claim the rest now, not at the next replay. The marker
                 # claims only what the file holds (without a run file: what was handed, as before).
-                held = self._held(key)
+                held = self._file_step(key)
                 deadline = time.monotonic() + _FINISH_WAIT_S
                 while held is not None and held < self._gate.last(key) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                    held = self._held(key)
+                    held = self._file_step(key)
                 self._write_marker(key, self._gate.last(key) if held is None else held)
             except Exception as err:  # one failing run must not keep the others open
                 _logger.error("wandb: finishing run %s failed: %s", key[0], err)
         self._runs.clear()
 
     # -- internals -------------------------------------------------------------------------------
+    def _release(self, everything: bool, oldest_first: bool = False) -> None:
+        """Write the held steps that are due: per run, every step held `hold_s` and every held step below the
+        highest of those, in step order (everything: all of them; oldest_first: at least the oldest step, to
+        bound memory). A step leaves the hold only once W&B took it: should `log` raise, the rest stays held."""
+        try:
+            self._release_due(time.monotonic() - self.hold_s, everything, oldest_first)
+        finally:
+            self._held_rows = sum(len(rows) for steps in self._held.values() for rows in steps.values())
+
+    def _release_due(self, cutoff: float, everything: bool, oldest_first: bool) -> None:
+        for key, steps in self._held.items():
+            if not steps:
+                continue
+            arrived = self._arrived[key]
+            due = [s for s, t in arrived.items() if t <= cutoff]
+            if everything:
+                upto = max(steps)
+            elif due:
+                upto = max(due)
+            elif oldest_first:
+                upto = min(arrived, key=arrived.__getitem__)
+            else:
+                continue
+            for step in sorted(s for s in steps if s <= upto):
+                try:
+                    self._write_step(key, step, steps[step])
+                except Exception as err:
+                    tries = self._tries[(key, step)] = self._tries.get((key, step), 0) + 1
+                    if tries < max(1, self.max_attempts):
+                        raise  # W&B is down: the step stays held, the next flush tries it again
+                    self._count_lost("gave_up", steps[step], err)
+                self._tries.pop((key, step), None)
+                del steps[step]
+                del arrived[step]
+
+    def _write_step(self, key: tuple[str, int], step: int, step_rows: list[MetricRow | HistogramRow]) -> None:
+        """Log one held step. When W&B raises, each row is tried alone: a row that fails alone while others land
+        is one W&B refuses (skipped, counted, warned once per series); when none lands, W&B is down (raised)."""
+        run = self._run(key, self._infos[key])  # first: a resumed run's floor is known once it is open
+        try:
+            self._log_step(key, run, step, step_rows)
+        except Exception:
+            if len(step_rows) == 1:
+                raise
+            refused: list[tuple[MetricRow | HistogramRow, Exception]] = []
+            for row in step_rows:
+                try:
+                    self._log_step(key, run, step, [row])
+                except Exception as err:
+                    refused.append((row, err))
+            if len(refused) == len(step_rows):
+                raise
+            for row, why in refused:
+                self._count_lost("refused", [row], why)
+
+    def _count_lost(self, cause: str, rows: list[MetricRow | HistogramRow], err: Exception) -> None:
+        """Rows held here that W&B will never get: counted in this backend's `rows_lost` (the summary's line),
+        warned about once per cause and series."""
+        lost = self.rows_lost  # delivery's counters of this backend (a window's rows are taken when held)
+        lost[cause] = lost.get(cause, 0) + len(rows)
+        for series in dict.fromkeys(row.tag for row in rows):
+            self._log.warning(f"{cause}:{series}", "exporter `wandb` skipped a row of series `%s` at step %r: %s "
+                              "(%s: %s); later rows of this series that fail the same way are counted, not warned "
+                              "about", series, rows[0].step, LOSS_CAUSES.get(cause, cause), type(err).__name__, err)
+
+    def _log_step(self, key: tuple[str, int], run: Run, step: int,
+                  step_rows: list[MetricRow | HistogramRow]) -> None:
+        payload, replaced = self._payload(step_rows)
+        if not payload:  # nothing W&B can draw
+            return
+        if not self._gate.admit(key, step, rows=len(payload) + replaced):  # a step it cannot take
+            return
+        open_step, open_keys = self._open_step.get(key, (None, set()))
+        if open_step != step:
+            open_keys = set()
+        gauges = {wandb_key(r.tag) for r in step_rows if _logged_value(r)}
+        replaced += len(open_keys & gauges)  # W&B's open step already has them: the later value wins
+        run.log(payload, step=step)
+        self._open_step[key] = (step, open_keys | gauges)
+        if replaced:
+            self._count_replaced(replaced, step)
+
+    def _count_replaced(self, n: int, step: int) -> None:
+        self._replaced += n
+        self._log.warning(
+            "replaced", "wandb: %d value(s) at step %d replaced by a later value of the same series and step (W&B "
+            "keeps one value per series and step: the last); counted in `steps_dropped`, warned once", n, step)
+
     def _run(self, key: tuple[str, int], info: RunInfo) -> Run:
         run = self._runs.get(key)
         if run is not None:
@@ -247,7 +398,7 @@ class WandbExporter(RowExporter):
         self._floor[key] = held
         return run
 
-    def _held(self, key: tuple[str, int]) -> int | None:
+    def _file_step(self, key: tuple[str, int]) -> int | None:
         """The highest step run `key` holds durably (its file, or the earlier attempts); None: unknown."""
         store = self._files.get(key)
         if store is None or not store.path.exists():  # no transaction log (disabled mode, W&B's own setting)
@@ -255,16 +406,19 @@ class WandbExporter(RowExporter):
         return max(store.last_step(), self._floor.get(key, -1))
 
     @staticmethod
-    def _payload(step_rows: list[MetricRow | HistogramRow]) -> dict[str, Any]:
+    def _payload(step_rows: list[MetricRow | HistogramRow]) -> tuple[dict[str, Any], int]:
+        """One `log` call's data: W&B keys (`wandb_key`) to values; a key given twice keeps the last. Also how
+        many logged values were so replaced (`_logged_value`)."""
         data: dict[str, Any] = {}
+        replaced = 0
         for row in step_rows:
-            if isinstance(row, MetricRow):
-                data[row.tag] = row.value
-            else:
-                hist = _histogram(row)
-                if hist is not None:
-                    data[row.tag] = hist
-        return data
+            value = row.value if isinstance(row, MetricRow) else _histogram(row)
+            if value is None:
+                continue
+            key = wandb_key(row.tag)
+            replaced += key in data and _logged_value(row)
+            data[key] = value
+        return data, replaced
 
     def _write_marker(self, key: tuple[str, int], step: int | None) -> None:
         marker = self._markers.get(key)
@@ -275,6 +429,12 @@ class WandbExporter(RowExporter):
             self._marked[key] = step
         except OSError as err:
             self._log.warning("marker", "wandb: cannot write %s (%s); a resumed run may repeat steps", marker, err)
+
+
+def _logged_value(row: MetricRow | HistogramRow) -> bool:
+    """Whether a later value of `row`'s series at its step loses it: a gauge, not otel-train's own readings
+    (``otel_train.*``, re-read every window) nor a counter's running total (the later one holds it)."""
+    return isinstance(row, MetricRow) and row.kind == "gauge" and not row.name.startswith("otel_train.")
 
 
 def _can_rewind(env: os._Environ[str] | dict[str, str]) -> bool:

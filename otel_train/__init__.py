@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -117,6 +118,8 @@ def init(
     from otel_train import config as cfg
     from otel_train import runtime
     from otel_train._internal import sdk
+    from otel_train.capture.step import new_step_sequence
+    from otel_train.exit_hooks import forget_preemption
 
     with _init_lock:
         if _session is not None and not _session.closed:
@@ -140,10 +143,14 @@ def init(
         env = None
         placement = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size}
         if any(v is not None for v in placement.values()):
-            import os
-
             env = dict(os.environ)
             env.update({k: str(int(v)) for k, v in placement.items() if v is not None})
+        previous = getattr(_session, "run", None)
+        if previous is not None and previous.pid == os.getpid():
+            # A new run after `shutdown()` in this process (a notebook, an in-process sweep): steps from 0.
+            # Not in a forked child, whose `init()` continues its parent's run.
+            new_step_sequence()
+            forget_preemption()
         session: Session = runtime.start(settings, env=env, instances=instances)
         _session = session
         return session

@@ -1,5 +1,5 @@
 """Process exit and signals: every open session hands off (flushes, closes its backends) at interpreter exit
-and on SIGTERM, SIGINT and SIGUSR1, then the process ends as it would have without us.
+and on SIGTERM, SIGINT, SIGUSR1 and SIGHUP, then the process ends as it would have without us.
 
 `otel_train.runtime.start` registers each session in `_active` and calls `_install_hooks`; the last session's
 `shutdown()` gives the signal handlers back (`_restore_signal_handlers`).
@@ -32,10 +32,12 @@ _logger = logging.getLogger("otel_train")
 
 
 # -- process hooks --------------------------------------------------------------------------------
-#: Signals handed off like interpreter exit. SIGUSR1 is SLURM's `--signal` warning before preemption.
-_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")
-#: Of those, the ones that mean preemption (a scheduler's), not a user's Ctrl-C.
-_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+#: Signals handed off like interpreter exit. SIGUSR1 is SLURM's `--signal` warning before preemption; SIGHUP
+#: a closed terminal or SSH session.
+_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP")
+#: Of those, the ones that end the run from outside (a scheduler's preemption, a lost terminal), not a user's
+#: Ctrl-C: the backends mark the run preempted.
+_PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGHUP")
 #: The preemption signal this process received (its name), once one has: the backends mark their runs at shutdown.
 _preempted_by: str | None = None
 _hooks_installed = False
@@ -43,6 +45,12 @@ _hooks_installed = False
 _previous_handlers: dict[int, Any] = {}
 _active: list[Session] = []
 _handoff: threading.Thread | None = None
+
+
+def forget_preemption() -> None:
+    """A new run in this process (an `init()` after `shutdown()`): a preemption the last run ended on is not its."""
+    global _preempted_by
+    _preempted_by = None
 
 
 def _shutdown_budget_s() -> float:
@@ -270,6 +278,8 @@ def _install_hooks() -> None:
             continue
         try:
             previous = signal.getsignal(sig)
+            if previous is signal.SIG_IGN:  # ignored on purpose (`nohup`'s SIGHUP): it stays a no-op
+                continue
             if previous is _on_signal:  # put back by a framework after ours was given back: what it had is unknown
                 previous = signal.SIG_DFL
             signal.signal(sig, _on_signal)

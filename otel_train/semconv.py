@@ -102,7 +102,7 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention(THREAD_NAME, "span", "str", "", "the thread that started the span", "thread.name"),
     Convention(SPAN_TRUNCATED, "span", "bool", "", "a signal ended the process while the span was open"),
     Convention(RUN_PREEMPTED, "backend run", "str", "",
-               "a SIGTERM / SIGUSR1 ended the process: the signal's name (W&B summary, MLflow tag, ClearML tag)"),
+               "a SIGTERM / SIGUSR1 / SIGHUP ended the process: the signal's name (W&B summary, MLflow tag, ClearML tag)"),
     Convention(TRAIN_STEP_DURATION, "metric", "float", "s", "every step end", display="train/step_duration_s"),
     Convention(TRAIN_TIME_TOTAL, "metric", "float", "s", "every step end", display="train/time_total_s"),
     Convention(TRAIN_ITERATIONS, "metric", "int", "1", "every step end", display="train/iterations"),

@@ -260,9 +260,29 @@ def check_log_step(step: int) -> None:
     _state.last_logged = step
 
 
-def _reset_for_tests() -> None:
+#: Where the latest step entered is also written for child processes (an 8-byte shared memory cell of
+#: `otel_train.ship.workers.StepCell`, as a ``q`` memoryview), or None: one store per step entered.
+_shared_step: Any = None
+
+
+def share_latest_step(cell: Any) -> None:
+    """Also write each step entered into `cell[0]` (a writable ``q`` memoryview; None stops it). Until the
+    first step it holds 0, the step the training thread's own `log` uses then."""
+    global _shared_step
+    _shared_step = cell
+    if cell is not None:
+        cell[0] = 0 if _state.latest is None else _state.latest
+
+
+def new_step_sequence() -> None:
+    """Forget the previous run's steps: a new run in this process starts at step 0, with its own clock,
+    iteration count and step-order state (the runtime calls it at an `init()` after a `shutdown()`)."""
     global _state
     _state = _ProcessState()
+
+
+def _reset_for_tests() -> None:
+    new_step_sequence()
 
 
 class step:
@@ -322,6 +342,9 @@ class step:
                     _state.order,
                 )
         _state.latest = self._step
+        shared = _shared_step
+        if shared is not None:
+            shared[0] = self._step
         self._token = _current.set(self._step)
         self._start_ns = _clock()
         return self._step

@@ -242,6 +242,10 @@ class BackendFeed:
         if reload and self.spool is not None:
             items = self._from_spool() + items
         self._export(items, side)
+        if flush:  # an explicit flush (`ot.flush()`, shutdown, replay): a backend's own hold writes all it holds
+            write_held = getattr(self.exporter, "write_held_at_next_flush", None)
+            if write_held is not None:
+                write_held()
         if stuck:
             # The held window's retry is a flush, at its backoff (an explicit flush does not hurry it), and
             # once more before the backend closes.

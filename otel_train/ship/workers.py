@@ -10,8 +10,11 @@ never waits for telemetry.
 
 In the run, child data carries ``worker=N`` (the DataLoader worker id, else the child's pid): metrics as
 ``name{worker=N}``, spans on their own Chrome trace thread track ``worker N (pid P)``. A value logged
-without ``step=`` gets the run's latest step, as the exporter process sees it. Child windows are not
-spooled: they are delivered once, best effort.
+without ``step=`` gets the step the training process was in when the child logged it (its latest step
+entered, 0 before the first, as the trainer's own `log`): the trainer writes each step it enters into a
+shared 8-byte cell (`StepCell`, a file beside the child socket, mapped by both), which the child reads at the
+call. Without the cell (it could not be made) it gets the run's latest step as the exporter process sees it.
+Child windows are not spooled: they are delivered once, best effort.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import mmap
 import os
 import pickle
 import secrets
@@ -39,8 +43,8 @@ from otel_train.capture.step import StepOutOfRange, coerce_step
 from otel_train.rows import MetricRow, SpanRow, series_tag
 from otel_train.run_identity import RunInfo
 
-__all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "WorkerClient", "WorkerListener", "client_from_env",
-           "listen_on"]
+__all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
+           "client_from_env", "listen_on", "step_cell_path"]
 
 _logger = logging.getLogger("otel_train")
 _LEN = struct.Struct("<I")
@@ -76,6 +80,64 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         parts.append(chunk)
         got += len(chunk)
     return b"".join(parts)
+
+
+# -- the trainer's latest step, shared with its children --------------------------------------------------
+def step_cell_path(address: str) -> str:
+    """The step cell of the run whose child socket is `address` (beside it, so a spawned child finds it too)."""
+    return os.path.join(os.path.dirname(address), "workers.step")
+
+
+class StepCell:
+    """An 8-byte file mapped shared: the training process writes the latest step it entered (``view[0]``), its
+    children read it when they log without ``step=`` (-1: not written yet).
+
+    Example:
+        >>> import tempfile
+        >>> cell = StepCell(os.path.join(tempfile.mkdtemp(), "workers.step"))
+        >>> cell.view[0] = 7
+        >>> read_step(open_step_cell(cell.path))
+        7
+        >>> cell.close()
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, 8)
+            self._map = mmap.mmap(fd, 8)
+        finally:
+            os.close(fd)
+        self.view: memoryview = memoryview(self._map).cast("q")
+        self.view[0] = -1
+
+    def close(self) -> None:
+        """Unmap and remove the file (children still holding a mapping keep reading the last step)."""
+        with contextlib.suppress(Exception):
+            self.view.release()
+            self._map.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def open_step_cell(path: str) -> memoryview | None:
+    """A child's read-only view of the trainer's step cell, or None when the run has none."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return memoryview(mmap.mmap(fd, 8, access=mmap.ACCESS_READ)).cast("q")
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_step(view: memoryview | None) -> int:
+    """The trainer's latest step in `view`, or -1 (none yet, or no cell)."""
+    return -1 if view is None else int(view[0])
 
 
 # -- the exporter process's end ----------------------------------------------------------------------
@@ -180,6 +242,8 @@ class WorkerListener:
         parent = Path(self.address).parent
         if parent.name.startswith("otel-train-w"):  # our own temporary folder (a long run path)
             with contextlib.suppress(OSError):
+                os.unlink(step_cell_path(self.address))  # the trainer's, should it not have removed it yet
+            with contextlib.suppress(OSError):
                 parent.rmdir()
 
 
@@ -271,6 +335,7 @@ class WorkerClient:
         #: Lost here and not yet told to the exporter process (which tells the trainer's summary): cause -> count.
         self._lost: dict[str, int] = {}
         self.trace_id = secrets.randbits(128) or 1
+        self._step_cell: memoryview | None = None  # the trainer's latest step (opened with the connection)
 
     # -- recording (any thread of the child) ------------------------------------------------------------
     def log(self, mapping: Mapping[str, Any], step: int | None = None,
@@ -285,7 +350,8 @@ class WorkerClient:
                 _warn_once.warning("attributes", "otel_train.log in a child process: %s; left out (warned once)",
                                    refused_reason(attributes, refused[0]))
         t = time.time_ns()
-        s = -1  # -1: the exporter process stamps the run's latest step
+        # Without a step: the step the trainer is in now; -1 (none yet): the exporter process stamps its latest.
+        s = read_step(self._step_cell) if step is None else -1
         if step is not None:
             try:
                 s = coerce_step(step, "otel_train.log(step=) in a child process")
@@ -372,6 +438,7 @@ class WorkerClient:
             self._die(f"cannot reach the run's exporter process at {self._address} ({err})")
             return
         self._sock = sock
+        self._step_cell = open_step_cell(step_cell_path(self._address))
         self._state = "open"
         threading.Thread(target=self._sender, name="otel-train-worker-send", daemon=True).start()
         # multiprocessing children (DataLoader workers) leave through its finalizers, not atexit.

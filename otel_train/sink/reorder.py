@@ -124,6 +124,8 @@ class ReorderHold:
 
     def __init__(self, inner: RowExporter, reorder_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._inner = inner
+        if hasattr(inner, "hold_s"):  # a backend's own hold (W&B's): this one takes its place
+            inner.hold_s = 0.0
         self.reorder_s = reorder_s
         self._clock = clock
         self._arrivals: deque[_Chunk] = deque()  # every held chunk, oldest first (emptied ones skipped)

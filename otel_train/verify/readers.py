@@ -88,8 +88,20 @@ def jsonl_spans(path: Path) -> list[SpanPoint]:
 
 
 # -- Chrome trace: the JSON file chrome://tracing and Perfetto load ----------------------------------------
+class TraceNotJSON(ValueError):
+    """A trace holding a bare ``NaN``/``Infinity``: not JSON, so trace viewers reject the whole file."""
+
+
+def _not_json(constant: str) -> Any:
+    raise TraceNotJSON(f"{constant} is not JSON: trace viewers reject the file")
+
+
 def trace_events(path: Path) -> list[dict[str, Any]]:
-    """The events of a trace file (plain or gzip); one cut off by a crash is read up to its last whole event."""
+    """The events of a trace file (plain or gzip); one cut off by a crash is read up to its last whole event.
+
+    Raises:
+        TraceNotJSON: the file holds a bare ``NaN``/``Infinity`` (viewers reject it).
+    """
     if not path.exists():
         return []
     raw = path.read_bytes()
@@ -97,7 +109,9 @@ def trace_events(path: Path) -> list[dict[str, Any]]:
         raw = gzip.GzipFile(fileobj=__import__("io").BytesIO(raw)).read() if raw else b""
     text = raw.decode("utf-8", "replace")
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_not_json)
+    except TraceNotJSON:
+        raise
     except ValueError:
         data = _unterminated(text)
     events: list[dict[str, Any]] = data["traceEvents"] if isinstance(data, dict) else data
@@ -123,9 +137,21 @@ def _unterminated(text: str) -> list[Any]:
     return out
 
 
+#: How the trace writes NaN and ±inf counter values (strict JSON has no such numbers).
+_NON_FINITE = ("NaN", "Infinity", "-Infinity")
+
+
 def chrome_counters(path: Path) -> list[Point]:
-    """Counter tracks (``"ph": "C"``) of logged scalars; a counter event has a time, no step."""
-    return [Point(e["name"], None, e["args"]["value"]) for e in trace_events(path) if e.get("ph") == "C"]
+    """Counter tracks (``"ph": "C"``) of logged scalars; a counter event has a time, no step. NaN and ±inf are
+    the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (strict JSON); any other value that is no number fails."""
+    out: list[Point] = []
+    for e in trace_events(path):
+        if e.get("ph") == "C":
+            value = e["args"]["value"]
+            if not isinstance(value, (int, float)) and value not in _NON_FINITE:
+                raise ValueError(f"counter {e['name']!r} holds {value!r}, not a number")
+            out.append(Point(e["name"], None, float(value)))
+    return out
 
 
 def chrome_spans(path: Path) -> list[SpanPoint]:

@@ -47,6 +47,12 @@ def _tag(key: SeriesKey) -> str:
     return key.tag
 
 
+def _wandb_key(key: SeriesKey) -> str:
+    from otel_train.exporters.wandb import wandb_key
+
+    return wandb_key(key.tag)
+
+
 def _rank_tag(key: SeriesKey) -> str:
     from otel_train.exporters._runs import rank_tag
 
@@ -95,7 +101,7 @@ def _wandb(plan: RankPlan, backend: BackendPlan) -> Held | str:
         roots.append(Path(plan.env["WANDB_DIR"]))
     files = sorted({p for root in roots for p in root.glob(f"wandb/*-{wandb_id}/run-{wandb_id}.wandb")})
     points = [p for path in files for p in readers.wandb(path)]
-    return Held(points, _tag, where=", ".join(map(str, files)) or f"no offline run {wandb_id}")
+    return Held(points, _wandb_key, where=", ".join(map(str, files)) or f"no offline run {wandb_id}")
 
 
 def _mlflow(plan: RankPlan, backend: BackendPlan) -> Held | str:

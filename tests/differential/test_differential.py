@@ -150,6 +150,13 @@ def per_rank_store(key: str, rank: int) -> str:
     return f"[rank{rank}] {key}"
 
 
+def wandb_name(key: str, rank: int) -> str:
+    """README "Keys": a key W&B reserves (`_step`, ...) gets one more leading `_` (`wandb_key`); one run per rank."""
+    from otel_train.exporters.wandb import wandb_key
+
+    return per_rank_store(wandb_key(key), rank)
+
+
 def mlflow_name(key: str, rank: int) -> str:
     """README "Keys": a key MLflow refuses is mapped (`_` for each refused character) plus `_` and 6 hex digits
     of its SHA-256; rank N > 0 adds `__rank-N`. The mapping is the exporter's own pure function of the key."""
@@ -202,9 +209,9 @@ class Mapping:
 MAPPINGS: dict[str, Mapping] = {
     "tensorboard": Mapping(per_rank_store, value=float32),  # `simple_value` is a float32
     "jsonl": Mapping(per_rank_store),
-    "chrome_trace": Mapping(per_rank_store, keeps=math.isfinite, has_step=False),  # counters: finite, no step
+    "chrome_trace": Mapping(per_rank_store, has_step=False),  # counters: no step; NaN/±inf as strings
     "mlflow": Mapping(mlflow_name, value=mlflow_value),
-    "wandb": Mapping(per_rank_store),  # rank N > 0: its own run `<run id>-rank<N>`
+    "wandb": Mapping(wandb_name),  # rank N > 0: its own run `<run id>-rank<N>`
     "trackio": Mapping(trackio_name),
     "clearml": Mapping(clearml_name, value=clearml_value),
     "sink": Mapping(per_rank_store),  # OTLP through `otel-train sink`, which writes JSONL per rank

@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import readback
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -99,15 +100,26 @@ def test_counter_events_for_scalars(tmp_path: Path) -> None:
     with ChromeTraceExporter(opts(tmp_path)) as exp:
         exp.export_window(Window(metrics=[
             metric("train/loss", 0, 2.5, 10), metric("train/loss", 1, 1.25, 20),
-            metric("train/loss", 2, math.nan, 30),  # a curve cannot hold NaN; strict JSON neither
+            metric("train/loss", 2, math.nan, 30), metric("train/loss", 3, math.inf, 40),
+            metric("train/loss", 4, -math.inf, 50),
             metric("grad/count", 1, 3.0, 20, kind="histogram"),
         ]))
-    events = json.loads(trace_path(tmp_path, "demo", 0).read_text())
+    events = json.loads(trace_path(tmp_path, "demo", 0).read_text(), parse_constant=_not_strict_json)
     counters = by_ph(events, "C")
     assert [(c["name"], c["ts"], c["pid"], c["args"]) for c in counters] == [
         ("train/loss", T0 / 1000 + 10, 0, {"value": 2.5}),
         ("train/loss", T0 / 1000 + 20, 0, {"value": 1.25}),
+        ("train/loss", T0 / 1000 + 30, 0, {"value": "NaN"}),  # strict JSON has no NaN: the strings Perfetto reads
+        ("train/loss", T0 / 1000 + 40, 0, {"value": "Infinity"}),
+        ("train/loss", T0 / 1000 + 50, 0, {"value": "-Infinity"}),
     ]
+    back = readback.chrome_counters(trace_path(tmp_path, "demo", 0))
+    assert [p.value for p in back[:2]] == [2.5, 1.25] and math.isnan(back[2].value)
+    assert [p.value for p in back[3:]] == [math.inf, -math.inf]
+
+
+def _not_strict_json(constant: str) -> None:
+    raise AssertionError(f"{constant} in the trace: chrome://tracing and Perfetto reject it")
 
 
 def test_counters_off(tmp_path: Path) -> None:

@@ -12,14 +12,28 @@ from typing import Any, ClassVar
 
 import pytest
 from backendkit import events, isolated_clearml_env, row, two_ranks
+from readback import clearml as clearml_points
+from reference import Point
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow
+from otel_train.rows import HistogramRow, MetricRow, series_tag
 from otel_train.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
 RUN_ID = "cml-run-1"
+
+
+def _built_in_rows(r0: RunInfo, r1: RunInfo) -> list[MetricRow]:
+    """Built-in series under their dotted names: two ranks' step durations, two exporters' error counts."""
+    def built_in(run: RunInfo, step: int, name: str, value: float, **attrs: Any) -> MetricRow:
+        tag = series_tag(name, attrs)
+        return MetricRow(run, step, name, tag, value, "gauge", 0, attrs)
+
+    return [built_in(r, s, "train.step.duration_s", 0.25 * (s + 1) + r.rank) for s in (0, 1) for r in (r0, r1)] + [
+        built_in(r0, 0, "otel_train.backend_errors", 1.0, exporter="jsonl"),
+        built_in(r0, 0, "otel_train.backend_errors", 2.0, exporter="wandb"),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +55,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 row(r0, 1, "eval/acc{split=val}", 0.75, split="val"), row(r0, 0, "lr", 0.01),
                 row(r0, 0, "optim/lr/group0", 0.02), row(r1, 0, "train/loss", 1.5),
                 row(RunInfo("other-run", "x"), 0, "train/loss", 9.0),
+                *_built_in_rows(r0, r1),
             ], histograms=[HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)])))
             results.append(exporter.force_flush())
 
@@ -71,8 +86,19 @@ def test_scalars_with_title_series_mapping(session: dict[str, Any]) -> None:
     assert scalars[("lr", "lr")] == [(0, 0.01)]
     assert scalars[("optim/lr", "group0")] == [(0, 0.02)]
     assert scalars[("train", "loss{rank=1}")] == [(0, 1.5)]
-    assert len(scalars) == 5  # the other run's row was dropped
+    assert len(scalars) == 9  # the other run's row was dropped
     assert session["exporter"].rows_dropped == 1
+
+
+def test_rank_and_attribute_suffixes_make_distinct_series(session: dict[str, Any]) -> None:
+    """Built-in (dotted) names keep their rank and attribute suffixes: no two series share one ClearML series."""
+    points = [p for p in clearml_points(session["folder"]) if "step_duration" in p.name or "backend_errors" in p.name]
+    assert sorted(points) == sorted([
+        Point("train/step_duration_s", 0, 0.25), Point("train/step_duration_s", 1, 0.5),
+        Point("train/step_duration_s{rank=1}", 0, 1.25), Point("train/step_duration_s{rank=1}", 1, 1.5),
+        Point("otel_train/backend_errors{exporter=jsonl}", 0, 1.0),
+        Point("otel_train/backend_errors{exporter=wandb}", 0, 2.0),
+    ])
 
 
 def test_histogram_reported(session: dict[str, Any]) -> None:

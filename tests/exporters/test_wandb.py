@@ -43,6 +43,7 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         r0, r1 = two_ranks(RUN_ID, "wb", HPARAMS)
         hist = HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 5_000)
         exporter = WandbExporter(options)
+        exporter.hold_s = 0.0  # each window written at once: what happens to a row later than the hold
         # Window 1: steps out of order across series inside the window (one `log` per step, in step order), a
         # suffixed series, a histogram, rank 1.
         assert exporter.export_window(Window(metrics=[

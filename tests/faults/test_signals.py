@@ -1,4 +1,4 @@
-"""SIGTERM, SIGINT and SIGUSR1 at steps from the first on: every step logged before the signal lands, exactly, and the loop
+"""SIGTERM, SIGINT, SIGUSR1 and SIGHUP at steps from the first on: every step logged before the signal lands, exactly, and the loop
 runs no step after it (the handler holds the loop while it hands off, then acts as the handler before ours would).
 
 A driver forks a tiny loop (JSONL + TensorBoard) per repetition and signals it after a given step;
@@ -45,7 +45,7 @@ def landed_prefix(points: list[list[Any]]) -> int:
     return len(steps) - 1
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGUSR1"])
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT", "SIGUSR1", "SIGHUP"])
 def test_signal_at_any_step_lands_every_step_logged_before_it(tmp_path: Path, sig: str) -> None:
     signum = getattr(signal, sig)
     for r in drive(tmp_path, sig, SIGNAL_STEPS):
@@ -96,6 +96,45 @@ def test_open_spans_are_closed_and_flagged_truncated(tmp_path: Path) -> None:
     assert spans["forward"]["parent_span_id"] == spans["epoch"]["span_id"]
 
 
+
+_HANGUP = textwrap.dedent("""
+    import os, signal, sys, time
+    import otel_train as ot
+    if sys.argv[2] == "nohup":  # as `nohup` starts a program: hangups ignored
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    ot.init(exporters=["jsonl"], dir=sys.argv[1], run_id="h", run_name="h")
+    for s in range(6):
+        with ot.step(s):
+            ot.log({"loss": 1.0 / (s + 1), "acc": s * 0.5})
+        if s == 2:
+            os.killpg(0, signal.SIGHUP)  # the terminal or SSH session closed: its whole process group gets it
+            time.sleep(0.5)
+    ot.shutdown()
+""")
+
+
+@pytest.mark.parametrize("mode", ["terminal", "nohup"])
+def test_sighup_hands_off_and_marks_the_run_unless_ignored(tmp_path: Path, mode: str) -> None:
+    """A closed terminal sends SIGHUP to the job's process group: the trainer flushes, marks the run preempted and
+    ends by SIGHUP, like SIGTERM (the exporter process, in a session of its own, delivers it all); a
+    program started under `nohup` (SIGHUP ignored before `init`) keeps ignoring it: it runs on, unmarked."""
+    proc = subprocess.run([sys.executable, "-c", _HANGUP, str(tmp_path), mode], capture_output=True, text=True,
+                          timeout=120, check=False, start_new_session=True)  # a process group of its own
+    from faultkit import jsonl_points
+
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    path = jsonl_path(tmp_path, "h", 0)
+    points = jsonl_points(tmp_path, "h")
+    marks = [r["signal"] for r in (read_jsonl(path) if path.exists() else ()) if r["type"] == "preempted"]
+    if mode == "terminal":
+        assert proc.returncode == -signal.SIGHUP, proc.stderr[-3000:]
+        assert sorted(points) == sorted(expected(range(3))) and len(points) == len(expected(range(3)))
+        assert marks == ["SIGHUP"]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert sorted(points) == sorted(expected(range(6))) and len(points) == len(expected(range(6)))
+        assert marks == []
 
 
 _IN_FLUSH = textwrap.dedent("""

@@ -127,6 +127,7 @@ def test_wandb_under_warn_drops_what_it_cannot_store_loudly(tmp_path: Path, monk
     from otel_train.exporters.wandb import WandbExporter
 
     exporter = WandbExporter(ExporterOptions(directory=tmp_path))
+    exporter.hold_s = 0.0  # each window written at once: rows later than W&B's hold
     with caplog.at_level(logging.WARNING):
         exporter.export_window(Window(rows(0, 1, 2)))
         exporter.export_window(Window(rows(1) + rows(1, tag="acc") + rows(3)))
