@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from otel_train.ship.store_env import STORE_VARIABLES
+
 __all__ = ["main"]
 
 
@@ -57,7 +59,8 @@ def _replay(args: argparse.Namespace) -> int:
     from otel_train.ship.export_process import replay
 
     results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every,
-                     allow_outside=args.allow_outside, wanted=_missing_rows(args.run_dir))
+                     allow_outside=args.allow_outside, wanted=_missing_rows(args.run_dir),
+                     overrides=_overrides(args.overrides))
     if not results:
         sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
         return 0
@@ -70,6 +73,18 @@ def _replay(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(f"{name}: {progress.summary()}\n")
     return 1 if behind else 0
+
+
+def _overrides(pairs: list[str]) -> dict[str, str]:
+    """``--set NAME=VALUE`` pairs; a name that is no store variable fails in one line."""
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in STORE_VARIABLES:
+            raise SystemExit(f"otel-train replay: --set {pair!r}: expected NAME=VALUE with NAME one of "
+                             f"{', '.join(STORE_VARIABLES)}")
+        out[name] = value
+    return out
 
 
 def _missing_rows(run_dir: Path) -> Any:
@@ -144,6 +159,10 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--allow-outside", action="store_true",
                         help="write where the run's exporters.json says even outside the folder holding the run "
                              "(its directory, a recorded MLflow URI, Trackio, W&B or ClearML folder); default: refuse")
+    replay.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="overrides",
+                        help="use this store variable instead of the one the run recorded at init() (repeatable; "
+                             "e.g. WANDB_MODE=offline to keep a run whose W&B was online and failed): "
+                             + ", ".join(STORE_VARIABLES))
     replay.set_defaults(func=_replay)
 
     verify = sub.add_parser("verify", help="check that every local backend holds what the run logged",

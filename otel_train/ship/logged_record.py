@@ -128,6 +128,12 @@ class LoggedRecord:
         self._last_step = -1
         self.stopped = False
         self._file: Any = None
+        # The file is made with the first entry after the header: a run that logs nothing leaves no folder.
+        self._header: dict[str, Any] | None = {"k": "h", "pid": os.getpid(), "rank": rank, "t": time.time(),
+                                                **header}
+
+    def _open(self) -> bool:
+        """Create (or continue) the file and write the header; False when it cannot be written (logged once)."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():  # a pid reused by a later process of the same run: continue after its entries
@@ -137,8 +143,9 @@ class LoggedRecord:
             self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held open until close()
         except OSError as err:
             self._fail(err)
-            return
-        self._append({"k": "h", "pid": os.getpid(), "rank": rank, "t": time.time(), **header})
+            return False
+        header, self._header = self._header, None
+        return header is None or self._write_payload(_pack(header))
 
     def add(self, window: Window, side: bool = False, seq: int | None = None) -> None:
         """Record one window as the backends get it (any thread; cheap next to the backends' writes). `seq`: its
@@ -191,6 +198,10 @@ class LoggedRecord:
 
     def note_backend(self, name: str, info: Mapping[str, Any]) -> None:
         """What verify needs of backend `name`, now that it is up (replaces its part of the header)."""
+        with self._lock:
+            if self._header is not None:  # the header is not written yet: it says it itself
+                self._header.setdefault("backends", {})[name] = dict(info)
+                return
         self._append({"k": "b", "name": name, "info": dict(info)})
 
     def note_resume(self, rank: int, step: int) -> None:
@@ -199,8 +210,9 @@ class LoggedRecord:
 
     def note_losses(self, rows_lost: Mapping[str, Mapping[str, int]], order_dropped: Mapping[str, int]) -> None:
         """Per backend, the rows it did not write so far, by cause, and its step-order drops (cumulative)."""
-        if self._file is None:
-            return
+        if self._file is None and (self.stopped or not any(any(c.values()) for c in rows_lost.values())
+                                   and not any(order_dropped.values())):
+            return  # nothing recorded and nothing lost: no file for it
         with self._lock:
             self._write({"k": "l", "lost": {n: dict(c) for n, c in rows_lost.items()},
                          "order": {n: int(v) for n, v in order_dropped.items() if v}})
@@ -238,7 +250,7 @@ class LoggedRecord:
         return self._write_payload(_pack(entry))
 
     def _write_payload(self, payload: bytes) -> bool:
-        if self._file is None:
+        if self._file is None and (self.stopped or self._header is None or not self._open()):
             return False
         try:
             self._file.write(_LEN.pack(len(payload)) + payload)
@@ -260,6 +272,8 @@ def write_session_record(run_dir: Path, rank: int, refusals: Mapping[str, int]) 
     import json
 
     path = run_dir / FOLDER / SESSION_FILE.format(rank=rank)
+    if not any(refusals.values()) and not path.parent.exists():
+        return  # nothing refused and nothing recorded: no folder for it
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"refusals": {str(k): int(v) for k, v in refusals.items() if v}}))

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from otel_train.backend import Window
@@ -29,7 +29,7 @@ RowWanted = Callable[[str, str, "MetricRow | HistogramRow | SpanRow"], bool]
 
 def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
            report_every_s: float = 10.0, *, allow_outside: bool = False,
-           wanted: RowWanted | None = None) -> dict[str, Progress]:
+           wanted: RowWanted | None = None, overrides: Mapping[str, str] | None = None) -> dict[str, Progress]:
     """Deliver every spooled window a backend has not acknowledged, for each rank under `run_dir`.
 
     Idempotent: each backend resumes after its durable cursor, so a second replay writes nothing. Every
@@ -45,6 +45,9 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
 
     Args:
         wanted: Which rows each backend is handed (None: every row of the windows it lacks).
+        overrides: Store variables to use instead of the recorded ones (`otel-train replay --set`), e.g.
+            ``WANDB_MODE=offline`` for a run whose W&B was online and failed; only
+            `otel_train.ship.store_env.STORE_VARIABLES`.
 
     Returns:
         Spool folder name -> progress after the replay.
@@ -75,11 +78,11 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
                 continue
             options = _own_directory(rank_dir.name, Path(run_dir), dataclasses.replace(
                 options, directory=cwd / options.directory), allow_outside)
-            env = store_env.of_backends(env, names)
+            env = store_env.of_backends({**env, **(overrides or {})}, names)
             if env:
                 _logger.info("%s: the backends' stores as the run recorded them: %s", rank_dir.name,
                              ", ".join(f"{k}={v}" for k, v in env.items() if v is not None) or "their defaults")
-            with store_env.applied(env, cwd) if "env" in meta else contextlib.nullcontext():  # earlier: the shell's
+            with store_env.applied(env, cwd) if "env" in meta or overrides else contextlib.nullcontext():  # earlier: the shell's
                 delivery = Delivery(build_backends(names, options), Spool(rank_dir),
                                     row_filter=None if wanted is None else _keep(rank_dir.name, wanted))
                 results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)

@@ -114,13 +114,15 @@ def check(run_dir: Path, ranks: list[int] | None = None) -> VerifyReport:
     run_dir = Path(run_dir)
     report = VerifyReport(run_dir)
     plans = load(run_dir, ranks)
-    if not plans:
-        report.problem = (f"no record of what was logged under {run_dir / 'verify'} (the run did not keep one: "
-                          "set OTEL_TRAIN_VERIFY=record or on; or this is not a run folder)")
+    sessions = _session_ranks(run_dir, ranks)
+    if not plans and not sessions:
+        report.problem = (f"no record of what was logged under {run_dir / 'verify'} (the run logged nothing, or "
+                          "kept no record: OTEL_TRAIN_VERIFY=off; or this is not a run folder)")
         return report
-    for rank, plan in sorted(plans.items()):
+    for rank in sorted(set(plans) | sessions):  # a rank that refused values but handed its backends nothing
         for cause, n in _session_refusals(run_dir, rank).items():
             report.refusals[cause] = report.refusals.get(cause, 0) + n
+    for rank, plan in sorted(plans.items()):
         for backend in plan.backends.values():
             report.backends.append(_check_backend(plan, backend))
     return report
@@ -194,6 +196,18 @@ def _check_spans(out: BackendReport, expected: dict[str, list[int | None]], held
         out.spans_duplicated += len(duplicated)
         if missing or duplicated:
             out.span_problems[name] = (missing, duplicated)
+
+
+def _session_ranks(run_dir: Path, ranks: list[int] | None) -> set[int]:
+    """The ranks whose session wrote its refusals (`otel_train.ship.logged_record.write_session_record`)."""
+    from otel_train.ship.logged_record import FOLDER
+
+    found = set()
+    for path in (run_dir / FOLDER).glob("rank*.session.json"):
+        digits = path.name[len("rank"):].split(".", 1)[0]
+        if digits.isdigit() and (ranks is None or int(digits) in ranks):
+            found.add(int(digits))
+    return found
 
 
 def _session_refusals(run_dir: Path, rank: int) -> dict[str, int]:

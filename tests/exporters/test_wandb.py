@@ -246,6 +246,7 @@ def test_replay_twice_after_wandb_failed_writes_every_rank_step_once(tmp_path: P
 
     want = sorted((wid, s, s + rank / 10) for rank, wid in enumerate(("rp", "rp-rank1")) for s in range(6))
     for _ in range(2):
-        progress = replay(runs / "rp", timeout_s=120, stall_s=60)
+        # The run recorded W&B online (where it failed): `otel-train replay --set WANDB_MODE=offline` keeps it offline.
+        progress = replay(runs / "rp", timeout_s=120, stall_s=60, overrides={"WANDB_MODE": "offline"})
         assert {k: p.behind() for k, p in progress.items()} == {"rank0": {}, "rank1": {}}
         assert held() == want  # a list: a step held twice (over several run files) shows

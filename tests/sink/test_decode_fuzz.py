@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from otel_train.rows import series_tag
 from otel_train.sink.decode import (
     DecodeCache,
     DecodeError,
@@ -36,7 +37,7 @@ def test_valid_requests_decode_to_exact_rows(run: str, rank: int,
                                              metrics: dict[str, list[tuple[int, float, str | None]]]) -> None:
     decoded = decode_metrics(parse_metrics(_request(run, rank, metrics)), DecodeCache())
     decoded.finish(SeriesLedger())
-    expected = sorted((name, step, value, f"{name}{{split={split}}}" if split is not None else name)
+    expected = sorted((name, step, value, series_tag(name, {"split": split}) if split is not None else series_tag(name, None))
                       for name, pts in metrics.items() for step, value, split in pts)
     got = sorted((r.name, r.step, r.value, r.tag) for r in decoded.metrics)
     assert got == expected
