@@ -6,8 +6,10 @@ function of the step, and the readers return sets of points.
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
+import time
 from pathlib import Path
 
 #: The series the tiny loop logs (the auto-recorded `train.*` series are left out of the sets).
@@ -55,3 +57,18 @@ def tb_points(run_dir: Path) -> list[tuple[str, int, float]]:
     import readback
 
     return [(p.name, p.step, p.value) for p in readback.tensorboard(run_dir) if p.name in SERIES]
+
+
+def wait_unlocked(rank_dir: Path, within_s: float = 60.0) -> None:
+    """Until no process holds the rank's spool (a killed job's exporter process, or W&B's service it started, may
+    hold it a moment after the kill): replay skips, and `init()` renames, a run another process still writes."""
+    from otel_train.ship.spool import try_lock
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        fd = try_lock(rank_dir)
+        if fd is not None:
+            os.close(fd)
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{rank_dir} still locked after {within_s} s")

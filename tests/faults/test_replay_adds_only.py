@@ -11,30 +11,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import readback
+from faultkit import wait_unlocked
 
 from otel_train.cli import main as cli_main
-from otel_train.ship.spool import try_lock
 
 DRIVER = Path(__file__).parent / "worker_kill9_driver.py"
 KILL_AFTER = 40
-
-
-def _wait_unlocked(rank_dir: Path, within_s: float) -> None:
-    """Until no process holds the rank's spool (the orphaned exporter process drained and exited)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        fd = try_lock(rank_dir)
-        if fd is not None:
-            os.close(fd)
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{rank_dir} still locked after {within_s} s")
 
 
 def _held(run_dir: Path) -> dict[str, list[tuple[str, int | None, float]]]:
@@ -64,7 +51,7 @@ def test_replay_after_kill9_with_workers_logging_keeps_every_point(tmp_path: Pat
             break
     proc.wait(30)
     run_dir = tmp_path / run
-    _wait_unlocked(run_dir / "spool" / "rank0", 120)
+    wait_unlocked(run_dir / "spool" / "rank0", 120)
 
     before = _held(run_dir)
     workers_before = {b: [p for p in pts if p[0].startswith("data/item")] for b, pts in before.items()}

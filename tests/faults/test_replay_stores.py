@@ -12,13 +12,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import readback
-from faultkit import SERIES, value
+from faultkit import SERIES, value, wait_unlocked
 
 STEPS = 30
 TRAIN = textwrap.dedent("""
@@ -52,22 +51,9 @@ def _job_with_a_broken_store(tmp_path: Path, exporters: str, broken: Path, **env
                                    **env), capture_output=True, text=True,
                           timeout=240, check=False, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    _wait_unlocked(runs / "stores" / "spool" / "rank0")
+    wait_unlocked(runs / "stores" / "spool" / "rank0")
     broken.rmdir()
     return runs / "stores"
-
-
-def _wait_unlocked(rank_dir: Path) -> None:
-    from otel_train.ship.spool import try_lock
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        fd = try_lock(rank_dir)
-        if fd is not None:
-            os.close(fd)
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{rank_dir} still locked")
 
 
 def _replay(run_dir: Path, cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:

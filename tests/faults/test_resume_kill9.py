@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from faultkit import SERIES, f32, jsonl_points, tb_points, value
+from faultkit import SERIES, f32, jsonl_points, tb_points, value, wait_unlocked
 
 import otel_train as ot
 from otel_train.ship.export_process import replay
@@ -56,6 +56,7 @@ def _killed_attempt(directory: Path) -> None:
     finally:
         proc.wait(timeout=60)
     spool = spool_dir(directory, RUN, 0)
+    wait_unlocked(spool)  # the killed exporter process releases the run a moment after the kill
     assert Spool(spool).last_step == KILLED_STEPS - 1
     # Fault injection: the exporter process died before it acknowledged anything, so every window is
     # still undelivered for the next attempt (backends acknowledge at most once a second while data flows).

@@ -13,16 +13,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from backendkit import isolated_wandb_env, read_run, wandb_files
-from faultkit import expected, jsonl_points, value
+from faultkit import expected, jsonl_points, value, wait_unlocked
 
 from otel_train.ship.export_process import replay
-from otel_train.ship.spool import Spool, spool_dir, try_lock
+from otel_train.ship.spool import Spool, spool_dir
 
 RUN = "job-wandb-kill9"
 STEPS = 400  # spooled before the kill; a few 32 KiB blocks of W&B's run file
@@ -53,18 +52,6 @@ def _wandb_points(directory: Path) -> list[tuple[str, int, float]]:
     return points
 
 
-def _wait_unlocked(rank_dir: Path) -> None:
-    """Until no process holds the rank's spool: replay skips a rank another process still writes."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        fd = try_lock(rank_dir)
-        if fd is not None:
-            os.close(fd)
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{rank_dir} still locked")
-
-
 @pytest.mark.parametrize("after_s", [0.3, 1.5])
 def test_kill_9_of_the_whole_job_then_replay_writes_every_step_to_wandb_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, after_s: float) -> None:
@@ -85,7 +72,7 @@ def test_kill_9_of_the_whole_job_then_replay_writes_every_step_to_wandb_once(
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
-    _wait_unlocked(spool_dir(tmp_path, RUN, 0))  # a killed process's children (W&B's service) may hold it a while
+    wait_unlocked(spool_dir(tmp_path, RUN, 0))  # a killed process's children (W&B's service) may hold it a while
     spool = Spool(spool_dir(tmp_path, RUN, 0))
     assert spool.last_step == STEPS - 1
     held = {s for _, s, _ in _wandb_points(tmp_path)}
