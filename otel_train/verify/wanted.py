@@ -3,7 +3,8 @@
 Replay reads the windows a backend has not acknowledged from the spool; with a verify report it hands that
 backend only the metric rows the report lists as missing there (by the name the backend shows the series under),
 so a backend that holds more than its cursor says (a kill after its write, before the record) gets nothing twice.
-A backend that passed gets nothing more; what verify could not compare (a backend it cannot read back, the Chrome
+A backend that passed with nothing missing gets nothing more (one whose missing values were counted as lost,
+a full disk say, gets them: counted is not held); what verify could not compare (a backend it cannot read back, the Chrome
 trace's counters, steps past the record's cap) and the spans of a backend that failed follow the cursor alone.
 """
 
@@ -83,6 +84,7 @@ def rows_missing(report: VerifyReport) -> Callable[[str, str, MetricRow | Histog
     # What verify compared there: scalars (the Chrome trace's counters carry no step), spans.
     scalars = {(b.rank, b.backend) for b in report.backends if b.expected or b.present}
     spans = {(b.rank, b.backend) for b in report.backends if b.spans_expected}
+    spans_missing = {(b.rank, b.backend) for b in report.backends if b.spans_missing}
 
     def wanted(label: str, backend: str, row: MetricRow | HistogramRow | SpanRow) -> bool:
         try:
@@ -97,12 +99,12 @@ def rows_missing(report: VerifyReport) -> Callable[[str, str, MetricRow | Histog
         if past is not None and (isinstance(row, SpanRow) or row.step is None or row.step > past):
             return True  # beyond the record's cap: as the cursor says
         if isinstance(row, SpanRow):
-            return key not in spans or state != "pass"
+            return key not in spans or state != "pass" or key in spans_missing
         if key not in scalars:
             return True  # its scalars were not compared: as the cursor says
-        if state == "pass":
-            return False  # it holds every value once already
         lacks = missing[key]
+        if state == "pass" and not lacks:
+            return False  # it holds every value once already
         return any((name, row.step) in lacks for name in _names(row, backend))
 
     return wanted
