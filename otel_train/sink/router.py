@@ -133,7 +133,8 @@ class Router:
         with self._counts:
             self.errors += 1
 
-    def _run(self, run_id: str) -> RunFeed:
+    def _run(self, run_id: str, keep: frozenset[str] = frozenset()) -> RunFeed:
+        """The open run `run_id`, opened if need be; `keep`: runs not to close to make room (the same request's)."""
         with self._lock:
             if self._closed:
                 raise Overloaded("the sink is shutting down", self.retry_after_s)
@@ -143,7 +144,7 @@ class Router:
             else:
                 if run_id in self._closing:
                     raise Overloaded(f"run {run_id!r} is being closed; retry shortly", _CLOSING_RETRY_S)
-                self._evict()
+                self._evict(keep)
                 if len(self._runs) + len(self._closing) >= self.max_open_runs:
                     raise Overloaded(f"{len(self._runs):,} runs open and {len(self._closing):,} closing (max open "
                                      f"runs {self.max_open_runs:,}); retry shortly", _CLOSING_RETRY_S)
@@ -188,9 +189,10 @@ class Router:
         self._finish_close(state, 30.0, why)
         return True
 
-    def _evict(self) -> None:
+    def _evict(self, keep: frozenset[str] = frozenset()) -> None:
         """Start closing least recently used idle runs so that new ones find room (self._lock held). A run with
-        data still queued, or busy in a request, is passed over."""
+        data still queued, busy in a request, or in `keep` (looked up for the request being admitted, which
+        would find it closing) is passed over."""
         # Close a few more than needed: the next new runs then find room while these close in the background.
         headroom = max(1, self.max_open_runs // 8)
         excess = len(self._runs) + len(self._closing) + headroom - self.max_open_runs
@@ -199,7 +201,7 @@ class Router:
         for state in list(self._runs.values()):
             if excess <= 0:
                 break
-            if state.pending or not state.lock.acquire(blocking=False):
+            if state.pending or state.run_id in keep or not state.lock.acquire(blocking=False):
                 continue
             try:
                 if state.pending:
@@ -267,7 +269,8 @@ class Router:
         """
         parts = decoded.split_by_run()
         try:
-            states = [(self._run(run_id), parts[run_id]) for run_id in sorted(parts)]
+            keep = frozenset(parts)
+            states = [(self._run(run_id, keep), parts[run_id]) for run_id in sorted(parts)]
         except Overloaded:
             self._count("refused", 1)
             raise

@@ -143,3 +143,222 @@ class _SinkOnPort(SinkProcess):
     def __init__(self, workdir: Path, grpc_port: int, *args: str) -> None:
         super().__init__(workdir, *args, "--grpc", f"127.0.0.1:{grpc_port}")
         self.grpc_port = grpc_port
+
+
+# -- closes racing requests, and closes of busy runs ------------------------------------------------------------
+def _jsonl_points(runs: Path) -> dict[str, list[tuple[str, int, float]]]:
+    """run folder -> every metric point of its JSONL files, in file order (a list: a duplicate shows)."""
+    out: dict[str, list[tuple[str, int, float]]] = {}
+    for path in sorted(runs.glob("*/rank*.jsonl")):
+        out.setdefault(path.parent.name, []).extend((p.name, p.step, p.value) for p in readback.jsonl(path))
+    return out
+
+
+def test_thousands_of_one_request_runs_through_rotel_with_few_open_runs_lose_nothing(tmp_path: Path) -> None:
+    """Each run's only request reaches the sink in a batch of many runs while the least recently used runs close:
+    a request for a run being closed is refused and retried, never written into the spool being removed. Every
+    point the sink took (`/health` `points`) is in JSONL, once, each run whole (on a loaded machine the collector
+    may still be retrying some runs when the test stops it: those were never taken)."""
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    runs_n, points = 1000, 10
+    runs = tmp_path / "runs"
+    sink = SinkProcess(tmp_path / "sink", "--exporters", "jsonl", "--dir", str(runs), "--max-open-runs", "64",
+                       "--backend-threads", "2").wait_ready()
+    rotel = Rotel(tmp_path / "rotel", sink.grpc_port).start()
+    try:
+        for i in range(runs_n):
+            body = metrics_request({"train.run.id": f"r{i}"}, [OtlpPoint(f"m{k}", float(i), step=k)
+                                                              for k in range(points)])
+            _send(lambda b: _post_to(rotel.http_port, b), body)
+            time.sleep(0.005)  # rotel's batches (50 ms) hold fewer runs than the sink may open at once
+        wait_until(lambda: sink.get("/health")["points"] >= runs_n * points, 20)
+    finally:
+        rotel.stop()
+        taken = sink.get("/health")["points"]
+        assert sink.terminate() == 0
+    got = _jsonl_points(runs)
+    assert taken >= 10 * points and sum(map(len, got.values())) == taken
+    wrong = [run for run, pts in got.items() if sorted(pts) != [(f"m{k}", k, float(run[1:])) for k in range(points)]]
+    assert wrong == []
+
+
+def _ingest_all(router: Any, bodies: list[bytes]) -> None:
+    from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
+    from otel_train.sink.router import Overloaded
+
+    cache = DecodeCache()
+    for body in bodies:
+        for _ in range(1000):
+            try:
+                router.ingest(decode_metrics(parse_metrics(body), cache))
+                break
+            except Overloaded as err:  # a run being closed just then: retried, as a sender does
+                time.sleep(err.retry_after_s / 20)
+        else:
+            raise AssertionError("never taken")
+
+
+def _router(tmp_path: Path, **kwargs: Any) -> Any:
+    from otel_train.exporter_options import ExporterOptions
+    from otel_train.sink import exporter_factory
+    from otel_train.sink.router import Router
+
+    options = ExporterOptions(directory=tmp_path / "runs", ranks="all")
+    return Router(exporter_factory(("jsonl",), options), spool_dir=tmp_path / "runs" / ".sink-spool", **kwargs)
+
+
+def _duplicates(points: list[tuple[str, int, float]]) -> int:
+    return len(points) - len(set(points))
+
+
+def test_six_cumulative_runs_over_a_limit_of_four_open_runs_write_each_point_once(tmp_path: Path) -> None:
+    """The LRU closes runs between their exports; each export re-sends every past step; a reopened run knows
+    what it wrote (before: its table was dropped on close and the whole history written again)."""
+    senders = {f"run{i}": _SdkSender(f"run{i}", "cumulative") for i in range(6)}
+    router = _router(tmp_path, max_open_runs=4)
+    steps = 30
+    try:
+        for step in range(steps):
+            _ingest_all(router, [sender.step(step) for sender in senders.values()])
+    finally:
+        router.close(30)
+    got = _jsonl_points(tmp_path / "runs")
+    assert sorted(got) == sorted(senders) and router.runs_closed > 6
+    for run_id in senders:
+        assert sorted(got[run_id]) == _expected(steps), (run_id, _duplicates(got[run_id]))
+
+
+def test_two_ranks_of_200_gauges_over_550_steps_are_written_once(tmp_path: Path) -> None:
+    """More values than any fixed table per run held (before: cleared when full, then re-sends written again)."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.resources import Resource
+
+    gauges, steps = 200, 550
+    bodies = []
+    for rank in (0, 1):
+        reader = InMemoryMetricReader()  # CUMULATIVE, the SDK's default: every export re-sends every step
+        provider = MeterProvider(metric_readers=[reader], resource=Resource.create(
+            {"train.run.id": "wide", "train.rank": rank, "train.world_size": 2}))
+        meter = provider.get_meter("t")
+        instruments = [meter.create_gauge(f"g{i}") for i in range(gauges)]
+        for step in range(steps):
+            for i, gauge in enumerate(instruments):
+                gauge.set(rank * 1e6 + i * 1000 + step, {"train.step": step})
+            if step in (steps // 2, steps - 1):
+                bodies.append(bytes(encode_metrics(reader.get_metrics_data()).SerializeToString()))
+        bodies.append(bytes(encode_metrics(reader.get_metrics_data()).SerializeToString()))  # at shutdown
+        provider.shutdown()
+    router = _router(tmp_path)
+    try:
+        _ingest_all(router, [bodies[0], bodies[3], bodies[1], bodies[4], bodies[2], bodies[5]])
+    finally:
+        router.close(60)
+    points = [p for path in sorted((tmp_path / "runs" / "wide").glob("rank*.jsonl")) for p in readback.jsonl(path)]
+    assert len(points) == 2 * gauges * steps and _duplicates([(p.name, p.step, p.value) for p in points]) == 0
+
+
+# -- a request sent twice ------------------------------------------------------------------------------------
+def _traces_body(run_id: str, spans: int) -> bytes:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"train.run.id": run_id}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("t")
+    for step in range(spans):
+        with tracer.start_as_current_span("forward", attributes={"train.step": step}):
+            pass
+    provider.shutdown()
+    return bytes(encode_spans(exporter.get_finished_spans()).SerializeToString())
+
+
+def test_every_request_sent_twice_spans_and_delta_points_are_taken_once(tmp_path: Path) -> None:
+    import urllib.request
+
+    runs = tmp_path / "runs"
+    sink = SinkProcess(tmp_path / "sink", "--exporters", "jsonl", "--dir", str(runs)).wait_ready()
+    sender = _SdkSender("twice", "delta")
+    steps = 40
+    try:
+        for step in range(steps):
+            body = sender.step(step)
+            sink.post_metrics(body)
+            sink.post_metrics(body)  # the acknowledgement was lost: the sender sends it again
+        traces = _traces_body("twice", 50)
+        for _ in range(2):
+            req = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/traces", data=traces,
+                                         headers={"Content-Type": "application/x-protobuf"})
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 200
+        sink.settled_health()
+        runs_doc = sink.get("/runs")["runs"]
+    finally:
+        assert sink.terminate() == 0
+    assert _points(readback.jsonl(runs / "twice" / "rank0.jsonl")) == _expected(steps)
+    spans = readback.jsonl_spans(runs / "twice" / "rank0.jsonl")
+    assert sorted(s.step for s in spans) == list(range(50))
+    assert runs_doc[0]["retries_skipped"] == steps + 50  # a counter point per step, and every span
+
+
+def test_requests_of_many_new_runs_never_close_their_own_runs_before_writing_them(tmp_path: Path) -> None:
+    """A collector's batch of new runs: opening the later ones makes room by closing the least recently used idle
+    runs, which must not be the batch's own earlier runs (before: closed, their spool removed, the request
+    acknowledged and its rows lost)."""
+    from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    def batch(first: int) -> bytes:
+        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+        req = ExportMetricsServiceRequest()
+        for i in range(first, first + 8):
+            one = ExportMetricsServiceRequest.FromString(metrics_request({"train.run.id": f"r{i}"}, [
+                OtlpPoint("m", float(i), step=0)]))
+            req.resource_metrics.extend(one.resource_metrics)
+        return bytes(req.SerializeToString())
+
+    router = _router(tmp_path, max_open_runs=8)
+    try:
+        _ingest_all(router, [batch(i) for i in range(0, 600, 8)])
+        assert decode_metrics(parse_metrics(batch(0)), DecodeCache()).points == 8
+    finally:
+        router.close(60)
+    got = _jsonl_points(tmp_path / "runs")
+    assert sorted(got) == sorted(f"r{i}" for i in range(600))
+    assert all(got[f"r{i}"] == [("m", 0, float(i))] for i in range(600))
+
+
+def test_a_run_closed_between_its_lookup_and_its_lock_refuses_the_request_whose_retry_lands_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the run is closed (as the LRU or the idle timer would) right after the request looked it up,
+    before it took the run's lock. Before: the rows were put into the closed run (its spool removed) and the
+    request acknowledged: lost. Now it is refused with a short retry-after, and the retry lands."""
+    from otel_train.sink.router import Router
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    real = Router._run
+    raced: list[str] = []
+
+    def racing(self: Router, run_id: str, *args: Any, **kwargs: Any) -> Any:
+        state = real(self, run_id, *args, **kwargs)
+        if not raced:
+            raced.append(run_id)
+            assert self.close_if_idle(state, state.last_seen, "closed by the test")
+        return state
+
+    monkeypatch.setattr(Router, "_run", racing)
+    router = _router(tmp_path)
+    try:
+        _ingest_all(router, [metrics_request({"train.run.id": "x"}, [OtlpPoint("m", 1.0, step=s) for s in range(3)])])
+        refused = router.refused
+    finally:
+        router.close(30)
+    assert raced == ["x"] and refused == 1
+    assert _jsonl_points(tmp_path / "runs") == {"x": [("m", 0, 1.0), ("m", 1, 1.0), ("m", 2, 1.0)]}
