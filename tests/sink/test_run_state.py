@@ -362,3 +362,40 @@ def test_a_run_closed_between_its_lookup_and_its_lock_refuses_the_request_whose_
         router.close(30)
     assert raced == ["x"] and refused == 1
     assert _jsonl_points(tmp_path / "runs") == {"x": [("m", 0, 1.0), ("m", 1, 1.0), ("m", 2, 1.0)]}
+
+
+def test_a_spool_that_cannot_be_written_refuses_requests_until_it_can_and_each_step_lands_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: the run's spool cannot be written (disk full) for a stretch of requests while the run keeps
+    sending. Before: acknowledged anyway, from memory only (a crash then lost them). Now each is refused with a
+    retry-after, its series state untouched, and lands once when the sender retries after the disk recovered."""
+    import errno
+
+    from otel_train.ship.spool import Spool
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    real = Spool.append
+    failing = [0]
+
+    def full(self: Spool, seq: int, max_step: int, payload: bytes) -> bool:
+        if failing[0] > 0:
+            failing[0] -= 1
+            self._write_failed(OSError(errno.ENOSPC, "No space left on device"))
+            return False
+        return real(self, seq, max_step, payload)
+
+    monkeypatch.setattr(Spool, "append", full)
+    router = _router(tmp_path)
+    steps = 40
+    try:
+        for step in range(steps):
+            if step == 10:
+                failing[0] = 15  # the next 15 writes fail: retried until the disk has room again
+            _ingest_all(router, [metrics_request({"train.run.id": "full"}, [
+                *[OtlpPoint(f"g{i}", _gauge(i, step), step=step) for i in range(GAUGES)],
+                OtlpPoint("tokens", step + 1, step=step, kind="sum")])])  # DELTA: its total must not double
+        refused = router.refused
+    finally:
+        router.close(30)
+    assert refused == 15
+    assert sorted(_jsonl_points(tmp_path / "runs")["full"]) == _expected(steps)
