@@ -84,10 +84,11 @@ class RunFeed:
         """The ledger as the run's spool folder holds it (the state a closed, killed or restarted sink left),
         written back whole so that the journal starts empty."""
         assert self.state is not None
-        snapshot, changes = self.state.read(self._seq)
-        if snapshot is None and not changes and not self.state.journal_path.exists():
+        snapshot, records = self.state.read(self._seq)
+        if snapshot is None and not records and not self.state.journal_path.exists():
             return  # a new run
-        self.converter.load(snapshot, changes)
+        self.converter.load(snapshot, records)
+        self.converter.loaded()
         self.save_state()
 
     def save_state(self) -> bool:
@@ -97,7 +98,7 @@ class RunFeed:
         try:
             self.state.write(self._seq, self.converter.dump())
             return True
-        except OSError as err:
+        except (OSError, TypeError) as err:
             _logger.warning("run %r: cannot write its series state in %s (%s); after a restart, points it already "
                             "wrote may be written again", self.run_id, self.state.folder, err)
             return False
@@ -224,7 +225,10 @@ class RunFeed:
 
     def stop(self, timeout_s: float) -> bool:
         """Finish the queues, then flush and close the backends; whether every backend holds everything."""
-        return self.delivery.close(time.monotonic() + timeout_s)
+        done = self.delivery.close(time.monotonic() + timeout_s)
+        if self.state is not None:
+            self.state.close()
+        return done
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -77,6 +77,7 @@ _WINDOW_STEPS = 4096
 # Span ids remembered per run to recognise a retried request (~100 bytes each).
 _MAX_SPANS = 100_000
 _MISSING: Any = object()
+_LOW_64 = (1 << 64) - 1
 
 
 def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
@@ -122,6 +123,10 @@ class SeriesLedger(MetricsConverter):
         self._sums: dict[tuple[int, str], float] = {}  # running totals
         self._tops: dict[tuple[int, str], int] = {}  # the highest step of each series
         self._gauges: dict[tuple[int, str, int], float] = {}  # gauge values written
+        # (rank, tag) -> the step at or below which a gauge value is out of the window (set when pruning; only
+        # series with steps that far below their highest)
+        self._floors: dict[tuple[int, str], int] = {}
+        self._gauges_seen = 0  # gauge entries whose steps are in `_tops` (the oldest: insertion order)
         # (rank, tag, step, sender) -> (start time, value, time) of the newest cumulative point applied
         self._cumulative: dict[tuple[int, str, int, str], tuple[int, float, int]] = {}
         self._hists: dict[tuple[int, str, int, str],
@@ -129,7 +134,7 @@ class SeriesLedger(MetricsConverter):
         self._extremes: dict[tuple[int, str, int, str], tuple[float, float]] = {}  # DELTA histograms' min, max
         self._deltas: dict[tuple[int, str, int], float] = {}  # DELTA sums' increase per step (late points)
         self._delta_seen: dict[tuple[int, str, int, str, int, int], int] = {}  # DELTA points applied: retries
-        self._spans: dict[tuple[int, int], int] = {}  # (trace id, span id) of spans taken: retries
+        self._spans: dict[tuple[int, int, int], int] = {}  # (trace id high, low, span id) of spans taken: retries
         self._written: dict[tuple[int, str], float] = {}  # last value of step-less gauge series
         self._senders: dict[tuple[int, str], str] = {}  # (rank, tag) -> first sender of a cumulative series
         self._sequence: dict[tuple[int, str], int] = {}
@@ -139,6 +144,7 @@ class SeriesLedger(MetricsConverter):
             "N": self._senders, "Q": self._sequence,
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
+        self._new_gauges: list[tuple[int, str, int]] = []  # gauge values first written since `begin`
         self._counts_before: tuple[Any, ...] = ()
         # Step-keyed entries at which the next commit drops those out of the window (amortised: a scan per doubling).
         self._prune_at = self._prune_min = 16 * window_steps
@@ -169,10 +175,12 @@ class SeriesLedger(MetricsConverter):
         """Start recording changes (a persistent ledger; a no-op otherwise)."""
         if self.persistent:
             self._undo = []
+            self._new_gauges = []
             self._counts_before = (*(getattr(self, n) for n in self._COUNTS), len(self.collided))
 
     def changes(self) -> list[Any]:
-        """The changes since `begin`, JSON-able: [counters, [[table, key, value], ...]] (`load`)."""
+        """The changes since `begin`, msgpack-able: [counters, [[table, key, value], ...], gauge keys first
+        written, their values] (`load`)."""
         undo = self._undo or []
         tables = self._tables
         seen: set[tuple[str, Any]] = set()
@@ -184,12 +192,18 @@ class SeriesLedger(MetricsConverter):
             value = tables[tid].get(key, _MISSING)
             if value is not _MISSING:
                 out.append([tid, key, value])
-        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out]
+        written = self._gauges
+        new_gauges = self._new_gauges
+        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out, new_gauges,
+                [written[k] for k in new_gauges]]
 
     def commit(self) -> None:
         """Keep the changes since `begin` (they are durable); drop entries that fell out of the window."""
         self._undo = None
-        if len(self._gauges) + len(self._cumulative) + len(self._deltas) + len(self._delta_seen) > self._prune_at:
+        self._new_gauges = []
+        # Nothing is out of the window before the run's steps span it (a series' steps are at most the run's).
+        if self.current_step >= self._window and (len(self._gauges) + len(self._cumulative) + len(self._deltas)
+                                                  + len(self._delta_seen) > self._prune_at):
             self._prune()
 
     def rollback(self) -> None:
@@ -203,28 +217,36 @@ class SeriesLedger(MetricsConverter):
                 tables[tid].pop(key, None)
             else:
                 tables[tid][key] = old
+        for key in self._new_gauges:
+            self._gauges.pop(key, None)
+        self._new_gauges = []
         *counts, collided = self._counts_before
         for name, value in zip(self._COUNTS, counts, strict=True):
             setattr(self, name, value)
         del self.collided[collided:]
 
-    def dump(self) -> dict[str, Any]:
-        """The whole state, JSON-able (`load`)."""
-        return {"counts": self.changes()[0],
-                "tables": {tid: [[key, value] for key, value in table.items()] for tid, table in self._tables.items()}}
+    def dump(self) -> list[Any]:
+        """The whole state, msgpack-able (`load`): the counters, and each table as [keys, values]."""
+        return [[*(getattr(self, n) for n in self._COUNTS), self.collided],
+                {tid: [list(table), list(table.values())] for tid, table in self._tables.items()}]
 
-    def load(self, state: dict[str, Any] | None, changes: list[list[Any]]) -> None:
-        """Restore a `dump`, then apply `changes` (lists of `changes()`) in order."""
+    def load(self, state: list[Any] | None, changes: list[list[Any]]) -> None:
+        """Restore a `dump`, then apply `changes` (lists of `changes()`) in order; `loaded` when done."""
         if state is not None:
-            self._set_counts(state["counts"])
-            for tid, entries in state["tables"].items():
-                table, fix = self._tables[tid], _FROM_JSON[tid]
-                for key, value in entries:
-                    table[_key(key)] = fix(value)
-        for counts, entries in changes:
+            counts, tables = state
+            self._set_counts(counts)
+            for tid, (keys, values) in tables.items():
+                fix = _VALUE_OF[tid]
+                self._tables[tid].update(zip(map(_key, keys), values if fix is _same else map(fix, values),
+                                             strict=True))
+        for counts, entries, keys, values in changes:
             self._set_counts(counts)
             for tid, key, value in entries:
-                self._tables[tid][_key(key)] = _FROM_JSON[tid](value)
+                self._tables[tid][_key(key)] = _VALUE_OF[tid](value)
+            self._gauges.update(zip(map(_key, keys), values, strict=True))
+
+    def loaded(self) -> None:
+        """Restoring is done: drop what fell out of the window."""
         self._prune()
 
     def _set_counts(self, counts: list[Any]) -> None:
@@ -240,20 +262,33 @@ class SeriesLedger(MetricsConverter):
         table[key] = value
 
     def _prune(self) -> None:
-        """Drop step-keyed entries more than the window below their series' highest step."""
-        tops, window = self._tops, self._window
-        live = 0
-        tables: tuple[dict[Any, Any], ...] = (self._gauges, self._cumulative, self._hists, self._extremes,
-                                              self._deltas, self._delta_seen)
+        """Drop step-keyed entries more than the window below their series' highest step (for gauges, the
+        highest step written is found here, in the same pass, rather than kept per row: the hot path stays one
+        lookup)."""
+        tops, window, floors = self._tops, self._window, self._floors
+        gauges = self._gauges
+        for rank, tag, step in itertools.islice(gauges, self._gauges_seen, None):  # added since the last pass
+            if step > tops.get((rank, tag), step - 1):
+                tops[(rank, tag)] = step
+        for series, top in tops.items():
+            if top - window > floors.get(series, STEPLESS) and (series in floors or top >= window):
+                floors[series] = top - window
+        if floors:
+            for key in [k for k in gauges if k[2] <= floors.get(k[:2], STEPLESS)]:
+                del gauges[key]
+        self._gauges_seen = live = len(gauges)
+        tables: tuple[dict[Any, Any], ...] = (self._cumulative, self._hists, self._extremes, self._deltas,
+                                              self._delta_seen)
         for table in tables:
-            old = [k for k in table if k[2] != STEPLESS and k[2] <= tops.get((k[0], k[1]), k[2]) - window]
-            for k in old:
-                del table[k]
-            live += len(table)
+            if table:
+                gone = [k for k in table if k[2] != STEPLESS and k[2] <= tops.get((k[0], k[1]), k[2]) - window]
+                for k in gone:
+                    del table[k]
+                live += len(table)
         if len(self._spans) > _MAX_SPANS:
             for span in list(itertools.islice(self._spans, len(self._spans) - _MAX_SPANS)):
                 del self._spans[span]
-        self._prune_at = max(self._prune_min, 2 * live)
+        self._prune_at = max(self._prune_min, 4 * live)  # a scan per quadrupling: amortised, bounded
 
     def _in_window(self, rank: int, tag: str, step: int) -> bool:
         """Whether `step` is within the window of its series (raising the series' highest step); counted if not."""
@@ -281,7 +316,8 @@ class SeriesLedger(MetricsConverter):
         seen = self._spans
         out = []
         for span in spans:
-            key = (span.trace_id, span.span_id)
+            trace = span.trace_id
+            key = (trace >> 64, trace & _LOW_64, span.span_id)  # 64-bit parts: msgpack's integers
             if key in seen:
                 self.retries_skipped += 1
                 continue
@@ -306,26 +342,22 @@ class SeriesLedger(MetricsConverter):
     def gauges(self, rows: list[MetricRow], append: Callable[[MetricRow], None]) -> None:
         """Gauge rows with a step, the sink's hot path: `append` those not written before with their value."""
         written = self._gauges
-        tops = self._tops
-        window = self._window
+        floors = self._floors
         undo = self._undo
+        new_gauges = self._new_gauges
         for row in rows:
-            rank, tag, step = row.run.rank, row.tag, row.step
-            key = (rank, tag, step)
+            key = (row.run.rank, row.tag, row.step)
             value = row.value
             old = written.get(key, _MISSING)
             if old == value:
                 continue  # re-sent unchanged
-            series = (rank, tag)
-            top = tops.get(series)
-            if top is None or step > top:
+            if old is _MISSING:
+                if floors and key[2] <= floors.get(key[:2], STEPLESS):
+                    self.window_skipped += 1  # older than the window: by the step order rule, not written again
+                    continue
                 if undo is not None:
-                    undo.append(("P", series, _MISSING if top is None else top))
-                tops[series] = step
-            elif old is _MISSING and step <= top - window:
-                self.window_skipped += 1  # older than the window: by the step order rule, not written again
-                continue
-            if undo is not None:
+                    new_gauges.append(key)
+            elif undo is not None:
                 undo.append(("G", key, old))
             written[key] = value
             append(row)
@@ -478,8 +510,8 @@ def _hist_prev(v: list[Any]) -> tuple[int, int, float, tuple[float, ...], tuple[
     return (v[0], v[1], v[2], tuple(v[3]), tuple(v[4]), v[5])
 
 
-#: How each table's values come back from JSON (lists to tuples where the table holds tuples).
-_FROM_JSON: dict[str, Callable[[Any], Any]] = {
+#: How each table's values come back from msgpack (lists to tuples where the table holds tuples).
+_VALUE_OF: dict[str, Callable[[Any], Any]] = {
     "T": _same, "P": _same, "G": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
     "S": _same, "W": _same, "N": _same, "Q": _same,
 }

@@ -95,7 +95,7 @@ def test_thousands_of_runs_on_bounded_threads_and_files(tmp_path: Path) -> None:
                                    "train/tokens": [(s, 10.0 * (s + 1)) for s in steps]}, i
     # every run closed with all written: no segments or cursors left, only each run's series state
     left = {p.name for folder in (tmp_path / "spool").iterdir() for p in folder.iterdir()}
-    assert left <= {"ledger.json", "ledger.journal"}
+    assert left <= {"ledger.snapshot", "ledger.journal"}
 
 
 class _Gated(InMemoryRowExporter):

@@ -35,7 +35,7 @@ GAP = 10  # rank 1 runs this many steps behind rank 0
 def _state_only(folder: Path) -> bool:
     """Whether a run's spool folder keeps only the run's series state (once every backend holds everything)."""
     names = {p.name for p in folder.iterdir()}
-    return "ledger.json" in names and names <= {"ledger.json", "ledger.journal"}
+    return "ledger.snapshot" in names and names <= {"ledger.snapshot", "ledger.journal"}
 
 
 class _SkipsOlder(InMemoryRowExporter):
