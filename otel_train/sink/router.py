@@ -8,10 +8,11 @@ backend never sees two windows at once, and a slow or hung one stalls only its o
 merged into larger windows when they queue up.
 
 Runs are cheap to keep: a run idle for `idle_s` is closed, and at most `max_open_runs` runs hold their
-backends (and files) open at once: opening one more closes the least recently used idle run. Data
-arriving later reopens a closed run; its counter totals and series state survive (`SeriesLedger`). A
-request for a run that is being closed just then is refused with a short retry-after (a run's spool and
-files never have two writers).
+backends (and files) open at once: opening one more closes the least recently used idle run (never one of
+the request being admitted). Data arriving later reopens a closed run; its series state (`SeriesLedger`)
+survives, with its spool (`otel_train.sink.run_state`) or, without one, in memory. A request for a run that is
+being closed just then, also one that began closing after the request looked it up, is refused with a short
+retry-after (a run's spool and files never have two writers, and nothing is written into a closed one).
 
 Accept and hold: with a spool folder, every request is written ahead to its run's spool (the exporter
 process's `otel_train.ship.spool.Spool`), so a slow backend only makes its run's spool grow. A run is refused
@@ -20,7 +21,10 @@ budget of bytes its backends have not taken yet, or all runs together more than 
 while one of its backends has `queue_windows` requests queued. Never by waiting: a refusal is immediate.
 
 A refused request changes nothing: admission of every run of a request is decided before any state
-(series ledger, counts, aggregates) is touched, so a sender's retry of the same bytes is exact.
+(series ledger, counts, aggregates) is touched, so a sender's retry of the same bytes is exact. A request is
+acknowledged only once its rows and its run's ledger changes are written; if the spool cannot be written, the
+ledger's changes are undone and the request is refused (a run of a multi-run request already taken is not
+taken again on the retry: retries are idempotent, `otel_train.sink.temporality`).
 """
 
 from __future__ import annotations
