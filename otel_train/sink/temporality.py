@@ -8,9 +8,10 @@ steps again), each sum as its total since the series' start time. otel-train its
 * **Counters** (monotonic sums) are shown as running totals. A DELTA point adds its value; one that
   arrives after a later step of its series was written (requests reordered by parallel collector
   consumers) is written at its own step with the total as of that step (the increases of the later steps
-  it has seen are left out); the totals already written at those later steps lacked it and cannot be taken
-  back: such points are counted (`late_delta_points`, and the rows they left short in `stale_totals`,
-  shown in `/health`). A
+  it has seen are left out); the totals already written at those later steps lacked it: the series'
+  highest step is written once more with the whole total (unless a higher step in the same request carries
+  it), so the series ends at the true total in every backend. Such points are counted
+  (`late_delta_points`, and the rows they left short in `stale_totals`, shown in `/health`). A
   CUMULATIVE point adds its increase since the previous point of the same OTel series (name +
   attributes, ``train.step`` included) from the same sender (`service.instance.id`, else host and pid);
   a later start time, or a lower value at a later time, is a reset (a restarted process), so the whole
@@ -145,6 +146,7 @@ class SeriesLedger(MetricsConverter):
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
         self._new_gauges: list[tuple[int, str, int]] = []  # gauge values first written since `begin`
+        self._corrections: dict[tuple[int, str], MetricRow] = {}  # (rank, tag) -> its highest step, whole
         self._counts_before: tuple[Any, ...] = ()
         # Step-keyed entries at which the next commit drops those out of the window (amortised: a scan per doubling).
         self._prune_at = self._prune_min = 16 * window_steps
@@ -219,6 +221,7 @@ class SeriesLedger(MetricsConverter):
                 tables[tid][key] = old
         for key in self._new_gauges:
             self._gauges.pop(key, None)
+        self._corrections.clear()
         self._new_gauges = []
         *counts, collided = self._counts_before
         for name, value in zip(self._COUNTS, counts, strict=True):
@@ -442,11 +445,23 @@ class SeriesLedger(MetricsConverter):
         if top is None or step >= top:
             if top is None or step > top:
                 self._set("P", self._tops, (rank, tag), step)
+            self._corrections.pop((rank, tag), None)  # this row carries the whole total
             return total
         later = [v for s in range(step + 1, top + 1) if (v := self._deltas.get((rank, tag, s))) is not None]
         self.late_delta_points += 1
         self.stale_totals += len(later)
+        if later:  # the series' highest step was written short: written again with the whole total
+            self._corrections[(rank, tag)] = dataclasses.replace(row, step=top, value=total)
         return float(total - sum(later))
+
+    def take_corrections(self) -> list[MetricRow]:
+        """Rows that write a DELTA series' highest step again with its whole total, after a late point (see the
+        module docstring); taken once per request, after its points."""
+        if not self._corrections:
+            return []
+        out = list(self._corrections.values())
+        self._corrections.clear()
+        return out
 
     # -- histograms and summaries --------------------------------------------------------------------
     def histogram(self, row: HistogramRow, cumulative: bool, start_unix_nano: int,

@@ -399,3 +399,27 @@ def test_a_spool_that_cannot_be_written_refuses_requests_until_it_can_and_each_s
         router.close(30)
     assert refused == 15
     assert sorted(_jsonl_points(tmp_path / "runs")["full"]) == _expected(steps)
+
+
+def test_a_delta_counter_whose_step_10_comes_after_step_11_ends_at_the_true_total_in_every_backend(
+        tmp_path: Path) -> None:
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    runs = tmp_path / "runs"
+    sink = SinkProcess(tmp_path / "sink", "--exporters", "tensorboard,jsonl", "--dir", str(runs),
+                       "--reorder-s", "1").wait_ready()
+    try:
+        for step in [*range(10), 11, 10]:  # 12 increments of 1; step 10's is late
+            sink.post_metrics(metrics_request({"train.run.id": "late"}, [
+                OtlpPoint("tokens", 1, step=step, kind="sum", time_unix_nano=step + 1)]))
+            time.sleep(0.1 if step == 11 else 0)  # step 11 may be released by the hold before step 10 comes
+        health = sink.settled_health()
+    finally:
+        assert sink.terminate() == 0
+    jsonl = [(p.step, p.value) for p in readback.jsonl(runs / "late" / "rank0.jsonl")]
+    tensorboard = [(p.step, p.value) for p in readback.tensorboard(runs / "late") if p.name == "tokens"]
+    for points in (jsonl, tensorboard):
+        top = max(step for step, _ in points)
+        assert top == 11 and [v for s, v in points if s == top][-1] == 12.0, (points is jsonl, points[9:])  # the last value at step 11
+        assert [v for s, v in points if s == 10] in ([11.0], [])  # TensorBoard skips it if 11 was out already
+    assert health["late_delta_points"] == {"late": {"points": 1, "stale_totals": 1}}
