@@ -231,6 +231,7 @@ class RunFeed:
         return done
 
     def summary(self) -> dict[str, Any]:
+        backends = self.delivery.backend_stats()
         return {
             "run_id": self.run_id,
             "run_name": self.run_name,
@@ -241,7 +242,12 @@ class RunFeed:
             "points": self.points,
             "spans": self.spans,
             "written": self.written,
+            "failed": max((int(b["rows_failed"]) for b in backends.values()), default=0),
             "queued": self.pending,
+            # per backend: rows it took, rows of writes that failed, requests not yet handed to it
+            "backends": {name.removesuffix(" (sink)"): {"written": int(b["rows_written"]),
+                                                         "failed": int(b["rows_failed"]), "pending": int(b["backlog"])}
+                         for name, b in backends.items()},
             "write_errors": self.write_errors,
             "held_bytes": self.held_bytes,
             "reorder_held": sum(h.held for h in self.holds),

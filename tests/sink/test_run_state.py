@@ -423,3 +423,31 @@ def test_a_delta_counter_whose_step_10_comes_after_step_11_ends_at_the_true_tota
         assert top == 11 and [v for s, v in points if s == top][-1] == 12.0, (points is jsonl, points[9:])  # the last value at step 11
         assert [v for s, v in points if s == 10] in ([11.0], [])  # TensorBoard skips it if 11 was out already
     assert health["late_delta_points"] == {"late": {"points": 1, "stale_totals": 1}}
+
+
+def test_runs_count_rows_of_failed_writes_as_failed_not_written(tmp_path: Path) -> None:
+    """Fault injection: a backend whose writes fail for its first windows. `/runs` said `written == points`
+    (failed writes counted as written); now each backend's rows written, failed, and requests pending."""
+    from otel_train.sink.router import Router
+    from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
+
+    class _Failing(InMemoryRowExporter):
+        fail = 2
+
+        def export_window(self, window: Any) -> Any:
+            if self.fail > 0:
+                self.fail -= 1
+                return False  # the write did not land (as a backend that gave up on it reports)
+            return super().export_window(window)
+
+    backend = _Failing()
+    router = Router(lambda: [backend], spool_dir=tmp_path / "spool")
+    try:
+        _ingest_all(router, [metrics_request({"train.run.id": "f"}, [OtlpPoint("m", 1.0, step=s)]) for s in range(5)])
+        assert router.flush(30)
+        run = router.summary()["runs"][0]
+    finally:
+        router.close(30)
+    assert run["points"] == 5 and run["failed"] >= 1
+    assert run["written"] == len(backend.metrics)  # what the backend holds, never a failed write
+    assert run["backends"]["memory"] == {"written": run["written"], "failed": run["failed"], "pending": 0}
