@@ -87,8 +87,13 @@ class RunFeed:
         snapshot, records = self.state.read(self._seq)
         if snapshot is None and not records and not self.state.journal_path.exists():
             return  # a new run
-        self.converter.load(snapshot, records)
-        self.converter.loaded()
+        try:
+            self.converter.load(snapshot, records)
+            self.converter.loaded()
+        except Exception as err:  # a state file of another version, or damaged: never a run that cannot open
+            _logger.warning("run %r: its series state in %s cannot be read (%s); it starts afresh, so points it "
+                            "already wrote may be written again", self.run_id, self.state.folder, err)
+            self.converter = SeriesLedger(persistent=True)
         self.save_state()
 
     def save_state(self) -> bool:

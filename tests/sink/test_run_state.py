@@ -451,3 +451,32 @@ def test_runs_count_rows_of_failed_writes_as_failed_not_written(tmp_path: Path) 
     assert run["points"] == 5 and run["failed"] >= 1
     assert run["written"] == len(backend.metrics)  # what the backend holds, never a failed write
     assert run["backends"]["memory"] == {"written": run["written"], "failed": run["failed"], "pending": 0}
+
+
+def test_a_torn_journal_keeps_its_whole_records_and_a_damaged_snapshot_never_stops_a_run(tmp_path: Path) -> None:
+    from otel_train.sink.run_feed import spool_folder
+    from otel_train.sink.run_state import RunState
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    state = RunState(tmp_path)
+    state.append(1, ["one"])
+    state.append(2, ["two"])
+    state.close()
+    whole = state.journal_path.read_bytes()
+    state.journal_path.write_bytes(whole[:-3])  # killed in the middle of the second record
+    assert state.read(last_seq=2) == (None, [["one"]])
+    state.journal_path.write_bytes(whole)
+    assert state.read(last_seq=1) == (None, [["one"]])  # the spool never got seq 2: its request was not taken
+
+    def body(step: int) -> bytes:
+        return metrics_request({"train.run.id": "d"}, [OtlpPoint("m", 1.0, step=step)])
+
+    folder = tmp_path / "runs" / ".sink-spool" / spool_folder("d")
+    folder.mkdir(parents=True)
+    (folder / "ledger.snapshot").write_bytes(b"\x93not msgpack at all")
+    router = _router(tmp_path)
+    try:
+        _ingest_all(router, [body(0), body(0), body(1)])
+    finally:
+        router.close(30)
+    assert _jsonl_points(tmp_path / "runs") == {"d": [("m", 0, 1.0), ("m", 1, 1.0)]}
