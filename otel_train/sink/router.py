@@ -301,7 +301,7 @@ class Router:
         """Apply the run's rules to one admitted part and queue it (the run's lock held)."""
         run_id = state.run_id
         ledger = state.converter
-        collisions = ledger.collisions
+        collisions, corrections = ledger.collisions, ledger.corrections
         ledger.begin()
         part.finish(ledger)
         if part.spans:
@@ -332,7 +332,7 @@ class Router:
                     state.last_step[run.rank] = step
             state.run_name = run.run_name
             state.world_size = max(state.world_size, run.world_size)
-        npoints = len(part.metrics) + len(part.histograms)
+        npoints = len(part.metrics) + len(part.histograms) - (ledger.corrections - corrections)
         state.points += npoints
         state.spans += len(part.spans)
         with self._counts:

@@ -166,12 +166,14 @@ class SeriesLedger(MetricsConverter):
         self.window_skipped = 0
         #: DELTA points and spans received again (a sender's retry): not applied again.
         self.retries_skipped = 0
+        #: Rows written again with a DELTA series' whole total after a late point (not points received).
+        self.corrections = 0
         #: The highest step any rank of the run has reported (-1: none yet).
         self.current_step = -1
 
     # -- changes: recorded, undone, written and read back -------------------------------------------------
     _COUNTS = ("current_step", "collisions", "late_points", "nan_points", "late_delta_points", "stale_totals",
-               "window_skipped", "retries_skipped")
+               "window_skipped", "retries_skipped", "corrections")
 
     def begin(self) -> None:
         """Start recording changes (a persistent ledger; a no-op otherwise)."""
@@ -461,6 +463,7 @@ class SeriesLedger(MetricsConverter):
             return []
         out = list(self._corrections.values())
         self._corrections.clear()
+        self.corrections += len(out)
         return out
 
     # -- histograms and summaries --------------------------------------------------------------------
