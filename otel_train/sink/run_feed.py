@@ -230,10 +230,7 @@ class RunFeed:
 
     def stop(self, timeout_s: float) -> bool:
         """Finish the queues, then flush and close the backends; whether every backend holds everything."""
-        done = self.delivery.close(time.monotonic() + timeout_s)
-        if self.state is not None:
-            self.state.close()
-        return done
+        return self.delivery.close(time.monotonic() + timeout_s)
 
     def summary(self) -> dict[str, Any]:
         backends = self.delivery.backend_stats()

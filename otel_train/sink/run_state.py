@@ -51,16 +51,6 @@ class RunState:
         self.journal_path = folder / JOURNAL_FILE
         self.journal_bytes = 0
         self._compact_at = _MIN_COMPACT_BYTES
-        self._fd: int | None = None  # the journal, open while the run is (one fd per open run, like its spool)
-
-    def close(self) -> None:
-        """Close the journal's file (the run is closing; `append` opens it again)."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
     def read(self, last_seq: int) -> tuple[Any, list[Any]]:
         """The snapshot (None: none) and the journal's changes after it that the spool holds (seq <= `last_seq`),
@@ -113,12 +103,15 @@ class RunState:
         body = ormsgpack.packb([seq, changes])
         record = _FRAME.pack(len(body)) + body
         before = self.journal_bytes
-        if self._fd is None:
-            self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        written = os.write(self._fd, record)  # one write: a kill leaves it whole or torn
-        if written != len(record):
-            os.ftruncate(self._fd, before)
-            raise OSError(f"short write: {written} of {len(record)} bytes (disk full?)")
+        # Opened per request, not kept: an open run costs no file descriptor more than its spool does.
+        fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, record)  # one write: a kill leaves it whole or torn
+            if written != len(record):
+                os.ftruncate(fd, before)
+                raise OSError(f"short write: {written} of {len(record)} bytes (disk full?)")
+        finally:
+            os.close(fd)
         self.journal_bytes = before + len(record)
         return before
     def cut(self, size: int) -> None:
