@@ -91,7 +91,8 @@ class BackendFeed:
         self.dropped = 0
         self.dropped_rows = 0  # rows of the windows dropped from a full queue (no spool)
         self.lost_side_rows = 0  # child-process rows still waiting when the backend closed while it failed
-        self.rows_written = 0  # metric and histogram rows handed to the backend
+        self.rows_written = 0  # metric and histogram rows the backend took (its write did not fail)
+        self.rows_failed = 0  # metric and histogram rows of writes that failed (kept for a retry where spooled)
         self._on_error = on_error
         self._flushes_asked = 0
         self._flushes_done = 0
@@ -441,7 +442,10 @@ class BackendFeed:
             ok = False
         if ok is False and self._on_error is not None:
             self._on_error(self.name)
-        self.rows_written += len(window.metrics) + len(window.histograms)
+        if ok is False:
+            self.rows_failed += len(window.metrics) + len(window.histograms)
+        else:
+            self.rows_written += len(window.metrics) + len(window.histograms)
         self.export_s += time.perf_counter() - started
         self.exports += 1
         self.rows += rows_in(window)

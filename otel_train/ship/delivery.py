@@ -258,7 +258,7 @@ class Delivery:
 
     @property
     def rows_written(self) -> int:
-        """Metric and histogram rows every backend was handed."""
+        """Metric and histogram rows every backend took (writes that failed not counted)."""
         return min((b.rows_written for b in self._backends), default=0)
 
     def submit_side(self, window: Window) -> None:
@@ -274,6 +274,7 @@ class Delivery:
     def backend_stats(self) -> dict[str, dict[str, float]]:
         """Per backend: windows not yet handed to it, export calls and their seconds, rows handed, failures, drops."""
         return {b.name: {"backlog": max(0, self._last_seq - b.handed), "exports": b.exports, "export_s": b.export_s, "rows": b.rows,
+                         "rows_written": b.rows_written, "rows_failed": b.rows_failed,
                          "failures": getattr(b.exporter, "failures", 0),
                          "dropped": b.dropped + getattr(b.exporter, "dropped_windows", 0), **_order_counts(b.exporter)}
                 for b in self._backends}

@@ -142,6 +142,7 @@ class Decoded:
             if number(row, mode, start, sender):
                 append(row)
         self._numbers.clear()
+        self.metrics.extend(ledger.take_corrections())  # DELTA series whose highest step was written short
         for hist, cumulative, start, buckets, sender in self._hists:
             out = ledger.histogram(hist, cumulative, start, sender)
             if out is None:

@@ -40,7 +40,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from otel_train._internal import faults
@@ -62,6 +62,7 @@ MAX_HELD_ROWS = 250_000
 
 _Key = tuple[str, int]  # (run id, rank)
 _by_step = attrgetter("step")
+_by_order = itemgetter(0)
 
 
 def needs_hold(exporter: Any) -> bool:
@@ -77,11 +78,12 @@ def needs_hold(exporter: Any) -> bool:
 class _Chunk:
     """Rows of one (run, rank) from one window, held since `arrival`; `low` is their lowest step."""
 
-    __slots__ = ("arrival", "high", "histograms", "key", "low", "metrics")
+    __slots__ = ("arrival", "high", "histograms", "key", "low", "metrics", "order")
 
     def __init__(self, arrival: float, key: _Key, metrics: list[MetricRow],
-                 histograms: list[HistogramRow]) -> None:
+                 histograms: list[HistogramRow], order: int = 0) -> None:
         self.arrival = arrival
+        self.order = order  # arrival order: rows of one step go out in the order they came
         self.key = key
         self.metrics = metrics
         self.histograms = histograms
@@ -280,9 +282,10 @@ class ReorderHold:
                 into = groups.setdefault((run.run_id, run.rank), ([], []))[1]
             into.append(h)
         for key, (ms, hs) in groups.items():
-            chunk = _Chunk(now, key, ms, hs)
+            tie = next(self._tie)
+            chunk = _Chunk(now, key, ms, hs, tie)
             self._arrivals.append(chunk)
-            heapq.heappush(self._by_key.setdefault(key, []), (chunk.low, next(self._tie), chunk))
+            heapq.heappush(self._by_key.setdefault(key, []), (chunk.low, tie, chunk))
             self.held += len(chunk)
 
     def _take(self, now: float, everything: bool, by_time: bool = True) -> tuple[list[MetricRow], list[HistogramRow]]:
@@ -310,18 +313,16 @@ class ReorderHold:
             heap = self._by_key.get(key)
             if not heap:
                 continue
-            ms: list[MetricRow] = []
-            hs: list[HistogramRow] = []
+            taken: list[tuple[int, list[MetricRow], list[HistogramRow]]] = []
             while heap and heap[0][0] <= limit:
                 chunk = heapq.heappop(heap)[2]
                 before = len(chunk)
                 if chunk.high <= limit:
-                    ms += chunk.metrics
-                    hs += chunk.histograms
+                    taken.append((chunk.order, chunk.metrics, chunk.histograms))
                     chunk.metrics, chunk.histograms = [], []
                 else:  # part of it is above the limit: that part stays, with its arrival time
-                    ms += [r for r in chunk.metrics if r.step <= limit]
-                    hs += [h for h in chunk.histograms if h.step <= limit]
+                    taken.append((chunk.order, [r for r in chunk.metrics if r.step <= limit],
+                                  [h for h in chunk.histograms if h.step <= limit]))
                     chunk.metrics = [r for r in chunk.metrics if r.step > limit]
                     chunk.histograms = [h for h in chunk.histograms if h.step > limit]
                     chunk.low = min([r.step for r in chunk.metrics] + [h.step for h in chunk.histograms])
@@ -329,6 +330,9 @@ class ReorderHold:
                 self.held -= before - len(chunk)
             if not heap:
                 del self._by_key[key]
+            taken.sort(key=_by_order)
+            ms = [r for _, rows, _ in taken for r in rows]
+            hs = [h for _, _, hists in taken for h in hists]
             ms.sort(key=_by_step)  # stable: rows of one step keep the order they came in
             hs.sort(key=_by_step)
             metrics += ms

@@ -8,10 +8,11 @@ backend never sees two windows at once, and a slow or hung one stalls only its o
 merged into larger windows when they queue up.
 
 Runs are cheap to keep: a run idle for `idle_s` is closed, and at most `max_open_runs` runs hold their
-backends (and files) open at once: opening one more closes the least recently used idle run. Data
-arriving later reopens a closed run; its counter totals and series state survive (`SeriesLedger`). A
-request for a run that is being closed just then is refused with a short retry-after (a run's spool and
-files never have two writers).
+backends (and files) open at once: opening one more closes the least recently used idle run (never one of
+the request being admitted). Data arriving later reopens a closed run; its series state (`SeriesLedger`)
+survives, with its spool (`otel_train.sink.run_state`) or, without one, in memory. A request for a run that is
+being closed just then, also one that began closing after the request looked it up, is refused with a short
+retry-after (a run's spool and files never have two writers, and nothing is written into a closed one).
 
 Accept and hold: with a spool folder, every request is written ahead to its run's spool (the exporter
 process's `otel_train.ship.spool.Spool`), so a slow backend only makes its run's spool grow. A run is refused
@@ -20,13 +21,15 @@ budget of bytes its backends have not taken yet, or all runs together more than 
 while one of its backends has `queue_windows` requests queued. Never by waiting: a refusal is immediate.
 
 A refused request changes nothing: admission of every run of a request is decided before any state
-(series ledger, counts, aggregates) is touched, so a sender's retry of the same bytes is exact.
+(series ledger, counts, aggregates) is touched, so a sender's retry of the same bytes is exact. A request is
+acknowledged only once its rows and its run's ledger changes are written; if the spool cannot be written, the
+ledger's changes are undone and the request is refused (a run of a multi-run request already taken is not
+taken again on the retry: retries are idempotent, `otel_train.sink.temporality`).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from collections import OrderedDict
@@ -35,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from otel_train._internal.ratelimit import LogOnce
 from otel_train.rows import MetricRow
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["ExporterFactory", "Overloaded", "Router", "spool_folder"]
 
 _logger = logging.getLogger(__name__)
+_UNWRITABLE = LogOnce(_logger, interval_s=60.0)
 
 #: Builds a fresh list of backends for one run.
 ExporterFactory = Callable[[], "list[RowExporter]"]
@@ -105,7 +110,8 @@ class Router:
         self.max_open_runs = max(1, max_open_runs)
         self.pool = BackendPool(backend_threads)
         self._closer = ThreadPoolExecutor(4, thread_name_prefix="otel-train-sink-close")
-        self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
+        self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()  # without a spool: every run's ledger
+        self._closed_counts: OrderedDict[str, tuple[int, int, int]] = OrderedDict()  # closed runs' ledger counts
         #: Rows closed runs' backends skipped for their step order (a step that went back in its series).
         self._order_skipped_closed: dict[str, dict[str, int]] = {}
         self._closed_summaries: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -131,7 +137,8 @@ class Router:
         with self._counts:
             self.errors += 1
 
-    def _run(self, run_id: str) -> RunFeed:
+    def _run(self, run_id: str, keep: frozenset[str] = frozenset()) -> RunFeed:
+        """The open run `run_id`, opened if need be; `keep`: runs not to close to make room (the same request's)."""
         with self._lock:
             if self._closed:
                 raise Overloaded("the sink is shutting down", self.retry_after_s)
@@ -141,14 +148,17 @@ class Router:
             else:
                 if run_id in self._closing:
                     raise Overloaded(f"run {run_id!r} is being closed; retry shortly", _CLOSING_RETRY_S)
-                self._evict()
+                self._evict(keep)
                 if len(self._runs) + len(self._closing) >= self.max_open_runs:
                     raise Overloaded(f"{len(self._runs):,} runs open and {len(self._closing):,} closing (max open "
                                      f"runs {self.max_open_runs:,}); retry shortly", _CLOSING_RETRY_S)
-                converter = self._converters.pop(run_id, None) or SeriesLedger()
-                self._converters[run_id] = converter
-                while len(self._converters) > _KEEP_CLOSED:
-                    self._converters.popitem(last=False)
+                if self._spool_dir is not None:
+                    converter = SeriesLedger(persistent=True)  # read back from the run's spool folder
+                else:  # memory only: a closed run's ledger is kept here, should it resume
+                    converter = self._converters.pop(run_id) if run_id in self._converters else SeriesLedger()
+                    self._converters[run_id] = converter
+                    while len(self._converters) > _KEEP_CLOSED:
+                        self._converters.popitem(last=False)
                 exporters = self._make()
                 agg = Aggregator(self._aggregate, self._aggregate_timeout_s) if self._aggregate else None
                 spool = self._spool_dir / spool_folder(run_id) if self._spool_dir is not None else None
@@ -183,9 +193,10 @@ class Router:
         self._finish_close(state, 30.0, why)
         return True
 
-    def _evict(self) -> None:
+    def _evict(self, keep: frozenset[str] = frozenset()) -> None:
         """Start closing least recently used idle runs so that new ones find room (self._lock held). A run with
-        data still queued, or busy in a request, is passed over."""
+        data still queued, busy in a request, or in `keep` (looked up for the request being admitted, which
+        would find it closing) is passed over."""
         # Close a few more than needed: the next new runs then find room while these close in the background.
         headroom = max(1, self.max_open_runs // 8)
         excess = len(self._runs) + len(self._closing) + headroom - self.max_open_runs
@@ -194,7 +205,7 @@ class Router:
         for state in list(self._runs.values()):
             if excess <= 0:
                 break
-            if state.pending or not state.lock.acquire(blocking=False):
+            if state.pending or state.run_id in keep or not state.lock.acquire(blocking=False):
                 continue
             try:
                 if state.pending:
@@ -207,6 +218,7 @@ class Router:
 
     def _begin_close(self, state: RunFeed) -> None:
         """Take `state` out of the open runs (self._lock held); requests for it are refused until it is closed."""
+        state.closing = True
         del self._runs[state.run_id]
         self._closing[state.run_id] = state
 
@@ -261,7 +273,8 @@ class Router:
         """
         parts = decoded.split_by_run()
         try:
-            states = [(self._run(run_id), parts[run_id]) for run_id in sorted(parts)]
+            keep = frozenset(parts)
+            states = [(self._run(run_id, keep), parts[run_id]) for run_id in sorted(parts)]
         except Overloaded:
             self._count("refused", 1)
             raise
@@ -269,13 +282,17 @@ class Router:
             state.lock.acquire()
         try:
             for state, _ in states:
+                if state.closing:  # closed since it was looked up: its spool must not be written now
+                    self._count("refused", 1)
+                    raise Overloaded(f"run {state.run_id!r} is being closed; retry shortly", _CLOSING_RETRY_S)
+            for state, _ in states:
                 reason = self._refusal(state)
                 if reason is not None:
                     self._count("refused", 1)
                     raise Overloaded(f"run {state.run_id!r}: {reason}; retry later", self.retry_after_s)
-            self._count("requests", 1)
             for state, part in states:
                 self._take(state, part)
+            self._count("requests", 1)
         finally:
             for state, _ in states:
                 state.lock.release()
@@ -284,8 +301,23 @@ class Router:
         """Apply the run's rules to one admitted part and queue it (the run's lock held)."""
         run_id = state.run_id
         ledger = state.converter
-        collisions = ledger.collisions
+        collisions, corrections = ledger.collisions, ledger.corrections
+        ledger.begin()
         part.finish(ledger)
+        if part.spans:
+            part.spans = ledger.new_spans(part.spans)
+        if state.aggregator is not None and part.metrics:
+            agg = state.aggregator.add(part.metrics)
+            if agg:
+                part.metrics.extend(agg)
+                self._count("aggregate_rows", len(agg))
+        try:
+            self._put(state, part)
+        except OSError as err:  # nothing of it was taken (its ledger changes undone): the sender retries
+            self._count("refused", 1)
+            _log_unwritable(run_id, err)
+            raise Overloaded(f"run {run_id!r}: its spool cannot be written ({err}); retry later",
+                             self.retry_after_s) from err
         if ledger.collisions and not collisions:
             _logger.warning("run %r: two senders (service.instance.id, else host and pid) send the same cumulative "
                             "series (%s), e.g. two processes with one train.run.id and no train.rank; their "
@@ -300,24 +332,26 @@ class Router:
                     state.last_step[run.rank] = step
             state.run_name = run.run_name
             state.world_size = max(state.world_size, run.world_size)
-        npoints = len(part.metrics) + len(part.histograms)
+        npoints = len(part.metrics) + len(part.histograms) - (ledger.corrections - corrections)
         state.points += npoints
         state.spans += len(part.spans)
         with self._counts:
             self.points_in += npoints
             self.spans_in += len(part.spans)
-        if state.aggregator is not None and part.metrics:
-            agg = state.aggregator.add(part.metrics)
-            if agg:
-                part.metrics.extend(agg)
-                self._count("aggregate_rows", len(agg))
-        self._put(state, part)
 
     def _put(self, state: RunFeed, part: Decoded) -> None:
         held = state.put(part)
         if held:
             with self._lock:
                 self.held_bytes += held
+
+    def _put_aggregates(self, state: RunFeed, rows: list[MetricRow]) -> None:
+        """Queue aggregate rows (the run's lock held); a spool that cannot be written drops them, logged."""
+        try:
+            self._put(state, Decoded.of_rows(rows))
+        except OSError as err:
+            self._count("aggregate_dropped", len(rows))
+            _log_unwritable(state.run_id, err)
 
     def _emit_aggregates(self, state: RunFeed, rows: list[MetricRow]) -> None:
         """Queue aggregate rows (the run's lock held). With a spool they always go in (they are few); without
@@ -328,7 +362,7 @@ class Router:
                 self._count("aggregate_dropped", len(rows))
                 _logger.warning("run %r: %d aggregate row(s) dropped, backends are behind", state.run_id, len(rows))
                 return
-            self._put(state, Decoded.of_rows(rows))
+            self._put_aggregates(state, rows)
 
     def tick(self) -> None:
         """Housekeeping: write timed-out aggregates, close idle runs."""
@@ -355,16 +389,24 @@ class Router:
             if state.aggregator is not None:
                 self._emit_aggregates(state, state.aggregator.drain())
         complete = state.stop(timeout_s)
-        if complete and state.spool_path is not None:
-            # Every backend holds everything: the spool's cursors and segments have nothing left to give.
-            shutil.rmtree(state.spool_path, ignore_errors=True)
+        if state.spool_path is not None:
+            if complete:
+                # Every backend holds everything: the spool's cursors and segments have nothing left to give; the
+                # series state stays for the run's next request (a reopen, a restarted sink).
+                state.forget_spool()
+            else:
+                state.save_state()
         with self._lock:
             self.held_bytes -= state.held_bytes
         state.held_bytes = 0
-        state.converter.compact()  # kept for a resumed run: only what its totals need
         summary = state.summary()
         summary["open"] = False
+        ledger = state.converter
         with self._lock:
+            if ledger.collisions or ledger.late_delta_points:
+                self._closed_counts[state.run_id] = (ledger.collisions, ledger.late_delta_points, ledger.stale_totals)
+                while len(self._closed_counts) > _KEEP_CLOSED:
+                    self._closed_counts.popitem(last=False)
             self._closed_summaries[state.run_id] = summary
             while len(self._closed_summaries) > 1000:
                 self._closed_summaries.popitem(last=False)
@@ -394,11 +436,19 @@ class Router:
             self._close_run(state, max(1.0, deadline - time.monotonic()))
         self.pool.close()
 
+    def _ledger_counts(self) -> dict[str, tuple[int, int, int]]:
+        """(collisions, late DELTA points, stale totals) of runs open, closing, or closed and remembered."""
+        with self._lock:
+            out = dict(self._closed_counts)
+            ledgers = [(run_id, ledger) for run_id, ledger in self._converters.items()]
+            ledgers += [(s.run_id, s.converter) for s in (*self._closing.values(), *self._runs.values())]
+        for run_id, ledger in ledgers:
+            out[run_id] = (ledger.collisions, ledger.late_delta_points, ledger.stale_totals)
+        return out
+
     def collisions(self) -> dict[str, int]:
         """Runs (open, or closed and still remembered) with cumulative series sent by two senders."""
-        with self._lock:
-            ledgers = list(self._converters.items())
-        return {run_id: ledger.collisions for run_id, ledger in ledgers if ledger.collisions}
+        return {run_id: c[0] for run_id, c in self._ledger_counts().items() if c[0]}
 
     def order_skipped(self) -> dict[str, dict[str, int]]:
         """Per run and backend, rows skipped because their step went back in their series after a later step
@@ -413,10 +463,7 @@ class Router:
 
     def late_deltas(self) -> dict[str, dict[str, int]]:
         """Runs (open, or closed and remembered) with DELTA points that came after a later step was written."""
-        with self._lock:
-            ledgers = list(self._converters.items())
-        return {run_id: {"points": ledger.late_delta_points, "stale_totals": ledger.stale_totals}
-                for run_id, ledger in ledgers if ledger.late_delta_points}
+        return {run_id: {"points": c[1], "stale_totals": c[2]} for run_id, c in self._ledger_counts().items() if c[1]}
 
     @property
     def runs_open(self) -> int:
@@ -437,6 +484,11 @@ class Router:
             s["open"] = True
             runs.append(s)
         return {"runs": runs + closed[::-1]}
+
+
+def _log_unwritable(run_id: str, err: OSError) -> None:
+    _UNWRITABLE.warning("spool", "run %r: its spool cannot be written (%s); its requests are refused with a "
+                        "retry-after until it can (logged at most once a minute)", run_id, err)
 
 
 def _order_skipped(state: RunFeed) -> dict[str, int]:

@@ -4,6 +4,7 @@ its spool, and what it has seen (steps per rank, series, points); `otel_train.si
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
 from otel_train.sink.pool import BackendPool
 from otel_train.sink.reorder import ReorderHold
+from otel_train.sink.run_state import JOURNAL_FILE, SNAPSHOT_FILE, RunState
 from otel_train.sink.temporality import SeriesLedger
 
 if TYPE_CHECKING:
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["RunFeed", "released_file", "spool_folder"]
 
 _NO_RUN = RunInfo(run_id="", run_name="")  # a spooled window's rows carry their own runs
+_STATE_FILES = frozenset({SNAPSHOT_FILE, JOURNAL_FILE})
+_logger = logging.getLogger(__name__)
 
 
 class RunFeed:
@@ -43,6 +47,9 @@ class RunFeed:
         self.converter = converter
         self.aggregator = aggregator
         self.lock = threading.Lock()
+        #: Set (under `lock`, or before the router hands the run out again) once the run is being closed: a
+        #: request that finds it set is refused with a retry-after, never written into a closing spool.
+        self.closing = False
         self.last_seen = time.monotonic()
         self.last_step: dict[int, int] = {}
         self.series: set[str] = set()
@@ -53,6 +60,9 @@ class RunFeed:
         self._queue_windows = queue_windows
         self.spool = Spool(spool_path) if spool_path is not None else None
         self._seq = self.spool.last_seq if self.spool is not None else 0
+        self.state = RunState(spool_path) if spool_path is not None else None
+        if self.state is not None and converter.persistent:
+            self._restore()
         self._sizes: deque[tuple[int, int]] = deque()  # (seq, bytes) of spooled windows not yet handed over
         self.held_bytes = 0
         # Without a spool a full queue pushes back on the sender (UNAVAILABLE / 503), whose retry re-sends.
@@ -69,6 +79,58 @@ class RunFeed:
                     exporter.on_due = self._flush_soon
         self.delivery = Delivery(named, self.spool, queue_windows, self._error,
                                  thread_name=f"otel-train-sink[{run_id}]", pool=pool)
+
+    def _restore(self) -> None:
+        """The ledger as the run's spool folder holds it (the state a closed, killed or restarted sink left),
+        written back whole so that the journal starts empty."""
+        assert self.state is not None
+        snapshot, records = self.state.read(self._seq)
+        if snapshot is None and not records and not self.state.journal_path.exists():
+            return  # a new run
+        try:
+            self.converter.load(snapshot, records)
+            self.converter.loaded()
+        except Exception as err:  # a state file of another version, or damaged: never a run that cannot open
+            _logger.warning("run %r: its series state in %s cannot be read (%s); it starts afresh, so points it "
+                            "already wrote may be written again", self.run_id, self.state.folder, err)
+            self.converter = SeriesLedger(persistent=True)
+        self.save_state()
+
+    def save_state(self) -> bool:
+        """Write the ledger whole (covering the spool's windows so far); whether it was written."""
+        if self.state is None or not self.converter.persistent:
+            return True
+        try:
+            self.state.write(self._seq, self.converter.dump())
+            return True
+        except (OSError, TypeError) as err:
+            _logger.warning("run %r: cannot write its series state in %s (%s); after a restart, points it already "
+                            "wrote may be written again", self.run_id, self.state.folder, err)
+            return False
+
+    def forget_spool(self) -> None:
+        """Every backend holds everything: remove the spool's segments and records, keep the series state (written
+        first as covering no window: the next spool starts from seq 1)."""
+        assert self.spool_path is not None
+        self._seq = 0
+        if not self.save_state():
+            return  # the journal's seqs still refer to this spool: keep it
+        try:
+            entries = list(self.spool_path.iterdir())
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name in _STATE_FILES:
+                continue
+            try:
+                if entry.is_dir():
+                    import shutil
+
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink()
+            except OSError:
+                pass
 
     def _error(self, _backend: str) -> None:
         self.write_errors += 1
@@ -97,7 +159,13 @@ class RunFeed:
 
     def put(self, item: Decoded) -> int:
         """Queue one request's rows for every backend (under self.lock, after `behind` said yes): written
-        ahead to the spool if there is one. Returns the bytes spooled."""
+        ahead to the spool if there is one, with the ledger's changes since `SeriesLedger.begin` (committed once
+        both are written). Returns the bytes spooled.
+
+        Raises:
+            OSError: the spool or the ledger's journal could not be written: nothing of the request was taken
+                (the ledger's changes are undone) and it must be refused.
+        """
         from otel_train.backend import Window
 
         steps = [r.step for r in item.metrics] + [h.step for h in item.histograms]
@@ -110,10 +178,27 @@ class RunFeed:
         from otel_train.ship.framing import encode_window
 
         payload, _ = encode_window(_NO_RUN, (), item.metrics, item.histograms, item.spans)
-        self._seq += 1
-        self.delivery.submit(self._seq, max_step, payload, window)
-        self._sizes.append((self._seq, len(payload)))
+        seq = self._seq + 1
+        ledger, state = self.converter, self.state
+        assert state is not None
+        mark = -1
+        try:
+            if ledger.persistent:
+                mark = state.append(seq, ledger.changes())
+            if not self.spool.append(seq, max_step, payload):
+                raise OSError(f"cannot write the spool {self.spool.path} (disk full?)")
+        except OSError:
+            if mark >= 0:
+                state.cut(mark)
+            ledger.rollback()
+            raise
+        ledger.commit()
+        self._seq = seq
+        self.delivery.submit(seq, max_step, payload, window)  # already spooled: queued for the backends
+        self._sizes.append((seq, len(payload)))
         self.held_bytes += len(payload)
+        if ledger.persistent and state.due():
+            self.save_state()
         return len(payload)
 
     def backlogged(self) -> bool:
@@ -148,6 +233,7 @@ class RunFeed:
         return self.delivery.close(time.monotonic() + timeout_s)
 
     def summary(self) -> dict[str, Any]:
+        backends = self.delivery.backend_stats()
         return {
             "run_id": self.run_id,
             "run_name": self.run_name,
@@ -158,7 +244,12 @@ class RunFeed:
             "points": self.points,
             "spans": self.spans,
             "written": self.written,
+            "failed": max((int(b["rows_failed"]) for b in backends.values()), default=0),
             "queued": self.pending,
+            # per backend: rows it took, rows of writes that failed, requests not yet handed to it
+            "backends": {name.removesuffix(" (sink)"): {"written": int(b["rows_written"]),
+                                                         "failed": int(b["rows_failed"]), "pending": int(b["backlog"])}
+                         for name, b in backends.items()},
             "write_errors": self.write_errors,
             "held_bytes": self.held_bytes,
             "reorder_held": sum(h.held for h in self.holds),
@@ -169,6 +260,8 @@ class RunFeed:
             "late_delta_points": self.converter.late_delta_points,
             "stale_totals": self.converter.stale_totals,
             "nan_points": self.converter.nan_points,
+            "window_skipped": self.converter.window_skipped,
+            "retries_skipped": self.converter.retries_skipped,
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
         }

@@ -5,7 +5,8 @@ run's spool is read again when the run is opened. A run that sends again after t
 request; one whose job ended while the sink was down never would be. So at start a background thread lists the
 spool folders holding windows some backend has not acknowledged and opens each such run like a request would:
 delivery hands the spooled windows over, the run is flushed and, if no request reached it meanwhile, closed
-(which removes its spool once every backend holds everything); then the next. It never blocks the receivers, at
+(which removes its spool's segments once every backend holds everything, keeping the run's series state,
+`otel_train.sink.run_state`); then the next. It never blocks the receivers, at
 most `workers` runs are open for it at once, and it waits (like a refused request) while the sink has
 `--max-open-runs` runs open. A run that sends meanwhile is the same run: its requests go to the run the replay
 opened, and it is left open (closed later when idle, as any run).

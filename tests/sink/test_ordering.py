@@ -91,19 +91,21 @@ def test_a_nan_increment_is_counted_and_skipped_not_summed() -> None:
 
 
 def _delta(step: int, value: float = 1.0, rank: int = 0) -> bytes:
-    return metrics_request(_resource(**{"train.rank": rank}), [OtlpPoint("tokens", value, step=step, kind="sum")])
+    return metrics_request(_resource(**{"train.rank": rank}), [OtlpPoint("tokens", value, step=step, kind="sum",
+                                                                         time_unix_nano=step + 1)])
 
 
-def test_a_late_delta_step_is_written_once_at_its_own_step_with_its_total() -> None:
+def test_a_late_delta_step_is_written_at_its_own_step_and_the_series_ends_at_the_true_total() -> None:
     # Parallel collector consumers reorder requests: step 10's increase arrives after step 11's, and
-    # steps 20 and 21 after 22. Each point is written once, at its own step, with the total as of that step.
+    # steps 20 and 21 after 22. Each point is written at its own step with the total as of that step, and the
+    # series' highest step, written short, is written again with the whole total.
     order = [*range(10), 11, 10, 12, 13, 14, 15, 16, 17, 18, 19, 22, 20, 21, 23]
     mem, router = _run([_delta(s) for s in order])
     assert _series(mem, "tokens") == [(s, s + 1.0) for s in range(10)] + [
-        (11, 11.0), (10, 11.0),  # step 11 was written before step 10's increase came: short by one (counted)
+        (11, 11.0), (10, 11.0), (11, 12.0),  # step 11 was written before step 10's increase came: again, whole
         *[(s, s + 1.0) for s in range(12, 20)],
-        (22, 21.0), (20, 21.0), (21, 22.0),  # 22 was written short by two; 20 and 21 are exact
-        (23, 24.0)]  # and the running total is whole again after them
+        (22, 21.0), (20, 21.0), (22, 22.0), (21, 22.0), (22, 23.0),  # 22 whole again after each late step
+        (23, 24.0)]
     # Counted per run (shown in /health `late_delta_points`): 3 late points; the rows they left short.
     assert router.late_deltas() == {"r": {"points": 3, "stale_totals": 3}}
 
@@ -111,5 +113,5 @@ def test_a_late_delta_step_is_written_once_at_its_own_step_with_its_total() -> N
 def test_late_delta_steps_of_two_ranks_are_kept_apart() -> None:
     mem, router = _run([_delta(0, rank=0), _delta(1, rank=1), _delta(0, rank=1), _delta(1, rank=0)])
     got = [(r.run.rank, r.step, r.value) for r in mem.metrics if r.name == "tokens"]
-    assert got == [(0, 0, 1.0), (1, 1, 1.0), (1, 0, 1.0), (0, 1, 2.0)]
+    assert got == [(0, 0, 1.0), (1, 1, 1.0), (1, 0, 1.0), (1, 1, 2.0), (0, 1, 2.0)]
     assert router.late_deltas() == {"r": {"points": 1, "stale_totals": 1}}

@@ -32,6 +32,12 @@ R0, R1 = RunInfo("r", "r", rank=0, world_size=2), RunInfo("r", "r", rank=1, worl
 GAP = 10  # rank 1 runs this many steps behind rank 0
 
 
+def _state_only(folder: Path) -> bool:
+    """Whether a run's spool folder keeps only the run's series state (once every backend holds everything)."""
+    names = {p.name for p in folder.iterdir()}
+    return "ledger.snapshot" in names and names <= {"ledger.snapshot", "ledger.journal"}
+
+
 class _SkipsOlder(InMemoryRowExporter):
     stores_older_steps = False
 
@@ -290,7 +296,8 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
         health = second.get("/health")
         assert health["spool_replay"] == {"runs_found": 2, "runs_replayed": 2, "runs_left": 0}
         assert health["points"] == 0 and health["runs_open"] == 0 and health["steps_order_skipped"] == {}
-        assert not (runs / ".sink-spool" / spool_folder("k")).exists()  # every backend holds everything
+        # every backend holds everything: the spool keeps only the run's series state
+        assert _state_only(runs / ".sink-spool" / spool_folder("k"))
     finally:
         assert second.terminate() == 0
     assert _tb_points(runs / "k" / "rank0") == _expected(0, 39)
@@ -451,6 +458,9 @@ def test_the_replay_delivers_each_unfinished_spool_once_within_max_open_runs(tmp
         got = sorted((r.run.run_id, r.step) for e in made for r in e.metrics)
         assert got == [(run_id, s) for run_id in ("a", "b", "c") for s in (1, 2)]
         assert open_now[1] == 1 and router.runs_open == 0  # one run at a time; each closed once delivered
-        assert sorted(p.name for p in spool_dir.iterdir()) == sorted([spool_folder("done"), "not-a-run"])
+        assert sorted(p.name for p in spool_dir.iterdir()) == sorted([*map(spool_folder, "abc"), spool_folder("done"),
+                                                                      "not-a-run"])
+        for run_id in "abc":  # delivered: only the run's series state is left
+            assert _state_only(spool_dir / spool_folder(run_id))
     finally:
         router.close(10)

@@ -50,7 +50,8 @@ def test_grpc_and_http_interleaved_out_of_order(sink: Any, tmp_path: Path) -> No
     # short (`late_delta_points` below); the hold then puts them in step order.
     assert rank0["train/tokens"] == [(s, 10.0 * (s + 1)) for s in range(10)]
     assert rank1["train/tokens"] == ([(s, 10.0 * (s + 1)) for s in range(5)]
-                                     + [(s, 10.0 * (s - 4)) for s in range(5, 10)])
+                                     + [(s, 10.0 * (s - 4)) for s in range(5, 10)]
+                                     + [(9, 100.0)])  # the highest step again, with the whole total
     b = scalars(runs / "run-b")
     assert b["train/loss"] == [(0, 0.0), (1, 1.0), (2, 2.0)]
     summary = {r["run_id"]: r for r in _get(sink, "/runs")["runs"]}

@@ -202,20 +202,88 @@ def test_tensorboard_overflow_bucket_ends_at_the_max_or_is_left_out(tmp_path: Pa
     assert list(empty.bucket_limit) == [1.0, 5.0] and list(empty.bucket) == [1.0, 2.0]
 
 
-def test_gauge_tables_are_bounded_per_run_across_ranks() -> None:
+def _gauge_rows(steps: range, ranks: tuple[int, ...] = (0, 1), tags: int = 1) -> list[Any]:
     from otel_train.rows import MetricRow
     from otel_train.run_identity import RunInfo
 
-    ledger = SeriesLedger(max_entries=4)
-    rows = [MetricRow(RunInfo("r", "r", rank=rank), step, "g", "g", 1.0, "gauge", 0)
-            for step in range(3) for rank in (0, 1)]
-    written: list[MetricRow] = []
-    ledger.gauges(rows, written.append)
-    assert len(written) == 6  # all new
-    assert sum(len(t) for t in ledger._gauges.values()) <= 4
-    written.clear()
-    ledger.gauges(rows[-2:], written.append)  # the newest are still known: repeats
-    assert written == []
+    return [MetricRow(RunInfo("r", "r", rank=rank), step, f"g{t}", f"g{t}", float(step), "gauge", 0)
+            for step in steps for rank in ranks for t in range(tags)]
+
+
+def test_gauges_are_remembered_per_series_for_a_window_of_steps_never_cleared_wholesale() -> None:
+    ledger = SeriesLedger(window_steps=20)
+    written: list[Any] = []
+    for top in range(0, 1000, 50):  # a cumulative sender: every export re-sends every past step
+        ledger.saw_step(top + 49)  # as `Decoded.finish` does
+        ledger.gauges(_gauge_rows(range(top + 50), tags=3), written.append)
+        ledger.commit()
+    # each (rank, series, step) written once; steps that fell out of the window are not written again
+    keys = [(r.run.rank, r.tag, r.step) for r in written]
+    assert len(keys) == len(set(keys)) == 2 * 3 * 1000
+    assert ledger.window_skipped > 0
+    assert len(ledger._gauges) <= 4 * 16 * 20  # bounded by series x window: pruned, never cleared
+
+
+def test_retried_delta_points_and_spans_are_applied_once() -> None:
+    body = metrics_request(_resource(world=1), [OtlpPoint("tokens", 5, kind="sum", step=s, time_unix_nano=10 + s,
+                                                          start_time_unix_nano=s) for s in range(3)])
+    delta = _memory([body, body, body])  # a request sent three times (its acknowledgement lost)
+    assert [(r.step, r.value) for r in delta.metrics] == [(0, 5.0), (1, 10.0), (2, 15.0)]
+    ledger = SeriesLedger()
+    ids = lambda spans: [(s.trace_id, s.span_id) for s in spans]
+    assert ids(ledger.new_spans([_span(1, 7), _span(1, 8)])) == [(1, 7), (1, 8)]
+    assert ids(ledger.new_spans([_span(1, 8), _span(2, 8)])) == [(2, 8)]
+    assert ledger.retries_skipped == 1
+
+
+def _span(trace_id: int, span_id: int) -> Any:
+    from otel_train.rows import SpanRow
+    from otel_train.run_identity import RunInfo
+
+    return SpanRow(RunInfo("r", "r"), "s", trace_id, span_id, None, 0, 1, 0, "", 1, {})
+
+
+def test_the_ledger_state_round_trips_through_msgpack_and_a_rollback_undoes_a_request() -> None:
+    import ormsgpack
+
+    def again(value: Any) -> Any:  # what the run's state files give back
+        return ormsgpack.unpackb(ormsgpack.packb(value))
+
+    bodies = _sdk_program("cumulative")
+    first = SeriesLedger(persistent=True)
+    journal: list[Any] = []
+    for body in bodies[:3]:
+        decoded = decode_metrics(parse_metrics(body), DecodeCache())
+        first.begin()
+        decoded.finish(first)
+        journal.append(again(first.changes()))
+        first.commit()
+    snapshot = again(first.dump())
+    # a refused request changes nothing
+    refused = decode_metrics(parse_metrics(bodies[3]), DecodeCache())
+    first.begin()
+    refused.finish(first)
+    first.rollback()
+    assert again(first.dump()) == snapshot
+    # restored from the snapshot, or from the journal alone: the rest of the program as if never interrupted
+    expected = SeriesLedger()
+    for body in bodies[:3]:
+        decode_metrics(parse_metrics(body), DecodeCache()).finish(expected)
+    want = []
+    for body in bodies[3:]:
+        d = decode_metrics(parse_metrics(body), DecodeCache())
+        d.finish(expected)
+        want += [(r.tag, r.step, r.value) for r in d.metrics]
+    for state, records in ((snapshot, []), (None, journal)):
+        restored = SeriesLedger(persistent=True)
+        restored.load(state, records)
+        restored.loaded()
+        got = []
+        for body in bodies[3:]:
+            d = decode_metrics(parse_metrics(body), DecodeCache())
+            d.finish(restored)
+            got += [(r.tag, r.step, r.value) for r in d.metrics]
+        assert got == want and want
 
 
 def _sdk_program(temporality: str) -> list[bytes]:
