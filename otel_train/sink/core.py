@@ -6,12 +6,15 @@ flow one way: receivers -> core -> decode/router -> backends.
 
 from __future__ import annotations
 
+import errno
 import functools
+import hashlib
 import hmac
 import logging
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,12 +22,14 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train.sink.compat import CompatAPI
 from otel_train.sink.decode import (
     DecodeCache,
+    Decoded,
     DecodeError,
     decode_metrics,
     parse_metrics,
     parse_traces,
 )
 from otel_train.sink.decode_traces import decode_traces
+from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs
 from otel_train.sink.reorder import ReorderHold, needs_hold
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
@@ -37,6 +42,9 @@ if TYPE_CHECKING:
 __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 
 _logger = logging.getLogger(__name__)
+
+#: Requests taken run by run whose taken runs are remembered until the sender's retry takes the rest.
+_IN_TURN_REMEMBERED = 256
 
 
 def token_matches(expected: str, header: str) -> bool:
@@ -67,10 +75,14 @@ class SinkCore:
         spool_bytes = settings.spool_run_mb << 20
         self._holds: weakref.WeakSet[ReorderHold] = weakref.WeakSet()  # every run's reorder holds
         self._holds_lock = threading.Lock()
-        self.router = Router(self._with_holds(make_exporters), settings.aggregate, settings.aggregate_timeout_s, settings.idle_s,
-                             settings.queue_windows, settings.spool_dir if spool_bytes else None, spool_bytes,
-                             settings.spool_total_mb << 20, settings.retry_after_s, settings.backend_threads,
-                             settings.max_open_runs)
+        # Limits left unset follow the file-descriptor limit (`otel_train.sink.fd_limits`).
+        self.fds = FdBudget()
+        self.max_connections = settings.max_connections or default_max_connections(self.fds.limit)
+        max_open_runs = settings.max_open_runs or default_max_open_runs(self.fds.limit, self.max_connections)
+        self.router = Router(self._with_holds(make_exporters), settings.aggregate, settings.aggregate_timeout_s,
+                             settings.idle_s, settings.queue_windows, settings.spool_dir if spool_bytes else None,
+                             spool_bytes, settings.spool_total_mb << 20, settings.retry_after_s,
+                             settings.backend_threads, max_open_runs, self.fds)
         self.run_names = RunNames(directory)
         self.compat = CompatAPI(self.router, self.run_names)
         self._runs = DecodeCache(names=self.run_names)
@@ -87,6 +99,8 @@ class SinkCore:
         self._stopped = False
         self._started_at = time.monotonic()
         self._lock = threading.Lock()
+        #: Per request taken run by run (by a digest of its signal and bytes): the runs already taken.
+        self._taken_in_turn: OrderedDict[bytes, set[str]] = OrderedDict()
 
     def _with_holds(self, make_exporters: ExporterFactory) -> ExporterFactory:
         """`make_exporters` with a `ReorderHold` in front of each backend that skips late points (TensorBoard,
@@ -185,8 +199,44 @@ class SinkCore:
         if decoded.refused:
             self._count_refused_points(decoded.refused)
         if n:
-            self.router.ingest(decoded)
+            try:
+                self._route(signal, body, decoded)
+            except OSError as err:
+                if err.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                # Out of descriptors despite the budget (another process, a run of many ranks): a sender retries
+                # this; nothing of the request was taken (a run that cannot open takes nothing).
+                raise Overloaded(f"out of file descriptors ({err.strerror}); retry shortly",
+                                 self.settings.retry_after_s) from None
         return n
+
+    def _route(self, signal: str, body: bytes, decoded: Decoded) -> None:
+        """Hand a request to the router: whole (all its runs admitted, or none), or, when it has more runs than
+        half the open-run limit (a collector's batch of many runs), run by run in turn.
+
+        Run by run, a run that cannot open now (the limit is full of runs still writing) refuses the request
+        retryably after the runs before it were taken; those are remembered by a digest of the request's bytes,
+        so the sender's retry of the same bytes takes only the rest: each retry takes at least one more run, and
+        none twice.
+        """
+        ids = {run.run_id for run in decoded.runs}
+        if len(ids) <= max(1, self.router.max_open_runs // 2):
+            self.router.ingest(decoded)
+            return
+        key = hashlib.blake2b(body, digest_size=16, person=signal.encode()[:16]).digest()
+        with self._lock:
+            taken = self._taken_in_turn.pop(key, None) or set()
+            self._taken_in_turn[key] = taken
+            while len(self._taken_in_turn) > _IN_TURN_REMEMBERED:
+                self._taken_in_turn.popitem(last=False)
+        for run_id, part in sorted(decoded.split_by_run().items()):
+            if run_id in taken:
+                continue
+            self.router.ingest(part)  # Overloaded: the sender retries; the runs taken so far are remembered
+            with self._lock:
+                taken.add(run_id)
+        with self._lock:
+            self._taken_in_turn.pop(key, None)
 
     def _count_refused_points(self, refused: dict[tuple[str, str], int]) -> None:
         """Points refused alone (the rest of their request is written): counted, each metric named once."""
@@ -204,6 +254,8 @@ class SinkCore:
             "status": "ok" if not self._stopped else "stopping",
             "uptime_s": round(time.monotonic() - self._started_at, 1),
             "runs_open": self.router.runs_open,
+            "max_open_runs": self.router.max_open_runs,
+            "file_descriptors": self._fd_health(),
             "points": self.router.points_in,
             "spans": self.router.spans_in,
             "errors": self.router.errors,
@@ -224,6 +276,12 @@ class SinkCore:
             "unsupported": dict(self.unsupported),
             "points_refused": dict(self.points_refused),
         }
+
+    def _fd_health(self) -> dict[str, Any]:
+        from otel_train.sink.fd_limits import fds_in_use
+
+        return {"in_use": fds_in_use(), "limit": self.fds.limit, "reserve": self.fds.reserve,
+                "runs_refused": self.fds.refused, "max_connections": self.max_connections}
 
     def runs(self) -> dict[str, Any]:
         """The `/runs` document; runs named by a fallback (no `train.run.id`) say ``"unattributed": true``."""

@@ -97,7 +97,7 @@ class HttpReceiver:
             ssl_context.load_cert_chain(tls_cert, tls_key)
         host, _, port = address.rpartition(":")
         handlers = self._runner.server  # aiohttp's protocol factory; `.connections` are the open ones
-        cap = self._sink.settings.max_connections
+        cap = self._sink.max_connections
         sink = self._sink
 
         def connection() -> asyncio.Protocol:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from otel_train.rows import MetricRow
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
+from otel_train.sink.fd_limits import FdBudget
 from otel_train.sink.pool import BackendPool
 from otel_train.sink.run_feed import RunFeed, spool_folder
 from otel_train.sink.temporality import SeriesLedger
@@ -83,12 +84,15 @@ class Router:
         retry_after_s: The wait a refused sender is told.
         backend_threads: Threads per backend kind that every run's backends share.
         max_open_runs: Runs whose backends are open at once (the least recently used idle one is closed).
+        fd_budget: Checked before a run opens: without descriptors to spare, idle runs are closed and the
+            request is refused retryably (None: no check).
     """
 
     def __init__(self, make_exporters: ExporterFactory, aggregate: Sequence[str] = (),
                  aggregate_timeout_s: float = 30.0, idle_s: float = 300.0, queue_windows: int = 256,
                  spool_dir: Path | None = None, spool_run_bytes: int = 1 << 30, spool_total_bytes: int = 8 << 30,
-                 retry_after_s: float = 1.0, backend_threads: int = 4, max_open_runs: int = 1000) -> None:
+                 retry_after_s: float = 1.0, backend_threads: int = 4, max_open_runs: int = 1000,
+                 fd_budget: FdBudget | None = None) -> None:
         self._make = make_exporters
         self._aggregate = tuple(aggregate)
         self._aggregate_timeout_s = aggregate_timeout_s
@@ -103,6 +107,7 @@ class Router:
         self._closing: dict[str, RunFeed] = {}
         self._changed = threading.Condition()  # notified when a run has closed
         self.max_open_runs = max(1, max_open_runs)
+        self.fds = fd_budget
         self.pool = BackendPool(backend_threads)
         self._closer = ThreadPoolExecutor(4, thread_name_prefix="otel-train-sink-close")
         self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()
@@ -145,6 +150,10 @@ class Router:
                 if len(self._runs) + len(self._closing) >= self.max_open_runs:
                     raise Overloaded(f"{len(self._runs):,} runs open and {len(self._closing):,} closing (max open "
                                      f"runs {self.max_open_runs:,}); retry shortly", _CLOSING_RETRY_S)
+                short = self.fds.refusal() if self.fds is not None else None
+                if short is not None:  # a run's files would take what the listeners and open runs need
+                    self._evict(short[1])
+                    raise Overloaded(f"run {run_id!r} cannot open now: {short[0]}", _CLOSING_RETRY_S)
                 converter = self._converters.pop(run_id, None) or SeriesLedger()
                 self._converters[run_id] = converter
                 while len(self._converters) > _KEEP_CLOSED:
@@ -183,12 +192,13 @@ class Router:
         self._finish_close(state, 30.0, why)
         return True
 
-    def _evict(self) -> None:
-        """Start closing least recently used idle runs so that new ones find room (self._lock held). A run with
-        data still queued, or busy in a request, is passed over."""
+    def _evict(self, at_least: int = 0) -> None:
+        """Start closing least recently used idle runs so that new ones find room (self._lock held), `at_least`
+        of them (e.g. to free file descriptors). A run with data still queued, or busy in a request, is passed
+        over."""
         # Close a few more than needed: the next new runs then find room while these close in the background.
         headroom = max(1, self.max_open_runs // 8)
-        excess = len(self._runs) + len(self._closing) + headroom - self.max_open_runs
+        excess = max(at_least, len(self._runs) + len(self._closing) + headroom - self.max_open_runs)
         if excess <= 0:
             return
         for state in list(self._runs.values()):

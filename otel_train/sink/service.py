@@ -114,9 +114,12 @@ class Sink(SinkCore):
             from otel_train.sink.spool_replay import SpoolReplay
 
             self.spool_replay = SpoolReplay(self.router, s.spool_dir, self._stop,
-                                            workers=min(2, max(1, s.max_open_runs // 4))).start()
+                                            workers=min(2, max(1, self.router.max_open_runs // 4))).start()
         _logger.info("otel-train sink listening: OTLP/gRPC %s, OTLP/HTTP %s%s", self._addr(s.grpc, self.grpc_port),
                      self._addr(s.http, self.http_port), " (token required)" if self.token else "")
+        _logger.info("at most %d run(s) open (%s) and %d HTTP connection(s) (%s); file-descriptor limit %d",
+                     self.router.max_open_runs, "set" if s.max_open_runs else "derived", self.max_connections,
+                     "set" if s.max_connections else "derived", self.fds.limit)
         exposed = [a for a in (s.grpc, s.http) if not is_loopback(a)]
         if exposed and not self.token:
             _logger.warning("the sink listens on %s beyond this machine without a token: anyone who reaches it can "
