@@ -292,3 +292,54 @@ def test_binding_beyond_loopback_without_a_token_warns(tmp_path: Path, caplog: p
         sink.stop()
     warned = [r.getMessage() for r in caplog.records if "without a token" in r.getMessage()]
     assert len(warned) == 1 and "0.0.0.0:0" in warned[0] and "OTEL_TRAIN_SINK_TOKEN" in warned[0]
+
+
+def _jsonl_metrics(folder: Path) -> list[tuple[str, int, float]]:
+    """Every metric row of a run's rank-0 JSONL file as (name, step, value), in file order (NaN as a string)."""
+    return [(r["name"], r["step"], r["value"] if r["value"] == r["value"] else "nan")
+            for r in read_jsonl(folder / "rank0.jsonl") if r.get("type") == "metric"]
+
+
+def test_infinite_counter_points_are_counted_and_kept_out_of_the_total(tmp_path: Path) -> None:
+    inf = float("inf")
+    points = [OtlpPoint("tokens", v, step=s, kind="sum") for s, v in enumerate([10, inf, 10, -inf, 10])]
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, metrics_request({"train.run.id": "inf"}, points)) == 200
+        sink.flush(30)
+        runs = {r["run_id"]: r for r in sink.runs()["runs"]}
+    finally:
+        sink.stop()
+    assert _jsonl_metrics(tmp_path / "runs" / "inf") == [("tokens", 0, 10), ("tokens", 2, 20), ("tokens", 4, 30)]
+    assert runs["inf"]["nan_points"] == 2
+
+
+def test_a_nan_gauge_re_sent_unchanged_is_written_once(tmp_path: Path) -> None:
+    nan = float("nan")
+    # A cumulative sender re-sends every past point with each export: the NaN at step 1 comes three times.
+    exports = [[OtlpPoint("loss", v, step=s) for s, v in enumerate([0.5, nan, 0.25][:n])] for n in (2, 3, 3)]
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        for points in exports:
+            assert _post(sink.http_port, metrics_request({"train.run.id": "nan"}, points)) == 200
+        sink.flush(30)
+    finally:
+        sink.stop()
+    assert _jsonl_metrics(tmp_path / "runs" / "nan") == [("loss", 0, 0.5), ("loss", 1, "nan"), ("loss", 2, 0.25)]
+
+
+def test_a_resource_attribute_that_is_no_rank_is_invalid_on_both_protocols(tmp_path: Path) -> None:
+    import grpc
+
+    body = metrics_request({"train.run.id": "rank", "train.rank": float("inf")}, [OtlpPoint("loss", 1.0, step=1)])
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, body) == 400
+        with grpc.insecure_channel(f"127.0.0.1:{sink.grpc_port}") as channel, pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary(_METHOD)(body, timeout=10)
+        rejected = _health(sink.http_port)["rejected"]
+    finally:
+        sink.stop()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not RESOURCE_EXHAUSTED, which senders retry
+    assert "train.rank" in str(err.value.details())
+    assert rejected == {"invalid": 2}
