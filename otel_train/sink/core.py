@@ -6,6 +6,7 @@ flow one way: receivers -> core -> decode/router -> backends.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import hashlib
@@ -15,6 +16,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -43,6 +45,11 @@ __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 
 _logger = logging.getLogger(__name__)
 
+#: HTTP bodies up to this size are decoded on the receivers' event loop (a few ms); larger ones on a thread, so
+#: that a legal 16 MiB body (seconds of decoding) never holds up other senders or `/health` (as over gRPC).
+INLINE_BYTES = 256 * 1024
+#: Threads that decode the larger HTTP bodies.
+LARGE_THREADS = 2
 #: Requests taken run by run whose taken runs are remembered until the sender's retry takes the rest.
 _IN_TURN_REMEMBERED = 256
 
@@ -101,6 +108,7 @@ class SinkCore:
         self._lock = threading.Lock()
         #: Per request taken run by run (by a digest of its signal and bytes): the runs already taken.
         self._taken_in_turn: OrderedDict[bytes, set[str]] = OrderedDict()
+        self._large: ThreadPoolExecutor | None = None  # started with the first large HTTP body
 
     def _with_holds(self, make_exporters: ExporterFactory) -> ExporterFactory:
         """`make_exporters` with a `ReorderHold` in front of each backend that skips late points (TensorBoard,
@@ -158,9 +166,24 @@ class SinkCore:
                           "minute per reason)", reason, total, ": " if detail else "", detail[:300])
 
     async def ingest_async(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
-        """`ingest` for the receivers' event loop. It never waits: a run whose backends are behind is
-        held in its spool or refused at once (`Overloaded`), so one run never holds up another."""
-        return self.ingest(signal, body, content_type, encoding)
+        """`ingest` for the receivers' event loop: a body over `INLINE_BYTES` on a thread of its own. It never
+        waits: a run whose backends are behind is held in its spool or refused at once (`Overloaded`), so one
+        run never holds up another."""
+        if len(body) <= INLINE_BYTES:
+            return self.ingest(signal, body, content_type, encoding)
+        with self._lock:
+            if self._large is None:
+                self._large = ThreadPoolExecutor(LARGE_THREADS, thread_name_prefix="otel-train-sink-http-large")
+            large = self._large
+        return await asyncio.get_running_loop().run_in_executor(large, self.ingest, signal, body, content_type,
+                                                                encoding)
+
+    def close_threads(self) -> None:
+        """End the threads that decode large HTTP bodies (the receivers are stopped first)."""
+        with self._lock:
+            large, self._large = self._large, None
+        if large is not None:
+            large.shutdown(wait=False, cancel_futures=True)
 
     def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
         """Decode a whole request into rows, then hand them to the router. Returns rows taken.

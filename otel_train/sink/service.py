@@ -170,6 +170,7 @@ class Sink(SinkCore):
             self._http.stop()
         if self._loop is not None:
             self._loop.close()
+        self.close_threads()
         if self._housekeeper is not None:
             self._housekeeper.join(5.0)
         self.compat.close()

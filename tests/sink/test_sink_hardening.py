@@ -343,3 +343,36 @@ def test_a_resource_attribute_that_is_no_rank_is_invalid_on_both_protocols(tmp_p
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not RESOURCE_EXHAUSTED, which senders retry
     assert "train.rank" in str(err.value.details())
     assert rejected == {"invalid": 2}
+
+
+def test_a_large_http_body_is_taken_off_the_event_loop(tmp_path: Path) -> None:
+    import threading
+
+    body = metrics_request({"train.run.id": "big"}, [OtlpPoint(f"m{i % 100}", 1.0, step=i // 100)
+                                                      for i in range(20_000)])
+    assert len(body) > 256 * 1024
+    sink = make_sink(tmp_path, ("jsonl",))
+    taking, release = threading.Event(), threading.Event()
+    ingest = sink.router.ingest
+
+    def held_ingest(decoded: Any) -> None:  # the large request stays in the sink until /health has answered
+        taking.set()
+        release.wait(30)
+        ingest(decoded)
+
+    sink.router.ingest = held_ingest
+    statuses: list[int] = []
+    poster = threading.Thread(target=lambda: statuses.append(_post(sink.http_port, body)))
+    try:
+        poster.start()
+        assert taking.wait(30)
+        health = _health(sink.http_port)  # answered while the large request is being taken
+        release.set()
+        poster.join(30)
+        sink.flush(30)
+    finally:
+        release.set()
+        sink.stop()
+    assert health["status"] == "ok"
+    assert statuses == [200]
+    assert len(_gauges(tmp_path / "runs" / "big" / "rank0.jsonl")) == 20_000
