@@ -184,37 +184,91 @@ def test_gzip_members_are_all_inflated() -> None:
         _decompress(gzip.compress(b"a" * 60) + gzip.compress(b"b" * 60), "gzip", 100)
 
 
-def test_a_trickled_body_is_cut_off_and_connections_are_capped(tmp_path: Path) -> None:
-    sink = make_sink(tmp_path, ("jsonl",), body_timeout_s=1.0, max_connections=3)
+_BODY_PENDING = (b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                 b"Content-Length: 100\r\n\r\nx")
+
+
+def _serves_again(port: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return _health(port)
+        except (OSError, http.client.HTTPException):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_a_trickled_body_is_cut_off(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), body_timeout_s=1.0)
     try:
         slow = socket.create_connection(("127.0.0.1", sink.http_port), timeout=10)
-        slow.sendall(b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
-                     b"Content-Length: 100\r\n\r\nx")
+        slow.sendall(_BODY_PENDING)
         answer = slow.recv(4096)  # within the body timeout, not never
         assert answer.startswith(b"HTTP/1.1 408")
         deadline = time.monotonic() + 5
         while slow.recv(4096) and time.monotonic() < deadline:  # then the connection is closed
             pass
         slow.close()
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    assert health["rejected"]["body_timeout"] == 1
+
+
+def test_at_the_connection_cap_with_every_connection_in_a_request_a_new_one_is_closed(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), max_connections=3)
+    try:
         held = [socket.create_connection(("127.0.0.1", sink.http_port), timeout=10) for _ in range(3)]
-        time.sleep(0.3)  # let the server register them: there is no event to wait on from outside
+        for s in held:
+            s.sendall(_BODY_PENDING)  # each is in a request, waiting for its body
+        time.sleep(0.5)  # let the server take their headers: there is no event to wait on from outside
         extra = socket.create_connection(("127.0.0.1", sink.http_port), timeout=10)
         assert extra.recv(16) == b""  # closed at once
         extra.close()
         for s in held:
             s.close()
-        deadline = time.monotonic() + 10
-        while True:  # once the held ones are gone, the sink serves again
-            try:
-                health = _health(sink.http_port)
-                break
-            except (OSError, http.client.HTTPException):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        health = _serves_again(sink.http_port)  # once the held ones are gone, the sink serves again
     finally:
         sink.stop()
-    assert health["rejected"]["body_timeout"] == 1
     assert health["rejected"]["too_many_connections"] >= 1
+
+
+def _closed_by_the_sink(s: socket.socket) -> bool:
+    """Whether the sink closed `s` (an orderly close, or a reset when it still held unread bytes)."""
+    try:
+        return s.recv(16) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_slow_connections_never_lock_senders_out(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), max_connections=16, header_timeout_s=2.0)
+    try:
+        # Slow-loris: 64 connections that send part of their headers, and one that sends nothing at all.
+        silent = socket.create_connection(("127.0.0.1", sink.http_port), timeout=30)
+        slow = [socket.create_connection(("127.0.0.1", sink.http_port), timeout=30) for _ in range(64)]
+        for s in slow:
+            s.sendall(b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\n")
+        # A sender still gets in: the oldest connections without a whole request make room.
+        assert _post(sink.http_port, metrics_request({"train.run.id": "in"}, [OtlpPoint("loss", 1.0, step=1)])) == 200
+        assert _closed_by_the_sink(silent)  # closed to make room, or after the header timeout
+        silent.close()
+        # Within the header timeout every slow connection is closed, even with the cap not reached.
+        few = [socket.create_connection(("127.0.0.1", sink.http_port), timeout=30) for _ in range(3)]
+        for s in few:
+            s.sendall(b"POST /v1/metrics HTTP/1.1\r\n")
+            assert _closed_by_the_sink(s)
+            s.close()
+        for s in slow:
+            s.close()
+        sink.flush(30)
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    assert _gauges(tmp_path / "runs" / "in" / "rank0.jsonl") == [("loss", 1, 1.0)]
+    assert health["rejected"]["header_timeout"] >= 3
+    assert health["rejected"]["connection_closed_for_room"] >= 64 + 1 - 16, health["rejected"]
+    assert "too_many_connections" not in health["rejected"]
 
 
 def test_grpc_messages_over_the_limit_are_counted(tmp_path: Path) -> None:
