@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from otel_train.sink.service import Sink
 
 __all__ = ["DESCRIPTION", "add_arguments", "main"]
 
@@ -173,7 +178,30 @@ def main(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
     finally:
-        sink.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _stop_within(sink, settings.shutdown_timeout_s)
     return 0
+
+
+def _stop_within(sink: Sink, timeout_s: float) -> None:
+    """Stop the sink, writing what it holds for at most `timeout_s` (and a moment to close); a backend that hangs
+    past that does not keep the process: it exits, and what was not written stays in the runs' spools, which the
+    next start writes."""
+    done = threading.Event()
+
+    def stop() -> None:
+        try:
+            sink.stop(timeout_s)
+        finally:
+            done.set()
+
+    threading.Thread(target=stop, name="otel-train-sink-stop", daemon=True).start()
+    if done.wait(timeout_s + 2.0):
+        return
+    logging.getLogger("otel_train.sink").warning(
+        "still writing after the shutdown timeout of %g s (a backend hangs); exiting now: what was not written "
+        "stays in the spool (%s) and is written by the next start (OTEL_TRAIN_SINK_SHUTDOWN_TIMEOUT_S)", timeout_s,
+        sink.settings.spool_dir)
+    logging.shutdown()
+    os._exit(0)  # the hung write's thread cannot be stopped; the interpreter's exit would wait for it

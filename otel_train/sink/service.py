@@ -158,7 +158,8 @@ class Sink(SinkCore):
         return self.router.flush(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop receiving, write pending aggregates and compat buffers, close every backend. Idempotent."""
+        """Stop receiving, write pending aggregates and compat buffers, close every backend (waiting about
+        `timeout_s` for them; what they have not taken by then stays in the runs' spools). Idempotent."""
         with self._lock:
             if self._stopped:
                 return
@@ -175,7 +176,22 @@ class Sink(SinkCore):
             self._housekeeper.join(5.0)
         self.compat.close()
         self.router.close(timeout_s)
+        self._report_unwritten(timeout_s)
         _logger.info("%s; stopped", self.status_line(0.0))
+
+    def _report_unwritten(self, timeout_s: float) -> None:
+        """Say which runs' backends did not take everything before the shutdown timeout: their spool stays."""
+        spool_dir = self.settings.spool_dir
+        if spool_dir is None or self.settings.spool_run_mb <= 0:
+            return
+        try:
+            left = sorted(p.name for p in spool_dir.iterdir() if p.is_dir())
+        except OSError:
+            return
+        if left:
+            _logger.warning("%d run(s) not fully written within the shutdown timeout of %g s (e.g. %s): what was not "
+                            "written stays in the spool (%s) and is written by the next start", len(left), timeout_s,
+                            ", ".join(left[:3]), spool_dir)
 
     def __enter__(self) -> Sink:
         return self.start()

@@ -104,3 +104,39 @@ def test_a_request_with_more_runs_than_the_open_run_limit_is_taken_once(tmp_path
     for i in range(30):
         assert series[f"run-{i}"]["train/loss"] == [(step, i + step / 10) for step in range(3)]
         assert series[f"run-{i}"]["train/tokens"] == [(0, 10), (1, 20), (2, 30)]
+
+
+def test_sigterm_with_a_hung_backend_ends_within_the_shutdown_timeout_and_the_next_start_writes_the_rest(
+        tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from otel_train.sink.run_feed import spool_folder
+
+    runs = tmp_path / "runs"
+    hung = run_folder(runs, "hung")
+    hung.mkdir(parents=True)
+    os.mkfifo(hung / "rank0.jsonl")  # opening it to append blocks until a reader comes: a backend that hangs
+    args = ("--exporters", "jsonl", "--dir", str(runs), "--shutdown-timeout-s", "1")
+    sink = SinkProcess(tmp_path / "first", *args).wait_ready()
+    statuses: list[int] = []
+    for step in range(10):
+        _post_retrying(sink.http_port, _one_point("hung", step), statuses)
+    assert statuses == [200] * 10
+    sink.proc.terminate()
+    try:
+        # the bound is 1 s of writing; the rest of this wait is the interpreter's start and stop on a loaded host
+        code = sink.proc.wait(25)
+    except subprocess.TimeoutExpired:
+        sink.proc.kill()
+        raise AssertionError("the sink did not end within its shutdown timeout with a hung backend") from None
+    assert code == 0
+    assert "stays in the spool" in sink.log.read_text()
+    assert (runs / ".sink-spool" / spool_folder("hung")).is_dir()  # what was not written waits there
+    (hung / "rank0.jsonl").unlink()
+    again = SinkProcess(tmp_path / "second", *args).wait_ready()
+    try:
+        again.settled_health()
+    finally:
+        assert again.stop() == 0
+    assert _jsonl_series(runs)["hung"]["train/loss"] == [(step, step + 0.5) for step in range(10)]
