@@ -1,10 +1,10 @@
 """Benchmark: what an open run costs `otel-train sink` (issue 21, item 6), ramping the number of runs.
 
-The sink runs as its own process (`python -m otel_train.sink`, JSONL backend, runs never idle-closed,
-default `--max-open-runs` and `--backend-threads`); one gRPC client opens runs by sending each a one-point
-request (retrying a refusal, as a collector does: a request may meet the LRU closing runs), and at every
-level of the ramp measures the latency of requests to random runs (p50, p99; a run the LRU closed is
-reopened by it), then, with no traffic for `--idle-sample-s`, the sink's CPU use, and its threads, file
+The sink runs as its own process (`python -m otel_train.sink`, JSONL backend unless `--exporters`, runs never
+idle-closed unless `--close-all`, default `--max-open-runs` and `--backend-threads`); one gRPC client opens runs
+by sending each a one-point request (retrying a refusal, as a collector does: a request may meet the LRU closing
+runs), and at every level of the ramp measures the latency of requests to random runs (p50, p99; a run the LRU
+closed is reopened by it), then, with no traffic for `--idle-sample-s`, the sink's CPU use, and its threads, file
 descriptors and RSS, per run. The last lines set the levels side by side (ratios to the first level).
 
     python bench/sink_runs.py                      # 1,000 and 10,000 runs
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--max-open-runs", default=None, dest="max_open_runs", help="the sink's --max-open-runs")
     parser.add_argument("--probes", type=int, default=200, help="requests timed at each level")
     parser.add_argument("--idle-sample-s", type=float, default=3.0, dest="idle_sample_s")
+    parser.add_argument("--exporters", default="jsonl", help="the sink's backends (default jsonl)")
     parser.add_argument("--close-all", action="store_true", dest="close_all",
                         help="after the last level, wait until every run is closed (idle) and sample RSS")
     args = parser.parse_args()
@@ -71,7 +72,7 @@ def main() -> None:
     grpc_port, http_port = _free_port(), _free_port()
     log = (workdir / "sink.log").open("wb")
     sink = subprocess.Popen([sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
-                             f"127.0.0.1:{http_port}", "--exporters", "jsonl", "--dir", str(workdir / "runs"),
+                             f"127.0.0.1:{http_port}", "--exporters", args.exporters, "--dir", str(workdir / "runs"),
                              "--idle-s", "20" if args.close_all else "86400", "--status-interval-s", "3600",
                              *(["--max-open-runs", args.max_open_runs] if args.max_open_runs else [])],
                             stdout=log, stderr=subprocess.STDOUT)

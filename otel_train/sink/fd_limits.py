@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import time
 
 __all__ = ["FDS_PER_RUN", "ROOM_PER_RUN", "FdBudget", "default_max_connections", "default_max_open_runs",
            "fd_limit", "fds_in_use", "raise_soft_limit", "reserve_fds"]
@@ -34,6 +35,8 @@ ROOM_PER_RUN = 16
 MAX_OPEN_RUNS_CAP = 1000
 MAX_CONNECTIONS_CAP = 1024
 _FD_DIR = "/proc/self/fd"
+#: Seconds a count of the descriptors in use is trusted for (with `ROOM_PER_RUN` added per run opened since).
+_COUNT_TRUSTED_S = 0.5
 
 
 def fd_limit() -> int:
@@ -105,6 +108,10 @@ class FdBudget:
         self.limit = fd_limit() if limit is None else limit
         self.reserve = reserve_fds(self.limit)
         self.refused = 0
+        # The last count and what has opened since: far from the limit, a run opens without listing /proc.
+        self._counted = -1
+        self._counted_at = 0.0
+        self._opened_since = 0
 
     def runs_to_close(self, in_use: int | None) -> int:
         """How many idle runs to close so that a run can open (0: it can)."""
@@ -115,8 +122,15 @@ class FdBudget:
         return 0 if over <= 0 else math.ceil(over / FDS_PER_RUN) + 8
 
     def refusal(self) -> tuple[str, int] | None:
-        """(why a run cannot open now, how many idle runs to close), or None when it can."""
+        """(why a run cannot open now, how many idle runs to close), or None when it can (callers serialize)."""
+        now = time.monotonic()
+        if self._counted >= 0 and now - self._counted_at < _COUNT_TRUSTED_S:
+            estimate = self._counted + (self._opened_since + 1) * ROOM_PER_RUN
+            if not self.runs_to_close(estimate):
+                self._opened_since += 1
+                return None
         in_use = fds_in_use()
+        self._counted, self._counted_at, self._opened_since = (in_use if in_use is not None else -1), now, 1
         close = self.runs_to_close(in_use)
         if not close:
             return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -131,9 +132,13 @@ class Sink(SinkCore):
         return f"{address.rpartition(':')[0]}:{port}"
 
     def _housekeep(self) -> None:
+        from otel_train.sink.memory import TRIM_EVERY_S, trim
+
         tick_s = max(0.05, min(1.0, self.settings.idle_s / 4, self.settings.aggregate_timeout_s / 4))
-        last_status = time.monotonic()
+        last_status = last_trim = time.monotonic()
         last_points = self.router.points_in
+        trimmed_at_closed = closed_last_tick = 0
+        trim_again_at = math.inf
         while not self._stop.wait(tick_s):
             try:
                 self.router.tick()
@@ -142,6 +147,18 @@ class Sink(SinkCore):
             except Exception:
                 _logger.exception("sink housekeeping failed")
             now = time.monotonic()
+            closed = self.router.runs_closed
+            # Closed runs' memory back to the system (`otel_train.sink.memory`): once a wave of closes has ended,
+            # every TRIM_EVERY_S while one goes on, and once more a moment after (a closed run's backend may wait
+            # for its last timed turn on the pool for up to a second).
+            if closed != trimmed_at_closed and now - last_trim >= 1.0 and (
+                    closed == closed_last_tick or now - last_trim >= TRIM_EVERY_S):
+                trimmed_at_closed, last_trim, trim_again_at = closed, now, now + 2.0
+                trim()
+            elif now >= trim_again_at:
+                last_trim, trim_again_at = now, math.inf
+                trim()
+            closed_last_tick = closed
             if now - last_status >= self.settings.status_interval_s:
                 rate = (self.router.points_in - last_points) / (now - last_status)
                 last_status, last_points = now, self.router.points_in

@@ -140,3 +140,42 @@ def test_sigterm_with_a_hung_backend_ends_within_the_shutdown_timeout_and_the_ne
     finally:
         assert again.stop() == 0
     assert _jsonl_series(runs)["hung"]["train/loss"] == [(step, step + 0.5) for step in range(10)]
+
+
+def test_the_descriptor_budget_refuses_a_run_only_near_the_limit() -> None:
+    from otel_train.sink.fd_limits import FdBudget, fds_in_use
+
+    in_use = fds_in_use()
+    assert in_use is not None
+    roomy = FdBudget(limit=(in_use + 1000) * 2)
+    assert [roomy.refusal() for _ in range(3)] == [None, None, None]
+    tight = FdBudget(limit=in_use + 8)
+    refusal = tight.refusal()
+    assert refusal is not None and "file descriptors in use" in refusal[0] and refusal[1] >= 1
+    assert tight.refused == 1
+
+
+def test_closed_runs_are_freed_while_no_requests_come(tmp_path: Path) -> None:
+    """The sink's own process collects cycles rarely (none while no requests allocate): its housekeeping frees
+    what closed runs left behind. Here the collector is off, as it is then."""
+    import gc
+    import weakref
+
+    from rotel_proc import wait_until
+    from sinkkit import make_sink
+
+    sink = make_sink(tmp_path, ("tensorboard", "jsonl"), idle_s=0.3)
+    gc.disable()
+    try:
+        for i in range(20):
+            statuses: list[int] = []
+            _post_retrying(sink.http_port, _one_point(f"run-{i}", 0), statuses)
+            assert statuses == [200]
+        feeds = [weakref.ref(feed) for feed in list(sink.router._runs.values())]
+        assert len(feeds) == 20
+        assert wait_until(lambda: sink.router.runs_closed == 20, 60)
+        assert wait_until(lambda: all(ref() is None for ref in feeds), 60), \
+            f"{sum(ref() is not None for ref in feeds)} of 20 closed runs still held"
+    finally:
+        gc.enable()
+        sink.stop()
