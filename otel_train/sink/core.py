@@ -31,7 +31,7 @@ from otel_train.sink.decode import (
     parse_traces,
 )
 from otel_train.sink.decode_traces import decode_traces
-from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs
+from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs, fds_in_use
 from otel_train.sink.reorder import ReorderHold, needs_hold
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
@@ -301,8 +301,6 @@ class SinkCore:
         }
 
     def _fd_health(self) -> dict[str, Any]:
-        from otel_train.sink.fd_limits import fds_in_use
-
         return {"in_use": fds_in_use(), "limit": self.fds.limit, "reserve": self.fds.reserve,
                 "runs_refused": self.fds.refused, "max_connections": self.max_connections}
 
