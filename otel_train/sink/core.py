@@ -106,8 +106,9 @@ class SinkCore:
         self._stopped = False
         self._started_at = time.monotonic()
         self._lock = threading.Lock()
-        #: Per request taken run by run (by a digest of its signal and bytes): the runs already taken.
-        self._taken_in_turn: OrderedDict[bytes, set[str]] = OrderedDict()
+        #: Per request taken run by run (by a digest of its signal and bytes): the runs already taken, and a lock
+        #: held while one copy of it is being taken.
+        self._taken_in_turn: OrderedDict[bytes, tuple[threading.Lock, set[str]]] = OrderedDict()
         self._large: ThreadPoolExecutor | None = None  # started with the first large HTTP body
 
     def _with_holds(self, make_exporters: ExporterFactory) -> ExporterFactory:
@@ -248,18 +249,23 @@ class SinkCore:
             return
         key = hashlib.blake2b(body, digest_size=16, person=signal.encode()[:16]).digest()
         with self._lock:
-            taken = self._taken_in_turn.pop(key, None) or set()
-            self._taken_in_turn[key] = taken
+            entry = self._taken_in_turn.pop(key, None) or (threading.Lock(), set())
+            self._taken_in_turn[key] = entry
             while len(self._taken_in_turn) > _IN_TURN_REMEMBERED:
                 self._taken_in_turn.popitem(last=False)
-        for run_id, part in sorted(decoded.split_by_run().items()):
-            if run_id in taken:
-                continue
-            self.router.ingest(part)  # Overloaded: the sender retries; the runs taken so far are remembered
-            with self._lock:
+        busy, taken = entry
+        if not busy.acquire(blocking=False):  # a copy of it is being taken right now (a sender's early retry)
+            raise Overloaded("the same request is being taken just now; retry shortly", self.settings.retry_after_s)
+        try:
+            for run_id, part in sorted(decoded.split_by_run().items()):
+                if run_id in taken:
+                    continue
+                self.router.ingest(part)  # Overloaded: the sender retries; the runs taken so far are remembered
                 taken.add(run_id)
-        with self._lock:
-            self._taken_in_turn.pop(key, None)
+            with self._lock:
+                self._taken_in_turn.pop(key, None)
+        finally:
+            busy.release()
 
     def _count_refused_points(self, refused: dict[tuple[str, str], int]) -> None:
         """Points refused alone (the rest of their request is written): counted, each metric named once."""
