@@ -179,3 +179,31 @@ def test_closed_runs_are_freed_while_no_requests_come(tmp_path: Path) -> None:
     finally:
         gc.enable()
         sink.stop()
+
+
+def test_out_of_descriptors_anyway_is_refused_retryably_over_http(tmp_path: Path) -> None:
+    import errno
+
+    from sinkkit import make_sink
+
+    sink = make_sink(tmp_path, ("jsonl",))
+    ingest = sink.router.ingest
+    calls: list[int] = []
+
+    def first_call_out_of_descriptors(decoded: object) -> None:  # another process took them all, once
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        ingest(decoded)
+
+    sink.router.ingest = first_call_out_of_descriptors
+    statuses: list[int] = []
+    try:
+        _post_retrying(sink.http_port, _one_point("fds", 1), statuses)
+        sink.flush(30)
+        rejected = sink.health()["rejected"]
+    finally:
+        sink.stop()
+    assert statuses == [503, 200]
+    assert rejected == {"overloaded": 1}
+    assert _jsonl_series(tmp_path / "runs")["fds"]["train/loss"] == [(1, 1.5)]
