@@ -1,14 +1,18 @@
 """Benchmark: what an open run costs `otel-train sink` (issue 21, item 6), ramping the number of runs.
 
-The sink runs as its own process (`python -m otel_train.sink`, JSONL backend, runs never idle-closed,
-default `--max-open-runs` and `--backend-threads`); one gRPC client opens runs by sending each a one-point
-request (retrying a refusal, as a collector does: a request may meet the LRU closing runs), and at every
-level of the ramp measures the latency of requests to random runs (p50, p99; a run the LRU closed is
-reopened by it), then, with no traffic for `--idle-sample-s`, the sink's CPU use, and its threads, file
+The sink runs as its own process (`python -m otel_train.sink`, JSONL backend unless `--exporters`, runs never
+idle-closed unless `--close-all`, default `--max-open-runs` and `--backend-threads`); one gRPC client opens runs
+by sending each a one-point request (retrying a refusal, as a collector does: a request may meet the LRU closing
+runs), and at every level of the ramp measures the latency of requests to random runs (p50, p99; a run the LRU
+closed is reopened by it), then, with no traffic for `--idle-sample-s`, the sink's CPU use, and its threads, file
 descriptors and RSS, per run. The last lines set the levels side by side (ratios to the first level).
 
     python bench/sink_runs.py                      # 1,000 and 10,000 runs
     python bench/sink_runs.py --levels 10,100,1000,2000,10000
+    python bench/sink_runs.py --levels 10000 --close-all   # then every run closed: what memory comes back
+
+`--close-all` starts the sink with `--idle-s 20`: runs then also close while the ramp is under way (as they do
+in a long-lived sink), and after the last level the bench waits until `/health` shows none open and samples RSS.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def main() -> None:
     parser.add_argument("--max-open-runs", default=None, dest="max_open_runs", help="the sink's --max-open-runs")
     parser.add_argument("--probes", type=int, default=200, help="requests timed at each level")
     parser.add_argument("--idle-sample-s", type=float, default=3.0, dest="idle_sample_s")
+    parser.add_argument("--exporters", default="jsonl", help="the sink's backends (default jsonl)")
+    parser.add_argument("--close-all", action="store_true", dest="close_all",
+                        help="after the last level, wait until every run is closed (idle) and sample RSS")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -65,8 +72,8 @@ def main() -> None:
     grpc_port, http_port = _free_port(), _free_port()
     log = (workdir / "sink.log").open("wb")
     sink = subprocess.Popen([sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{grpc_port}", "--http",
-                             f"127.0.0.1:{http_port}", "--exporters", "jsonl", "--dir", str(workdir / "runs"),
-                             "--idle-s", "86400", "--status-interval-s", "3600",
+                             f"127.0.0.1:{http_port}", "--exporters", args.exporters, "--dir", str(workdir / "runs"),
+                             "--idle-s", "20" if args.close_all else "86400", "--status-interval-s", "3600",
                              *(["--max-open-runs", args.max_open_runs] if args.max_open_runs else [])],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -120,6 +127,21 @@ def main() -> None:
             print(f"| {opened:,} | {open_s:.1f} | {row['p50 ms']:.2f} | {row['p99 ms']:.2f} | "
                   f"{idle_cpu:.0f} | {threads} | {fds} | {rss:.0f} | {per_run_kib:.1f} | "
                   f"{row['threads/run']:.4f} | {row['fds/run']:.3f} | {refused} |", flush=True)
+        if args.close_all:
+            import json
+            import urllib.request
+
+            def runs_open() -> int:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10) as resp:
+                    return int(json.loads(resp.read())["runs_open"])
+
+            t0 = time.perf_counter()
+            while runs_open() and time.perf_counter() - t0 < 600:
+                time.sleep(1.0)
+            time.sleep(args.idle_sample_s)
+            threads, fds, rss, _ = _proc(sink.pid)
+            print(f"\nevery run closed after {time.perf_counter() - t0:.0f} s: {threads} threads, {fds} fds, "
+                  f"RSS {rss:.0f} MiB ({(rss - base[2]) * 1024 / opened:.1f} KiB per run opened)", flush=True)
         if len(rows) > 1:
             first = rows[0]
             print(f"\nside by side, ratio of each level to {first['runs']:,.0f} runs:")

@@ -23,6 +23,7 @@ MODULES = [
     "otel_train.sink.released",
     "otel_train.sink.reorder",
     "otel_train.sink.event_loop",
+    "otel_train.sink.fd_limits",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",
     "otel_train.collect.phases",

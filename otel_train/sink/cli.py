@@ -9,10 +9,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from otel_train.sink.service import Sink
 
 __all__ = ["DESCRIPTION", "add_arguments", "main"]
 
@@ -60,7 +65,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a request body may take to arrive, else 408 "
                              "[env OTEL_TRAIN_SINK_BODY_TIMEOUT_S; default 30]")
     parser.add_argument("--max-connections", metavar="N", dest="max_connections",
-                        help="open HTTP connections at most [env OTEL_TRAIN_SINK_MAX_CONNECTIONS; default 1024]")
+                        help="open HTTP connections at most; at the cap a new one closes the oldest that has not "
+                             "sent a whole (authorized) request or is idle [env OTEL_TRAIN_SINK_MAX_CONNECTIONS; "
+                             "default: a quarter of the file-descriptor limit, at most 1024]")
+    parser.add_argument("--header-timeout-s", metavar="S", dest="header_timeout_s",
+                        help="seconds a new HTTP connection may take to send its request headers, else it is "
+                             "closed [env OTEL_TRAIN_SINK_HEADER_TIMEOUT_S; default 10]")
+    parser.add_argument("--shutdown-timeout-s", metavar="S", dest="shutdown_timeout_s",
+                        help="seconds spent writing on SIGTERM before exiting anyway (the rest stays in the spool "
+                             "for the next start) [env OTEL_TRAIN_SINK_SHUTDOWN_TIMEOUT_S; default 10]")
     parser.add_argument("--tls-cert", metavar="FILE", dest="tls_cert",
                         help="PEM certificate: serve both protocols over TLS (needs --tls-key)")
     parser.add_argument("--tls-key", metavar="FILE", dest="tls_key", help="PEM private key of --tls-cert")
@@ -83,7 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "default 4]")
     parser.add_argument("--max-open-runs", metavar="N", dest="max_open_runs",
                         help="runs whose backends and files are open at once (least recently used idle ones are "
-                             "closed, reopened on demand) [env OTEL_TRAIN_SINK_MAX_OPEN_RUNS; default 1000]")
+                             "closed, reopened on demand) [env OTEL_TRAIN_SINK_MAX_OPEN_RUNS; default: what the "
+                             "file-descriptor limit allows, 6 per run, at most 1000]")
     parser.add_argument("--reorder-s", metavar="S", dest="reorder_s",
                         help="hold a run's points S seconds for TensorBoard and W&B, so that points a collector "
                              "delivers late by less are written in step order, not skipped (0: no hold) "
@@ -119,7 +133,8 @@ def main(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout_s, max_connections=args.max_connections,
             spool_dir=args.spool_dir, spool_run_mb=args.spool_run_mb, spool_total_mb=args.spool_total_mb,
             queue_windows=args.queue_windows, retry_after_s=args.retry_after_s,
-            backend_threads=args.backend_threads, max_open_runs=args.max_open_runs, reorder_s=args.reorder_s)
+            backend_threads=args.backend_threads, max_open_runs=args.max_open_runs, reorder_s=args.reorder_s,
+            header_timeout_s=args.header_timeout_s, shutdown_timeout_s=args.shutdown_timeout_s)
         if (settings.tls_cert is None) != (settings.tls_key is None):
             raise ConfigError("--tls-cert/--tls-key: give both (a PEM certificate and its key) or neither")
         for flag, path in (("--tls-cert", settings.tls_cert), ("--tls-key", settings.tls_key)):
@@ -139,6 +154,9 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _fail(str(err))
 
+    from otel_train.sink.fd_limits import raise_soft_limit
+
+    raise_soft_limit()  # our own process: the limits the sink derives follow the hard descriptor limit
     sink = Sink(settings, factory, options.directory)
     try:
         sink.start()
@@ -160,7 +178,30 @@ def main(args: argparse.Namespace) -> int:
         while not stop.wait(1.0):
             pass
     finally:
-        sink.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _stop_within(sink, settings.shutdown_timeout_s)
     return 0
+
+
+def _stop_within(sink: Sink, timeout_s: float) -> None:
+    """Stop the sink, writing what it holds for at most `timeout_s` (and a moment to close); a backend that hangs
+    past that does not keep the process: it exits, and what was not written stays in the runs' spools, which the
+    next start writes."""
+    done = threading.Event()
+
+    def stop() -> None:
+        try:
+            sink.stop(timeout_s)
+        finally:
+            done.set()
+
+    threading.Thread(target=stop, name="otel-train-sink-stop", daemon=True).start()
+    if done.wait(timeout_s + 2.0):
+        return
+    logging.getLogger("otel_train.sink").warning(
+        "still writing after the shutdown timeout of %g s (a backend hangs); exiting now: what was not written "
+        "stays in the spool (%s) and is written by the next start (OTEL_TRAIN_SINK_SHUTDOWN_TIMEOUT_S)", timeout_s,
+        sink.settings.spool_dir)
+    logging.shutdown()
+    os._exit(0)  # the hung write's thread cannot be stopped; the interpreter's exit would wait for it

@@ -6,12 +6,17 @@ flow one way: receivers -> core -> decode/router -> backends.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import functools
+import hashlib
 import hmac
 import logging
 import threading
 import time
 import weakref
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,12 +24,14 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train.sink.compat import CompatAPI
 from otel_train.sink.decode import (
     DecodeCache,
+    Decoded,
     DecodeError,
     decode_metrics,
     parse_metrics,
     parse_traces,
 )
 from otel_train.sink.decode_traces import decode_traces
+from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs, fds_in_use
 from otel_train.sink.reorder import ReorderHold, needs_hold
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
@@ -37,6 +44,14 @@ if TYPE_CHECKING:
 __all__ = ["DecodeError", "Overloaded", "SinkCore", "token_matches"]
 
 _logger = logging.getLogger(__name__)
+
+#: HTTP bodies up to this size are decoded on the receivers' event loop (a few ms); larger ones on a thread, so
+#: that a legal 16 MiB body (seconds of decoding) never holds up other senders or `/health` (as over gRPC).
+INLINE_BYTES = 256 * 1024
+#: Threads that decode the larger HTTP bodies.
+LARGE_THREADS = 2
+#: Requests taken run by run whose taken runs are remembered until the sender's retry takes the rest.
+_IN_TURN_REMEMBERED = 256
 
 
 def token_matches(expected: str, header: str) -> bool:
@@ -67,10 +82,14 @@ class SinkCore:
         spool_bytes = settings.spool_run_mb << 20
         self._holds: weakref.WeakSet[ReorderHold] = weakref.WeakSet()  # every run's reorder holds
         self._holds_lock = threading.Lock()
-        self.router = Router(self._with_holds(make_exporters), settings.aggregate, settings.aggregate_timeout_s, settings.idle_s,
-                             settings.queue_windows, settings.spool_dir if spool_bytes else None, spool_bytes,
-                             settings.spool_total_mb << 20, settings.retry_after_s, settings.backend_threads,
-                             settings.max_open_runs)
+        # Limits left unset follow the file-descriptor limit (`otel_train.sink.fd_limits`).
+        self.fds = FdBudget()
+        self.max_connections = settings.max_connections or default_max_connections(self.fds.limit)
+        max_open_runs = settings.max_open_runs or default_max_open_runs(self.fds.limit, self.max_connections)
+        self.router = Router(self._with_holds(make_exporters), settings.aggregate, settings.aggregate_timeout_s,
+                             settings.idle_s, settings.queue_windows, settings.spool_dir if spool_bytes else None,
+                             spool_bytes, settings.spool_total_mb << 20, settings.retry_after_s,
+                             settings.backend_threads, max_open_runs, self.fds)
         self.run_names = RunNames(directory)
         self.compat = CompatAPI(self.router, self.run_names)
         self._runs = DecodeCache(names=self.run_names)
@@ -87,6 +106,10 @@ class SinkCore:
         self._stopped = False
         self._started_at = time.monotonic()
         self._lock = threading.Lock()
+        #: Per request taken run by run (by a digest of its signal and bytes): the runs already taken, and a lock
+        #: held while one copy of it is being taken.
+        self._taken_in_turn: OrderedDict[bytes, tuple[threading.Lock, set[str]]] = OrderedDict()
+        self._large: ThreadPoolExecutor | None = None  # started with the first large HTTP body
 
     def _with_holds(self, make_exporters: ExporterFactory) -> ExporterFactory:
         """`make_exporters` with a `ReorderHold` in front of each backend that skips late points (TensorBoard,
@@ -144,9 +167,24 @@ class SinkCore:
                           "minute per reason)", reason, total, ": " if detail else "", detail[:300])
 
     async def ingest_async(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
-        """`ingest` for the receivers' event loop. It never waits: a run whose backends are behind is
-        held in its spool or refused at once (`Overloaded`), so one run never holds up another."""
-        return self.ingest(signal, body, content_type, encoding)
+        """`ingest` for the receivers' event loop: a body over `INLINE_BYTES` on a thread of its own. It never
+        waits: a run whose backends are behind is held in its spool or refused at once (`Overloaded`), so one
+        run never holds up another."""
+        if len(body) <= INLINE_BYTES:
+            return self.ingest(signal, body, content_type, encoding)
+        with self._lock:
+            if self._large is None:
+                self._large = ThreadPoolExecutor(LARGE_THREADS, thread_name_prefix="otel-train-sink-http-large")
+            large = self._large
+        return await asyncio.get_running_loop().run_in_executor(large, self.ingest, signal, body, content_type,
+                                                                encoding)
+
+    def close_threads(self) -> None:
+        """End the threads that decode large HTTP bodies (the receivers are stopped first)."""
+        with self._lock:
+            large, self._large = self._large, None
+        if large is not None:
+            large.shutdown(wait=False, cancel_futures=True)
 
     def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
         """Decode a whole request into rows, then hand them to the router. Returns rows taken.
@@ -185,8 +223,49 @@ class SinkCore:
         if decoded.refused:
             self._count_refused_points(decoded.refused)
         if n:
-            self.router.ingest(decoded)
+            try:
+                self._route(signal, body, decoded)
+            except OSError as err:
+                if err.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                # Out of descriptors despite the budget (another process, a run of many ranks): a sender retries
+                # this; nothing of the request was taken (a run that cannot open takes nothing).
+                raise Overloaded(f"out of file descriptors ({err.strerror}); retry shortly",
+                                 self.settings.retry_after_s) from None
         return n
+
+    def _route(self, signal: str, body: bytes, decoded: Decoded) -> None:
+        """Hand a request to the router: whole (all its runs admitted, or none), or, when it has more runs than
+        half the open-run limit (a collector's batch of many runs), run by run in turn.
+
+        Run by run, a run that cannot open now (the limit is full of runs still writing) refuses the request
+        retryably after the runs before it were taken; those are remembered by a digest of the request's bytes,
+        so the sender's retry of the same bytes takes only the rest: each retry takes at least one more run, and
+        none twice.
+        """
+        ids = {run.run_id for run in decoded.runs}
+        if len(ids) <= max(1, self.router.max_open_runs // 2):
+            self.router.ingest(decoded)
+            return
+        key = hashlib.blake2b(body, digest_size=16, person=signal.encode()[:16]).digest()
+        with self._lock:
+            entry = self._taken_in_turn.pop(key, None) or (threading.Lock(), set())
+            self._taken_in_turn[key] = entry
+            while len(self._taken_in_turn) > _IN_TURN_REMEMBERED:
+                self._taken_in_turn.popitem(last=False)
+        busy, taken = entry
+        if not busy.acquire(blocking=False):  # a copy of it is being taken right now (a sender's early retry)
+            raise Overloaded("the same request is being taken just now; retry shortly", self.settings.retry_after_s)
+        try:
+            for run_id, part in sorted(decoded.split_by_run().items()):
+                if run_id in taken:
+                    continue
+                self.router.ingest(part)  # Overloaded: the sender retries; the runs taken so far are remembered
+                taken.add(run_id)
+            with self._lock:
+                self._taken_in_turn.pop(key, None)
+        finally:
+            busy.release()
 
     def _count_refused_points(self, refused: dict[tuple[str, str], int]) -> None:
         """Points refused alone (the rest of their request is written): counted, each metric named once."""
@@ -204,6 +283,8 @@ class SinkCore:
             "status": "ok" if not self._stopped else "stopping",
             "uptime_s": round(time.monotonic() - self._started_at, 1),
             "runs_open": self.router.runs_open,
+            "max_open_runs": self.router.max_open_runs,
+            "file_descriptors": self._fd_health(),
             "points": self.router.points_in,
             "spans": self.router.spans_in,
             "errors": self.router.errors,
@@ -224,6 +305,10 @@ class SinkCore:
             "unsupported": dict(self.unsupported),
             "points_refused": dict(self.points_refused),
         }
+
+    def _fd_health(self) -> dict[str, Any]:
+        return {"in_use": fds_in_use(), "limit": self.fds.limit, "reserve": self.fds.reserve,
+                "runs_refused": self.fds.refused, "max_connections": self.max_connections}
 
     def runs(self) -> dict[str, Any]:
         """The `/runs` document; runs named by a fallback (no `train.run.id`) say ``"unattributed": true``."""

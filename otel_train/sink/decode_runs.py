@@ -59,7 +59,11 @@ class DecodeCache:
             attrs = resource_attributes
             if not attrs.get(RUN_ID):
                 attrs = {**attrs, RUN_ID: fallback_run_id(attrs)}
-            run = RunInfo.from_resource(attrs)
+            try:
+                run = RunInfo.from_resource(attrs)
+            except (OverflowError, ValueError) as err:  # `train.rank` = ±inf and the like: the sender's error
+                raise DecodeError(f"a resource attribute is not allowed ({err}): `train.rank`, "
+                                  "`train.local_rank`, `train.world_size` and `process.pid` must be integers") from None
             for what, value in (("train.run.id", run.run_id), ("train.run.name", run.run_name)):
                 if "\x00" in value or len(value.encode("utf-8", "surrogatepass")) > MAX_RUN_ID_BYTES:
                     raise DecodeError(f"resource attribute `{what}` {value[:60]!r}... is not allowed: it holds a NUL "

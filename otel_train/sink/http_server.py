@@ -6,6 +6,11 @@ aiohttp's and asyncio's work, not a thread per connection. Bodies are limited be
 buffered (a declared `Content-Length` over the limit is answered 413 unread; a chunked body stops
 at the limit), and gzip is inflated by the decoder with the same limit (aiohttp's own inflation is
 off, so a small gzip bomb cannot grow in memory).
+
+Slow clients cannot lock senders out (`_Connections`): a new connection must send its first request's headers
+within `header_timeout_s`, and at the connection cap a new connection closes the oldest one that has not sent a
+whole request (with a token: an authorized one), else the oldest idle one between requests; only when every
+connection is in a request is the new one turned away.
 """
 
 from __future__ import annotations
@@ -68,6 +73,101 @@ class _Refused(asyncio.Protocol):
         transport.close()
 
 
+class _Conn:
+    """What the server knows of one open connection (touched on the event loop only)."""
+
+    __slots__ = ("authorized", "busy", "requests", "since", "transport")
+
+    def __init__(self, since: float, transport: asyncio.BaseTransport) -> None:
+        self.since = since
+        self.transport = transport
+        self.requests = 0  # requests whose headers arrived
+        self.busy = 0  # requests being answered now
+        self.authorized = False  # a request passed the token check (any request, without a token)
+
+
+class _Connections:
+    """The open connections of aiohttp's protocol factory (`web.Server`), told by its `connection_made` /
+    `connection_lost`; makes room at the cap and closes connections that send no headers in time."""
+
+    def __init__(self, handlers: Any, sink: Sink, cap: int, header_timeout_s: float) -> None:
+        self._handlers = handlers
+        self._sink = sink
+        self.cap = cap
+        self.header_timeout_s = header_timeout_s
+        self.open: dict[Any, _Conn] = {}
+        # Protocols handed out whose connection is not made yet (asyncio accepts a burst, then makes each).
+        self._accepting: dict[Any, float] = {}
+        self._doomed: dict[Any, float] = {}  # such protocols closed to make room as soon as they are made
+        made, lost = handlers.connection_made, handlers.connection_lost
+
+        def connection_made(handler: Any, transport: asyncio.Transport) -> None:
+            made(handler, transport)
+            self._accepting.pop(handler, None)
+            if self._doomed.pop(handler, None) is not None:
+                transport.close()
+                return
+            loop = asyncio.get_running_loop()
+            self.open[handler] = _Conn(loop.time(), transport)
+            loop.call_later(header_timeout_s, self._headers_due, handler)
+
+        def connection_lost(handler: Any, exc: BaseException | None) -> None:
+            self.open.pop(handler, None)
+            lost(handler, exc)
+
+        handlers.connection_made = connection_made
+        handlers.connection_lost = connection_lost
+
+    def _headers_due(self, handler: Any) -> None:
+        conn = self.open.get(handler)
+        if conn is not None and conn.requests == 0:
+            self._sink.count_rejected("header_timeout", f"no request headers within {self.header_timeout_s:g} s")
+            self._close(handler, conn)
+
+    def _close(self, handler: Any, conn: _Conn) -> None:
+        self.open.pop(handler, None)
+        conn.transport.close()
+
+    def protocol(self) -> asyncio.Protocol:
+        """aiohttp's protocol for a new connection, after making room at the cap; `_Refused` without room."""
+        now = asyncio.get_running_loop().time()
+        if len(self._accepting) + len(self._doomed) > 64:  # a connection that failed before it was made is never told
+            self._accepting = {h: t for h, t in self._accepting.items() if now - t < 10.0}
+            self._doomed = {h: t for h, t in self._doomed.items() if now - t < 10.0}
+        if len(self.open) + len(self._accepting) >= self.cap and not self._make_room():
+            self._sink.count_rejected("too_many_connections", f"{self.cap} open, every one in a request")
+            return _Refused()
+        handler = self._handlers()
+        self._accepting[handler] = now
+        return handler  # type: ignore[no-any-return]
+
+    def _make_room(self) -> bool:
+        """Close the oldest connection that has sent no whole (authorized) request, else the oldest idle one."""
+        idle = [(conn.authorized, conn.since, id(handler), handler) for handler, conn in self.open.items()
+                if conn.busy == 0]
+        idle += [(False, since, id(handler), handler) for handler, since in self._accepting.items()]  # nothing sent
+        if not idle:
+            return False
+        authorized, _, _, handler = min(idle)
+        self._sink.count_rejected("connection_closed_for_room", "idle connection closed at the connection cap"
+                                  if authorized else "connection without a whole request closed at the cap")
+        conn = self.open.get(handler)
+        if conn is not None:
+            self._close(handler, conn)
+        else:
+            self._doomed[handler] = self._accepting.pop(handler)
+        return True
+
+    def request(self, protocol: Any) -> _Conn | None:
+        """A request's headers arrived on `protocol`'s connection."""
+        conn = self.open.get(protocol)
+        if conn is not None:
+            conn.requests += 1
+            if self._sink.token is None:
+                conn.authorized = True
+        return conn
+
+
 class HttpReceiver:
     """A started aiohttp server on the receivers' event loop; `stop()` closes it."""
 
@@ -76,6 +176,7 @@ class HttpReceiver:
         self._sink = sink
         self._loop = loop
         self._runner: Any = None
+        self._conns: _Connections
         self._server: Any = None
         self.port = loop.run(self._start(address, tls_cert, tls_key), 60)
 
@@ -96,19 +197,11 @@ class HttpReceiver:
             ssl_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             ssl_context.load_cert_chain(tls_cert, tls_key)
         host, _, port = address.rpartition(":")
-        handlers = self._runner.server  # aiohttp's protocol factory; `.connections` are the open ones
-        cap = self._sink.settings.max_connections
-        sink = self._sink
-
-        def connection() -> asyncio.Protocol:
-            if len(handlers.connections) >= cap:
-                sink.count_rejected("too_many_connections", f"{cap} open")
-                return _Refused()
-            return handlers()  # type: ignore[no-any-return]
-
+        self._conns = _Connections(self._runner.server, self._sink, self._sink.max_connections,
+                                   self._sink.settings.header_timeout_s)
         try:
             self._server = await asyncio.get_running_loop().create_server(
-                connection, host.strip("[]") or None, int(port), ssl=ssl_context, reuse_address=True)
+                self._conns.protocol, host.strip("[]") or None, int(port), ssl=ssl_context, reuse_address=True)
         except OSError:
             await self._runner.cleanup()
             raise
@@ -130,11 +223,24 @@ class HttpReceiver:
     def _authorized(self, request: web.Request) -> bool:
         sink = self._sink
         if sink.token is None or sink.token_ok(request.headers.get("Authorization", "")):
+            conn = self._conns.open.get(request.protocol)
+            if conn is not None:
+                conn.authorized = True
             return True
         sink.count_rejected("unauthenticated", f"{request.method} {request.path} from {request.remote}")
         return False
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        conn = self._conns.request(request.protocol)
+        if conn is None:
+            return await self._answer(request)
+        conn.busy += 1
+        try:
+            return await self._answer(request)
+        finally:
+            conn.busy -= 1
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
         if request.method in ("GET", "HEAD"):
             return self._get(request)
         if request.method == "POST":

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import base64
-import functools
 import json
+import threading
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -156,8 +156,33 @@ def _lean_class(as_bytes: set[tuple[str, str]], name: str) -> Any:
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(name))
 
 
-@functools.cache
-def _lean_schema() -> _LeanSchema | None:
+class _Once:
+    """The lean schema, built once for every thread. Not `functools.cache`: it lets two threads that miss at
+    once (a sink's first requests, on the receivers' loops and the large-request threads) each build classes of
+    their own, and the request one parsed then is not an instance of the class the other cached, so it was
+    decoded as the usual class (``AttributeError: 'bytes' object has no attribute 'name'``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._built = False
+        self._schema: _LeanSchema | None = None
+
+    def get(self) -> _LeanSchema | None:
+        if not self._built:
+            with self._lock:
+                if not self._built:
+                    self._schema = _build_lean_schema()
+                    self._built = True
+        return self._schema
+
+    def reset(self) -> None:
+        """Build again on the next use (tests)."""
+        with self._lock:
+            self._built = False
+            self._schema = None
+
+
+def _build_lean_schema() -> _LeanSchema | None:
     try:
         from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
         from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric
@@ -168,6 +193,10 @@ def _lean_schema() -> _LeanSchema | None:
                            _lean_class(points, request), _lean_class(points, Metric.DESCRIPTOR.full_name))
     except Exception:  # pragma: no cover - a protobuf without these APIs: decode the usual way
         return None
+
+
+_LEAN_SCHEMA = _Once()
+_lean_schema = _LEAN_SCHEMA.get
 
 
 #: Points per metric from which protobuf splitting them (in C, with the metric's other fields as

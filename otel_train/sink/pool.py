@@ -91,8 +91,10 @@ class _Kind:
 
     # -- workers ----------------------------------------------------------------------------------
     def serve(self) -> None:
+        unit: _Unit | None = None
         while True:
             with self.cv:
+                unit = None  # while it waits, a worker keeps no closed run's backend alive
                 unit = self._next()
                 if unit is None:
                     self.workers -= 1

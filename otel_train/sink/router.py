@@ -42,6 +42,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train.rows import MetricRow
 from otel_train.sink.aggregate import Aggregator
 from otel_train.sink.decode import Decoded
+from otel_train.sink.fd_limits import FdBudget
 from otel_train.sink.pool import BackendPool
 from otel_train.sink.run_feed import RunFeed, spool_folder
 from otel_train.sink.temporality import SeriesLedger
@@ -88,12 +89,15 @@ class Router:
         retry_after_s: The wait a refused sender is told.
         backend_threads: Threads per backend kind that every run's backends share.
         max_open_runs: Runs whose backends are open at once (the least recently used idle one is closed).
+        fd_budget: Checked before a run opens: without descriptors to spare, idle runs are closed and the
+            request is refused retryably (None: no check).
     """
 
     def __init__(self, make_exporters: ExporterFactory, aggregate: Sequence[str] = (),
                  aggregate_timeout_s: float = 30.0, idle_s: float = 300.0, queue_windows: int = 256,
                  spool_dir: Path | None = None, spool_run_bytes: int = 1 << 30, spool_total_bytes: int = 8 << 30,
-                 retry_after_s: float = 1.0, backend_threads: int = 4, max_open_runs: int = 1000) -> None:
+                 retry_after_s: float = 1.0, backend_threads: int = 4, max_open_runs: int = 1000,
+                 fd_budget: FdBudget | None = None) -> None:
         self._make = make_exporters
         self._aggregate = tuple(aggregate)
         self._aggregate_timeout_s = aggregate_timeout_s
@@ -108,6 +112,7 @@ class Router:
         self._closing: dict[str, RunFeed] = {}
         self._changed = threading.Condition()  # notified when a run has closed
         self.max_open_runs = max(1, max_open_runs)
+        self.fds = fd_budget
         self.pool = BackendPool(backend_threads)
         self._closer = ThreadPoolExecutor(4, thread_name_prefix="otel-train-sink-close")
         self._converters: OrderedDict[str, SeriesLedger] = OrderedDict()  # without a spool: every run's ledger
@@ -152,6 +157,10 @@ class Router:
                 if len(self._runs) + len(self._closing) >= self.max_open_runs:
                     raise Overloaded(f"{len(self._runs):,} runs open and {len(self._closing):,} closing (max open "
                                      f"runs {self.max_open_runs:,}); retry shortly", _CLOSING_RETRY_S)
+                short = self.fds.refusal() if self.fds is not None else None
+                if short is not None:  # a run's files would take what the listeners and open runs need
+                    self._evict(keep, at_least=short[1])
+                    raise Overloaded(f"run {run_id!r} cannot open now: {short[0]}", _CLOSING_RETRY_S)
                 if self._spool_dir is not None:
                     converter = SeriesLedger(persistent=True)  # read back from the run's spool folder
                 else:  # memory only: a closed run's ledger is kept here, should it resume
@@ -193,13 +202,13 @@ class Router:
         self._finish_close(state, 30.0, why)
         return True
 
-    def _evict(self, keep: frozenset[str] = frozenset()) -> None:
-        """Start closing least recently used idle runs so that new ones find room (self._lock held). A run with
-        data still queued, busy in a request, or in `keep` (looked up for the request being admitted, which
-        would find it closing) is passed over."""
+    def _evict(self, keep: frozenset[str] = frozenset(), at_least: int = 0) -> None:
+        """Start closing least recently used idle runs so that new ones find room (self._lock held), `at_least`
+        of them (e.g. to free file descriptors). A run with data still queued, busy in a request, or in `keep`
+        (looked up for the request being admitted, which would find it closing) is passed over."""
         # Close a few more than needed: the next new runs then find room while these close in the background.
         headroom = max(1, self.max_open_runs // 8)
-        excess = len(self._runs) + len(self._closing) + headroom - self.max_open_runs
+        excess = max(at_least, len(self._runs) + len(self._closing) + headroom - self.max_open_runs)
         if excess <= 0:
             return
         for state in list(self._runs.values()):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -114,9 +115,12 @@ class Sink(SinkCore):
             from otel_train.sink.spool_replay import SpoolReplay
 
             self.spool_replay = SpoolReplay(self.router, s.spool_dir, self._stop,
-                                            workers=min(2, max(1, s.max_open_runs // 4))).start()
+                                            workers=min(2, max(1, self.router.max_open_runs // 4))).start()
         _logger.info("otel-train sink listening: OTLP/gRPC %s, OTLP/HTTP %s%s", self._addr(s.grpc, self.grpc_port),
                      self._addr(s.http, self.http_port), " (token required)" if self.token else "")
+        _logger.info("at most %d run(s) open (%s) and %d HTTP connection(s) (%s); file-descriptor limit %d",
+                     self.router.max_open_runs, "set" if s.max_open_runs else "derived", self.max_connections,
+                     "set" if s.max_connections else "derived", self.fds.limit)
         exposed = [a for a in (s.grpc, s.http) if not is_loopback(a)]
         if exposed and not self.token:
             _logger.warning("the sink listens on %s beyond this machine without a token: anyone who reaches it can "
@@ -128,9 +132,13 @@ class Sink(SinkCore):
         return f"{address.rpartition(':')[0]}:{port}"
 
     def _housekeep(self) -> None:
+        from otel_train.sink.memory import TRIM_EVERY_S, trim
+
         tick_s = max(0.05, min(1.0, self.settings.idle_s / 4, self.settings.aggregate_timeout_s / 4))
-        last_status = time.monotonic()
+        last_status = last_trim = time.monotonic()
         last_points = self.router.points_in
+        trimmed_at_closed = closed_last_tick = 0
+        trim_again_at = math.inf
         while not self._stop.wait(tick_s):
             try:
                 self.router.tick()
@@ -139,6 +147,18 @@ class Sink(SinkCore):
             except Exception:
                 _logger.exception("sink housekeeping failed")
             now = time.monotonic()
+            closed = self.router.runs_closed
+            # Closed runs' memory back to the system (`otel_train.sink.memory`): once a wave of closes has ended,
+            # every TRIM_EVERY_S while one goes on, and once more a moment after (a closed run's backend may wait
+            # for its last timed turn on the pool for up to a second).
+            if closed != trimmed_at_closed and now - last_trim >= 1.0 and (
+                    closed == closed_last_tick or now - last_trim >= TRIM_EVERY_S):
+                trimmed_at_closed, last_trim, trim_again_at = closed, now, now + 2.0
+                trim()
+            elif now >= trim_again_at:
+                last_trim, trim_again_at = now, math.inf
+                trim()
+            closed_last_tick = closed
             if now - last_status >= self.settings.status_interval_s:
                 rate = (self.router.points_in - last_points) / (now - last_status)
                 last_status, last_points = now, self.router.points_in
@@ -155,7 +175,8 @@ class Sink(SinkCore):
         return self.router.flush(timeout_s)
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop receiving, write pending aggregates and compat buffers, close every backend. Idempotent."""
+        """Stop receiving, write pending aggregates and compat buffers, close every backend (waiting about
+        `timeout_s` for them; what they have not taken by then stays in the runs' spools). Idempotent."""
         with self._lock:
             if self._stopped:
                 return
@@ -167,11 +188,27 @@ class Sink(SinkCore):
             self._http.stop()
         if self._loop is not None:
             self._loop.close()
+        self.close_threads()
         if self._housekeeper is not None:
             self._housekeeper.join(5.0)
         self.compat.close()
         self.router.close(timeout_s)
+        self._report_unwritten(timeout_s)
         _logger.info("%s; stopped", self.status_line(0.0))
+
+    def _report_unwritten(self, timeout_s: float) -> None:
+        """Say which runs' backends did not take everything before the shutdown timeout: their spool stays."""
+        spool_dir = self.settings.spool_dir
+        if spool_dir is None or self.settings.spool_run_mb <= 0:
+            return
+        try:
+            left = sorted(p.name for p in spool_dir.iterdir() if p.is_dir())
+        except OSError:
+            return
+        if left:
+            _logger.warning("%d run(s) not fully written within the shutdown timeout of %g s (e.g. %s): what was not "
+                            "written stays in the spool (%s) and is written by the next start", len(left), timeout_s,
+                            ", ".join(left[:3]), spool_dir)
 
     def __enter__(self) -> Sink:
         return self.start()

@@ -36,7 +36,9 @@ OTEL_TRAIN_SINK_TOKEN_FILE = "OTEL_TRAIN_SINK_TOKEN_FILE"
 OTEL_TRAIN_SINK_BODY_TIMEOUT_S = "OTEL_TRAIN_SINK_BODY_TIMEOUT_S"
 """Seconds an HTTP request body may take to arrive; a slower one is answered 408 and closed (float > 0). Default 30."""
 OTEL_TRAIN_SINK_MAX_CONNECTIONS = "OTEL_TRAIN_SINK_MAX_CONNECTIONS"
-"""Open HTTP connections at most; one more is closed at once (int >= 1). Default 1024."""
+"""Open HTTP connections at most (int >= 1). At the cap a new connection closes the oldest one that has not sent
+a whole request (nor an authorized one, with a token) or is idle between requests; with none such, the new one is
+closed. Default: a quarter of the file-descriptor limit, at most 1024."""
 OTEL_TRAIN_SINK_SPOOL_DIR = "OTEL_TRAIN_SINK_SPOOL_DIR"
 """Where the sink holds each run's windows while its backends are behind. Default ``<OTEL_TRAIN_DIR>/.sink-spool``."""
 OTEL_TRAIN_SINK_SPOOL_RUN_MB = "OTEL_TRAIN_SINK_SPOOL_RUN_MB"
@@ -51,10 +53,17 @@ OTEL_TRAIN_SINK_BACKEND_THREADS = "OTEL_TRAIN_SINK_BACKEND_THREADS"
 """Threads per backend kind that every run's backends share (int >= 1). Default 4."""
 OTEL_TRAIN_SINK_MAX_OPEN_RUNS = "OTEL_TRAIN_SINK_MAX_OPEN_RUNS"
 """Runs whose backends (and files) are open at once; one more closes the least recently used idle run, which
-reopens on its next request with its totals (int >= 1). Default 1000."""
+reopens on its next request with its totals (int >= 1). Default: what the file-descriptor limit allows after a
+reserve and the connections, at 6 descriptors per run, at most 1000 (106 under ``ulimit -n 1024``)."""
 OTEL_TRAIN_SINK_REORDER_S = "OTEL_TRAIN_SINK_REORDER_S"
 """Seconds the sink holds a run's points for TensorBoard and W&B, so that a point a collector delivers late (by
 less than this) is written in step order instead of skipped (float >= 0; 0: no hold). Default 5."""
+OTEL_TRAIN_SINK_HEADER_TIMEOUT_S = "OTEL_TRAIN_SINK_HEADER_TIMEOUT_S"
+"""Seconds a new HTTP connection may take to send its first request's headers; a slower one is closed
+(float > 0). Default 10."""
+OTEL_TRAIN_SINK_SHUTDOWN_TIMEOUT_S = "OTEL_TRAIN_SINK_SHUTDOWN_TIMEOUT_S"
+"""Seconds the sink spends writing what it holds on SIGTERM before it exits anyway; what is not written then
+stays in the runs' spools and is written by the next start (float > 0). Default 10."""
 
 SINK_AGGREGATES_ALLOWED = ("mean", "min", "max")
 #: `OTEL_TRAIN_SINK_REORDER_S`'s default: parallel collector consumers reorder within one export round trip (well
@@ -78,15 +87,17 @@ class SinkSettings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     body_timeout_s: float = 30.0
-    max_connections: int = 1024
+    max_connections: int | None = None  # None: derived from the file-descriptor limit (`fd_limits`)
     spool_dir: Path | None = None
     spool_run_mb: int = 1024
     spool_total_mb: int = 8192
     queue_windows: int = 256
     retry_after_s: float = 1.0
     backend_threads: int = 4
-    max_open_runs: int = 1000
+    max_open_runs: int | None = None  # None: derived from the file-descriptor limit (`fd_limits`)
     reorder_s: float = DEFAULT_REORDER_S
+    header_timeout_s: float = 10.0
+    shutdown_timeout_s: float = 10.0
 
 
 def _parse_reorder_s(name: str, raw: str) -> float:
@@ -145,6 +156,8 @@ _SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "backend_threads": (OTEL_TRAIN_SINK_BACKEND_THREADS, lambda n, r: parse_int(n, r, 1)),
     "max_open_runs": (OTEL_TRAIN_SINK_MAX_OPEN_RUNS, lambda n, r: parse_int(n, r, 1)),
     "reorder_s": (OTEL_TRAIN_SINK_REORDER_S, _parse_reorder_s),
+    "header_timeout_s": (OTEL_TRAIN_SINK_HEADER_TIMEOUT_S, parse_positive_float),
+    "shutdown_timeout_s": (OTEL_TRAIN_SINK_SHUTDOWN_TIMEOUT_S, parse_positive_float),
 }
 
 

@@ -21,10 +21,10 @@ steps again), each sum as its total since the series' start time. otel-train its
   series are counted as a collision (`collisions`, shown in `/health`): their increases add up.
 * **Up-down counters** (non-monotonic sums) are running totals in both temporalities, like counters
   (a CUMULATIVE point adds its change since the previous point, which may be negative; only a new
-  start time is a reset), so one program gives the same rows either way. A NaN sum point is counted
-  (`nan_points`) and skipped, never added.
+  start time is a reset), so one program gives the same rows either way. A NaN or ±inf sum point is
+  counted (`nan_points`) and skipped, never added.
 * **Gauges** (and up-down values, summary quantiles): written once per (series, step, value); a
-  re-sent unchanged point is not written again.
+  re-sent unchanged point is not written again (a NaN is the same value as a NaN of the same bits).
 * **Histograms** (explicit and exponential) and **summaries**: CUMULATIVE points become the
   increase since the previous point (count, sum and buckets), the shape DELTA points already have;
   an unchanged point is a repeat. ``/count`` and ``/sum`` are per collection window either way;
@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,15 @@ __all__ = [
 
 #: Step of a decoded point that had no `train.step`: resolved by `SeriesLedger.resolve_step`.
 STEPLESS = -(1 << 62)
+
+_float_bits = struct.Struct("<d").pack
+
+
+def _same_value(written: float | None, value: float) -> bool:
+    """Whether a gauge value equals the one written: NaN equals a NaN of the same bit pattern (NaN != NaN)."""
+    return written == value or (written is not None and math.isnan(value)
+                                and _float_bits(written) == _float_bits(value))
+
 
 # How a pending number point is turned into a row (see the module docstring).
 GAUGE, DELTA_SUM, CUMULATIVE_COUNTER, CUMULATIVE_UPDOWN = range(4)
@@ -354,7 +364,7 @@ class SeriesLedger(MetricsConverter):
             key = (row.run.rank, row.tag, row.step)
             value = row.value
             old = written.get(key, _MISSING)
-            if old == value:
+            if old == value or (old is not _MISSING and _same_value(old, value)):
                 continue  # re-sent unchanged
             if old is _MISSING:
                 if floors and key[2] <= floors.get(key[:2], STEPLESS):
@@ -388,8 +398,8 @@ class SeriesLedger(MetricsConverter):
         """Apply the rule of `mode` to `row` (its value, and its step if step-less); False: not written."""
         rank = row.run.rank
         stepless = row.step == STEPLESS
-        if mode != GAUGE and math.isnan(row.value):
-            self.nan_points += 1  # a NaN would make the running total NaN for the rest of the run
+        if mode != GAUGE and not math.isfinite(row.value):
+            self.nan_points += 1  # a NaN or ±inf would be the running total for the rest of the run
             return False
         if mode == DELTA_SUM:
             seen = (rank, row.tag, row.step, sender, start_unix_nano, row.time_unix_nano)
@@ -429,7 +439,7 @@ class SeriesLedger(MetricsConverter):
         # GAUGE: the value itself, once per (series, step, value)
         if stepless:
             last = self._written.get((rank, row.tag))
-            if last == row.value and self.current_step < 0:
+            if _same_value(last, row.value) and self.current_step < 0:
                 return False  # an unchanged step-less value re-sent with no step to tell it apart
             self._remember("W", self._written, (rank, row.tag), row.value)
             row.step = self.resolve_step(rank, row.tag)

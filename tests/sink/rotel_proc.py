@@ -118,12 +118,18 @@ class Rotel:
 class SinkProcess:
     """`python -m otel_train.sink` as a subprocess on free loopback ports."""
 
-    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, *args: str, env: dict[str, str] | None = None,
+                 fd_limit: int | None = None) -> None:
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.log = workdir / "sink.log"
         workdir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "otel_train.sink", "--grpc", f"127.0.0.1:{self.grpc_port}",
+        # `fd_limit`: the sink's process starts under that file-descriptor limit (soft and hard), as under
+        # `ulimit -n`; set by the interpreter before the sink's module runs (no preexec_fn in a threaded parent).
+        launch = ["-m", "otel_train.sink"] if fd_limit is None else [
+            "-c", (f"import resource, runpy; resource.setrlimit(resource.RLIMIT_NOFILE, ({fd_limit}, {fd_limit})); "
+                   "runpy.run_module('otel_train.sink', run_name='__main__', alter_sys=True)")]
+        cmd = [sys.executable, *launch, "--grpc", f"127.0.0.1:{self.grpc_port}",
                "--http", f"127.0.0.1:{self.http_port}", "--status-interval-s", "1", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})

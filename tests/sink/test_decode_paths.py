@@ -21,7 +21,7 @@ from otel_train.rows import MetricRow
 from otel_train.sink.decode import DecodeCache, Decoded, DecodeError, decode_metrics, parse_metrics
 from otel_train.sink.otlp import lean_metrics_request, lean_points_request
 from otel_train.sink.temporality import SeriesLedger
-from otel_train.testing import set_any_value
+from otel_train.testing import OtlpPoint, metrics_request, set_any_value
 
 # -- what a decode gives, comparable across paths ----------------------------------------------------
 
@@ -383,3 +383,39 @@ def test_wire_examples_run() -> None:
 
     result = doctest.testmod(otel_train.sink.wire)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_threads_decoding_the_first_requests_at_once_all_decode_them() -> None:
+    """A sink's first requests arrive on several threads at once (a collector's batch right after a restart):
+    each builds nothing of its own, and every request decodes."""
+    import sys
+    import threading
+
+    from otel_train.sink import otlp
+
+    body = metrics_request({"train.run.id": "r"}, [OtlpPoint(f"m{i}", 1.0, step=1) for i in range(5)])
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch inside the first build, as under load
+    errors: list[str] = []
+    points: list[int] = []
+    try:
+        for _ in range(10):
+            otlp._LEAN_SCHEMA.reset()
+            barrier = threading.Barrier(4)
+
+            def decode_one(barrier: threading.Barrier = barrier) -> None:
+                barrier.wait()
+                try:
+                    points.append(decode_metrics(parse_metrics(body), DecodeCache()).points)
+                except Exception as err:
+                    errors.append(repr(err))
+
+            threads = [threading.Thread(target=decode_one) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert points == [5] * 40

@@ -184,37 +184,91 @@ def test_gzip_members_are_all_inflated() -> None:
         _decompress(gzip.compress(b"a" * 60) + gzip.compress(b"b" * 60), "gzip", 100)
 
 
-def test_a_trickled_body_is_cut_off_and_connections_are_capped(tmp_path: Path) -> None:
-    sink = make_sink(tmp_path, ("jsonl",), body_timeout_s=1.0, max_connections=3)
+_BODY_PENDING = (b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                 b"Content-Length: 100\r\n\r\nx")
+
+
+def _serves_again(port: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return _health(port)
+        except (OSError, http.client.HTTPException):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
+def test_a_trickled_body_is_cut_off(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), body_timeout_s=1.0)
     try:
         slow = socket.create_connection(("127.0.0.1", sink.http_port), timeout=10)
-        slow.sendall(b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
-                     b"Content-Length: 100\r\n\r\nx")
+        slow.sendall(_BODY_PENDING)
         answer = slow.recv(4096)  # within the body timeout, not never
         assert answer.startswith(b"HTTP/1.1 408")
         deadline = time.monotonic() + 5
         while slow.recv(4096) and time.monotonic() < deadline:  # then the connection is closed
             pass
         slow.close()
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    assert health["rejected"]["body_timeout"] == 1
+
+
+def test_at_the_connection_cap_with_every_connection_in_a_request_a_new_one_is_closed(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), max_connections=3)
+    try:
         held = [socket.create_connection(("127.0.0.1", sink.http_port), timeout=10) for _ in range(3)]
-        time.sleep(0.3)  # let the server register them: there is no event to wait on from outside
+        for s in held:
+            s.sendall(_BODY_PENDING)  # each is in a request, waiting for its body
+        time.sleep(0.5)  # let the server take their headers: there is no event to wait on from outside
         extra = socket.create_connection(("127.0.0.1", sink.http_port), timeout=10)
         assert extra.recv(16) == b""  # closed at once
         extra.close()
         for s in held:
             s.close()
-        deadline = time.monotonic() + 10
-        while True:  # once the held ones are gone, the sink serves again
-            try:
-                health = _health(sink.http_port)
-                break
-            except (OSError, http.client.HTTPException):
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        health = _serves_again(sink.http_port)  # once the held ones are gone, the sink serves again
     finally:
         sink.stop()
-    assert health["rejected"]["body_timeout"] == 1
     assert health["rejected"]["too_many_connections"] >= 1
+
+
+def _closed_by_the_sink(s: socket.socket) -> bool:
+    """Whether the sink closed `s` (an orderly close, or a reset when it still held unread bytes)."""
+    try:
+        return s.recv(16) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_slow_connections_never_lock_senders_out(tmp_path: Path) -> None:
+    sink = make_sink(tmp_path, ("jsonl",), max_connections=16, header_timeout_s=2.0)
+    try:
+        # Slow-loris: 64 connections that send part of their headers, and one that sends nothing at all.
+        silent = socket.create_connection(("127.0.0.1", sink.http_port), timeout=30)
+        slow = [socket.create_connection(("127.0.0.1", sink.http_port), timeout=30) for _ in range(64)]
+        for s in slow:
+            s.sendall(b"POST /v1/metrics HTTP/1.1\r\nHost: x\r\n")
+        # A sender still gets in: the oldest connections without a whole request make room.
+        assert _post(sink.http_port, metrics_request({"train.run.id": "in"}, [OtlpPoint("loss", 1.0, step=1)])) == 200
+        assert _closed_by_the_sink(silent)  # closed to make room, or after the header timeout
+        silent.close()
+        # Within the header timeout every slow connection is closed, even with the cap not reached.
+        few = [socket.create_connection(("127.0.0.1", sink.http_port), timeout=30) for _ in range(3)]
+        for s in few:
+            s.sendall(b"POST /v1/metrics HTTP/1.1\r\n")
+            assert _closed_by_the_sink(s)
+            s.close()
+        for s in slow:
+            s.close()
+        sink.flush(30)
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    assert _gauges(tmp_path / "runs" / "in" / "rank0.jsonl") == [("loss", 1, 1.0)]
+    assert health["rejected"]["header_timeout"] >= 3
+    assert health["rejected"]["connection_closed_for_room"] >= 64 + 1 - 16, health["rejected"]
+    assert "too_many_connections" not in health["rejected"]
 
 
 def test_grpc_messages_over_the_limit_are_counted(tmp_path: Path) -> None:
@@ -292,3 +346,87 @@ def test_binding_beyond_loopback_without_a_token_warns(tmp_path: Path, caplog: p
         sink.stop()
     warned = [r.getMessage() for r in caplog.records if "without a token" in r.getMessage()]
     assert len(warned) == 1 and "0.0.0.0:0" in warned[0] and "OTEL_TRAIN_SINK_TOKEN" in warned[0]
+
+
+def _jsonl_metrics(folder: Path) -> list[tuple[str, int, float]]:
+    """Every metric row of a run's rank-0 JSONL file as (name, step, value), in file order (NaN as a string)."""
+    return [(r["name"], r["step"], r["value"] if r["value"] == r["value"] else "nan")
+            for r in read_jsonl(folder / "rank0.jsonl") if r.get("type") == "metric"]
+
+
+def test_infinite_counter_points_are_counted_and_kept_out_of_the_total(tmp_path: Path) -> None:
+    inf = float("inf")
+    points = [OtlpPoint("tokens", v, step=s, kind="sum") for s, v in enumerate([10, inf, 10, -inf, 10])]
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, metrics_request({"train.run.id": "inf"}, points)) == 200
+        sink.flush(30)
+        runs = {r["run_id"]: r for r in sink.runs()["runs"]}
+    finally:
+        sink.stop()
+    assert _jsonl_metrics(tmp_path / "runs" / "inf") == [("tokens", 0, 10), ("tokens", 2, 20), ("tokens", 4, 30)]
+    assert runs["inf"]["nan_points"] == 2
+
+
+def test_a_nan_gauge_re_sent_unchanged_is_written_once(tmp_path: Path) -> None:
+    nan = float("nan")
+    # A cumulative sender re-sends every past point with each export: the NaN at step 1 comes three times.
+    exports = [[OtlpPoint("loss", v, step=s) for s, v in enumerate([0.5, nan, 0.25][:n])] for n in (2, 3, 3)]
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        for points in exports:
+            assert _post(sink.http_port, metrics_request({"train.run.id": "nan"}, points)) == 200
+        sink.flush(30)
+    finally:
+        sink.stop()
+    assert _jsonl_metrics(tmp_path / "runs" / "nan") == [("loss", 0, 0.5), ("loss", 1, "nan"), ("loss", 2, 0.25)]
+
+
+def test_a_resource_attribute_that_is_no_rank_is_invalid_on_both_protocols(tmp_path: Path) -> None:
+    import grpc
+
+    body = metrics_request({"train.run.id": "rank", "train.rank": float("inf")}, [OtlpPoint("loss", 1.0, step=1)])
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, body) == 400
+        with grpc.insecure_channel(f"127.0.0.1:{sink.grpc_port}") as channel, pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary(_METHOD)(body, timeout=10)
+        rejected = _health(sink.http_port)["rejected"]
+    finally:
+        sink.stop()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not RESOURCE_EXHAUSTED, which senders retry
+    assert "train.rank" in str(err.value.details())
+    assert rejected == {"invalid": 2}
+
+
+def test_a_large_http_body_is_taken_off_the_event_loop(tmp_path: Path) -> None:
+    import threading
+
+    body = metrics_request({"train.run.id": "big"}, [OtlpPoint(f"m{i % 100}", 1.0, step=i // 100)
+                                                      for i in range(20_000)])
+    assert len(body) > 256 * 1024
+    sink = make_sink(tmp_path, ("jsonl",))
+    taking, release = threading.Event(), threading.Event()
+    ingest = sink.router.ingest
+
+    def held_ingest(decoded: Any) -> None:  # the large request stays in the sink until /health has answered
+        taking.set()
+        release.wait(30)
+        ingest(decoded)
+
+    sink.router.ingest = held_ingest
+    statuses: list[int] = []
+    poster = threading.Thread(target=lambda: statuses.append(_post(sink.http_port, body)))
+    try:
+        poster.start()
+        assert taking.wait(30)
+        health = _health(sink.http_port)  # answered while the large request is being taken
+        release.set()
+        poster.join(30)
+        sink.flush(30)
+    finally:
+        release.set()
+        sink.stop()
+    assert health["status"] == "ok"
+    assert statuses == [200]
+    assert len(_gauges(tmp_path / "runs" / "big" / "rank0.jsonl")) == 20_000
