@@ -215,3 +215,36 @@ def test_a_backend_cut_back_at_replay_gets_what_was_cut_whatever_verify_said(tmp
     delivery = Delivery({"lines": _Lines(out)}, Spool(spool_dir), row_filter=_keep(spool_dir.name, passed))
     _end_keeping_the_spool(delivery)
     assert _steps(out) == [1, 1, 2, 2, 3, 3]
+
+
+def test_the_training_process_taking_over_cuts_back_and_leaves_no_intent_for_replay(tmp_path: Path) -> None:
+    """The in-process fallback (the training process taking over after its exporter processes died) builds its
+    backends and a delivery over the same spool: it cuts back the killed process's unrecorded TensorBoard write
+    and writes it once; once its writes are recorded no intent is left that a later replay would cut."""
+    import readback
+
+    from otel_train.ship.export_child import build_backends
+
+    options = ExporterOptions(directory=tmp_path)
+    spool_dir = tmp_path / "spool" / "rank0"
+    killed = Delivery(build_backends(["tensorboard"], options), Spool(spool_dir))
+    for seq in (1, 2, 3):
+        killed.submit(seq, seq, _window(seq))
+        _settle(killed, seq)
+    _end_keeping_the_spool(killed)
+    spool = Spool(spool_dir)  # killed right after writing window 3: neither its record nor a flush's cursor
+    spool.advance("tensorboard", 2)
+    (spool_dir / "cursors.json").write_text('{"tensorboard": 2}')
+    spool.close()
+
+    def steps() -> list[tuple[str, int]]:
+        return sorted((p.name, p.step) for p in readback.tensorboard(tmp_path / "run"))
+
+    assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))
+    fallback = Delivery(build_backends(["tensorboard"], options), Spool(spool_dir))
+    assert fallback.close(time.monotonic() + 30)
+    assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))  # window 3 once
+    spool = Spool(spool_dir)
+    assert spool.cursor("tensorboard") == 3
+    assert spool.cut_unrecorded_appends("tensorboard") == 0  # replay later cuts nothing
+    assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))
