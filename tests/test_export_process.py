@@ -223,6 +223,39 @@ def test_progress_pinning_and_forked_workers(run_dir: Path, monkeypatch: pytest.
     assert _jsonl_steps(run_dir, "prog") == [0, 1, 2, 3, 4]
 
 
+def test_a_ready_that_comes_before_init_holds_the_connection_is_heard(run_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exporter process may say ``ready`` before `init()` has stored its connection (the reply thread is
+    already running): that ``ready`` still releases what was logged meanwhile, and the job's values arrive."""
+    import threading
+
+    from otel_train.ship.export_process import ExportProcess
+
+    heard = threading.Event()
+    on_ready, start = ExportProcess._on_ready, ExportProcess._start
+
+    def noting(self: ExportProcess, conn: Any, last_seq: int) -> None:
+        heard.set()
+        on_ready(self, conn, last_seq)
+
+    def ready_first(self: ExportProcess) -> Any:
+        out = start(self)
+        if self.restarts == 0:
+            heard.wait(60)  # the child's ready reaches the reply thread before the spawner returns
+        return out
+
+    monkeypatch.setattr(ExportProcess, "_on_ready", noting)
+    monkeypatch.setattr(ExportProcess, "_start", ready_first)
+    ot.init(exporters=["jsonl"], dir=run_dir, run_name="early-ready")
+    assert heard.is_set()
+    for step in range(5):
+        with ot.step(step):
+            ot.log({"train/loss": float(step)})
+    assert ot.flush(timeout_s=30)
+    ot.shutdown()
+    assert _jsonl_steps(run_dir, "early-ready") == [0, 1, 2, 3, 4]
+
+
 def test_child_killed_is_restarted_once_then_in_process(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     # TensorBoard: its records carry a CRC, so one torn by the kill is skipped by its reader.
     session = ot.init(exporters=["tensorboard"], dir=run_dir, run_name="kill-child")

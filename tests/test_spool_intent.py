@@ -188,3 +188,63 @@ def test_an_exporter_without_a_listener_reports_to_nobody(tmp_path: Path) -> Non
     backend.watch_appends(heard.append)
     assert backend.export_window(Window([MetricRow(RUN, 2, "loss", "loss", 1.0, "gauge", 1)]))
     assert heard == [[(str(tmp_path / "lines.txt"), 2)]]
+
+
+def test_a_backend_cut_back_at_replay_gets_what_was_cut_whatever_verify_said(tmp_path: Path) -> None:
+    """Verify, run before replay, finds the killed writer's unrecorded append in the file and says the backend
+    holds everything; replay's resume cuts that append back: the backend must then be handed those windows
+    again, not nothing (verify's 'pass' no longer holds), and a backend whose files were not cut keeps its
+    verdict (it is handed nothing)."""
+    from otel_train.ship.replay import _keep
+    from otel_train.verify import BackendReport, VerifyReport
+    from otel_train.verify.wanted import rows_missing
+
+    spool_dir, out = tmp_path / "rank0", tmp_path / "lines.txt"
+    _deliver(spool_dir, out, [1, 2, 3])
+    _as_if_killed_before_recording(spool_dir, 2)
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]  # what verify reads back: every value once
+    passed = rows_missing(VerifyReport(tmp_path, [BackendReport(0, "lines", "pass", expected=6, present=6)]))
+    backend = _Lines(out)
+    delivery = Delivery({"lines": backend}, Spool(spool_dir), row_filter=_keep(spool_dir.name, passed))
+    _end_keeping_the_spool(delivery)
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]
+
+    # Behind its cursor but nothing to cut (no intent in force): the verdict holds, window 3 is not handed again.
+    _as_if_killed_before_recording(spool_dir, 2)
+    AppendIntent(spool_dir / "written.lines", INTENT_OFFSET).clear()
+    delivery = Delivery({"lines": _Lines(out)}, Spool(spool_dir), row_filter=_keep(spool_dir.name, passed))
+    _end_keeping_the_spool(delivery)
+    assert _steps(out) == [1, 1, 2, 2, 3, 3]
+
+
+def test_the_training_process_taking_over_cuts_back_and_leaves_no_intent_for_replay(tmp_path: Path) -> None:
+    """The in-process fallback (the training process taking over after its exporter processes died) builds its
+    backends and a delivery over the same spool: it cuts back the killed process's unrecorded TensorBoard write
+    and writes it once; once its writes are recorded no intent is left that a later replay would cut."""
+    import readback
+
+    from otel_train.ship.export_child import build_backends
+
+    options = ExporterOptions(directory=tmp_path)
+    spool_dir = tmp_path / "spool" / "rank0"
+    killed = Delivery(build_backends(["tensorboard"], options), Spool(spool_dir))
+    for seq in (1, 2, 3):
+        killed.submit(seq, seq, _window(seq))
+        _settle(killed, seq)
+    _end_keeping_the_spool(killed)
+    spool = Spool(spool_dir)  # killed right after writing window 3: neither its record nor a flush's cursor
+    spool.advance("tensorboard", 2)
+    (spool_dir / "cursors.json").write_text('{"tensorboard": 2}')
+    spool.close()
+
+    def steps() -> list[tuple[str, int]]:
+        return sorted((p.name, p.step) for p in readback.tensorboard(tmp_path / "run"))
+
+    assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))
+    fallback = Delivery(build_backends(["tensorboard"], options), Spool(spool_dir))
+    assert fallback.close(time.monotonic() + 30)
+    assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))  # window 3 once
+    spool = Spool(spool_dir)
+    assert spool.cursor("tensorboard") == 3
+    assert spool.cut_unrecorded_appends("tensorboard") == 0  # replay later cuts nothing
+    assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))

@@ -6,7 +6,8 @@ reading back from the spool whatever the queue could not hold; it flushes the ba
 every `FLUSH_EVERY_S` while data flows with a spool, and moves the cursor over what the backend's store holds.
 A resume in the stream is never merged. For a kill-safe backend with a spool it records each write (`Spool.advance`)
 and, before the write, what the backend reports it is about to append to (`_intend`, the intent record); on start
-it first cuts back what a killed writer appended without recording it (`Spool.cut_unrecorded_appends`).
+it first cuts back what a killed writer appended without recording it (`Spool.cut_unrecorded_appends`); a cut
+drops the row filter (replay's, decided before the cut), so what was cut is handed again.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ class BackendFeed:
         if self._kill_safe:
             assert spool is not None
             # Before the backend opens a file: what a killed writer appended but did not record goes first.
-            spool.cut_unrecorded_appends(name)
+            if spool.cut_unrecorded_appends(name) and row_filter is not None:
+                # What decided the filter (replay's verify, before this cut) saw those bytes: the backend now
+                # lacks every row after its cursor, so it is handed all of them, as without a filter.
+                self._row_filter = None
             watch = getattr(exporter, "watch_appends", None)
             if watch is not None:
                 watch(self._intend)

@@ -175,7 +175,8 @@ class ExportProcess:
         self._seq: int | None = None
         self._earlier_seq = 0  # the spool's windows up to here are an earlier attempt's (see `send_resume`)
         self._early: list[Callable[[], object]] = []
-        self._conn, self._proc = self._start()
+        with self._lock:  # the child's `ready` may come before `_conn` is set: `_on_ready` waits for it
+            self._conn, self._proc = self._start()
         # The first child told each backend about a resume; a restarted child or the fallback must not
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
         self._options = dataclasses.replace(options, resume_step=None)
@@ -337,7 +338,9 @@ class ExportProcess:
                     entry = self._replies.setdefault(msg[1], {})
                     entry[kind] = msg[2] if kind == "done" else True
                     self._reply_cv.notify_all()
-        if conn is self._conn and not self._closing and not self._close_answered():
+        with self._lock:  # set by then (the spawner holds the lock until it is)
+            current = conn is self._conn
+        if current and not self._closing and not self._close_answered():
             proc.wait()
             self._on_child_death(proc.returncode)
 

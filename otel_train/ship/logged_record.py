@@ -43,14 +43,14 @@ import struct
 import threading
 import time
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from otel_train.rows import extra_attributes
 
 if TYPE_CHECKING:
-    from otel_train.backend import Window
+    from otel_train.backend import RowExporter, Window
     from otel_train.run_identity import RunInfo
 
 __all__ = ["FOLDER", "SESSION_FILE", "LoggedRecord", "backend_header", "backend_info", "open_record", "read_entries", "record_files",
@@ -294,9 +294,12 @@ def open_record(backends: Mapping[str, Any], run: RunInfo, directory: str | os.P
         record.note_resume(run.rank, resume_step)
     from otel_train.ship.backend_start import StartingBackend
 
+    def noting(name: str) -> Callable[[RowExporter], None]:
+        return lambda up: record.note_backend(name, backend_info(name, up))
+
     for name, ex in backends.items():
         if isinstance(ex, StartingBackend):  # its routing rule and store are known once it is up
-            ex.when_started(lambda up, name=name: record.note_backend(name, backend_info(name, up)))
+            ex.when_started(noting(name))
     return record
 
 

@@ -3,9 +3,11 @@
 Replay reads the windows a backend has not acknowledged from the spool; with a verify report it hands that
 backend only the metric rows the report lists as missing there (by the name the backend shows the series under),
 so a backend that holds more than its cursor says (a kill after its write, before the record) gets nothing twice.
-A backend that passed with nothing missing gets nothing more (one whose missing values were counted as lost,
-a full disk say, gets them: counted is not held); what verify could not compare (a backend it cannot read back, the Chrome
-trace's counters, steps past the record's cap) and the spans of a backend that failed follow the cursor alone.
+A backend that passed with nothing missing gets nothing more (one whose missing values were counted as lost, a
+full disk say, gets them: counted is not held), unless replay's resume cuts back a killed process's unrecorded
+append (`otel_train.ship.backend_feed`: verify counted those bytes, so that backend follows its cursor); what
+verify could not compare (a backend it cannot read back, the Chrome trace's counters, steps past the record's cap)
+and the spans of a backend that failed follow the cursor alone.
 """
 
 from __future__ import annotations
