@@ -256,6 +256,29 @@ def test_a_ready_that_comes_before_init_holds_the_connection_is_heard(run_dir: P
     assert _jsonl_steps(run_dir, "early-ready") == [0, 1, 2, 3, 4]
 
 
+def test_windows_the_socket_cannot_take_before_ready_wait_in_order_and_go_out_on_ready(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the exporter process is up, a window too big for its socket's free buffer waits in the training
+    process (the loop never blocks on it), and everything after it waits behind it; ``ready`` sends them, in order."""
+    from otel_train._internal.faults import SLOW_READY
+
+    marker = run_dir / "go"
+    monkeypatch.setenv(SLOW_READY, str(marker))  # the child waits for it before it says `ready`
+    session = ot.init(exporters=["jsonl"], dir=run_dir, run_name="held")
+    try:
+        for step in range(6):
+            with ot.step(step):
+                ot.log({f"wide/k{i}": float(step) for i in range(4000)})  # ~100 KiB a window
+        assert not ot.flush(timeout_s=0.1)  # every window handed on; no child to answer yet
+        assert session.export_process._held  # not all of them fit in the socket
+    finally:
+        marker.touch()
+    assert ot.flush(timeout_s=60)
+    ot.shutdown()
+    steps = [r["step"] for r in read_jsonl(jsonl_path(run_dir, "held", 0)) if r.get("tag") == "wide/k0"]
+    assert steps == list(range(6))  # each once, in order
+
+
 def test_child_killed_is_restarted_once_then_in_process(run_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     # TensorBoard: its records carry a CRC, so one torn by the kill is skipped by its reader.
     session = ot.init(exporters=["tensorboard"], dir=run_dir, run_name="kill-child")

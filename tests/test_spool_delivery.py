@@ -14,7 +14,7 @@ from otel_train.run_identity import RunInfo
 from otel_train.ship import spool as spool_mod
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import decode_window, encode_window
-from otel_train.ship.spool import Spool
+from otel_train.ship.spool import Spool, last_seq
 from otel_train.testing import InMemoryRowExporter
 
 RUN = RunInfo("run", "run")
@@ -271,3 +271,31 @@ def test_a_kept_window_is_retried_with_a_backoff_growing_to_minutes() -> None:
         waits.append(round(writer.retry_in_s()))
     assert down.dropped_windows == 0 and len(writer.pending) == 1 and not down.metrics
     assert waits == sorted(waits) and waits[8] > 100 and waits[-1] == MAX_BACKOFF_S
+
+
+def test_last_seq_reads_what_opening_the_spool_finds_without_writing(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer numbers windows from `last_seq` before its exporter process opens the spool: both must agree,
+    and reading must neither create nor change a file."""
+    assert last_seq(tmp_path / "none") == 0 and not (tmp_path / "none").exists()
+    monkeypatch.setattr(spool_mod, "_SEGMENT_BYTES", 1)  # one record per segment
+    sp = Spool(tmp_path)
+    sp.backends = ["a"]
+    for seq in range(1, 5):
+        sp.append(seq, seq, window(seq))
+    sp._roll(5)  # a segment opened, then the writer killed before its first record
+    sp.close()
+    assert last_seq(tmp_path) == Spool(tmp_path).last_seq == 4
+    (seg4,) = [s for s in sp.segments() if int(s.stem) == 4]
+    seg4.write_bytes(seg4.read_bytes()[:-5])  # window 4 torn
+    assert last_seq(tmp_path) == Spool(tmp_path).last_seq == 3
+    sp = Spool(tmp_path)
+    sp.backends = ["a"]
+    sp.acknowledge("a", 3)  # every segment read: gone
+    sp.close()
+    sp.remove_acknowledged()
+    sp.advance("b", 7)  # a kill-safe writer recorded more than the segments hold
+    sp.close()
+    files = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    assert last_seq(tmp_path) == Spool(tmp_path).last_seq == 7
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == files

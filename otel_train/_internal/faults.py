@@ -5,17 +5,25 @@ right after a write to a backend whose name starts with ``<backend>`` handed it 
 later, before delivery records that write (`otel_train.ship.backend_feed`, `otel_train.sink.reorder`): the worst
 moment for a ``kill -9``. With a marker file, only the process that creates it is killed (once per test, however
 often the process is restarted). Read once, at import.
+
+``OTEL_TRAIN_TEST_SLOW_READY`` = ``<marker file>``: the exporter process, once its spool is open, waits until that
+file exists before it says ``ready`` and reads what the trainer sent (a machine slow to start it). Read once, at
+import.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
-__all__ = ["ARMED", "KILL_AFTER_WRITE", "after_write"]
+__all__ = ["ARMED", "KILL_AFTER_WRITE", "SLOW_READY", "after_write", "before_ready"]
 
-#: The variable (tests only).
+#: The variables (tests only).
 KILL_AFTER_WRITE = "OTEL_TRAIN_TEST_KILL_AFTER_WRITE"
+SLOW_READY = "OTEL_TRAIN_TEST_SLOW_READY"
+_READY_MARKER = os.environ.get(SLOW_READY, "")
 
 
 def _parse(spec: str) -> tuple[str, int, str] | None:
@@ -45,3 +53,9 @@ def after_write(backend: str, max_step: int) -> None:
         except OSError:
             return  # killed once already
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def before_ready() -> None:
+    """Called by the exporter process before it says ``ready``: waits for `SLOW_READY`'s file, if set."""
+    while _READY_MARKER and not Path(_READY_MARKER).exists():
+        time.sleep(0.05)

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from otel_train._internal import faults
 from otel_train._internal.gc_tuning import tune_for_row_churn
 from otel_train.backend import RowExporter
 from otel_train.errors import ConfigError
@@ -153,6 +154,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         except OSError as err:
             _logger.warning("child processes cannot reach this run: listening on %s failed: %s",
                             config["workers"], err)
+    faults.before_ready()
     reply("ready", spool.last_seq)
 
     def flush_later(rid: int, wait_s: float) -> None:
@@ -198,7 +200,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     # The trainer handed off (or died): never outlive the drain deadline, whatever a backend does.
     mark_draining(int(config.get("lock_fd", -1)))  # a restarted attempt waits for us instead of mixing in
     if listener is not None:
-        listener.close()
+        listener.close(trainer_died=close_id is None)
     deadline = time.monotonic() + trainer_wait_s + drain_s
     watchdog = threading.Timer(trainer_wait_s + drain_s + 5.0, os._exit, args=(0,))
     watchdog.daemon = True

@@ -8,10 +8,14 @@ dies it keeps delivering for at most `OTEL_TRAIN_DRAIN_TIMEOUT_S`, then exits. I
 trainer restarts it once (it resumes from the spool); if it dies again, the trainer exports in
 its own process from the same spool.
 
-Nobody waits for the child to start: `ExportProcess()` spawns it and returns. What the trainer sends before the
-child's ``ready`` (which carries the spool's last window, so numbering goes on from there) waits in order in the
-trainer and goes out when it comes; the child says ``ready`` once its spool is open and starts each backend on a
-thread of its own (`otel_train.ship.backend_start`), so a window waits in the spool until its backend is up.
+Nobody waits for the child to start: `ExportProcess()` reads the spool's last window seq (`spool.last_seq`: the
+trainer holds the run's claim, so nobody else writes there) to number windows on from it, spawns the child and
+returns. What the trainer sends before the child's ``ready`` goes into the child's socket at once: the kernel holds
+it, and the child reads it once its spool is open, also after a ``kill -9`` of the trainer. Only a frame the
+socket could not take without blocking waits in the trainer, in order, until ``ready`` (bounded: past `_BACKLOG`
+frames or `_BACKLOG_BYTES`, the sender waits for the child instead). The child says ``ready`` once its spool is
+open and starts each backend on a thread of its own (`otel_train.ship.backend_start`), so a window waits in the
+spool until its backend is up.
 
 Messages, trainer -> child: ``W`` + seq, max step + encoded window (or resume, `framing.encode_resume`); ``F`` + id (flush); ``C`` + id
 [+ the preemption signal's name, e.g. ``SIGTERM``: the backends mark their runs preempted] (close); ``P`` + id (progress); ``H`` + pickled hyperparameters (reported after `init()`). Child -> trainer (pickled tuples): ``("ready", last seq)``,
@@ -26,13 +30,14 @@ import json
 import logging
 import os
 import pickle
+import select
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -55,7 +60,7 @@ from otel_train.ship.framing import encode_resume, encode_window
 from otel_train.ship.logged_record import open_record
 from otel_train.ship.replay import replay
 from otel_train.ship.self_metrics import SelfMetrics
-from otel_train.ship.spool import Spool, spool_dir
+from otel_train.ship.spool import Spool, last_seq, spool_dir
 from otel_train.ship.workers import listen_address, listen_on
 
 __all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
@@ -170,11 +175,16 @@ class ExportProcess:
         self.last_progress = Progress()
         #: The preemption signal's name when the training process ends on one (set before `close`).
         self.preempted: str | None = None
-        #: The last window's seq; None until the first child says ``ready`` with its spool's (until then
-        #: `_early` keeps what is sent, in order).
-        self._seq: int | None = None
-        self._earlier_seq = 0  # the spool's windows up to here are an earlier attempt's (see `send_resume`)
-        self._early: list[Callable[[], object]] = []
+        # The last window's seq, numbered on from the spool's (a resume takes the next one: the child spools it
+        # first). The spool's windows up to here are an earlier attempt's (see `send_resume`).
+        self._seq = last_seq(self.spool_path) + (options.resume_step is not None)
+        self._earlier_seq = self._seq
+        self._ready = False  # the first child said ``ready`` (or the fallback took over)
+        #: Frames the socket could not take without blocking before ``ready``, in order (windows are in the
+        #: backlog too); with their bytes.
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        self._sndbuf = 0  # the socket's send buffer: a frame of up to a quarter of it never blocks when writable
         with self._lock:  # the child's `ready` may come before `_conn` is set: `_on_ready` waits for it
             self._conn, self._proc = self._start()
         # The first child told each backend about a resume; a restarted child or the fallback must not
@@ -187,27 +197,51 @@ class ExportProcess:
     def _start(self) -> tuple[Connection, subprocess.Popen[bytes]]:
         fds = [fd for fd in (self._lock_fd, self._config["workers_fd"]) if fd >= 0]
         conn, proc = spawn_child(self._config, self.log_path, fds)
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            self._sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         _place(proc.pid, self._config["cpus"], self._config["nice"])  # here: pinned before its imports run
         threading.Thread(target=self._receive, args=(conn, proc), name="otel-train-export-replies",
                          daemon=True).start()
         return conn, proc
 
-    def _later(self, action: Callable[[], object]) -> bool:
-        """Keep `action` (a send) until the first child is ready; False when it can run now. Lock held."""
-        if self._seq is None and self.fallback is None:
-            self._early.append(action)
-            return True
-        return False
+    def _hold(self, frame: bytes) -> bool:
+        """Before ``ready``: keep `frame` here if the socket might not take it without blocking (or frames wait
+        already: order); False when it goes out now. Past the bound, what waits goes out, blocking. Lock held."""
+        if self._ready or self.fallback is not None:
+            return False
+        if not self._held and len(frame) <= self._sndbuf // 4 and self._writable():
+            return False
+        self._held.append(frame)
+        self._held_bytes += len(frame)
+        if len(self._held) > _BACKLOG or self._held_bytes > _BACKLOG_BYTES:
+            self._send_held()  # the child reads them once it is up: the sender waits for it, as after ``ready``
+        return True
+
+    def _writable(self) -> bool:
+        """Whether the socket has room: a Unix socket is writable while at most a quarter of its buffer is used."""
+        try:
+            poller = select.poll()
+            poller.register(self._conn.fileno(), select.POLLOUT)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True  # a closed socket: the send fails and the reply thread restarts the child
+
+    def _send_held(self) -> None:
+        held, self._held, self._held_bytes = self._held, [], 0
+        for frame in held:
+            self._write(frame)
 
     def _on_ready(self, conn: Connection, last_seq: int) -> None:
-        """A child is ready: the first one numbers windows on from its spool's last; what waited goes out."""
+        """A child is ready: what waited here goes out."""
         with self._lock:
-            if conn is not self._conn or self._seq is not None:
+            if conn is not self._conn or self._ready:
                 return  # a restarted child: the backlog was sent to it when it was spawned
-            self._seq = self._earlier_seq = last_seq
-            early, self._early = self._early, []
-            for action in early:
-                action()
+            self._ready = True
+            if last_seq > self._earlier_seq:  # only if another process wrote the spool meanwhile
+                _logger.warning("otel-train: the spool %s held window %d when the exporter process opened it, "
+                                "not %d as read before it started; windows numbered at or below it are skipped",
+                                self.spool_path, last_seq, self._earlier_seq)
+            self._send_held()
 
     def _after_fork(self) -> None:
         # A forked DataLoader worker must neither write to the socket nor keep it open (the child
@@ -244,15 +278,10 @@ class ExportProcess:
         it once, in order; the earlier attempt's windows still undelivered lose their rows at steps >= `step`."""
         if os.getpid() != self._pid:
             return
-        with self._lock:
-            if not self._later(lambda: self.send_resume(run, step)):
-                self._send_encoded(-1, encode_resume(run, step, self._earlier_seq))
+        self._send_encoded(-1, encode_resume(run, step, self._earlier_seq))
 
     def _send_encoded(self, max_step: int, payload: bytes) -> None:
         with self._lock:
-            if self._later(lambda: self._send_encoded(max_step, payload)):
-                return
-            assert self._seq is not None
             self._seq += 1
             seq = self._seq
             if self.fallback is not None:
@@ -269,11 +298,13 @@ class ExportProcess:
             if self.fallback is not None:
                 set_hparams(self.fallback.exporters(), config)
             else:
-                frame = b"H" + pickle.dumps(dict(config))
-                if not self._later(lambda: self.add_config(config)):
-                    self._send(frame)
+                self._send(b"H" + pickle.dumps(dict(config)))
 
     def _send(self, frame: bytes) -> bool:
+        """Send `frame` to the child, or keep it here until ``ready`` (`_hold`). Lock held."""
+        return True if self._hold(frame) else self._write(frame)
+
+    def _write(self, frame: bytes) -> bool:
         try:
             self._conn.send_bytes(frame)
             return True
@@ -286,7 +317,7 @@ class ExportProcess:
         with self._lock:
             if kind == b"C":  # a child that dies before it answers is restarted and asked again
                 self._close_request = (rid, frame)
-            if self.fallback is None and not self._later(lambda: self._send(frame)):
+            if self.fallback is None:
                 self._send(frame)
         return rid
 
@@ -354,10 +385,16 @@ class ExportProcess:
                                 "windows it had spooled are delivered from the spool", code)
                 try:
                     self._conn, self._proc = self._start()
+                    # Requests that waited here go after the windows; the windows that waited are in the backlog.
+                    close = self._close_request[1] if self._close_request is not None else None
+                    held = [f for f in self._held if f[:1] != b"W" and f != close]
+                    self._held, self._held_bytes = [], 0
                     for seq, step, payload in self._backlog.pending():
                         self._send(b"W" + WINDOW.pack(seq, step) + payload)
-                    if self._close_request is not None:  # it died while closing: the new one closes
-                        self._send(self._close_request[1])
+                    for frame in held:
+                        self._send(frame)
+                    if close is not None:  # it died while closing: the new one closes
+                        self._send(close)
                     return
                 except OSError as err:
                     _logger.warning("otel-train: restarting the exporter process failed: %s", err)
@@ -370,13 +407,11 @@ class ExportProcess:
                 if self._config["self_metrics"]:
                     fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
                 self.fallback = fallback
+                # Windows that waited here are in the backlog; hyperparameters are in `self._options`; a flush
+                # or close that waited is answered by the fallback (`_ask`).
+                self._held, self._held_bytes = [], 0
                 for seq, step, payload in self._backlog.pending(clear=True):
                     self.fallback.submit(seq, step, payload)
-                if self._seq is None:  # no child ever started: what waited is numbered on from the spool
-                    self._seq = self._earlier_seq = fallback.spool.last_seq if fallback.spool is not None else 0
-                    early, self._early = self._early, []
-                    for action in early:
-                        action()
             except Exception as err:
                 _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
                               "more data; `otel-train replay` delivers what was spooled", err)
@@ -420,10 +455,10 @@ class ExportProcess:
         self._handoff = True
         rid, ok = self._ask(b"C", deadline)
         with self._lock:
-            unsent = len(self._early) if self._seq is None else 0
+            unsent = len(self._held) if not self._ready else 0
         if unsent:
             _logger.error("otel-train: the exporter process did not start before the shutdown deadline; %d "
-                          "window(s) and request(s) sent meanwhile never reached it", unsent)
+                          "window(s) and request(s) its socket could not take meanwhile never reached it", unsent)
         if not ok and rid:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
             held = durable and not self.last_progress.spool_failed_appends  # not: windows the spool never held

@@ -46,7 +46,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train.run_paths import run_folder
 from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
 
-__all__ = ["RunClaim", "Spool", "backend_file", "claim_run", "holder", "spool_dir", "try_lock"]
+__all__ = ["RunClaim", "Spool", "backend_file", "claim_run", "holder", "last_seq", "spool_dir", "try_lock"]
 
 _HEADER = struct.Struct("<qqII")  # seq, max step, payload length, crc32 of the payload
 _WRITTEN = struct.Struct("<qI")  # seq, crc32 of the seq's bytes
@@ -61,6 +61,7 @@ def spool_dir(directory: str | os.PathLike[str], run_name: str, rank: int) -> Pa
 
 #: The lock file in a rank's spool folder: whoever holds an exclusive `flock` on it is the rank's one writer.
 LOCK_FILE = "writer.lock"
+CURSORS = "cursors.json"  # backend -> the last seq it made durable
 _MAX_SUFFIX = 100
 _WAIT_POLL_S = 0.05
 
@@ -197,7 +198,7 @@ class Spool:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._cursor_file = self.path / "cursors.json"
+        self._cursor_file = self.path / CURSORS
         self.cursors: dict[str, int] = self._load_cursors()
         self._cursor_lock = threading.Lock()  # one thread per backend acknowledges
         self._file_lock = threading.Lock()  # the writer appends while a backend's thread reads back
@@ -216,10 +217,7 @@ class Spool:
         for seq, step, _ in self.read(0):  # the tail of an earlier writer (restart, replay)
             self.last_seq = seq
             self.last_step = max(self.last_step, step)
-        # Seqs continue after everything ever acknowledged here, even once its segments are gone.
-        self.last_seq = max(self.last_seq, *self.cursors.values(), 0)
-        for written in self.path.glob("written.*"):
-            self.last_seq = max(self.last_seq, self._read_written(written))
+        self.last_seq = max(self.last_seq, _acknowledged(self.path, self.cursors))
 
     # -- writing ------------------------------------------------------------------------------
     def append(self, seq: int, max_step: int, payload: bytes) -> bool:
@@ -310,35 +308,15 @@ class Spool:
 
     # -- reading ------------------------------------------------------------------------------
     def segments(self) -> list[Path]:
-        return sorted(self.path.glob("*.seg"))
+        return _segments(self.path)
 
     def read(self, after: int) -> Iterator[tuple[int, int, bytes]]:
         """Every intact record with seq > `after`, in order: (seq, max step, payload)."""
-        segments = self.segments()
-        for i, seg in enumerate(segments):
-            if i + 1 < len(segments) and int(segments[i + 1].stem) <= after + 1:
-                continue  # the next segment starts at or before what we need: skip this one whole
-            try:
-                data = seg.read_bytes()
-            except OSError:
-                continue
-            pos = 0
-            while pos + _HEADER.size <= len(data):
-                seq, step, size, crc = _HEADER.unpack_from(data, pos)
-                body = data[pos + _HEADER.size: pos + _HEADER.size + size]
-                if len(body) < size or zlib.crc32(body) != crc:
-                    break  # a torn tail
-                pos += _HEADER.size + size
-                if seq > after:
-                    yield seq, step, body
+        return _read(self.path, after)
 
     # -- cursors --------------------------------------------------------------------------------
     def _load_cursors(self) -> dict[str, int]:
-        try:
-            data = json.loads(self._cursor_file.read_text())
-        except (OSError, ValueError):
-            return {}
-        return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+        return _load_cursors(self._cursor_file)
 
     def cursor(self, backend: str) -> int:
         """The last seq `backend` holds: acknowledged durable, or (kill-safe writers) written."""
@@ -442,6 +420,59 @@ class Spool:
                     seg.unlink()
                 except OSError:
                     pass
+
+
+def _segments(path: Path) -> list[Path]:
+    return sorted(path.glob("*.seg"))
+
+
+def _read(path: Path, after: int) -> Iterator[tuple[int, int, bytes]]:
+    """Every intact record of the spool folder `path` with seq > `after`, in order: (seq, max step, payload)."""
+    segments = _segments(path)
+    for i, seg in enumerate(segments):
+        if i + 1 < len(segments) and int(segments[i + 1].stem) <= after + 1:
+            continue  # the next segment starts at or before what we need: skip this one whole
+        try:
+            data = seg.read_bytes()
+        except OSError:
+            continue
+        pos = 0
+        while pos + _HEADER.size <= len(data):
+            seq, step, size, crc = _HEADER.unpack_from(data, pos)
+            body = data[pos + _HEADER.size: pos + _HEADER.size + size]
+            if len(body) < size or zlib.crc32(body) != crc:
+                break  # a torn tail
+            pos += _HEADER.size + size
+            if seq > after:
+                yield seq, step, body
+
+
+def _load_cursors(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): int(v) for k, v in data.items()} if isinstance(data, dict) else {}
+
+
+def _acknowledged(path: Path, cursors: dict[str, int]) -> int:
+    """The last seq any backend acknowledged or recorded written in the spool folder `path`: seqs continue after
+    it even once its segments are gone."""
+    return max([0, *cursors.values(), *(Spool._read_written(w) for w in path.glob("written.*"))])
+
+
+def last_seq(path: Path) -> int:
+    """The last window seq of the spool folder `path`, as `Spool(path).last_seq` finds it, without opening the
+    spool: nothing is created, written or cut, and only the newest segment holding a record is read. The
+    training process numbers its windows on from it before its exporter process has opened the spool."""
+    path = Path(path)
+    found = 0
+    for segment in reversed(_segments(path)):
+        for seq, _, _ in _read(path, int(segment.stem) - 1):  # this segment on: the newer ones held nothing
+            found = seq
+        if found:
+            break
+    return max(found, _acknowledged(path, _load_cursors(path / CURSORS)))
 
 
 def backend_file(prefix: str, backend: str) -> str:

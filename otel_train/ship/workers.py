@@ -49,6 +49,9 @@ __all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "Worker
 _logger = logging.getLogger("otel_train")
 _LEN = struct.Struct("<I")
 _SEND_EVERY_S = 0.2
+#: How long the exporter process still reads children's connections after the trainer died without a hand-off:
+#: a child sends what it buffered at least this often.
+DIED_GRACE_S = 2 * _SEND_EVERY_S
 _CONNECT_TIMEOUT_S = 2.0
 _SEND_TIMEOUT_S = 5.0  # a stalled exporter process: give up and drop, never block the worker's exit for long
 _MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropped (counted)
@@ -215,15 +218,20 @@ class WorkerListener:
                      for name, trace_id, span_id, parent, start, end, step, attributes, error, message in spans]
         return Window(rows, [], span_rows)
 
-    def close(self, timeout_s: float = 1.0) -> None:
+    def close(self, timeout_s: float = 1.0, *, trainer_died: bool = False) -> None:
         """Stop accepting; deliver what connected children have sent (at most `timeout_s`), never waiting for a
-        child still alive (a persistent DataLoader worker) to send more or to exit."""
+        child still alive (a persistent DataLoader worker) to send more or to exit. When the trainer died (no
+        hand-off), its children may still hold up to one send interval of values: they get that long to send them."""
         deadline = time.monotonic() + timeout_s
         with contextlib.suppress(OSError):  # children that connected but were not accepted yet: serve them too
             self._sock.setblocking(False)
             while True:
                 conn, _ = self._sock.accept()
                 self._start_serving(conn)
+        with self._serving_lock:
+            connected = bool(self._conns)
+        if trainer_died and connected:
+            time.sleep(min(DIED_GRACE_S, max(0.0, deadline - time.monotonic())))
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not on Linux)
         with contextlib.suppress(OSError):
