@@ -52,3 +52,11 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("otel-train: error: OTEL_TRAIN_EXPORTERS: unknown exporter 'tensorbord'")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_replay_set_with_a_name_no_backend_reads_is_one_line(tmp_path: Path) -> None:
+    result = _cli("replay", str(tmp_path), "--set", "WANDB_MOD=offline", cwd=tmp_path)
+    assert result.returncode != 0
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("otel-train replay: --set 'WANDB_MOD=offline': expected NAME=VALUE with NAME one of ")
+    assert "WANDB_MODE" in line and "MLFLOW_TRACKING_URI" in line and "TRACKIO_DIR" in line
