@@ -71,7 +71,7 @@ from otel_train.run_identity import PREEMPTED, RunInfo
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run
 
-__all__ = ["PREEMPTED_KEY", "WandbExporter", "wandb_key", "wandb_run_id"]
+__all__ = ["PREEMPTED_KEY", "WandbExporter", "offline_run_files", "wandb_key", "wandb_run_id"]
 
 _logger = logging.getLogger(__name__)
 
@@ -88,6 +88,28 @@ _FINISH_WAIT_S = 10.0  # at close, how long to wait for the run file to hold the
 _RESERVED_KEY = re.compile(r"_+(?:step|runtime|timestamp|wandb.*)", re.DOTALL)
 #: Rows held at most, over every run of the exporter: past it the oldest steps are written early.
 _MAX_HELD_ROWS = 200_000
+
+
+def offline_run_files(wandb_dir: Path, wandb_id: str) -> list[Path]:
+    """The run files of W&B run `wandb_id` under a ``wandb`` folder, oldest process first: one folder per process,
+    ``<mode>-run-<YYYYmmdd_HHMMSS>-<id>``, and W&B adds ``-<n>`` when a process of that run started in the same
+    second (a quick resume).
+
+    Example:
+        >>> import tempfile
+        >>> root = Path(tempfile.mkdtemp())
+        >>> for name in ("offline-run-20261205_113230-a-1", "offline-run-20261205_113230-a", "offline-run-20261205_113229-a"):
+        ...     (root / name).mkdir(); (root / name / "run-a.wandb").touch()
+        >>> [p.parent.name for p in offline_run_files(root, "a")]
+        ['offline-run-20261205_113229-a', 'offline-run-20261205_113230-a', 'offline-run-20261205_113230-a-1']
+    """
+    found = []
+    for path in wandb_dir.glob(f"*-{wandb_id}*/run-{wandb_id}.wandb"):
+        head, sep, rest = path.parent.name.rpartition(f"-{wandb_id}")
+        if not sep or not (rest == "" or (rest[:1] == "-" and rest[1:].isdigit())):
+            continue  # another run's id that begins with this one
+        found.append(((head.rsplit("-", 1)[-1], int(rest[1:] or 0)), path))
+    return [path for _, path in sorted(found)]
 
 
 def wandb_key(tag: str) -> str:
@@ -391,7 +413,7 @@ class WandbExporter(RowExporter):
         if sync_file:
             self._files[key] = _RunFile(Path(sync_file))
             if not rewind:  # what earlier attempts' run files hold, read back (a killed one's marker lags)
-                for earlier in Path(sync_file).parent.parent.glob(f"*-{wandb_id}/run-{wandb_id}.wandb"):
+                for earlier in offline_run_files(Path(sync_file).parent.parent, wandb_id):
                     if earlier != Path(sync_file):
                         held = max(held, _RunFile(earlier).last_step())
         self._gate.set_floor(key, held)

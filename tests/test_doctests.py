@@ -26,6 +26,8 @@ MODULES = [
     "otel_train.sink.fd_limits",
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",
+    "otel_train.exporters.wandb",
+    "otel_train.verify.wanted",
     "otel_train.collect.phases",
     "otel_train.summary",
     "otel_train.collect.system_metrics",

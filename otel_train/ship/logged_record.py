@@ -20,6 +20,9 @@ record runs no code). Entries, by their ``k``:
   replaces that backend's part of ``h``, whose entry was written before).
 - ``r``: a declared resume (`ot.resume`, `resume_step`) of ``rank`` at ``step``: what was recorded before it at
   steps >= ``step`` is superseded.
+- ``f`` (second, a placeholder with n = 0) and ``F``: the record's n-th wait for space (a full disk) began after
+  the windows up to ``step`` (written over the placeholder in place); an ``F`` of the same n: everything
+  waiting was written after all. An ``f`` without its ``F`` stops verify at that step, like ``x``.
 - ``x``: the record reached its cap (`OTEL_TRAIN_VERIFY_RECORD_MB`) after windows up to ``step``; nothing
   after it is recorded, and verify says "not checked past step S".
 
@@ -47,13 +50,14 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from otel_train.file_append import AppendFile, is_disk_full, warn_recreated
 from otel_train.rows import extra_attributes
 
 if TYPE_CHECKING:
     from otel_train.backend import RowExporter, Window
     from otel_train.run_identity import RunInfo
 
-__all__ = ["FOLDER", "SESSION_FILE", "LoggedRecord", "backend_header", "backend_info", "open_record", "read_entries", "record_files",
+__all__ = ["FOLDER", "FULL_MARK", "SESSION_FILE", "LoggedRecord", "backend_header", "backend_info", "open_record", "read_entries", "record_files",
            "write_session_record"]
 
 _logger = logging.getLogger(__name__)
@@ -109,8 +113,11 @@ def _whole_entries_end(path: Path) -> int:
 class LoggedRecord:
     """Appends what one process's delivery hands its backends to that process's record file.
 
-    Never raises: a record that cannot be written (disk full, a deleted folder) stops, logged once, and
-    verify then says the record is incomplete rather than pass.
+    Never raises. Storage faults heal as in the file backends (`otel_train.file_append`): on a full disk an
+    entry is cut back whole and kept in memory (within the cap) until space returns, so a disk that is freed
+    leaves a complete record; a run folder deleted during the run gets a new record file (its header again)
+    from the next window on, beside the backends' new files. Any other write error stops the record, logged
+    once, and verify then says the record is incomplete rather than pass.
 
     Args:
         run_dir: The run's folder (`otel_train.run_paths.run_folder`).
@@ -120,32 +127,48 @@ class LoggedRecord:
     """
 
     def __init__(self, run_dir: Path, rank: int, cap_bytes: int, header: Mapping[str, Any]) -> None:
+        self.run_dir = run_dir
         self.path = run_dir / FOLDER / f"rank{rank}.{os.getpid()}.rec"
         self.cap_bytes = cap_bytes
         self._lock = threading.Lock()
         self._series: dict[tuple[str, int, str], int] = {}
-        self._size = 0
+        self._size = 0  # bytes written and waiting: what the cap counts
         self._last_step = -1
         self.stopped = False
-        self._file: Any = None
+        self._file: AppendFile | None = None
+        # Entries a full disk refused, in order, each with its highest step: written once there is space.
+        self._waiting: list[tuple[bytes, int]] = []
+        self._said_full = False
+        self._written_step = -1  # the highest step of the windows written so far
+        self._mark_at: int | None = None  # where this file's "waiting for space" mark is (`FULL_MARK`)
+        self._fulls = 0  # times the disk filled under this file: the mark's number
+        self._marked = False  # the mark says the record waits for space now
         # The file is made with the first entry after the header: a run that logs nothing leaves no folder.
-        self._header: dict[str, Any] | None = {"k": "h", "pid": os.getpid(), "rank": rank, "t": time.time(),
-                                                **header}
+        self._header: dict[str, Any] = {"k": "h", "pid": os.getpid(), "rank": rank, "t": time.time(), **header}
+        self._header_due = True
 
     def _open(self) -> bool:
-        """Create (or continue) the file and write the header; False when it cannot be written (logged once)."""
+        """Create (or continue) the file; False when it cannot be (the record stops, logged once)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.path.exists():  # a pid reused by a later process of the same run: continue after its entries
-                end = _whole_entries_end(self.path)
-                os.truncate(self.path, end)
-                self._size = end
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - held open until close()
+                os.truncate(self.path, _whole_entries_end(self.path))
+            self._file = AppendFile(self.path)
         except OSError as err:
             self._fail(err)
             return False
-        header, self._header = self._header, None
-        return header is None or self._write_payload(_pack(header))
+        self._size = self._file.size + sum(len(b) for b, _ in self._waiting)
+        return True
+
+    def _start_again_if_deleted(self) -> None:
+        """The run folder was deleted (``rm -rf``): a new file, its header and series again, from here on."""
+        if self._file is None or not self._file.unlinked():
+            return
+        warn_recreated(self.run_dir, "verify record")
+        self._file.close()
+        self._file = None
+        self._series = {}
+        self._waiting.clear()  # entries naming series of the deleted file
+        self._header_due = True
 
     def add(self, window: Window, side: bool = False, seq: int | None = None) -> None:
         """Record one window as the backends get it (any thread; cheap next to the backends' writes). `seq`: its
@@ -154,8 +177,9 @@ class LoggedRecord:
             return
         new: list[list[Any]] = []
         blocks: dict[int, tuple[list[int], array[float]]] = {}
-        series = self._series
         with self._lock:
+            self._start_again_if_deleted()
+            series = self._series
             for row in window.metrics:
                 rank = row.run.rank
                 key = (row.tag, rank, "m")
@@ -193,14 +217,14 @@ class LoggedRecord:
                 entry["side"] = True
             if seq is not None:
                 entry["q"] = seq
-            if self._append_locked(entry):  # else the record stopped for good (its cap, a write error)
+            if self._append_locked(entry, top):  # else the record stopped for good (its cap, a write error)
                 self._last_step = top
 
     def note_backend(self, name: str, info: Mapping[str, Any]) -> None:
         """What verify needs of backend `name`, now that it is up (replaces its part of the header)."""
         with self._lock:
-            if self._header is not None:  # the header is not written yet: it says it itself
-                self._header.setdefault("backends", {})[name] = dict(info)
+            self._header.setdefault("backends", {})[name] = dict(info)  # a header written again says it too
+            if self._header_due:  # the header is not written yet: it says it itself
                 return
         self._append({"k": "b", "name": name, "info": dict(info)})
 
@@ -219,11 +243,13 @@ class LoggedRecord:
 
     def close(self) -> None:
         with self._lock:
+            if self._waiting and self._file is not None:
+                self._drain()
+                if self._waiting:
+                    _logger.warning("the run's record of what was logged could not write its last %d entries (the "
+                                    "disk is still full): `otel-train verify` finds it incomplete", len(self._waiting))
             if self._file is not None:
-                try:
-                    self._file.close()
-                except OSError:
-                    pass
+                self._file.close()
                 self._file = None
             self.stopped = True
 
@@ -232,8 +258,9 @@ class LoggedRecord:
         with self._lock:
             return self._append_locked(entry)
 
-    def _append_locked(self, entry: Mapping[str, Any]) -> bool:
-        """Write `entry` unless it would pass the cap (then write the stop entry and stop)."""
+    def _append_locked(self, entry: Mapping[str, Any], top: int = -1) -> bool:
+        """Write `entry` (`top`: its highest step) unless it would pass the cap (then write the stop entry and
+        stop)."""
         if self.stopped:
             return False
         payload = _pack(entry)
@@ -244,25 +271,83 @@ class LoggedRecord:
                             "step %d; `otel-train verify` checks no step past it", self.cap_bytes / 2**20,
                             self._last_step)
             return False
-        return self._write_payload(payload)
+        return self._write_payload(payload, top)
 
     def _write(self, entry: Mapping[str, Any]) -> bool:
         return self._write_payload(_pack(entry))
 
-    def _write_payload(self, payload: bytes) -> bool:
-        if self._file is None and (self.stopped or self._header is None or not self._open()):
+    def _write_payload(self, payload: bytes, top: int = -1) -> bool:
+        """Append one entry (after the header, and after what a full disk kept waiting); True once it is written
+        or waiting for space, False when the record stopped."""
+        if self.stopped:
             return False
-        try:
-            self._file.write(_LEN.pack(len(payload)) + payload)
-        except OSError as err:
-            self._fail(err)
+        if self._file is None and not self._open():
             return False
+        if self._header_due:
+            self._header_due = False
+            self._mark_at = None
+            for first, top_of in ((_pack(self._header), -1), (FULL_MARK.pack(0, -1), -2)):  # -2: the mark's place
+                self._waiting.append((_LEN.pack(len(first)) + first, top_of))
+                self._size += _LEN.size + len(first)
+        self._waiting.append((_LEN.pack(len(payload)) + payload, top))
         self._size += _LEN.size + len(payload)
-        return True
+        self._drain()
+        return not self.stopped
+
+    def _drain(self) -> None:
+        """Write the waiting entries in order, each whole; a full disk keeps the rest waiting."""
+        assert self._file is not None
+        while self._waiting:
+            data, top = self._waiting[0]
+            at = self._file.size
+            try:
+                self._file.append(data)
+            except OSError as err:
+                if not is_disk_full(err):
+                    self._fail(err)
+                    return
+                if not self._said_full:
+                    self._said_full = True
+                    _logger.warning("the run's record of what was logged waits for space (%s: %s); it is written "
+                                    "once the disk has room", self.path, err)
+                if not self._marked:
+                    self._mark_full()
+                return
+            self._waiting.pop(0)
+            if top == -2:
+                self._mark_at = at
+            self._written_step = max(self._written_step, top)
+        if self._marked:  # everything waiting is written: the mark no longer holds
+            self._marked = False
+            healed = FULL_MARK.pack(self._fulls, -1, healed=True)
+            self._waiting.append((_LEN.pack(len(healed)) + healed, -1))
+            self._size += _LEN.size + len(healed)
+            self._drain()
+
+    def _mark_full(self) -> None:
+        """Say in the file, in place (a full disk takes no new bytes), that the record waits for space after the
+        steps written so far: should it never get space, verify checks no step past them."""
+        if self._mark_at is None:
+            return  # the disk filled before the mark's place was written: nothing to say it with
+        self._fulls += 1
+        mark = FULL_MARK.pack(self._fulls, self._written_step)
+        try:
+            fd = os.open(self.path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))  # no O_APPEND: pwrite in place
+            try:
+                os.pwrite(fd, _LEN.pack(len(mark)) + mark, self._mark_at)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            _logger.debug("cannot mark the record %s as waiting for space: %s", self.path, err)
+            return
+        self._marked = True
 
     def _fail(self, err: OSError) -> None:
         self.stopped = True
+        if self._file is not None:
+            self._file.close()
         self._file = None
+        self._waiting.clear()
         _logger.warning("the run's record of what was logged cannot be written (%s: %s); `otel-train verify` will "
                         "say the record is incomplete", self.path, err)
 
@@ -335,6 +420,23 @@ def backend_info(name: str, ex: Any) -> dict[str, Any]:
         except Exception as err:  # verify then reads the store it finds, or says "not checked"
             _logger.debug("no tracking URI for `%s`: %s", name, err)
     return entry
+
+
+class FullMark:
+    """The ``f`` entry: the record's n-th wait for space began after the windows up to ``step``; a later ``F``
+    entry of the same n says everything waiting was written. Fixed size, so it is written over its placeholder
+    (n = 0, right after the header) in place, on a disk that has no room for a new entry."""
+
+    def pack(self, n: int, step: int, healed: bool = False) -> bytes:
+        return _pack({"k": "F" if healed else "f", "v": struct.pack("<qq", n, step)})
+
+    @staticmethod
+    def unpack(entry: Mapping[str, Any]) -> tuple[int, int]:
+        n, step = struct.unpack("<qq", entry["v"])
+        return int(n), int(step)
+
+
+FULL_MARK = FullMark()
 
 
 def _pack(entry: Mapping[str, Any]) -> bytes:

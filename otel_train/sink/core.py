@@ -287,6 +287,7 @@ class SinkCore:
             "file_descriptors": self._fd_health(),
             "points": self.router.points_in,
             "spans": self.router.spans_in,
+            "delivery": self.router.delivery_totals(),
             "errors": self.router.errors,
             "requests": self.router.requests,
             "held_bytes": self.router.held_bytes,

@@ -482,6 +482,22 @@ class Router:
     def runs_closing(self) -> int:
         return len(self._closing)
 
+    def delivery_totals(self) -> dict[str, int]:
+        """`/health`'s ``delivery``: rows written, rows of failed writes and requests not yet handed to a backend,
+        summed over the open runs' backends, and how many open runs have some pending or failed."""
+        with self._lock:
+            states = list(self._runs.values())
+        written = failed = pending = behind = 0
+        for state in states:
+            stats = state.delivery.backend_stats().values()
+            run_failed = sum(int(b["rows_failed"]) for b in stats)
+            run_pending = sum(int(b["backlog"]) for b in stats)
+            written += sum(int(b["rows_written"]) for b in stats)
+            failed += run_failed
+            pending += run_pending
+            behind += bool(run_failed or run_pending)
+        return {"written": written, "failed": failed, "pending": pending, "runs_behind": behind}
+
     def summary(self) -> dict[str, Any]:
         """The `/runs` document: open runs first, then recently closed ones."""
         with self._lock:

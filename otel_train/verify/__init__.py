@@ -55,8 +55,10 @@ class BackendReport:
     spans_duplicated: int = 0
     #: Rows the delivery counted as not written, by cause (they account for missing rows).
     lost: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: The record stopped at its cap after this step: nothing later is checked.
+    #: The record stopped after this step (its cap, a disk that stayed full): nothing later is checked.
     not_checked_past: int | None = None
+    #: Why it stopped there.
+    not_checked_why: str = ""
     #: Whether its scalars were compared (the Chrome trace's counter events carry no step: only its spans are).
     scalars_checked: bool = True
     #: Series with a problem.
@@ -133,7 +135,8 @@ def _check_backend(plan: Any, backend: Any) -> BackendReport:
     from otel_train.verify.stores import read_backend
 
     out = BackendReport(plan.rank, backend.name, "pass", lost=dict(backend.lost),
-                        skipped_by_rule=backend.expected.skipped_by_rule, not_checked_past=plan.stopped_at)
+                        skipped_by_rule=backend.expected.skipped_by_rule, not_checked_past=plan.stopped_at,
+                        not_checked_why=plan.stopped_why)
     try:
         held = read_backend(plan, backend)
     except Exception as err:  # a store that cannot be read is a failure to report, not a crash
@@ -245,7 +248,7 @@ def format_report(report: VerifyReport) -> str:
         if b.lost:
             counts.append("not written: " + ", ".join(f"{n:,} {cause}" for cause, n in b.lost.items()))
         if b.not_checked_past is not None:
-            counts.append(f"not checked past step {b.not_checked_past} (the record reached its cap)")
+            counts.append(f"not checked past step {b.not_checked_past} ({b.not_checked_why})")
         lines.append(f"{head}: {', '.join(counts)}")
         for s in b.series[:20]:
             problems = [f"missing at steps {_steps(s.missing)}" if s.missing else "",

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from otel_train.ship.logged_record import read_entries, record_files
+from otel_train.ship.logged_record import FULL_MARK, read_entries, record_files
 
 __all__ = ["BackendPlan", "Expected", "RankPlan", "SeriesKey", "load"]
 
@@ -64,8 +64,10 @@ class RankPlan:
     world_size: int = 1
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     backends: dict[str, BackendPlan] = dataclasses.field(default_factory=dict)
-    #: The highest step recorded before the record reached its cap (None: it never did).
+    #: The highest step recorded before the record reached its cap or waited for space for good (None: neither).
     stopped_at: int | None = None
+    #: Why it stopped there.
+    stopped_why: str = ""
     #: A record file that could not be read to its end (a torn tail is normal; this is a missing header).
     problems: list[str] = dataclasses.field(default_factory=list)
 
@@ -118,8 +120,16 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
     series: dict[int, list[Any]] = {}
     runs: dict[int, RunInfo] = {}
     losses: dict[str, Any] = {}
+    waits: dict[int, int] = {}  # the record's waits for space without their end: n -> step
     for entry in read_entries(path):
         kind = entry.get("k")
+        if kind in ("f", "F"):
+            n, step = FULL_MARK.unpack(entry)
+            if kind == "F":
+                waits.pop(n, None)
+            elif n:
+                waits[n] = step
+            continue
         if kind == "w":
             for sid, tag, name, rank, row_kind, attrs in entry.get("S", ()):
                 series[int(sid)] = [tag, name, int(rank), row_kind, dict(attrs or {})]
@@ -150,8 +160,9 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
         elif kind == "l":
             losses = entry
         elif kind == "x":
-            step = int(entry.get("step", -1))
-            plan.stopped_at = step if plan.stopped_at is None else min(plan.stopped_at, step)
+            _stop(plan, int(entry.get("step", -1)), "the record reached its cap")
+    for step in waits.values():
+        _stop(plan, step, "the record could not be written: the disk was full")
     for name, causes in dict(losses.get("lost", {})).items():
         if name in plan.backends:
             lost = plan.backends[name].lost
@@ -161,6 +172,12 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
         if name in plan.backends and n:
             lost = plan.backends[name].lost
             lost["step_order"] = lost.get("step_order", 0) + int(n)
+
+
+def _stop(plan: RankPlan, step: int, why: str) -> None:
+    """Nothing past `step` is checked for this rank (the earliest such step wins)."""
+    if plan.stopped_at is None or step < plan.stopped_at:
+        plan.stopped_at, plan.stopped_why = step, why
 
 
 def _expect(backend: BackendPlan, rule: Any, rows: list[Any], spans: list[Any]) -> None:

@@ -99,7 +99,9 @@ def _wandb(plan: RankPlan, backend: BackendPlan) -> Held | str:
     roots = [_run_dir(plan, backend)]
     if plan.env.get("WANDB_DIR"):
         roots.append(Path(plan.env["WANDB_DIR"]))
-    files = sorted({p for root in roots for p in root.glob(f"wandb/*-{wandb_id}/run-{wandb_id}.wandb")})
+    from otel_train.exporters.wandb import offline_run_files
+
+    files = list(dict.fromkeys(p for root in roots for p in offline_run_files(root / "wandb", wandb_id)))
     points = [p for path in files for p in readers.wandb(path)]
     return Held(points, _wandb_key, where=", ".join(map(str, files)) or f"no offline run {wandb_id}")
 

@@ -70,6 +70,13 @@ def _replay(run_dir: Path) -> str:
     return done.stdout
 
 
+def _verify(run_dir: Path) -> tuple[int, str]:
+    """`otel-train verify` on a run: its exit status and report."""
+    done = subprocess.run([sys.executable, "-m", "otel_train.cli", "verify", str(run_dir)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize(("fail", "recovers"), [("2:4", True), ("2:1000000", False)])
 def test_disk_full_on_the_spool_delivers_from_memory(tmp_path: Path, fail: str, recovers: bool) -> None:
     (tmp_path / "site").mkdir()
@@ -302,6 +309,8 @@ def test_run_folder_on_a_full_disk_then_freed_every_point_once(tmp_path: Path, h
     assert "No space left on device" in err, err[-3000:]  # the fault was real, and said
     line = _summary(err)
     assert "rows not written" not in line and "; 0 dropped;" in line, line  # no backend lost a row
+    code, report = _verify(copy / "full")
+    assert code == 0, report  # every logged value once in every backend, by their own readers
 
 
 @pytest.mark.parametrize("how", ["tmpfs", "hook"])
@@ -321,6 +330,8 @@ def test_run_folder_on_a_full_disk_never_freed_counts_the_loss_exactly(tmp_path:
         lost = handed - held[backend]
         assert lost > 0, (backend, held)
         assert f"{backend}: {lost:,} rows not written ({lost:,} disk full)" in line, (backend, lost, line)
+    code, report = _verify(run)
+    print(report)
     if how == "tmpfs":  # the spool (on the same full disk) could not hold it either
         assert "durable" not in line and "data is durable" not in err, err[-3000:]
         return
@@ -328,3 +339,5 @@ def test_run_folder_on_a_full_disk_never_freed_counts_the_loss_exactly(tmp_path:
     _replay(copy / "full")
     assert sorted(jsonl_points(copy, "full")) == sorted(expected(range(2 * STEPS)))
     assert sorted(tb_points(copy / "full")) == sorted(expected(range(2 * STEPS), as_f32=True))
+    code, report = _verify(copy / "full")
+    assert code == 0, report

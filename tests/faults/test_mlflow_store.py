@@ -113,6 +113,19 @@ def test_kills_during_store_creation_then_a_normal_run_works(tmp_path: Path) -> 
     assert sorted((p.name, p.step, p.value) for p in readback.mlflow(uri, "after") if p.name == "loss") == [
         ("loss", 0, 1.0), ("loss", 1, 2.0), ("loss", 2, 3.0)], done.stderr[-3000:]
     assert not [p for p in _store_files(store) if ".creating-" in p.name]  # no temp file left behind
+    for run in ("after", "killed0"):  # a killed job's run: replay delivers what its spool kept, then verify
+        if run != "after":
+            replayed = _cli("replay", str(out / run), env=_env(tmp_path))
+            assert replayed.returncode == 0, replayed.stdout[-3000:] + replayed.stderr[-3000:]
+        verified = _cli("verify", str(out / run), env=_env(tmp_path))
+        assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
+    assert sorted((p.name, p.step, p.value) for p in readback.mlflow(uri, "killed0") if p.name == "loss") == [
+        ("loss", 0, 1.0), ("loss", 1, 2.0), ("loss", 2, 3.0)]
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "otel_train.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
 
 
 def test_a_half_built_store_without_runs_is_set_aside_and_rebuilt(

@@ -147,7 +147,8 @@ def marks(ran: Ran) -> dict[str, Any]:
     found["clearml"] = {"tags": [t for t in task["tags"] if t.startswith("otel_train.preempted")],
                         "comment": task.get("comment", "")}
     script = "import json, trackio; print(json.dumps(trackio.Api().alerts('preempt')))"
-    alerts = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ran.env)
+    alerts = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ran.env,
+                            check=False)
     assert alerts.returncode == 0, (alerts.stderr[-3000:], ran.log)
     found["trackio"] = [(a["title"], a["text"], a["level"]) for a in json.loads(alerts.stdout.splitlines()[-1])]
     return found

@@ -269,3 +269,21 @@ def _f32(x: float) -> float:
     import struct
 
     return float(struct.unpack("<f", struct.pack("<f", x))[0])
+
+
+def test_verify_after_a_run_folder_was_deleted_checks_what_was_logged_since(tmp_path: Path) -> None:
+    """What was deleted is gone, and verify does not pretend otherwise: it checks the steps logged after the
+    deletion, whose record started again with the backends' new files."""
+    script = tmp_path / "deleted.py"
+    script.write_text(DELETED)
+    out = tmp_path / "runs"
+    done = subprocess.run([sys.executable, str(script), str(out)], env=_env(tmp_path), capture_output=True,
+                          text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    verify = subprocess.run([sys.executable, "-m", "otel_train.cli", "verify", "--json", str(out / "gone")],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert verify.returncode == 0, verify.stdout[-3000:] + verify.stderr[-3000:]
+    report = json.loads(verify.stdout)
+    checked = {b["backend"]: b for b in report["backends"]}
+    assert set(checked) == {"jsonl", "tensorboard", "chrome_trace"}
+    assert checked["jsonl"]["status"] == "pass" and checked["jsonl"]["present"] >= 2 * 20  # loss and acc, steps 20-39

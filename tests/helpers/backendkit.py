@@ -103,7 +103,10 @@ def read_run(path: Path) -> dict[str, Any]:
 
 
 def wandb_files(directory: Path, run_name: str, wandb_id: str) -> list[Path]:
-    return sorted((directory / run_name / "wandb").glob(f"offline-run-*-{wandb_id}/run-{wandb_id}.wandb"))
+    """The offline run files of `wandb_id`, oldest process first (W&B's own naming, `offline_run_files`)."""
+    from otel_train.exporters.wandb import offline_run_files
+
+    return offline_run_files(directory / run_name / "wandb", wandb_id)
 
 
 # -- ClearML ------------------------------------------------------------------------------------------

@@ -462,11 +462,14 @@ def test_runs_count_rows_of_failed_writes_as_failed_not_written(tmp_path: Path) 
         _ingest_all(router, [metrics_request({"train.run.id": "f"}, [OtlpPoint("m", 1.0, step=s)]) for s in range(5)])
         assert router.flush(30)
         run = router.summary()["runs"][0]
+        totals = router.delivery_totals()
     finally:
         router.close(30)
     assert run["points"] == 5 and run["failed"] >= 1
     assert run["written"] == len(backend.metrics)  # what the backend holds, never a failed write
     assert run["backends"]["memory"] == {"written": run["written"], "failed": run["failed"], "pending": 0}
+    # `/health`'s sum over the open runs
+    assert totals == {"written": run["written"], "failed": run["failed"], "pending": 0, "runs_behind": 1}
 
 
 def test_a_torn_journal_keeps_its_whole_records_and_a_damaged_snapshot_never_stops_a_run(tmp_path: Path) -> None:

@@ -1,10 +1,12 @@
 """The parts of verify that need no backend: comparing lists of (step, value), and the record's file format
-(a torn tail, the cap, a pid's file reopened)."""
+(a torn tail, the cap, a pid's file reopened, a full disk, a deleted run folder)."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,12 +82,12 @@ def test_a_torn_tail_is_cut_when_the_file_is_reopened(tmp_path: Path) -> None:
     whole = path.stat().st_size
     with open(path, "ab") as f:  # a process killed mid-entry
         f.write(b"\x40\x00\x00\x00partial")
-    assert [e["k"] for e in read_entries(path)] == ["h", "w"]  # the reader stops before it
+    assert [e["k"] for e in read_entries(path)] == ["h", "f", "w"]  # the reader stops before it
     again = _record(tmp_path)  # the same pid: the same file, continued after its last whole entry
     assert again.path == path and path.stat().st_size > whole
     again.add(_window(range(2, 4)))
     again.close()
-    assert [e["k"] for e in read_entries(path)] == ["h", "w", "h", "w"]
+    assert [e["k"] for e in read_entries(path)] == ["h", "f", "w", "h", "f", "w"]
     (points,) = load(tmp_path)[0].backends["jsonl"].expected.points.values()
     assert [s for s, _ in points] == [0, 1, 2, 3]
 
@@ -138,3 +140,69 @@ def test_values_refused_at_the_call_are_reported_with_their_cause(tmp_path: Path
     assert report.refusals == {"not_a_number": 3, "bad_key": 1}
     assert report.ok and report.exit_code == 0
     assert "refused at the call (never logged): 3 not_a_number, 1 bad_key" in format_report(report)
+
+
+class _Disk:
+    """`otel_train.file_append`'s write with a disk that fills and frees (a short write, then ENOSPC)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from otel_train import file_append
+
+        self.full = False
+        real = file_append._write
+
+        def write(fd: int, data: bytes) -> int:
+            if not self.full:
+                return real(fd, data)
+            if len(data) > 8:
+                return real(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(file_append, "_write", write)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    (points,) = load(run_dir)[0].backends["jsonl"].expected.points.values()
+    return [s for s, _ in points]
+
+
+def test_a_disk_that_fills_then_frees_leaves_a_whole_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    disk = _Disk(monkeypatch)
+    record = _record(tmp_path)
+    record.add(_window(range(3)))
+    disk.full = True
+    record.add(_window(range(3, 6)))  # waits in memory; the file says from which step
+    plan = load(tmp_path)[0]
+    assert (plan.stopped_at, plan.stopped_why) == (2, "the record could not be written: the disk was full")
+    assert _steps(tmp_path) == [0, 1, 2]  # no torn entry in the file
+    disk.full = False
+    record.add(_window(range(6, 9)))
+    record.close()
+    assert load(tmp_path)[0].stopped_at is None  # everything waiting was written: the mark is lifted
+    assert _steps(tmp_path) == list(range(9))
+
+
+def test_a_disk_full_to_the_end_stops_verify_where_the_record_stops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    disk = _Disk(monkeypatch)
+    record = _record(tmp_path)
+    record.add(_window(range(3)))
+    disk.full = True
+    record.add(_window(range(3, 6)))
+    record.close()
+    plan = load(tmp_path)[0]
+    assert plan.stopped_at == 2 and _steps(tmp_path) == [0, 1, 2]
+    assert sum("could not write its last 1 entries" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_deleted_run_folder_gets_a_new_record_from_the_next_window(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    record = _record(tmp_path)
+    record.add(_window(range(3)))
+    shutil.rmtree(tmp_path / "verify")  # `rm -rf` of the run folder's contents
+    record.add(_window(range(3, 6)))
+    record.close()
+    plan = load(tmp_path)[0]
+    assert list(plan.backends) == ["jsonl"] and plan.run_id == "r"  # its header again
+    assert _steps(tmp_path) == [3, 4, 5]
+    assert sum("was deleted while the run wrote to it" in r.getMessage() for r in caplog.records) == 1
