@@ -243,9 +243,10 @@ class JsonlExporter(RowExporter):
     def mark_preempted(self, cause: str) -> None:
         """Append ``{"type": "preempted", "signal": cause}`` to each rank file this run wrote, durably."""
         now = time.time_ns()
-        for key, (_, f) in self._files.items():
-            record = {"type": "preempted", **_run_fields(self._runs[key]), "signal": cause, "time_unix_nano": now}
-            f.append((json.dumps(record, separators=(",", ":")) + "\n").encode())
+        for key in list(self._files):
+            run = self._runs[key]
+            record = {"type": "preempted", **_run_fields(run), "signal": cause, "time_unix_nano": now}
+            self._file(run).append((json.dumps(record, separators=(",", ":")) + "\n").encode())  # a deleted folder: anew
         self.flush()
 
     def flush(self) -> None:

@@ -133,3 +133,13 @@ def test_a_deleted_run_folder_is_said_once_and_written_again(name: str, tmp_path
     assert len(said) == 1 and str(tmp_path / "disk") in said[0], said
     assert getattr(backend, "files_recreated", None) == 1
     assert _held(name, tmp_path / "disk") == _want(range(3, 9))  # what was deleted is gone; nothing after it
+
+
+def test_a_preemption_mark_after_the_run_folder_was_deleted_lands_in_a_new_file(tmp_path: Path) -> None:
+    file_append._warned.clear()
+    with JsonlExporter(ExporterOptions(directory=tmp_path)) as backend:
+        assert backend.export_window(_window(range(3)))
+        shutil.rmtree(tmp_path / "disk")
+        backend.mark_preempted("SIGTERM")
+    records = [json.loads(line) for line in (tmp_path / "disk" / "rank0.jsonl").read_text().splitlines()]
+    assert [(r["type"], r.get("signal")) for r in records] == [("preempted", "SIGTERM")]
