@@ -1,0 +1,67 @@
+"""What one session captures as OTel log records, installed by `init()` and removed by `shutdown()`.
+
+One object owns every way a log record enters the run: the `logging` handler (`log_records`), the
+uncaught-exception hooks (`uncaught`) and, with `OTEL_TRAIN_CAPTURE_OUTPUT`, the stdout/stderr line
+capture (`output_lines`). All hand `CapturedLog`s to one `target`, which a forked child swaps for its
+connection to the exporter process (`retarget`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from otel_train.capture.log_records import CapturedLog, LogRecordHandler, non_propagating_loggers
+from otel_train.capture.output_lines import OutputLines
+from otel_train.capture.uncaught import UncaughtHooks
+
+__all__ = ["LogCapture"]
+
+
+class LogCapture:
+    """The session's log-record capture.
+
+    Args:
+        target: Takes each captured record (the training process's `LogBuffer.append_log`).
+        level: The lowest `logging` level captured; None: no `logging` records (exceptions still are).
+        rate_per_s: `OTEL_TRAIN_LOG_RATE`.
+        capture_output: Also capture stdout/stderr lines (`OTEL_TRAIN_CAPTURE_OUTPUT`).
+    """
+
+    def __init__(self, target: Callable[[CapturedLog], None], level: int | None, rate_per_s: float,
+                 capture_output: bool = False) -> None:
+        self._target = target
+        self.handler = LogRecordHandler(self._hand, level if level is not None else logging.WARNING, rate_per_s)
+        self._handle_logging = level is not None
+        self.hooks = UncaughtHooks(self._hand)
+        self._capture_output = capture_output
+        self._output: OutputLines | None = None
+
+    def _hand(self, record: CapturedLog) -> None:
+        self._target(record)
+
+    def install(self) -> None:
+        if self._handle_logging:
+            self.handler.attach([logging.getLogger(), *non_propagating_loggers()])
+        self.hooks.install()
+        if self._capture_output:
+            lines = OutputLines(self._hand, self.handler.limit)
+            lines.install()
+            self._output = lines
+
+    def retarget(self, target: Callable[[CapturedLog], None]) -> None:
+        """Hand records to `target` from now on (a forked child: its connection to the exporter process)."""
+        self._target = target
+
+    @property
+    def rate_limited(self) -> int:
+        """Records dropped by the rate limit so far."""
+        return self.handler.limit.dropped
+
+    def remove(self) -> None:
+        """Stop capturing (idempotent): the handler leaves every logger, the earlier hooks and streams are back."""
+        self.handler.detach()
+        self.hooks.remove()
+        output, self._output = self._output, None
+        if output is not None:
+            output.remove()
