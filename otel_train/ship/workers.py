@@ -345,6 +345,7 @@ class WorkerClient:
         self._points: list[tuple[Any, ...]] = []
         self._spans: list[tuple[Any, ...]] = []
         self._logs: list[tuple[Any, ...]] = []  # `LogRow` fields after its run
+        self._wake = threading.Event()  # a log record is sent at once: a crash that follows must not lose it
         self._sock: socket.socket | None = None
         self._state = "new"  # new -> open | dead
         self._warned = False
@@ -441,6 +442,7 @@ class WorkerClient:
                 self._lose(LOST_LOGS, 1)
                 return
             self._logs.append(record.fields())
+        self._wake.set()
 
     # -- connection (the sender thread) ------------------------------------------------------------------
     def _usable(self) -> bool:
@@ -485,7 +487,8 @@ class WorkerClient:
 
     def _sender(self) -> None:
         while self._state == "open":
-            time.sleep(_SEND_EVERY_S)
+            self._wake.wait(_SEND_EVERY_S)
+            self._wake.clear()
             self.send_now()
 
     def send_now(self) -> None:
