@@ -202,3 +202,20 @@ def test_rate_limit_passes_its_rate_and_counts_the_rest() -> None:
 def test_severity_numbers_follow_the_otel_mapping() -> None:
     assert [severity_number(n) for n in (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR,
                                          logging.CRITICAL)] == [5, 9, 13, 17, 21]
+
+
+def test_a_raw_otel_logger_gets_the_step_and_span(start: InMemoryRowExporter) -> None:
+    from opentelemetry import _logs
+
+    raw = _logs.get_logger("raw.app")
+    with ot.step(4), ot.span("eval") as span:
+        raw.emit(severity_number=_logs.SeverityNumber.WARN, severity_text="WARN", body="raw warning",
+                 attributes={"k": 1})
+    raw.emit(_logs.LogRecord(body="explicit step", severity_number=_logs.SeverityNumber.INFO, severity_text="INFO",
+                             attributes={"train.step": 9}))
+    ot.flush()
+    assert [(r.step, r.logger, r.severity_number, r.body) for r in start.logs] == [
+        (4, "raw.app", 13, "raw warning"), (9, "raw.app", 9, "explicit step")]
+    assert start.logs[0].span_id == span.get_span_context().span_id and start.logs[0].attributes == {"k": 1}
+    ot.shutdown()
+    raw.emit(body="between sessions: dropped")  # raises nothing

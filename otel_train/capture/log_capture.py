@@ -1,8 +1,8 @@
 """What one session captures as OTel log records, installed by `init()` and removed by `shutdown()`.
 
 One object owns every way a log record enters the run: the `logging` handler (`log_records`), the
-uncaught-exception hooks (`uncaught`) and, with `OTEL_TRAIN_CAPTURE_OUTPUT`, the stdout/stderr line
-capture (`output_lines`). All hand `CapturedLog`s to one `target`, which a forked child swaps for its
+uncaught-exception hooks (`uncaught`), the global OTel logger provider (`otel_logs`) and, with
+`OTEL_TRAIN_CAPTURE_OUTPUT`, the stdout/stderr line capture (`output_lines`). All hand `CapturedLog`s to one `target`, which a forked child swaps for its
 connection to the exporter process (`retarget`).
 """
 
@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 
 from otel_train.capture.log_records import CapturedLog, LogRecordHandler, non_propagating_loggers
+from otel_train.capture.otel_logs import SESSION_LOGGER_PROVIDER, install_global
 from otel_train.capture.output_lines import OutputLines
 from otel_train.capture.uncaught import UncaughtHooks
 
@@ -40,10 +41,17 @@ class LogCapture:
     def _hand(self, record: CapturedLog) -> None:
         self._target(record)
 
+    def _hand_limited(self, record: CapturedLog, event: bool) -> None:
+        """A raw OTel record: rate-limited as `logging` records are (events never)."""
+        if event or self.handler.limit.allow():
+            self._target(record)
+
     def install(self) -> None:
         if self._handle_logging:
             self.handler.attach([logging.getLogger(), *non_propagating_loggers()])
         self.hooks.install()
+        if install_global():
+            SESSION_LOGGER_PROVIDER.target = self._hand_limited
         if self._capture_output:
             lines = OutputLines(self._hand, self.handler.limit)
             lines.install()
@@ -62,6 +70,8 @@ class LogCapture:
         """Stop capturing (idempotent): the handler leaves every logger, the earlier hooks and streams are back."""
         self.handler.detach()
         self.hooks.remove()
+        if SESSION_LOGGER_PROVIDER.target == self._hand_limited:
+            SESSION_LOGGER_PROVIDER.target = None
         output, self._output = self._output, None
         if output is not None:
             output.remove()
