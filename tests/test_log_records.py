@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import otel_train as ot
-from otel_train.capture.log_records import LogRecordHandler, RateLimit, severity_number
+from otel_train.capture.log_records import RateLimit, severity_number
 from otel_train.testing import InMemoryRowExporter
 
 log = logging.getLogger("tests.train")
@@ -165,22 +165,38 @@ def test_a_flood_is_rate_limited_and_counted(run_dir: Path, monkeypatch: pytest.
     assert session.refusals.get("log_rate_limited", 0) == 5000 - len(kept)
 
 
-def test_shutdown_removes_the_handler_and_hooks(run_dir: Path) -> None:
-    hooks = (sys.excepthook, threading.excepthook)
+def test_shutdown_removes_the_hooks(run_dir: Path) -> None:
+    hooks = (sys.excepthook, threading.excepthook, logging.Logger.callHandlers)
     mem = InMemoryRowExporter()
     ot.init(exporters=[mem], dir=run_dir)
-    assert any(isinstance(h, LogRecordHandler) for h in logging.getLogger().handlers)
+    assert logging.Logger.callHandlers is not hooks[2]
     ot.shutdown()
-    assert not any(isinstance(h, LogRecordHandler) for h in logging.getLogger().handlers)
-    assert (sys.excepthook, threading.excepthook) == hooks
+    assert (sys.excepthook, threading.excepthook, logging.Logger.callHandlers) == hooks
     log.warning("after shutdown")  # goes nowhere of ours, raises nothing
+    assert mem.logs == []
+
+
+def test_basic_config_after_init_still_configures_logging(run_dir: Path) -> None:
+    """Capturing adds no handler: `logging.basicConfig()` after `init()` still finds the root logger without one."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers = []
+    try:
+        ot.init(exporters=[InMemoryRowExporter()], dir=run_dir)
+        logging.basicConfig()
+        assert len(root.handlers) == 1 and isinstance(root.handlers[0], logging.StreamHandler)
+    finally:
+        root.handlers = saved
 
 
 def test_level_off_keeps_exception_capture(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRAIN_LOG_LEVEL", "off")
     mem = InMemoryRowExporter()
     ot.init(exporters=[mem], dir=run_dir)
-    assert not any(isinstance(h, LogRecordHandler) for h in logging.getLogger().handlers)
+    with ot.step(1):
+        log.error("not captured: logging is off")
+    ot.flush()
+    assert mem.logs == [] and not ot._session.log_capture.handler.active
     assert ot._session.log_capture.hooks.active
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from otel_train.capture.log_records import CapturedLog, LogRecordHandler, non_propagating_loggers
+from otel_train.capture.log_records import CapturedLog, LogRecordHandler
 from otel_train.capture.otel_logs import SESSION_LOGGER_PROVIDER, install_global
 from otel_train.capture.output_lines import OutputLines
 from otel_train.capture.uncaught import UncaughtHooks
@@ -48,7 +48,7 @@ class LogCapture:
 
     def install(self) -> None:
         if self._handle_logging:
-            self.handler.attach([logging.getLogger(), *non_propagating_loggers()])
+            self.handler.install()
         self.hooks.install()
         if install_global():
             SESSION_LOGGER_PROVIDER.target = self._hand_limited
@@ -67,8 +67,8 @@ class LogCapture:
         return self.handler.limit.dropped
 
     def remove(self) -> None:
-        """Stop capturing (idempotent): the handler leaves every logger, the earlier hooks and streams are back."""
-        self.handler.detach()
+        """Stop capturing (idempotent): the earlier `logging`, exception hooks and streams are back."""
+        self.handler.remove()
         self.hooks.remove()
         if SESSION_LOGGER_PROVIDER.target == self._hand_limited:
             SESSION_LOGGER_PROVIDER.target = None

@@ -1,12 +1,12 @@
 """Python `logging` records as OTel log records, captured where they are emitted and appended, nothing more.
 
-`LogRecordHandler` is a `logging.Handler`: on the emitting thread it snapshots what the record will not
+`LogRecordHandler` hooks `logging.Logger.callHandlers`: on the emitting thread it snapshots what the record will not
 keep (the formatted message, the traceback as text, the step, the active span, the thread) into a
 `CapturedLog` and hands it to a target (the training process's `LogBuffer`; a forked child's connection to
 the exporter process). Everything else (rows, encoding, backends) happens off that thread, as for `ot.log`.
 
-Which records: at or above the handler's level (`OTEL_TRAIN_LOG_LEVEL`), as the emitting logger lets them
-through. otel-train's own diagnostics (loggers ``otel_train`` and ``otel_train.*``) are left out, so a
+Which records: every record a logger hands to its handlers (any logger, propagating or not) at or above
+`OTEL_TRAIN_LOG_LEVEL`; a logger's own level still applies (a record it does not emit is never seen). otel-train's own diagnostics (loggers ``otel_train`` and ``otel_train.*``) are left out, so a
 failing backend cannot feed itself its own warnings; a record of ours that carries an ``event.name`` extra
 (``train.hang``) is an event meant for the run and is kept.
 
@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry import trace as otel_trace
@@ -28,7 +28,7 @@ from opentelemetry import trace as otel_trace
 from otel_train import semconv
 from otel_train.capture.step import current_step
 
-__all__ = ["EVENT_NAME", "CapturedLog", "LogRecordHandler", "RateLimit", "active_span", "captured_exception", "non_propagating_loggers",
+__all__ = ["EVENT_NAME", "CapturedLog", "LogRecordHandler", "RateLimit", "active_span", "captured_exception",
            "severity_number"]
 
 EVENT_NAME = semconv.EVENT_NAME
@@ -150,8 +150,14 @@ def _capture(record: logging.LogRecord) -> CapturedLog:
                        record.levelname, _message(record), record.name, attributes, trace_id, span_id)
 
 
-class LogRecordHandler(logging.Handler):
+class LogRecordHandler:
     """Turns `logging` records into `CapturedLog`s handed to `target`; never raises, never blocks.
+
+    Not a `logging.Handler` on the root logger: `install` hooks `logging.Logger.callHandlers`, the one call every
+    record takes to its logger's handlers (the way Sentry's logging integration sees records). A handler on the
+    root logger would make `logging.basicConfig()` called after `init()` a silent no-op and would stop Python
+    printing warnings of a program with no handler (`logging.lastResort`), and would miss loggers that do not
+    propagate (Transformers, Lightning); the hook changes none of that and sees each record once.
 
     Args:
         target: Takes each captured record (the session's: the `LogBuffer`, or a child's worker connection).
@@ -161,65 +167,50 @@ class LogRecordHandler(logging.Handler):
 
     def __init__(self, target: Callable[[CapturedLog], None], level: int = logging.WARNING,
                  rate_per_s: float = 500.0) -> None:
-        # The handler's own level lets through what `logging.lastResort` prints (see `handle`).
-        super().__init__(min(level, logging.lastResort.level if logging.lastResort else level))
-        self.capture_level = level
+        self.level = level
         self.target = target
         self.limit = RateLimit(rate_per_s)
-        self._local = threading.local()  # the record being handled on this thread: no recursion, no duplicate
-        self._attached: list[logging.Logger] = []
+        self.active = False
+        self._local = threading.local()  # set while capturing on this thread: a record logged meanwhile is left out
+        self._original: Any = None  # `logging.Logger.callHandlers` as it was
+        self._hook: Any = None
 
-    def attach(self, loggers: Iterable[logging.Logger]) -> None:
-        """Handle the records of `loggers` (the root logger, and loggers that do not propagate to it)."""
-        for logger in loggers:
-            if self not in logger.handlers:
-                logger.addHandler(self)
-                self._attached.append(logger)
+    def install(self) -> None:
+        """Hook `logging.Logger.callHandlers` (idempotent)."""
+        if self.active:
+            return
+        self.active = True
+        original = logging.Logger.callHandlers
+        handle = self.handle
 
-    def detach(self) -> None:
-        """Stop handling records: removed from every logger it was attached to (idempotent)."""
-        for logger in self._attached:
-            logger.removeHandler(self)
-        self._attached = []
+        def callHandlers(logger: logging.Logger, record: logging.LogRecord) -> None:
+            handle(record)
+            original(logger, record)
 
-    def handle(self, record: logging.LogRecord) -> bool:
-        # No lock (`Handler.handle` takes one per record): `emit` only appends.
-        local = self._local
-        if getattr(local, "last", None) is record:
-            return False  # the same record reaching a second logger this handler is attached to
-        if not self._others_on_the_way(record):
-            # Python prints a record no handler takes (`logging.lastResort`, stderr); this handler must not
-            # silence that: with no handler of the user's on the record's way it prints it as Python would have.
-            last = logging.lastResort
-            if last is not None and record.levelno >= last.level:
-                last.handle(record)
-        if record.levelno < self.capture_level or (self.filters and not self.filter(record)):
-            return False
-        self.emit(record)
-        return True
+        self._original, self._hook = original, callHandlers
+        logging.Logger.callHandlers = callHandlers  # type: ignore[method-assign,assignment]
 
-    def _others_on_the_way(self, record: logging.LogRecord) -> bool:
-        """Whether a handler besides this one is on `record`'s way up from its logger (as `callHandlers` walks)."""
-        logger = logging.root.manager.loggerDict.get(record.name)
-        node: logging.Logger | None = logger if isinstance(logger, logging.Logger) else logging.root
-        while node is not None:
-            for handler in node.handlers:
-                if handler is not self:
-                    return True
-            node = node.parent if node.propagate else None
-        return False
+    def remove(self) -> None:
+        """Stop capturing (idempotent): the earlier `callHandlers` is back where the hook is still the one
+        installed; where another hook was installed over it since, it stays in their chain and only forwards."""
+        if not self.active:
+            return
+        self.active = False
+        if logging.Logger.callHandlers is self._hook and self._original is not None:
+            logging.Logger.callHandlers = self._original  # type: ignore[method-assign]
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def handle(self, record: logging.LogRecord) -> None:
+        """Capture `record` if it is at or above the level and not otel-train's own (an event excepted)."""
+        if not self.active or record.levelno < self.level:
+            return
         local = self._local
         if getattr(local, "busy", False):
             return  # a record logged while capturing one
-        name = record.name
         event = EVENT_NAME in vars(record)
-        if not event and _is_own(name):
+        if not event and _is_own(record.name):
             return
         local.busy = True
         try:
-            local.last = record
             if not event and not self.limit.allow():
                 return
             self.target(_capture(record))
@@ -231,13 +222,3 @@ class LogRecordHandler(logging.Handler):
 
 def _is_own(name: str) -> bool:
     return name == _OWN_LOGGER or name.startswith("otel_train.")
-
-
-def non_propagating_loggers() -> list[logging.Logger]:
-    """Loggers that exist now and do not pass their records up to the root logger (frameworks that print
-    through their own handler: Transformers, Lightning), so that their records are handled too."""
-    out = []
-    for logger in list(logging.root.manager.loggerDict.values()):
-        if isinstance(logger, logging.Logger) and not logger.propagate and not _is_own(logger.name):
-            out.append(logger)
-    return out
