@@ -99,11 +99,12 @@ def test_every_record_reaches_jsonl_and_the_trace_at_its_step_and_rank(tmp_path:
 def test_output_lines_are_captured_when_asked(tmp_path: Path) -> None:
     script = tmp_path / "out.py"
     script.write_text(textwrap.dedent("""
-        import sys
+        import logging, sys
         import otel_train as ot
         ot.init(exporters="jsonl", dir=sys.argv[1], run_name="out")
         with ot.step(3):
             print("epoch 3 done")
+            logging.getLogger("job").warning("printed by Python, captured once")
             print("partial", end="")
             sys.stderr.write("cuda warning\\n")
         ot.shutdown()
@@ -114,6 +115,8 @@ def test_output_lines_are_captured_when_asked(tmp_path: Path) -> None:
                          timeout=120, env=env, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "epoch 3 done\npartial" and "cuda warning" in out.stderr  # still printed
+    assert "printed by Python, captured once" in out.stderr
     records = [r for r in read_jsonl(jsonl_path(tmp_path / "runs", "out", 0)) if r["type"] == "log"]
     assert [(r["logger"], r["step"], r["severity_text"], r["body"]) for r in records] == [
-        ("stdout", 3, "INFO", "epoch 3 done"), ("stderr", 3, "WARN", "cuda warning"), ("stdout", 3, "INFO", "partial")]
+        ("stdout", 3, "INFO", "epoch 3 done"), ("job", 3, "WARNING", "printed by Python, captured once"),
+        ("stderr", 3, "WARN", "cuda warning"), ("stdout", 3, "INFO", "partial")]

@@ -53,7 +53,7 @@ class LogCapture:
         if install_global():
             SESSION_LOGGER_PROVIDER.target = self._hand_limited
         if self._capture_output:
-            lines = OutputLines(self._hand, self.handler.limit)
+            lines = OutputLines(self._hand, self.handler.limit, self.handler.printing)
             lines.install()
             self._output = lines
 

@@ -183,9 +183,16 @@ class LogRecordHandler:
         original = logging.Logger.callHandlers
         handle = self.handle
 
+        local = self._local
+
         def callHandlers(logger: logging.Logger, record: logging.LogRecord) -> None:
-            handle(record)
-            original(logger, record)
+            # While the logger's own handlers print a record that is captured already (or one of ours), the
+            # stdout/stderr capture leaves their lines out (`printing`): one record, not two.
+            local.printing = handle(record)
+            try:
+                original(logger, record)
+            finally:
+                local.printing = False
 
         self._original, self._hook = original, callHandlers
         logging.Logger.callHandlers = callHandlers  # type: ignore[method-assign,assignment]
@@ -199,23 +206,31 @@ class LogRecordHandler:
         if logging.Logger.callHandlers is self._hook and self._original is not None:
             logging.Logger.callHandlers = self._original  # type: ignore[method-assign]
 
-    def handle(self, record: logging.LogRecord) -> None:
-        """Capture `record` if it is at or above the level and not otel-train's own (an event excepted)."""
-        if not self.active or record.levelno < self.level:
-            return
-        local = self._local
-        if getattr(local, "busy", False):
-            return  # a record logged while capturing one
+    def printing(self) -> bool:
+        """Whether this thread is in the handlers of a record captured already, or of otel-train's own."""
+        return bool(getattr(self._local, "printing", False))
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        """Capture `record` if it is at or above the level and not otel-train's own (an event excepted).
+        Returns whether the record is captured or otel-train's own (its printed lines are not captured)."""
+        if not self.active:
+            return False
         event = EVENT_NAME in vars(record)
         if not event and _is_own(record.name):
-            return
+            return True
+        if record.levelno < self.level:
+            return False
+        local = self._local
+        if getattr(local, "busy", False):
+            return False  # a record logged while capturing one
         local.busy = True
         try:
             if not event and not self.limit.allow():
-                return
+                return True  # counted as dropped; printing it again as a line would undo the limit
             self.target(_capture(record))
-        except Exception:  # noqa: S110 - a log record is never worth an error in the caller's code
-            pass
+            return True
+        except Exception:  # a log record is never worth an error in the caller's code
+            return False
         finally:
             local.busy = False
 

@@ -3,9 +3,9 @@
 `sys.stdout` and `sys.stderr` are replaced by tees that write through to the original stream first (the
 terminal sees the text as before) and hand each complete line to the target: stdout lines at severity
 INFO, stderr lines at WARN, with the logger name ``stdout`` / ``stderr``. Only writes through `sys.stdout`
-/ `sys.stderr` are seen (not a subprocess's, not C code writing to the file descriptor). A record that a
-`logging` handler also prints to stderr arrives twice, once from each (the ``stderr`` one by its logger
-name). A partial line waits for its end, at most `_MAX_LINE` characters; the rest is flushed at `remove`.
+/ `sys.stderr` are seen (not a subprocess's, not C code writing to the file descriptor). What `logging`
+handlers print for a record that is captured as a log record already (or for otel-train's own diagnostics)
+is left out: one record, not two. A partial line waits for its end, at most `_MAX_LINE` characters; the rest is flushed at `remove`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class _LineTee:
     """A text stream that writes through to `stream` and hands each complete line to `hand`."""
 
     def __init__(self, stream: TextIO, name: str, severity: tuple[int, str], hand: Callable[[CapturedLog], None],
-                 limit: RateLimit) -> None:
+                 limit: RateLimit, skip: Callable[[], bool]) -> None:
         self.stream = stream
+        self._skip = skip
         self._name = name
         self._severity = severity
         self._hand = hand
@@ -41,7 +42,7 @@ class _LineTee:
 
     def write(self, text: str) -> int:
         n = self.stream.write(text)
-        if self.active and text:
+        if self.active and text and not self._skip():
             try:
                 self._lines(text)
             except Exception:  # noqa: S110 - printing never fails because of telemetry
@@ -84,14 +85,15 @@ class _LineTee:
 class OutputLines:
     """Installs the stdout / stderr tees; `remove` restores the streams where the tees are still installed."""
 
-    def __init__(self, hand: Callable[[CapturedLog], None], limit: RateLimit) -> None:
+    def __init__(self, hand: Callable[[CapturedLog], None], limit: RateLimit, skip: Callable[[], bool]) -> None:
         self._hand = hand
         self._limit = limit
+        self._skip = skip
         self._tees: list[tuple[str, _LineTee]] = []
 
     def install(self) -> None:
         for attr, severity in (("stdout", (9, "INFO")), ("stderr", (13, "WARN"))):
-            tee = _LineTee(getattr(sys, attr), attr, severity, self._hand, self._limit)
+            tee = _LineTee(getattr(sys, attr), attr, severity, self._hand, self._limit, self._skip)
             setattr(sys, attr, tee)
             self._tees.append((attr, tee))
 
