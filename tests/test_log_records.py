@@ -61,6 +61,14 @@ def test_level_from_the_environment(run_dir: Path, monkeypatch: pytest.MonkeyPat
     assert _messages(mem) == [(2, "INFO", "epoch done")]
 
 
+def test_a_records_own_step_wins(start: InMemoryRowExporter) -> None:
+    with ot.step(5):
+        log.warning("about an earlier step", extra={"train.step": 2})
+    ot.flush()
+    (row,) = start.logs
+    assert row.step == 2 and "train.step" not in row.attributes
+
+
 def test_a_record_carries_the_active_span(start: InMemoryRowExporter) -> None:
     with ot.step(5), ot.span("forward") as span:
         log.error("nan in the logits")

@@ -145,8 +145,11 @@ def _capture(record: logging.LogRecord) -> CapturedLog:
     for key, value in vars(record).items():
         if key not in _RESERVED and not key.startswith("_"):
             attributes[key] = _plain(value)
+    step = attributes.pop(semconv.TRAIN_STEP, None)  # `extra={"train.step": s}`: the record's own step wins
+    if type(step) is not int or step < 0:
+        step = current_step()
     trace_id, span_id = active_span()
-    return CapturedLog(int(record.created * 1e9), current_step(), severity_number(record.levelno),
+    return CapturedLog(int(record.created * 1e9), step, severity_number(record.levelno),
                        record.levelname, _message(record), record.name, attributes, trace_id, span_id)
 
 
