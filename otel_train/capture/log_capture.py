@@ -1,9 +1,10 @@
 """What one session captures as OTel log records, installed by `init()` and removed by `shutdown()`.
 
-One object owns every way a log record enters the run: the `logging` handler (`log_records`), the
+One object owns every way a log record enters the run: the `logging` hook (`log_records`), the
 uncaught-exception hooks (`uncaught`), the global OTel logger provider (`otel_logs`) and, with
-`OTEL_TRAIN_CAPTURE_OUTPUT`, the stdout/stderr line capture (`output_lines`). All hand `CapturedLog`s to one `target`, which a forked child swaps for its
-connection to the exporter process (`retarget`).
+`OTEL_TRAIN_CAPTURE_OUTPUT`, the stdout/stderr line capture (`output_lines`). All hand `CapturedLog`s to one
+`target`, which a forked child swaps for its connection to the exporter process (`retarget`). One rate limit
+(`OTEL_TRAIN_LOG_RATE`) covers them all; what it drops is counted in `rate_limited`.
 """
 
 from __future__ import annotations
