@@ -24,6 +24,13 @@ timeline. Histogram statistic rows are left out of the counters. NaN and ±inf a
 the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (strict JSON has no such numbers; Perfetto reads a
 counter's string value as a number, and `float()` reads them back).
 
+A log record (`logging`, an uncaught exception) becomes an instant event (``"ph": "i"``, ``"s": "t"``,
+``"cat": "log"``) on the track of the thread that emitted it (a DataLoader worker's record: the worker's
+track), at its time; its name is the message's first line (at most 120 characters); ``args`` hold
+``message`` (the whole body), ``level``, ``severity_number``, ``logger``, ``train.step`` and the record's
+attributes (``exception.stacktrace`` for an exception); WARN records are ``"cname": "bad"``, ERROR and FATAL
+``"terrible"``. Under ``trace_steps`` a record outside the selected steps is left out (one outside any step is kept).
+
 A run that ended on SIGTERM, SIGUSR1 or SIGHUP (preemption) gets a process-wide instant event (``"ph": "i"``,
 ``"s": "p"``) named ``preempted (SIGTERM)`` at the hand-off.
 
@@ -68,8 +75,8 @@ from typing import Any
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
 from otel_train.file_append import AppendFile, warn_recreated
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo
 from otel_train.run_paths import run_folder
 
 __all__ = ["ChromeTraceExporter", "trace_path"]
@@ -143,6 +150,33 @@ def span_event_marks(row: SpanRow, pid: int, tid: int) -> list[dict[str, Any]]:
     """The span's own events (``add_event``, ``record_exception``) as instant events on its thread track."""
     return [{"name": name, "cat": "span_event", "ph": "i", "s": "t", "ts": _us(t), "pid": pid, "tid": tid,
              "args": {k: json_safe(v) for k, v in attrs.items()}} for name, t, attrs in row.events]
+
+
+_LOG_NAME_CHARS = 120
+
+
+def log_event(row: LogRow, pid: int, tid: int) -> dict[str, Any]:
+    """The instant event (``"ph": "i"``, thread scope) of a log record, on its thread's track."""
+    args: dict[str, Any] = {"message": row.body, "level": row.severity_text, "severity_number": row.severity_number,
+                            "logger": row.logger}
+    if row.step is not None:
+        args[_STEP] = row.step
+    args.update((k, json_safe(v)) for k, v in row.attributes.items() if k not in _THREAD_ATTRS)
+    if row.span_id:
+        args["trace_id"] = f"{row.trace_id:032x}"
+        args["span_id"] = f"{row.span_id:016x}"
+    first = row.body.split("\n", 1)[0]
+    event: dict[str, Any] = {"name": first[:_LOG_NAME_CHARS] or row.severity_text or "log", "cat": "log", "ph": "i",
+                             "s": "t", "ts": _us(row.time_unix_nano), "pid": pid, "tid": tid, "args": args}
+    if row.severity_number >= 17:  # ERROR, FATAL
+        event["cname"] = ERROR_CNAME
+    elif row.severity_number >= 13:  # WARN
+        event["cname"] = "bad"
+    return event
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None
 
 
 def encode_event(event: Mapping[str, Any]) -> bytes:
@@ -245,6 +279,7 @@ class ChromeTraceExporter(RowExporter):
     name = "chrome_trace"
     kill_safe_writes = True  # every window is appended and handed to the OS before export_window returns
     handles_spans = True
+    handles_logs = True
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         super().__init__(options)
@@ -296,6 +331,27 @@ class ChromeTraceExporter(RowExporter):
             threads.setdefault(tid, row.thread_name)
             encoded.append(encode_event(span_event(row, pid, tid)))
             encoded.extend(encode_event(mark) for mark in span_event_marks(row, pid, tid))
+            written.append(row)
+        traces = [(self._trace(run), encoded, threads, written) for run, encoded, threads, written in per_rank.values()]
+        self._appending([trace for trace, *_ in traces])
+        for trace, encoded, threads, written in traces:
+            trace.emit_all(encoded, threads)
+            trace.push()
+            self.mark_written(written)
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        per_rank: dict[tuple[str, int], tuple[RunInfo, list[bytes], dict[int, str], list[LogRow]]] = {}
+        steps = self._steps
+        for row in rows:
+            if steps is not None and row.step is not None and row.step not in steps:
+                continue
+            _, encoded, threads, written = per_rank.setdefault((row.run.run_id, row.run.rank),
+                                                               (row.run, [], {}, []))
+            thread_name = str(row.attributes.get(THREAD_NAME, ""))
+            tid = _int_or_none(row.attributes.get(THREAD_ID)) or _fallback_tid(thread_name)
+            if thread_name:
+                threads.setdefault(tid, thread_name)
+            encoded.append(encode_event(log_event(row, row.run.rank, tid)))
             written.append(row)
         traces = [(self._trace(run), encoded, threads, written) for run, encoded, threads, written in per_rank.values()]
         self._appending([trace for trace, *_ in traces])

@@ -21,6 +21,9 @@
   Task's initial-iteration offset is reset to 0, since `train.step` is already absolute.
 - Preemption: a process that ended on SIGTERM, SIGUSR1 or SIGHUP tags the Task ``otel_train.preempted:<signal>``
   and adds ``otel-train: preempted by <signal>`` to its comment.
+- Log records: the Task's console log (`Logger.report_text`, at the record's `logging` level, not printed), each
+  line ``[step S rank R] LEVEL logger: message`` with the traceback after it; ClearML's console has no
+  iteration, so the step is in the line. Ranks as for metrics (`OTEL_TRAIN_RANKS`).
 - One Task per process: rows of a second run id in the same exporter are dropped with a warning.
 """
 
@@ -35,7 +38,7 @@ from typing import Any
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._runs import by_step, hparams_for, rank_tag, series_name, wanted
 from otel_train.exporters.base import RowExporter
-from otel_train.rows import HistogramRow, MetricRow, series_tag
+from otel_train.rows import HistogramRow, LogRow, MetricRow, series_tag
 from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RunInfo
 
 __all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
@@ -108,6 +111,7 @@ class ClearMLExporter(RowExporter):
     display_names = True
     handles_metrics = True
     handles_spans = False
+    handles_logs = True
     client_module = "clearml"
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
@@ -142,6 +146,21 @@ class ClearMLExporter(RowExporter):
                                             xlabels=_bucket_labels(row.explicit_bounds), xaxis=row.name,
                                             yaxis="count")
                 self.mark_written((row,))  # one report per row: a retry does not report it again
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        candidates = [r for r in rows if wanted(self.options, r.run)]
+        if not candidates:
+            return
+        logger = self._open(candidates[0].run).get_logger()
+        for row in candidates:
+            if not self._accept(row.run):
+                continue
+            step = "-" if row.step is None else row.step
+            text = f"[step {step} rank {row.run.rank}] {row.severity_text} {row.logger}: {row.body}"
+            stack = row.attributes.get("exception.stacktrace")
+            logger.report_text(f"{text}\n{stack}" if stack else text, level=_logging_level(row.severity_number),
+                               print_console=False)
+            self.mark_written((row,))
 
     def flush(self) -> None:
         if self._task is not None:
@@ -219,6 +238,14 @@ class ClearMLExporter(RowExporter):
         task.add_tags(tags)
         task.connect(params)
         return task
+
+
+def _logging_level(severity_number: int) -> int:
+    """The `logging` level of an OTel severity number (WARN 13..16 -> WARNING ...)."""
+    for floor, level in ((21, logging.CRITICAL), (17, logging.ERROR), (13, logging.WARNING), (9, logging.INFO)):
+        if severity_number >= floor:
+            return level
+    return logging.DEBUG
 
 
 def _bucket_labels(bounds: Sequence[float]) -> list[str]:

@@ -1,9 +1,11 @@
 """Every row as one JSON line: the durable local record of a run.
 
 Rows of rank N are appended to ``<dir>/<run_name>/rank<N>.jsonl``; each line has a ``type``
-(``metric``, ``histogram`` or ``span``), the run identity (``run_id``, ``run_name``, ``rank``) and
+(``metric``, ``histogram``, ``span`` or ``log``), the run identity (``run_id``, ``run_name``, ``rank``) and
 the row's fields (a span with events has ``events``: name, time, attributes; ``kind`` when not internal,
-``links`` when it has some). Lines are handed to the OS after every window and fsynced on flush. Before each
+``links`` when it has some). A log record has ``step`` (null outside any step), ``time_unix_nano``,
+``severity_number``, ``severity_text``, ``body``, ``logger``, ``attributes`` (``exception.stacktrace`` and
+the others of docs/semantic-conventions.md) and, when a span was active, ``trace_id`` / ``span_id``. Lines are handed to the OS after every window and fsynced on flush. Before each
 append the file and its size are reported (`RowExporter.mark_appending`): a window a killed process appended
 but had not recorded as written is cut back out before delivery writes it again, so it is in the file once.
 An append that fails (a full disk) leaves nothing behind and is retried whole once there is space; a run folder
@@ -44,7 +46,7 @@ from typing import Any
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
 from otel_train.file_append import AppendFile, warn_recreated
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.run_paths import run_folder
 
@@ -124,6 +126,18 @@ def _span_record(s: SpanRow) -> dict[str, Any]:
     return record
 
 
+def _log_record(g: LogRow) -> dict[str, Any]:
+    record = {
+        "type": "log", **_run_fields(g.run), "step": g.step, "time_unix_nano": g.time_unix_nano,
+        "severity_number": g.severity_number, "severity_text": g.severity_text, "body": g.body,
+        "logger": g.logger, "attributes": _attrs(g.attributes),
+    }
+    if g.span_id:
+        record["trace_id"] = f"{g.trace_id:032x}"
+        record["span_id"] = f"{g.span_id:016x}"
+    return record
+
+
 _KINDS = {1: "server", 2: "client", 3: "producer", 4: "consumer"}
 
 
@@ -136,7 +150,7 @@ def _attrs(attributes: Any) -> dict[str, Any]:
 
 
 class JsonlExporter(RowExporter):
-    """Appends metric, histogram and span rows as JSON lines, one file per rank.
+    """Appends metric, histogram, span and log rows as JSON lines, one file per rank.
 
     Args:
         options: `directory` is the root of the run folders. Default: from the `OTEL_TRAIN_*` variables.
@@ -146,6 +160,7 @@ class JsonlExporter(RowExporter):
     kill_safe_writes = True  # every window is appended and handed to the OS before export_window returns
     handles_metrics = True
     handles_spans = True
+    handles_logs = True
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
         super().__init__(options)
@@ -239,6 +254,9 @@ class JsonlExporter(RowExporter):
 
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
         self._write([(s.run, _span_record(s)) for s in rows], rows)
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        self._write([(g.run, _log_record(g)) for g in rows], rows)
 
     def mark_preempted(self, cause: str) -> None:
         """Append ``{"type": "preempted", "signal": cause}`` to each rank file this run wrote, durably."""

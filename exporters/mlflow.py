@@ -28,6 +28,11 @@
 - Preemption: a run that ended on SIGTERM, SIGUSR1 or SIGHUP gets the tag ``otel_train.preempted`` = the signal's
   name and ends with status KILLED (else FINISHED).
 - Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.
+- Log records: text artifacts of the run, one per window and rank that has some,
+  ``otel-train-logs/rank<N>/step<first step, 9 digits>-<time of its first record, ns>.log``, a line each
+  (``[step S] LEVEL logger: message``, the traceback after it); sorted by name they are in step order. MLflow has
+  no per-step text, and an artifact cannot be appended to, so a window never rewrites an earlier one. Ranks as for
+  metrics (`OTEL_TRAIN_RANKS`).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from otel_train.exporters._runs import (
 )
 from otel_train.exporters.base import RowExporter
 from otel_train.names import key_hash
-from otel_train.rows import HistogramRow, MetricRow, series_tag
+from otel_train.rows import HistogramRow, LogRow, MetricRow, series_tag
 from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RUN_ID, RunInfo
 
 if TYPE_CHECKING:
@@ -77,6 +82,16 @@ _SUFFIX_MAP = str.maketrans({"{": "__", ",": "__", "=": "-", "}": ""})
 _ALLOWED = r"/\w.\- " if os.name == "nt" else r"/\w.\- :"  # MLflow's own rule (no `:` on Windows)
 _DISALLOWED = re.compile(f"[^{_ALLOWED}]")
 _KEY = re.compile(f"[{_ALLOWED}]+\\Z")
+
+
+_LOGS_FOLDER = "otel-train-logs"
+
+
+def _log_line(row: LogRow) -> str:
+    step = "-" if row.step is None else row.step
+    line = f"[step {step}] {row.severity_text} {row.logger}: {row.body}\n"
+    stack = row.attributes.get("exception.stacktrace")
+    return f"{line}{stack.rstrip()}\n" if isinstance(stack, str) and stack else line
 
 
 @functools.lru_cache(maxsize=4096)
@@ -147,6 +162,7 @@ class MLflowExporter(RowExporter):
     display_names = True
     handles_metrics = True
     handles_spans = False
+    handles_logs = True
     client_module = "mlflow"
 
     def __init__(self, options: ExporterOptions | None = None) -> None:
@@ -220,6 +236,21 @@ class MLflowExporter(RowExporter):
             for rank, step in last.items():
                 if step > self._last_stored.get((mlflow_id, rank), -1):
                     self._last_stored[(mlflow_id, rank)] = step
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        per_rank: dict[tuple[str, int], tuple[RunInfo, list[LogRow]]] = {}
+        for row in rows:
+            if wanted(self.options, row.run):
+                per_rank.setdefault((row.run.run_id, row.run.rank), (row.run, []))[1].append(row)
+        if not per_rank:
+            return
+        client = self._get_client()
+        for run_info, records in per_rank.values():
+            mlflow_id = self._run(run_info)
+            first = min((r.step for r in records if r.step is not None), default=0)
+            name = f"{_LOGS_FOLDER}/rank{run_info.rank}/step{first:09d}-{records[0].time_unix_nano}.log"
+            client.log_text(mlflow_id, "".join(_log_line(r) for r in records), name)
+            self.mark_written(records)
 
     def _key(self, row: MetricRow) -> str:
         """The row's MLflow key: `mlflow_key` of the name rank 0 shows, with ``rank=N`` for rank N > 0."""

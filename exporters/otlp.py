@@ -1,9 +1,9 @@
-"""OTLP backend: sends metrics and spans to an OpenTelemetry Collector (or straight to `otel-train sink`).
+"""OTLP backend: sends metrics, spans and log records to an OpenTelemetry Collector (or to `otel-train sink`).
 
 A `RowExporter` like every backend, so it runs in the exporter process and feeds from the spool: the
 rows become the SDK's export objects (`otel_train.ship.rows_to_sdk`, which says what each row becomes
 on the wire) and the SDK's standard OTLP exporters encode and send them. The protocol comes
-from ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or the ``_METRICS_`` / ``_TRACES_`` variants): ``grpc``
+from ``OTEL_EXPORTER_OTLP_PROTOCOL`` (or the ``_METRICS_`` / ``_TRACES_`` / ``_LOGS_`` variants): ``grpc``
 (default) or ``http/protobuf``; the SDK only reads that variable in its auto-configuration, so we pick
 the class here. Endpoint, headers (e.g. ``authorization=Bearer <token>``), timeout, compression and
 certificates are read by the SDK exporters from the other ``OTEL_EXPORTER_OTLP_*`` variables.
@@ -25,13 +25,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from opentelemetry.sdk._logs.export import LogRecordExportResult
 from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel_train.backend import RowExporter
 from otel_train.errors import ConfigError
 from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.ship.rows_to_sdk import RowsToSDK
 
 __all__ = ["OTLPExporter"]
@@ -84,7 +85,7 @@ _SDK_LOG = _HeldSDKLog()
 
 
 def _protocol(signal: str) -> tuple[str, str]:
-    """(protocol, variable it came from) for ``METRICS`` or ``TRACES``."""
+    """(protocol, variable it came from) for ``METRICS``, ``TRACES`` or ``LOGS``."""
     for var in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         raw = os.environ.get(var)
         if raw is not None and raw.strip():
@@ -116,13 +117,14 @@ class OTLPExporter(RowExporter):
     Example:
         >>> exporter = OTLPExporter()
         >>> exporter.protocols
-        {'metrics': 'grpc', 'traces': 'grpc'}
+        {'metrics': 'grpc', 'traces': 'grpc', 'logs': 'grpc'}
         >>> exporter.shutdown()
     """
 
     name = "otlp"
     handles_metrics = True
     handles_spans = True
+    handles_logs = True
     kill_safe_writes = True  # `export_window` returns True only once the collector took the window
     max_pending_windows = 100_000  # an outage's windows wait here (and in the spool), they are not dropped
     max_attempts = 0  # a collector that is down is retried for as long as it takes
@@ -132,9 +134,11 @@ class OTLPExporter(RowExporter):
         super().__init__(options)
         m_proto, _ = _protocol("METRICS")
         t_proto, _ = _protocol("TRACES")
-        self.protocols = {"metrics": m_proto, "traces": t_proto}
+        l_proto, _ = _protocol("LOGS")
+        self.protocols = {"metrics": m_proto, "traces": t_proto, "logs": l_proto}
         self._metrics = self._build_metrics(m_proto)
         self._traces = self._build_traces(t_proto)
+        self._logs = self._build_logs(l_proto)
         _SDK_LOG.attach()
         self._encode = RowsToSDK()
         # What of the window at the head of the retry queue already went out: a retry sends only the rest.
@@ -179,12 +183,28 @@ class OTLPExporter(RowExporter):
         except ImportError as err:
             raise self._missing(protocol, err) from err
 
+    def _build_logs(self, protocol: str) -> Any:
+        timeout = _timeout_s("LOGS")
+        try:
+            if protocol == "grpc":
+                from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter as GrpcLogs
+
+                return GrpcLogs(timeout=timeout)
+            from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter as HttpLogs
+
+            return HttpLogs(timeout=timeout)
+        except ImportError as err:
+            raise self._missing(protocol, err) from err
+
     # -- RowExporter -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
         self._send(rows, "metrics", self._metrics, list(self._encode.metrics(rows, histograms)))
 
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
         self._send(rows, "traces", self._traces, list(self._encode.spans(rows)))
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        self._send(rows, "logs", self._logs, [batch for batch in self._encode.logs(rows) if batch])
 
     def _send(self, key: object, signal: str, inner: Any, requests: list[Any]) -> None:
         """Send `requests` in order, skipping those a failed earlier try of the same rows already sent.
@@ -198,7 +218,7 @@ class OTLPExporter(RowExporter):
             request = requests[i]
             with _SDK_LOG.holding():
                 result = inner.export(request)
-            if result not in (MetricExportResult.SUCCESS, SpanExportResult.SUCCESS):
+            if result not in (MetricExportResult.SUCCESS, SpanExportResult.SUCCESS, LogRecordExportResult.SUCCESS):
                 self._progress[signal] = (key, i)  # keeps `key` alive, so `is` cannot match a new object
                 reason = f": {_SDK_LOG.last}" if _SDK_LOG.last else ""
                 raise ConnectionError(f"the collector did not take an OTLP {signal} request "
@@ -207,7 +227,7 @@ class OTLPExporter(RowExporter):
         self._progress[signal] = (key, len(requests))
 
     def close(self) -> None:
-        for inner in (self._metrics, self._traces):
+        for inner in (self._metrics, self._traces, self._logs):
             try:
                 inner.shutdown()
             except Exception as err:

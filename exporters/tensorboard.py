@@ -3,7 +3,13 @@
 No TensorFlow or torch needed. Layout: ``<dir>/<run name>/`` (so ``tensorboard --logdir <dir>``
 lists runs by name); with ``OTEL_TRAIN_RANKS=all`` and several ranks, ``<dir>/<run name>/rank<N>/``.
 Scalars are `simple_value` summaries tagged with the series tag (``train/loss``); histograms are
-TensorBoard histograms; hyperparameters go to the HParams plugin. A resumed run
+TensorBoard histograms; hyperparameters go to the HParams plugin. Log records go to the Text plugin under the
+tag ``logs``: one text per step of a window (its records as Markdown lines, ``**LEVEL** logger: message``, a
+traceback in a code block); a record outside any step shows at the latest step written for its run, and one
+that arrives after a later step's text shows at that later step (the ``logs`` series never goes back: see
+below). TensorBoard's data server shows one text per step and tag: records of one step that came in two
+windows show the later window's. Only the ranks whose metrics it writes (`OTEL_TRAIN_RANKS`) have their records
+written. A resumed run
 (`OTEL_TRAIN_RESUME_STEP` = N) starts each event file with a ``SessionLog.START`` event at step N, so
 TensorBoard's readers purge the steps >= N the earlier attempt wrote; so does `ot.resume(N)` later on.
 
@@ -36,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.exporter_options import ExporterOptions
+from otel_train.exporters._runs import wanted
 from otel_train.exporters.base import RowExporter
 from otel_train.file_append import AppendFile, warn_recreated
-from otel_train.rows import HistogramRow, MetricRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow
 from otel_train.run_identity import RunInfo
 from otel_train.run_paths import run_folder
 
@@ -160,6 +167,7 @@ class TensorBoardExporter(RowExporter):
     display_names = True
     handles_metrics = True
     handles_spans = False
+    handles_logs = True
 
     @classmethod
     def preload(cls) -> None:
@@ -184,6 +192,7 @@ class TensorBoardExporter(RowExporter):
         #: Event files started again because the run folder was deleted under them (`otel_train.file_append`).
         self.files_recreated = 0
         self._value_prefix: dict[str, bytes] = {}
+        self._log_step: dict[tuple[str, int], int] = {}  # per rank: the last step of its ``logs`` text
         # Concatenated encodings of a message merge (repeated fields append): an event is its
         # header, this field key, and the concatenation of one-value summaries.
         self._summary_key = event_pb2.Event(summary=summary_pb2.Summary()).SerializeToString()[:-1]
@@ -289,6 +298,35 @@ class TensorBoardExporter(RowExporter):
             writer.flush()
             self.mark_written(written)
 
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        from tensorboard.compat.proto import tensor_pb2, tensor_shape_pb2, types_pb2
+
+        grouped: dict[RunInfo, dict[int, list[LogRow]]] = {}
+        for row in rows:
+            if not wanted(self.options, row.run):  # only ranks whose metrics it shows: one run folder per rank set
+                continue
+            key = (row.run.run_id, row.run.rank)
+            last = self._log_step.get(key, 0)
+            step = max(last, row.step if row.step is not None else last)
+            self._log_step[key] = step
+            grouped.setdefault(row.run, {}).setdefault(step, []).append(row)
+        Summary = self._summary_pb2.Summary
+        meta = self._summary_pb2.SummaryMetadata(
+            plugin_data=self._summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+        writers = [self._writer(run) for run in grouped]
+        self.mark_appending([(w.path, w.size) for w in writers])
+        for writer, steps in zip(writers, grouped.values()):
+            for step, records in sorted(steps.items()):
+                text = "\n\n".join(_markdown(r) for r in records)
+                tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+                                                string_val=[text.encode("utf-8", "replace")])
+                value = Summary.Value(tag="logs", metadata=meta, tensor=tensor)
+                event = self._event_pb2.Event(wall_time=records[-1].time_unix_nano / 1e9, step=step,
+                                              summary=Summary(value=[value]))
+                writer.add(event.SerializeToString())
+            writer.flush()
+        self.mark_written(rows)
+
     def _histogram(self, h: HistogramRow) -> Any:
         bounds = list(h.explicit_bounds)
         counts = list(h.bucket_counts)
@@ -335,6 +373,13 @@ class TensorBoardExporter(RowExporter):
     def close(self) -> None:
         self.flush()
         self._writers.clear()
+
+
+def _markdown(row: LogRow) -> str:
+    """One log record as Markdown: level, logger, message; a traceback in a code block."""
+    line = f"**{row.severity_text or row.severity_number}** {row.logger}: {row.body}"
+    stack = row.attributes.get("exception.stacktrace")
+    return f"{line}\n\n```\n{stack}\n```" if stack else line
 
 
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -39,7 +39,7 @@ from otel_train._internal import sdk
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
 from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.step_order import StepOrder
 
@@ -81,20 +81,22 @@ _NUMBERS = (float, int)
 class Window:
     """The rows of one export window."""
 
-    __slots__ = ("histograms", "metrics", "spans")
+    __slots__ = ("histograms", "logs", "metrics", "spans")
 
     def __init__(
         self,
         metrics: Sequence[MetricRow] = (),
         histograms: Sequence[HistogramRow] = (),
         spans: Sequence[SpanRow] = (),
+        logs: Sequence[LogRow] = (),
     ) -> None:
         self.metrics = metrics
         self.histograms = histograms
         self.spans = spans
+        self.logs = logs
 
     def __bool__(self) -> bool:
-        return bool(self.metrics or self.histograms or self.spans)
+        return bool(self.metrics or self.histograms or self.spans or self.logs)
 
 
 class RowExporter(MetricExporter, SpanExporter, ABC):
@@ -104,10 +106,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
 
     The backend-facing contract (what a backend defines, overrides or calls; nothing else):
 
-    - class attributes `name`, `handles_metrics`, `handles_spans`, `client_module`, `display_names`,
+    - class attributes `name`, `handles_metrics`, `handles_spans`, `handles_logs`, `client_module`, `display_names`,
       `kill_safe_writes`, and the retry tuning `max_pending_windows`, `max_attempts`, `backoff_s`,
       `isolate_rows`;
-    - `write_metrics`, `write_spans` (one window's rows), `flush`, `close`, and optionally `row_problem`,
+    - `write_metrics`, `write_spans`, `write_logs` (one window's rows), `flush`, `close`, and optionally `row_problem`,
       `durable_step`, `write_resume`, `mark_preempted`, `preload`; `mark_written` to call from a write
       that is not all-or-nothing; optionally `mark_appending` to call right before appending to files of its
       own (a kill -9 then never leaves a window in them twice); `options` and `_log` (a rate-limited logger)
@@ -125,6 +127,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     #: Which kinds of data the backend writes (the reader skips work for the others).
     handles_metrics: bool = True
     handles_spans: bool = False
+    #: Whether the backend writes log records (`write_logs`); a backend without a place for them leaves it False.
+    handles_logs: bool = False
     #: Registry name, used in log messages.
     name: str = "row"
     #: The backend's client package (an optional extra), imported by `preload`.
@@ -193,7 +197,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             return "bad_value"
         return None
 
-    def mark_written(self, rows: Sequence[MetricRow | HistogramRow | SpanRow]) -> None:
+    def mark_written(self, rows: Sequence[MetricRow | HistogramRow | SpanRow | LogRow]) -> None:
         """Record that `rows` (of the window being written) landed: if a later part of the write raises,
         the retry does not hand them to the backend again. Backends whose window write is one
         all-or-nothing append need not call it."""
@@ -216,6 +220,9 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
 
     def write_spans(self, rows: Sequence[SpanRow]) -> None:
         """Write one window's finished spans. Runs on the export thread."""
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        """Write one window's log records (`handles_logs`). Runs on the export thread."""
 
     def write_resume(self, run: RunInfo, step: int) -> None:
         """The run (this rank of it) restarts at `step`: supersede the earlier attempt's steps >= `step`

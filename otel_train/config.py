@@ -134,6 +134,17 @@ logged (``<run folder>/verify/``) for `otel-train verify`; ``on`` also runs veri
 rank on its own part after its backends closed, and puts the verdict in the summary line. ``off`` keeps no
 record. Default ``record`` (about 8 bytes per point on disk, capped by `OTEL_TRAIN_VERIFY_RECORD_MB`: see
 docs/performance.md)."""
+OTEL_TRAIN_LOG_LEVEL = "OTEL_TRAIN_LOG_LEVEL"
+"""The lowest `logging` level captured as OTel log records: ``DEBUG``, ``INFO``, ``WARNING``, ``ERROR``,
+``CRITICAL``, a number, or ``off`` (no `logging` records; uncaught exceptions are still captured). A logger's own
+level still applies (a record it does not emit is never seen). Default ``WARNING``."""
+OTEL_TRAIN_LOG_RATE = "OTEL_TRAIN_LOG_RATE"
+"""Log records captured per second on average, in bursts of as many (float > 0); past it records are dropped
+and counted (the shutdown summary's "log records over the rate limit"). Events (a record with an ``event.name``,
+such as ``train.hang``) and uncaught exceptions are never dropped by it. Default 500."""
+OTEL_TRAIN_CAPTURE_OUTPUT = "OTEL_TRAIN_CAPTURE_OUTPUT"
+"""Boolean; also capture each line the process writes to stdout (severity INFO) and stderr (WARN) as a log
+record (the text still reaches the terminal). Default false."""
 OTEL_TRAIN_VERIFY_RECORD_MB = "OTEL_TRAIN_VERIFY_RECORD_MB"
 """The cap, in MiB per delivering process, of the run's record of what was logged (``<run folder>/verify/``),
 which `otel-train verify` compares the backends with (number >= 0; 0: no record). Past it recording stops and
@@ -305,6 +316,9 @@ class Settings:
     resume_step: int | None = None
     verify: str = "record"
     verify_record_mb: float = 256.0
+    log_level: int | None = 30
+    log_rate: float = 500.0
+    capture_output: bool = False
 
     @property
     def record_bytes(self) -> int:
@@ -367,7 +381,27 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: parse_int(n, r, 0)),
     "verify": (OTEL_TRAIN_VERIFY, lambda n, r: _parse_verify(n, r)),
     "verify_record_mb": (OTEL_TRAIN_VERIFY_RECORD_MB, parse_non_negative_float),
+    "log_level": (OTEL_TRAIN_LOG_LEVEL, lambda n, r: parse_log_level(n, r)),
+    "log_rate": (OTEL_TRAIN_LOG_RATE, parse_positive_float),
+    "capture_output": (OTEL_TRAIN_CAPTURE_OUTPUT, parse_bool),
 }
+
+
+_LOG_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50, "FATAL": 50}
+
+
+def parse_log_level(name: str, raw: str) -> int | None:
+    """A `logging` level by name or number; None for ``off``."""
+    value = raw.strip().upper()
+    if value in ("OFF", "NONE", "FALSE", "0"):
+        return None
+    if value in _LOG_LEVELS:
+        return _LOG_LEVELS[value]
+    try:
+        return max(1, int(value))
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not allowed; use DEBUG, INFO, WARNING, ERROR, CRITICAL, a level "
+                          "number, or off") from None
 
 
 def _known_backends() -> list[str]:
@@ -459,6 +493,12 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return _ENV[field][1](field, value)
     if field in ("export_every", "queue_size", "buffer_size"):
         return parse_int(field, str(value), 1)
+    if field == "log_rate":
+        return parse_positive_float(field, str(value))
+    if field == "log_level":
+        return parse_log_level(field, str(value))
+    if field == "capture_output":
+        return value if isinstance(value, bool) else parse_bool(field, str(value))
     if field == "verify_record_mb":
         return parse_non_negative_float(field, str(value))
     if field == "verify":

@@ -2,7 +2,7 @@
 
 Both paths end here. In-process, the step-aligned reader turns SDK `MetricsData` and spans into rows
 (`otel_train.collect.sdk_rows`); in the sink, OTLP requests become the same rows (`otel_train.sink.decode`). A
-backend is written once against `MetricRow`, `HistogramRow` and `SpanRow`.
+backend is written once against `MetricRow`, `HistogramRow`, `SpanRow` and `LogRow`.
 
 Rows carry what OTLP carries besides the values — a metric's unit and description, an exponential
 histogram's buckets — so the `otlp` backend sends a window on without losing them. Who produced a row
@@ -23,6 +23,7 @@ from otel_train.run_identity import RunInfo
 __all__ = [
     "ExponentialBuckets",
     "HistogramRow",
+    "LogRow",
     "MetricRow",
     "SpanRow",
     "explicit_buckets",
@@ -133,6 +134,36 @@ class SpanRow:
     #: `opentelemetry.trace.SpanKind` as its value (0 = internal) and links as (trace_id, span_id, attributes).
     kind: int = 0
     links: tuple[tuple[int, int, Mapping[str, Any]], ...] = ()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class LogRow:
+    """One OTel log record: a `logging` record, an uncaught exception, a line of stdout/stderr.
+
+    Attributes:
+        step: The step it was recorded in (``train.step``), None outside any step.
+        severity_number, severity_text: As the OTel log data model has them (``WARN`` is 13, ``ERROR`` 17).
+        body: The message, formatted (``%``-args applied).
+        logger: Who emitted it (the `logging` logger's name; the OTel instrumentation scope).
+        attributes: Semantic-convention attributes (``exception.*``, ``thread.*``, ``code.*``, ``event.name``)
+            and the record's extras; never the step or the rank (fields of the row).
+        trace_id, span_id: The span active where it was emitted (0: none).
+    """
+
+    run: RunInfo
+    step: int | None
+    time_unix_nano: int
+    severity_number: int
+    severity_text: str
+    body: str
+    logger: str
+    attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    trace_id: int = 0
+    span_id: int = 0
+
+    @property
+    def rank(self) -> int:
+        return self.run.rank
 
 
 def series_tag(name: str, attributes: Mapping[str, Any] | None) -> str:

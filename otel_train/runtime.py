@@ -32,6 +32,7 @@ from otel_train.capture.instrument import (
     SpanBuffer,
     SpanScope,
 )
+from otel_train.capture.log_capture import LogCapture
 from otel_train.capture.step import (
     StepEnd,
     StepOutOfRange,
@@ -162,6 +163,11 @@ class Session:
                 undo.callback(_undo, self.sampler.stop)
             self._install_globals()
             undo.callback(_undo, self._release_globals)
+            #: `logging` records, uncaught exceptions (and stdout/stderr lines) as log records, into the buffer.
+            self.log_capture = LogCapture(self.log_buffer.append_log, settings.log_level, settings.log_rate,
+                                          settings.capture_output)
+            self.log_capture.install()
+            undo.callback(_undo, self.log_capture.remove)
             undo.pop_all()
         self._closed = False
         self._lock = threading.Lock()
@@ -195,6 +201,7 @@ class Session:
         # connection of its own to the exporter process (`otel_train.ship.workers`), opened on first use.
         if not self._closed:
             self.worker = self._children.forked_child_client()
+            self.log_capture.retarget(self.worker.add_log)  # its records go where its `ot.log` values go
         self._closed = True
         self.forked = True
         if step_end_hook() is self._step_hook:  # the reader exports nothing here: nothing to buffer for it
@@ -362,6 +369,9 @@ class Session:
                     exporter.preempt_at_close(preempted)
             if self.export_process is not None:
                 self.export_process.preempted = preempted
+        self.log_capture.remove()  # what was captured until now goes out with the last window
+        if self.log_capture.rate_limited:
+            self.refusals.add("log_rate_limited", self.log_capture.rate_limited)
         timeout_s = self.settings.shutdown_timeout_s
         if deadline is not None:
             timeout_s = max(0.05, min(timeout_s, deadline - time.monotonic()))

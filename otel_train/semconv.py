@@ -34,6 +34,9 @@ HOST_NAME = "host.name"
 PROCESS_PID = "process.pid"
 THREAD_ID = "thread.id"
 THREAD_NAME = "thread.name"
+LOG_UNCAUGHT = "otel_train.uncaught"
+"""Log record scope (logger name) of uncaught exceptions."""
+EVENT_NAME = "event.name"
 SPAN_TRUNCATED = "otel_train.truncated"
 """Span attribute: the span was still open when a signal ended the process (closed at the hand-off)."""
 RUN_PREEMPTED = "otel_train.preempted"
@@ -88,7 +91,8 @@ class Convention:
 
 
 CONVENTIONS: tuple[Convention, ...] = (
-    Convention(TRAIN_STEP, "point, span", "int", "1", "`ot.step` / `ot.log(step=)`; stamped at collection"),
+    Convention(TRAIN_STEP, "point, span, log record", "int", "1",
+               "`ot.step` / `ot.log(step=)`; stamped at collection; a log record: the step it was emitted in"),
     Convention(TRAIN_RUN_ID, "resource", "str", "", "`OTEL_TRAIN_RUN_ID`, else the launcher's job id"),
     Convention(TRAIN_RUN_NAME, "resource", "str", "", "`OTEL_TRAIN_RUN_NAME`, else the run id"),
     Convention(TRAIN_RANK, "resource", "int", "1", "`RANK` / `init(rank=)`"),
@@ -98,8 +102,19 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention(SERVICE_NAME, "resource", "str", "", "`OTEL_SERVICE_NAME`, default `otel-train`", "service.name"),
     Convention(HOST_NAME, "resource", "str", "", "runtime", "host.name"),
     Convention(PROCESS_PID, "resource", "int", "", "runtime", "process.pid"),
-    Convention(THREAD_ID, "span", "int", "", "the thread that started the span", "thread.id"),
-    Convention(THREAD_NAME, "span", "str", "", "the thread that started the span", "thread.name"),
+    Convention(THREAD_ID, "span, log record", "int", "", "the thread that started the span / emitted the record",
+               "thread.id"),
+    Convention(THREAD_NAME, "span, log record", "str", "", "the thread that started the span / emitted the record",
+               "thread.name"),
+    Convention(EVENT_NAME, "log record", "str", "",
+               "a record's `extra={\"event.name\": ...}` (`train.hang`); `exception` for uncaught exceptions",
+               "event.name"),
+    Convention("exception.{type,message,stacktrace}", "log record", "str", "",
+               "a `logging` record with `exc_info`; an uncaught exception", "exception.type"),
+    Convention("code.{file.path,function.name,line.number}", "log record", "str", "",
+               "the `logging` call that emitted the record", "code.function.name"),
+    Convention(LOG_UNCAUGHT, "log record scope", "str", "",
+               "the logger name of uncaught exceptions (main thread: FATAL, other threads: ERROR)"),
     Convention(SPAN_TRUNCATED, "span", "bool", "", "a signal ended the process while the span was open"),
     Convention(RUN_PREEMPTED, "backend run", "str", "",
                "a SIGTERM / SIGUSR1 / SIGHUP ended the process: the signal's name (W&B summary, MLflow tag, ClearML tag)"),
@@ -142,7 +157,7 @@ CONVENTIONS: tuple[Convention, ...] = (
                "TensorBoard and W&B, everywhere under `drop`/`raise`; older than W&B's last; held by a resumed "
                "run); once non-zero",
                display="otel_train/steps_order_dropped"),
-    Convention("worker", "point, span", "int", "1",
+    Convention("worker", "point, span, log record", "int", "1",
                "DataLoader worker id (pid for other child processes) of child-process data"),
     # Names of the phase and system-metrics feature (defined there; listed here so the table is whole).
     Convention("phase/<name>_s", "metric", "float", "s", "phase timing (per step)"),

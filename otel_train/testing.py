@@ -10,7 +10,7 @@ from typing import Any
 
 from otel_train.backend import RowExporter
 from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 
 __all__ = ["InMemoryRowExporter", "OtlpPoint", "metrics_request", "set_any_value"]
 
@@ -31,12 +31,14 @@ class InMemoryRowExporter(RowExporter):
     name = "memory"
     handles_metrics = True
     handles_spans = True
+    handles_logs = True
 
     def __init__(self, options: ExporterOptions | None = None, *, fail_times: int = 0) -> None:
         super().__init__(options or ExporterOptions())
         self.metrics: list[MetricRow] = []
         self.histograms: list[HistogramRow] = []
         self.spans: list[SpanRow] = []
+        self.logs: list[LogRow] = []
         self.fail_times = fail_times
         self.closed = False
         self.flushes = 0
@@ -52,6 +54,11 @@ class InMemoryRowExporter(RowExporter):
         self._maybe_fail()
         with self._rows_lock:
             self.spans.extend(rows)
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        self._maybe_fail()
+        with self._rows_lock:
+            self.logs.extend(rows)
 
     def _maybe_fail(self) -> None:
         if self.fail_times > 0:

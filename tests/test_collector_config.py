@@ -106,9 +106,9 @@ def test_memory_limiter_comes_first_in_every_pipeline(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", COLLECTOR_FILES)
-def test_metrics_and_traces_both_flow(name: str) -> None:
+def test_metrics_traces_and_logs_all_flow(name: str) -> None:
     signals = {component_type(pipeline_id) for pipeline_id in pipelines(load(name))}
-    assert signals == {"metrics", "traces"}
+    assert signals == {"metrics", "traces", "logs"}
 
 
 def test_agent_exports_to_the_gateway_with_queue_and_retry() -> None:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otel_train.exporter_options import ExporterOptions, options_from_json, options_to_json
-from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow
+from otel_train.rows import ExponentialBuckets, HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.ship.framing import Resume, decode_window, encode_resume, encode_window
 
@@ -51,6 +51,11 @@ def _span(run: RunInfo) -> Any:
                      st.booleans(), TEXT, events, st.integers(0, 4), links)
 
 
+def _log(run: RunInfo) -> Any:
+    return st.builds(LogRow, st.just(run), st.none() | STEP, INT64, st.integers(0, 24), TEXT, TEXT, TEXT, ATTRS,
+                     st.integers(0, (1 << 128) - 1), st.integers(0, (1 << 64) - 1))
+
+
 @st.composite
 def windows(draw: Any) -> tuple[Any, ...]:
     runs = draw(st.lists(RUNS, min_size=1, max_size=3))
@@ -59,7 +64,8 @@ def windows(draw: Any) -> tuple[Any, ...]:
     metrics = draw(st.lists(pick.flatmap(_metric), max_size=5))
     hists = draw(st.lists(pick.flatmap(_hist), max_size=3))
     spans = draw(st.lists(pick.flatmap(_span), max_size=3))
-    return runs[0], points, metrics, hists, spans
+    logs = draw(st.lists(pick.flatmap(_log), max_size=3))
+    return runs[0], points, metrics, hists, spans, logs
 
 
 def same(a: Any, b: Any) -> bool:
@@ -80,13 +86,14 @@ def same(a: Any, b: Any) -> bool:
 @settings(max_examples=200, deadline=None)
 @given(windows())
 def test_every_row_round_trips_exactly(window: tuple[Any, ...]) -> None:
-    run, points, metrics, hists, spans = window
-    payload, max_step = encode_window(run, points, metrics, hists, spans)
+    run, points, metrics, hists, spans, logs = window
+    payload, max_step = encode_window(run, points, metrics, hists, spans, logs)
     got = decode_window(payload)
     want_points = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
     assert same(got.metrics[:len(points)], want_points)
     # Grouped by run on the wire: each run's rows keep their order.
-    for want, have in ((metrics, got.metrics[len(points):]), (hists, got.histograms), (spans, got.spans)):
+    for want, have in ((metrics, got.metrics[len(points):]), (hists, got.histograms), (spans, got.spans),
+                       (logs, got.logs)):
         for r in {id(x.run): x.run for x in want}.values():
             assert same([x for x in have if x.run == r], [x for x in want if x.run == r])
         assert len(have) == len(want)
@@ -106,6 +113,26 @@ def test_both_encoders_write_the_same_bytes(window: tuple[Any, ...]) -> None:
     with mock.patch.object(framing, "ormsgpack", None):
         slow, _ = encode_window(*window)
     assert fast == slow
+
+
+def test_a_window_without_log_records_is_the_message_earlier_versions_wrote() -> None:
+    """Log records are an added seventh element: a window without them is byte for byte what a spool written
+    before log records existed holds, and such a spool's windows read as they did."""
+    import msgpack
+
+    from otel_train.ship import framing
+
+    run = RunInfo("r", "name", 1)
+    points = [("loss", 3, 0.5, 7)]
+    payload, _ = encode_window(run, points)
+    earlier = b"otw\x04" + msgpack.packb((4, [framing._RUN(run)], points, (), (), ()), use_bin_type=True)
+    assert payload == earlier
+    got = decode_window(earlier)
+    assert [(r.tag, r.step, r.value) for r in got.metrics] == [("loss", 3, 0.5)] and list(got.logs) == []
+    row = LogRow(run, 3, 9, 13, "WARNING", "careful", "train", {"exception.type": "ValueError"}, 1 << 100, 5)
+    with_logs, max_step = encode_window(run, points, logs=[row])
+    assert max_step == 3  # log records, like spans, do not move the window's highest step
+    assert same(list(decode_window(with_logs).logs), [row])
 
 
 def test_a_resume_round_trips() -> None:

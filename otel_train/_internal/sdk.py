@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SDK_REQUIREMENT", "SPAN_KEY", "check_supported", "collect", "discard_measurements", "empty_after_fork",
-    "intercept_measurements", "provider_resource", "proxy_instruments", "reader_options", "reader_storage",
-    "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
+    "intercept_measurements", "provider_resource", "proxy_instruments", "readable_log_record", "reader_options",
+    "reader_storage", "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -299,6 +299,31 @@ try:
     from opentelemetry.trace.propagation import _SPAN_KEY as SPAN_KEY
 except ImportError:  # pragma: no cover - an API without it
     SPAN_KEY = next(iter(_trace.set_span_in_context(_trace.INVALID_SPAN, _Context())))
+
+
+# -- logs ------------------------------------------------------------------------------------------------
+
+
+def readable_log_record(resource: Resource, scope: str, *, timestamp: int, severity_number: int,
+                        severity_text: str, body: str, attributes: Mapping[str, Any], trace_id: int,
+                        span_id: int) -> Any | None:
+    """An SDK log record as the SDK's OTLP log exporters take it (`ReadableLogRecord`, 1.39 on). The logs
+    signal of the SDK is still under `opentelemetry.sdk._logs` (the API's under `opentelemetry._logs`), so
+    these names may move; where they are gone this returns None and the `otlp` backend sends no log records
+    (warned once there)."""
+    try:
+        from opentelemetry._logs import LogRecord, SeverityNumber
+        from opentelemetry.sdk._logs import ReadableLogRecord
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+        from opentelemetry.trace import TraceFlags
+    except ImportError:  # pragma: no cover - a release that moved them
+        return None
+    severity = SeverityNumber(severity_number) if 0 < severity_number <= 24 else SeverityNumber.UNSPECIFIED
+    record = LogRecord(timestamp=timestamp, observed_timestamp=timestamp, trace_id=trace_id, span_id=span_id,
+                       trace_flags=TraceFlags(TraceFlags.SAMPLED if span_id else TraceFlags.DEFAULT),
+                       severity_text=severity_text, severity_number=severity, body=body,
+                       attributes=dict(attributes))
+    return ReadableLogRecord(record, resource, InstrumentationScope(scope))
 
 
 # -- CPython -----------------------------------------------------------------------------------------------

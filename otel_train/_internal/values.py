@@ -30,6 +30,7 @@ REFUSAL_CAUSES = {
     "step_out_of_range": "values at a step outside 0..2**63-1",
     "bad_attribute": "attributes left out (their values were logged without them)",
     "bad_step_entered": "calls of `ot.step`/`ot.steps`/`ot.resume` with a step that is no step (ignored)",
+    "log_rate_limited": "log records over the rate limit (`OTEL_TRAIN_LOG_RATE`)",
 }
 #: A child process reports its refusals with the other losses it tells the exporter process (cause -> count):
 #: ``REFUSED_PREFIX + cause`` marks one of `REFUSAL_CAUSES` among them.

@@ -25,6 +25,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.context.context import Context as _Context
 
 from otel_train._internal.sdk import SPAN_KEY as _SPAN_KEY
+from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import _current, current_step
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class AttributedValues:
 
 class LogBuffer(_Bounded):
     """Records of `ot.log`: ``(seq, step, mapping, time_ns)``; `mapping` is an `AttributedValues` for a call
-    with `attributes=`.
+    with `attributes=`, a `CapturedLog` for a log record (its step None outside any step).
 
     With `strict` (`OTEL_TRAIN_STRICT_SYNC`), values that will cost a device sync per value when
     converted (device arrays with `.item()` that are not torch tensors: CuPy, JAX ...) and device
@@ -126,6 +127,10 @@ class LogBuffer(_Bounded):
                 mapping = _snapshot(mapping)
                 break
         self._items.append((next(self._seq), step, AttributedValues(mapping, attributes), _time_ns()))
+
+    def append_log(self, record: CapturedLog) -> None:
+        """Append a captured log record (`otel_train.capture.log_records`): it travels with `ot.log` records."""
+        self._items.append((next(self._seq), record.step, record, record.time_unix_nano))
 
     def append_floats(self, step: int, mapping: Any) -> None:
         """Append a record known to hold only floats (anything with `items()`), unchecked."""

@@ -329,7 +329,8 @@ class StepAlignedMetricReader(MetricReader):
         self.points += len(window.points) + len(window.metrics) + len(window.histograms)
         for channel in self._channels:
             try:
-                channel.send_window(window.run, window.points, window.metrics, window.histograms, window.spans)
+                channel.send_window(window.run, window.points, window.metrics, window.histograms, window.spans,
+                                    window.logs)
             except Exception:
                 self._log.warning(f"channel:{type(channel).__name__}", "handing a window to %s failed",
                                   "the exporter process" if channel is self._channel else "the backends",

@@ -24,10 +24,11 @@ from opentelemetry.sdk.metrics.export import MetricsData
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import RefusalCounts, refusal, to_floats, valid_name
 from otel_train.capture.instrument import AttributedValues, LogBuffer, SpanBuffer, SpanRecord
+from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import MAX_STEP, STEP_ATTRIBUTE, StepEnd
 from otel_train.collect.phases import PhaseTimer
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
-from otel_train.rows import HistogramRow, MetricRow, SpanRow, series_tag
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow, series_tag
 from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo
 
 __all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points"]
@@ -47,6 +48,7 @@ class WindowParts:
     metrics: list[MetricRow]
     histograms: list[HistogramRow]
     spans: list[SpanRow]
+    logs: list[LogRow] = dataclasses.field(default_factory=list)
 
 
 class WindowBuilder:
@@ -74,7 +76,8 @@ class WindowBuilder:
               spans: list[tuple[Any, Any]], step: int) -> WindowParts:
         """The window of one collection; `step` is the step that ends it (for SDK points without one)."""
         attributed: list[MetricRow] = []
-        points = self._log_points(records, run, attributed)
+        logs: list[LogRow] = []
+        points = self._log_points(records, run, attributed, logs)
         if self._phases is not None:  # phase timings are plain gauges from here on
             points.extend(self._phases.points([s for _, s in spans], points))
         sdk_rows: list[MetricRow] = []
@@ -88,14 +91,14 @@ class WindowBuilder:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
             row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self.converter)
-        if not self.export_metrics:
-            return WindowParts(run, [], [], [], row_spans)
-        return WindowParts(run, points, attributed + sdk_rows if attributed else sdk_rows, hists, row_spans)
+        if not self.export_metrics:  # log records, like spans, from every rank
+            return WindowParts(run, [], [], [], row_spans, logs)
+        return WindowParts(run, points, attributed + sdk_rows if attributed else sdk_rows, hists, row_spans, logs)
 
-    def _log_points(self, records: list[tuple[Any, ...]], run: RunInfo,
-                    attributed: list[MetricRow]) -> list[tuple[str, int, float, int]]:
+    def _log_points(self, records: list[tuple[Any, ...]], run: RunInfo, attributed: list[MetricRow],
+                    logs: list[LogRow]) -> list[tuple[str, int, float, int]]:
         """The `ot.log` points of `records`; values logged with `attributes=` go to `attributed` as gauge rows
-        (the shape a gauge set with those attributes has), converted by the same rules."""
+        (the shape a gauge set with those attributes has), converted by the same rules; log records to `logs`."""
         out: list[Any] = []
         append = out.append
         plain = self._plain_keys
@@ -107,6 +110,9 @@ class WindowBuilder:
                     mapping = StepEnd.from_times(step, mapping)
                 elif type(mapping) is AttributedValues:
                     self._attributed_rows(run, step, mapping, t, attributed)
+                    continue
+                elif type(mapping) is CapturedLog:
+                    logs.append(LogRow(run, *mapping.fields()))
                     continue
             if not 0 <= step <= MAX_STEP:  # `ot.log` refuses such a step at the call: this is the last guard
                 self.refusals.add("step_out_of_range", len(mapping.items()))

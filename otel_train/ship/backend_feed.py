@@ -507,10 +507,10 @@ class BackendFeed:
 
 
 def rows_in(window: Window) -> int:
-    """Metric, histogram and span rows of `window`."""
-    return len(window.metrics) + len(window.histograms) + len(window.spans)
+    """Metric, histogram, span and log rows of `window`."""
+    return len(window.metrics) + len(window.histograms) + len(window.spans) + len(window.logs)
 
 
 def _merge(windows: list[Window]) -> Window:
     return Window([r for w in windows for r in w.metrics], [h for w in windows for h in w.histograms],
-                  [s for w in windows for s in w.spans])
+                  [s for w in windows for s in w.spans], [g for w in windows for g in w.logs])

@@ -131,7 +131,7 @@ class StartingBackend(RowExporter):
             return backend.export_window(window)
         self._unwritten += 1
         if not self._spooled:
-            lost = len(window.metrics) + len(window.histograms) + len(window.spans)
+            lost = len(window.metrics) + len(window.histograms) + len(window.spans) + len(window.logs)
             self._lost["not_started"] = self._lost.get("not_started", 0) + lost
         return False
 

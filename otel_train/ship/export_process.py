@@ -44,7 +44,7 @@ from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import (
@@ -266,11 +266,11 @@ class ExportProcess:
     # -- sending (collector thread) --------------------------------------------------------------
     def send_window(self, run: RunInfo, points: Sequence[tuple[str, int, float, int]],
                     metrics: Sequence[MetricRow] = (), histograms: Sequence[HistogramRow] = (),
-                    spans: Sequence[SpanRow] = ()) -> None:
+                    spans: Sequence[SpanRow] = (), logs: Sequence[LogRow] = ()) -> None:
         """Encode one window and hand it to the child (or the fallback)."""
-        if os.getpid() != self._pid or not (points or metrics or histograms or spans):
+        if os.getpid() != self._pid or not (points or metrics or histograms or spans or logs):
             return
-        payload, max_step = encode_window(run, points, metrics, histograms, spans)
+        payload, max_step = encode_window(run, points, metrics, histograms, spans, logs)
         self._send_encoded(max_step, payload)
 
     def send_resume(self, run: RunInfo, step: int) -> None:

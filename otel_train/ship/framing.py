@@ -12,7 +12,11 @@ scalar in an attribute) is written as the int, float or str it stands for.
 Encoding runs on the training process's collector thread, so it is written by ormsgpack (a compiled
 encoder: no Python call per value) and read by msgpack-python (its tuples and strict map keys); the two
 write the same bytes, and msgpack-python also writes the rare window ormsgpack refuses (a lone surrogate, a
-non-str mapping key), or every window where ormsgpack is not installed. The layout avoids per-row Python work both ways: rows become tuples by `attrgetter`
+non-str mapping key), or every window where ormsgpack is not installed.
+
+Log records (`LogRow`) travel as a seventh element of the message, written only when a window has some: a
+window without log records is the six-element message earlier versions wrote and read, and a spool written
+before log records existed reads as it did. The layout avoids per-row Python work both ways: rows become tuples by `attrgetter`
 and come back by `map`/`starmap` over the row classes; 128-bit trace ids travel as two native columns.
 `bench/framing.py` times it against the pickle of tuples it replaced (protocol 5): encoding (the training
 process) 0.8x the pickle's cost for a 3,000-row window, 1.0x for a 13-row one; decoding (the exporter
@@ -45,7 +49,7 @@ except ImportError:  # pragma: no cover - a platform without its wheel: msgpack-
     ormsgpack = None  # type: ignore[assignment]
 
 from otel_train.backend import Window
-from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow
+from otel_train.rows import ExponentialBuckets, HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 
 __all__ = ["Resume", "cut_window", "decode_window", "encode_resume", "encode_window", "is_resume"]
@@ -64,6 +68,7 @@ _GET_RUN = attrgetter("run")
 _METRIC = attrgetter(*[f.name for f in dataclasses.fields(MetricRow)][1:])
 _HIST = attrgetter(*[f.name for f in dataclasses.fields(HistogramRow)][1:])
 _SPAN_NO_ID = attrgetter(*[f.name if f.name != "trace_id" else "kind" for f in dataclasses.fields(SpanRow)][1:])
+_LOG = attrgetter(*[f.name for f in dataclasses.fields(LogRow)][1:])
 _TRACE_ID = attrgetter("trace_id")
 _STEP = attrgetter("step")
 _POINT_STEP = itemgetter(1)
@@ -159,6 +164,7 @@ def encode_window(
     metrics: Sequence[MetricRow] = (),
     histograms: Sequence[HistogramRow] = (),
     spans: Sequence[SpanRow] = (),
+    logs: Sequence[LogRow] = (),
 ) -> tuple[bytes, int]:
     """One window as bytes, and the highest step in it (-1 when it has none).
 
@@ -166,6 +172,7 @@ def encode_window(
         run: The run every `points` entry belongs to.
         points: ``(tag, step, value, time_unix_nano)`` of `ot.log` gauges.
         metrics, histograms, spans: Rows from the SDK's instruments and spans (any runs).
+        logs: Log records (any runs); like spans, they do not count towards the highest step.
     """
     max_step = max(map(_POINT_STEP, points)) if points else -1
     if metrics:
@@ -174,7 +181,11 @@ def encode_window(
     m = [(i, list(map(_METRIC, rows))) for i, rows in _by_run(run, metrics, runs)] if metrics else ()
     h = [(i, list(map(_HIST, rows))) for i, rows in _by_run(run, histograms, runs)] if histograms else ()
     s = [(i, *_span_columns(rows)) for i, rows in _by_run(run, spans, runs)] if spans else ()
-    payload = _packb((_VERSION, list(map(_RUN, runs)), points, m, h, s))
+    if logs:
+        g = [(i, list(map(_LOG, rows))) for i, rows in _by_run(run, logs, runs)]
+        payload = _packb((_VERSION, list(map(_RUN, runs)), points, m, h, s, g))
+    else:  # the message every version since 4 reads
+        payload = _packb((_VERSION, list(map(_RUN, runs)), points, m, h, s))
     return _WINDOW_MAGIC + payload, max_step
 
 
@@ -209,7 +220,7 @@ def is_resume(payload: bytes) -> bool:
 
 
 def cut_window(window: Window, step: int) -> Window:
-    """`window` less its metric and histogram rows at steps >= `step` (spans kept: a span is an event on
+    """`window` less its metric and histogram rows at steps >= `step` (spans and log records kept: a span is an event on
     the timeline, not a point of a series; `resolve_resumes` and TensorBoard's purge keep them too).
 
     Example:
@@ -222,7 +233,7 @@ def cut_window(window: Window, step: int) -> Window:
     histograms = [h for h in window.histograms if h.step < step]
     if len(metrics) == len(window.metrics) and len(histograms) == len(window.histograms):
         return window
-    return Window(metrics, histograms, window.spans)
+    return Window(metrics, histograms, window.spans, window.logs)
 
 
 def decode_window(payload: bytes) -> Window:
@@ -236,7 +247,7 @@ def decode_window(payload: bytes) -> Window:
         body = payload[len(_RESUME_MAGIC):]
         if body.startswith(_PICKLE):
             raise ValueError(f"a resume {_OLD}")
-        message = _checked(_unpack_body(body), 4, "resume")
+        message = _checked(_unpack_body(body), (4,), "resume")
         try:
             return Resume(RunInfo(*message[1]), int(message[2]), int(message[3]))
         except (TypeError, ValueError) as err:
@@ -248,7 +259,7 @@ def decode_window(payload: bytes) -> Window:
             raise ValueError(f"a window of encoding version {payload[len(_OTHER_WINDOW)]}, which this version "
                              f"({_VERSION}) does not read: deliver it with the otel-train version that wrote it")
         raise ValueError("not an otel-train window (unknown leading bytes)")
-    message = _checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), 6, "window")
+    message = _checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), (6, 7), "window")
     try:
         return _rows(*message[1:])
     except (TypeError, ValueError, IndexError, AttributeError) as err:  # the right framing, the wrong shapes
@@ -262,7 +273,7 @@ def _unpack_body(body: bytes) -> Any:
         raise ValueError(f"a corrupt payload ({type(err).__name__}: {err})") from None
 
 
-def _rows(run_table: Any, points: Any, metrics: Any, hists: Any, spans: Any) -> Window:
+def _rows(run_table: Any, points: Any, metrics: Any, hists: Any, spans: Any, logs: Any = ()) -> Window:
     runs = [RunInfo(*fields) for fields in run_table]
     run = runs[0]
     rows = [MetricRow(run, step, tag, tag, value, "gauge", t) for tag, step, value, t in points]
@@ -282,11 +293,14 @@ def _rows(run_table: Any, points: Any, metrics: Any, hists: Any, spans: Any) -> 
         ids = map(or_, map(lshift, high, repeat(64)), low)
         deque(map(setattr, group, repeat("trace_id"), ids), maxlen=0)  # consumed in C, nothing kept
         span_rows.extend(group)
-    return Window(rows, histograms, span_rows)
+    log_rows: list[LogRow] = []
+    for i, group in logs:
+        log_rows.extend(starmap(partial(LogRow, runs[i]), group))
+    return Window(rows, histograms, span_rows, log_rows)
 
 
-def _checked(message: Any, size: int, what: str) -> tuple[Any, ...]:
-    if not isinstance(message, tuple) or len(message) != size or message[0] != _VERSION:
+def _checked(message: Any, sizes: tuple[int, ...], what: str) -> tuple[Any, ...]:
+    if not isinstance(message, tuple) or len(message) not in sizes or message[0] != _VERSION:
         version = message[0] if isinstance(message, tuple) and message else "?"
         raise ValueError(f"{what} encoding version {version} is not {_VERSION}")
     return message

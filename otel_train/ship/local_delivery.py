@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from otel_train.backend import RowExporter, Window
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import Resume
@@ -60,14 +60,14 @@ class LocalDelivery:
 
     def send_window(self, run: RunInfo, points: Sequence[tuple[str, int, float, int]],
                     metrics: Sequence[MetricRow] = (), histograms: Sequence[HistogramRow] = (),
-                    spans: Sequence[SpanRow] = ()) -> None:
+                    spans: Sequence[SpanRow] = (), logs: Sequence[LogRow] = ()) -> None:
         """Queue one window for every backend (never waits)."""
         rows = [MetricRow(run, s, key, key, v, "gauge", t) for key, s, v, t in points]
         rows.extend(metrics)
-        if not rows and not histograms and not spans:
+        if not rows and not histograms and not spans and not logs:
             return
         max_step = max((r.step for r in rows), default=-1)
-        self.delivery.put(Window(rows, histograms, spans), max_step)
+        self.delivery.put(Window(rows, histograms, spans, logs), max_step)
 
     def send_resume(self, run: RunInfo, step: int) -> None:
         """The run restarts at `step`: each backend applies it after every window queued before it."""

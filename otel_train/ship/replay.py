@@ -112,7 +112,8 @@ def _keep(label: str, wanted: RowWanted) -> Callable[[str, Window], Window]:
     def only_wanted(backend: str, window: Window) -> Window:
         return Window([r for r in window.metrics if wanted(label, backend, r)],
                       [h for h in window.histograms if wanted(label, backend, h)],
-                      [s for s in window.spans if wanted(label, backend, s)])
+                      [s for s in window.spans if wanted(label, backend, s)])  # log records: not in the
+        # record of what was logged, so a replay driven by it cannot tell which a backend lacks: left out
     return only_wanted
 
 

@@ -15,7 +15,9 @@ SDK objects -> the SDK's exporter, with no representation in between. What each 
 * histograms -> Histogram points, DELTA (their ``name/count`` ... scalar rows are not sent again); one
   that came as an exponential histogram (`HistogramRow.exponential`) -> an ExponentialHistogram point with
   its own scale and buckets;
-* spans -> `ReadableSpan`s with their ids, parent, times, status, attributes, events, kind and links.
+* spans -> `ReadableSpan`s with their ids, parent, times, status, attributes, events, kind and links;
+* log records -> the SDK's log records (`otel_train._internal.sdk.readable_log_record`): time, severity,
+  body, attributes with ``train.step`` (when it has one), the active span's ids; the scope is the logger name.
 
 Each metric keeps the unit and description its rows carry. Names: a key that breaks OTel's instrument-name
 rule goes under `otel_train.names.otlp_name` with the key in the metric's description (in place of the
@@ -49,8 +51,9 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from otel_train._internal import sdk
 from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.run_identity import RunInfo
 from otel_train.semconv import THREAD_ID, THREAD_NAME
 from otel_train.semconv import TRAIN_STEP as STEP_ATTRIBUTE
@@ -86,6 +89,20 @@ class RowsToSDK:
         """The span rows as batches of at most `MAX_POINTS` `ReadableSpan`s."""
         for start in range(0, len(rows), MAX_POINTS):
             yield [self._span(r) for r in rows[start:start + MAX_POINTS]]
+
+    def logs(self, rows: Sequence[LogRow]) -> Iterator[list[Any]]:
+        """The log rows as batches of at most `MAX_POINTS` SDK log records (none where the SDK lacks them)."""
+        for start in range(0, len(rows), MAX_POINTS):
+            batch = [self._log(r) for r in rows[start:start + MAX_POINTS]]
+            yield [b for b in batch if b is not None]
+
+    def _log(self, r: LogRow) -> Any:
+        attributes = dict(r.attributes)
+        if r.step is not None:
+            attributes[STEP_ATTRIBUTE] = r.step
+        return sdk.readable_log_record(self.resource(r.run), r.logger, timestamp=r.time_unix_nano,
+                                       severity_number=r.severity_number, severity_text=r.severity_text,
+                                       body=r.body, attributes=attributes, trace_id=r.trace_id, span_id=r.span_id)
 
     # -- building ----------------------------------------------------------------------------------
     def _metrics_data(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> MetricsData:

@@ -54,7 +54,7 @@ class SelfMetrics:
         # backwards themselves (`OTEL_TRAIN_STEP_ORDER`), and they describe now, not that step.
         self._step = max(self._step, max_step)
         rows = self.rows(window.metrics[0].run, self._step, self._points)
-        return Window([*window.metrics, *rows], window.histograms, window.spans)
+        return Window([*window.metrics, *rows], window.histograms, window.spans, window.logs)
 
     def rows(self, run: RunInfo, step: int, points: int) -> list[MetricRow]:
         """The health rows at `step`: run-wide counts, then per backend."""

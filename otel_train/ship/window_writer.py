@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.backend import LOSS_CAUSES, RowExporter, Window
 from otel_train.file_append import is_disk_full
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class WindowWriter:
             if self.closed:
                 return False
             if window and self.route is not None:
-                window = Window(*self.route.apply(window.metrics, window.histograms, window.spans))
+                window = Window(*self.route.apply(window.metrics, window.histograms, window.spans), window.logs)
             if window:
                 if self.backend.handles_metrics and (window.metrics or window.histograms):
                     window = self._in_step_order(window)
@@ -191,7 +191,7 @@ class WindowWriter:
         self._landed_ids.clear()
         self._attempts = 0
 
-    def mark_landed(self, rows: Sequence[MetricRow | HistogramRow | SpanRow]) -> None:
+    def mark_landed(self, rows: Sequence[MetricRow | HistogramRow | SpanRow | LogRow]) -> None:
         """`rows` of the head window landed (`RowExporter.mark_written`): a retry skips them."""
         self._landed_ids.update(map(id, rows))
 
@@ -275,27 +275,32 @@ class WindowWriter:
         histograms = self.step_order.filter(window.histograms)
         if metrics is window.metrics and histograms is window.histograms:
             return window
-        return Window(metrics, histograms, window.spans)
+        return Window(metrics, histograms, window.spans, window.logs)
 
     def _write_window(self, window: Window) -> None:
         """Hand the rows of `window` not landed yet to the backend; the rows it cannot take are lost here."""
         backend = self.backend
         landed = self._landed_ids
-        metrics, histograms, spans = window.metrics, window.histograms, window.spans
+        metrics, histograms, spans, logs = window.metrics, window.histograms, window.spans, window.logs
         if landed:
             metrics = [r for r in metrics if id(r) not in landed]
             histograms = [h for h in histograms if id(h) not in landed]
             spans = [s for s in spans if id(s) not in landed]
+            logs = [g for g in logs if id(g) not in landed]
+        writes_logs = backend.handles_logs and bool(logs)
         if backend.handles_metrics and (metrics or histograms):
             metrics, histograms = self._writable(metrics), self._writable(histograms)
             if metrics or histograms:
                 backend.write_metrics(metrics, histograms)
-                if backend.handles_spans and spans:  # a failure of the spans' write retries only them
+                if (backend.handles_spans and spans) or writes_logs:  # a later failure retries only the rest
                     backend.mark_written(metrics)
                     backend.mark_written(histograms)
         if backend.handles_spans and spans:
             backend.write_spans(spans)
             backend.mark_written(spans)
+        if writes_logs:
+            backend.write_logs(logs)
+            backend.mark_written(logs)
 
     def _writable(self, rows: Sequence[Any]) -> Sequence[Any]:
         if self._plain_rows_only and rows and {*map(type, map(_STEP, rows))} <= _INT and (
@@ -321,6 +326,8 @@ class WindowWriter:
             singles += [Window((), [h]) for h in window.histograms if id(h) not in self._landed_ids]
         if self.backend.handles_spans:
             singles += [Window(spans=[s]) for s in window.spans if id(s) not in self._landed_ids]
+        if self.backend.handles_logs:
+            singles += [Window(logs=[g]) for g in window.logs if id(g) not in self._landed_ids]
         failed: list[tuple[Window, Exception]] = []
         landed = False
         for single in singles:
@@ -343,7 +350,8 @@ class WindowWriter:
         if not landed:
             rest = [_only_row(w) for w in singles[singles.index(failed[0][0]):]]
             return Window([r for r in rest if isinstance(r, MetricRow)],
-                          [r for r in rest if isinstance(r, HistogramRow)], [r for r in rest if isinstance(r, SpanRow)])
+                          [r for r in rest if isinstance(r, HistogramRow)], [r for r in rest if isinstance(r, SpanRow)],
+                          [r for r in rest if isinstance(r, LogRow)])
         for single, why in failed:
             self._lose(_only_row(single), "refused", why)
         return None
@@ -363,11 +371,13 @@ class WindowWriter:
 
     def _lose_window(self, window: Window, cause: str, landed: set[int] | None = None) -> None:
         self.dropped_windows += 1
-        rows = [*window.metrics, *window.histograms, *window.spans]
+        rows = [*window.metrics, *window.histograms, *window.spans,
+                *(window.logs if self.backend.handles_logs else ())]
         n = len(rows) if not landed else sum(id(r) not in landed for r in rows)
         self.rows_lost[cause] = self.rows_lost.get(cause, 0) + n
 
 
-def _only_row(window: Window) -> MetricRow | HistogramRow | SpanRow:
-    rows: list[MetricRow | HistogramRow | SpanRow] = [*window.metrics, *window.histograms, *window.spans]
+def _only_row(window: Window) -> MetricRow | HistogramRow | SpanRow | LogRow:
+    rows: list[MetricRow | HistogramRow | SpanRow | LogRow] = [*window.metrics, *window.histograms, *window.spans,
+                                                              *window.logs]
     return rows[0]

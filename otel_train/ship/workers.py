@@ -35,15 +35,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from otel_train import semconv
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name
 from otel_train.backend import Window
 from otel_train.capture.attributes import clean_attributes, refused_reason
+from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import StepOutOfRange, coerce_step
-from otel_train.rows import MetricRow, SpanRow, series_tag
+from otel_train.rows import LogRow, MetricRow, SpanRow, series_tag
 from otel_train.run_identity import RunInfo
 
-__all__ = ["LOST_BUFFER", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
+__all__ = ["LOST_BUFFER", "LOST_LOGS", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
            "client_from_env", "listen_on", "step_cell_path"]
 
 _logger = logging.getLogger("otel_train")
@@ -59,6 +61,7 @@ _MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropp
 LOST_REFUSED_STEP = REFUSED_PREFIX + "bad_step"  # refusals: the trainer's summary counts them with its own
 LOST_BUFFER = "values over a child process's buffer"
 LOST_SPANS = "spans over a child process's buffer"
+LOST_LOGS = "log records over a child process's buffer"
 
 
 _warn_once = LogOnce(_logger)  # per child process: the first refused step, attribute set and key of each kind
@@ -197,18 +200,19 @@ class WorkerListener:
                 while True:
                     frame = _recv(conn)
                     points, spans = frame[0], frame[1]
+                    logs = frame[3] if len(frame) > 3 else ()
                     if len(frame) > 2 and self._lost is not None:
                         for cause, n in dict(frame[2]).items():
                             self._lost(str(cause), int(n))
-                    if points or spans:
-                        self._submit(self._window(int(worker), int(pid), points, spans))
+                    if points or spans or logs:
+                        self._submit(self._window(int(worker), int(pid), points, spans, logs))
             except (EOFError, OSError):
                 return
             except Exception as err:  # a malformed frame ends this child's connection only
                 _logger.warning("a child process sent unreadable telemetry (%s); its connection is closed", err)
 
     def _window(self, worker: int, pid: int, points: list[tuple[Any, ...]],
-                spans: list[tuple[Any, ...]]) -> Window:
+                spans: list[tuple[Any, ...]], logs: Any = ()) -> Window:
         run, attrs = self._run, {"worker": worker}
         last = max(0, int(self._last_step()))
         rows = [_worker_row(run, last, attrs, *point) for point in points] if self._metrics else []
@@ -216,7 +220,12 @@ class WorkerListener:
         span_rows = [SpanRow(run, name, trace_id, span_id, parent, start, end, pid, track, step,
                              {**attributes, "worker": worker}, error, message)
                      for name, trace_id, span_id, parent, start, end, step, attributes, error, message in spans]
-        return Window(rows, [], span_rows)
+        # Log records on the worker's track (as its spans), at the trainer's step then (else the run's latest).
+        log_rows = [LogRow(run, last if step is None or step < 0 else step, t, number, text, body, logger,
+                           {**attributes, semconv.THREAD_ID: pid, semconv.THREAD_NAME: track, "worker": worker},
+                           trace_id, span_id)
+                    for step, t, number, text, body, logger, attributes, trace_id, span_id in logs]
+        return Window(rows, [], span_rows, log_rows)
 
     def close(self, timeout_s: float = 1.0, *, trainer_died: bool = False) -> None:
         """Stop accepting; deliver what connected children have sent (at most `timeout_s`), never waiting for a
@@ -335,6 +344,8 @@ class WorkerClient:
         self._lock = threading.Lock()
         self._points: list[tuple[Any, ...]] = []
         self._spans: list[tuple[Any, ...]] = []
+        self._logs: list[tuple[Any, ...]] = []  # `LogRow` fields after its run
+        self._wake = threading.Event()  # a log record is sent at once: a crash that follows must not lose it
         self._sock: socket.socket | None = None
         self._state = "new"  # new -> open | dead
         self._warned = False
@@ -420,6 +431,19 @@ class WorkerClient:
                 return
             self._spans.append(fields)
 
+    def add_log(self, record: CapturedLog) -> None:
+        """A log record captured in this child (`otel_train.capture.log_capture`): at the step the trainer is in."""
+        if not self._usable():
+            return
+        step = read_step(self._step_cell)
+        record.step = step if step >= 0 else record.step
+        with self._lock:
+            if len(self._logs) >= _MAX_BUFFERED:
+                self._lose(LOST_LOGS, 1)
+                return
+            self._logs.append(record.fields())
+        self._wake.set()
+
     # -- connection (the sender thread) ------------------------------------------------------------------
     def _usable(self) -> bool:
         if self._state == "open":
@@ -463,19 +487,20 @@ class WorkerClient:
 
     def _sender(self) -> None:
         while self._state == "open":
-            time.sleep(_SEND_EVERY_S)
+            self._wake.wait(_SEND_EVERY_S)
+            self._wake.clear()
             self.send_now()
 
     def send_now(self) -> None:
         """Ship what is buffered (drops it with one warning when the exporter process is unreachable)."""
         with self._lock:
-            points, spans, lost = self._points, self._spans, self._lost
-            self._points, self._spans, self._lost = [], [], {}
+            points, spans, lost, logs = self._points, self._spans, self._lost, self._logs
+            self._points, self._spans, self._lost, self._logs = [], [], {}, []
             sock = self._sock
-            if not (points or spans or lost) or sock is None or self._state != "open":
+            if not (points or spans or lost or logs) or sock is None or self._state != "open":
                 return
-            try:
-                _send(sock, (points, spans, lost))
+            try:  # log records as a fourth element, only when there are some: the frame earlier versions read
+                _send(sock, (points, spans, lost, logs) if logs else (points, spans, lost))
             except OSError as err:
                 self._sock = None
                 sock.close()

@@ -30,8 +30,10 @@ from otel_train.sink.decode import (
     parse_metrics,
     parse_traces,
 )
+from otel_train.sink.decode_logs import decode_logs
 from otel_train.sink.decode_traces import decode_traces
 from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs, fds_in_use
+from otel_train.sink.otlp import parse_logs
 from otel_train.sink.reorder import ReorderHold, needs_hold
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
 from otel_train.sink.run_names import RunNames
@@ -201,9 +203,12 @@ class SinkCore:
         elif signal == "traces":
             request = parse_traces(body, content_type, encoding, limit)
             decoded = decode_traces(request, self._runs)
+        elif signal == "logs":
+            request = parse_logs(body, content_type, encoding, limit)
+            decoded = decode_logs(request, self._runs)
         else:
             raise DecodeError(f"unknown signal {signal!r}")
-        n = decoded.points + len(decoded.spans)
+        n = decoded.points + len(decoded.spans) + len(decoded.logs)
         for run_id, count in decoded.unattributed.items():
             with self._lock:  # `ingest` also runs on the backpressure thread
                 self.unattributed += count
@@ -287,6 +292,7 @@ class SinkCore:
             "file_descriptors": self._fd_health(),
             "points": self.router.points_in,
             "spans": self.router.spans_in,
+            "logs": self.router.logs_in,
             "delivery": self.router.delivery_totals(),
             "errors": self.router.errors,
             "requests": self.router.requests,

@@ -20,7 +20,15 @@ from typing import Any
 
 from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 from otel_train.names import KEY_DESCRIPTION_PREFIX, key_from_description
-from otel_train.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow, explicit_buckets, series_tag
+from otel_train.rows import (
+    ExponentialBuckets,
+    HistogramRow,
+    LogRow,
+    MetricRow,
+    SpanRow,
+    explicit_buckets,
+    series_tag,
+)
 from otel_train.run_identity import RunInfo
 from otel_train.sink.decode_runs import DecodeCache, fallback_run_id, resource_run
 from otel_train.sink.metric_walk import MetricHeaders
@@ -73,13 +81,14 @@ class Decoded:
         refused: Points refused alone (a step that is no step, too many buckets), by ``(why, metric)``.
     """
 
-    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "metrics", "refused", "runs", "sender", "spans", "tags",
-                 "unattributed", "unsupported")
+    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "logs", "metrics", "refused", "runs", "sender", "spans",
+                 "tags", "unattributed", "unsupported")
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
         self.histograms: list[HistogramRow] = []
         self.spans: list[SpanRow] = []
+        self.logs: list[LogRow] = []
         # Gauge rows with a step (the hot path), and (row, temporality mode, start time) of the other
         # number points, until `finish`.
         self._gauges: list[MetricRow] = []
@@ -181,6 +190,8 @@ class Decoded:
             part(hp[0].run.run_id)._hists.append(hp)
         for sp in self.spans:
             part(sp.run.run_id).spans.append(sp)
+        for record in self.logs:
+            part(record.run.run_id).logs.append(record)
         return out
 
 

@@ -1,4 +1,4 @@
-"""The OTLP/gRPC receiver (metrics and traces services) of the sink.
+"""The OTLP/gRPC receiver (metrics, traces and logs services) of the sink.
 
 It is grpcio's asyncio server on an event loop of its own (not the receivers' loop, which serves OTLP/HTTP):
 a request of up to `INLINE_BYTES` is decoded and handed to the router right in its handler, on that loop; a
@@ -35,6 +35,7 @@ _logger = logging.getLogger(__name__)
 
 _METRICS_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 _TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+_LOGS_SERVICE = "opentelemetry.proto.collector.logs.v1.LogsService"
 #: Requests up to this size are decoded on the receiver's loop (~2,500 points: a few ms); larger ones on a thread.
 INLINE_BYTES = 256 * 1024
 #: Threads that decode the larger requests.
@@ -116,6 +117,7 @@ class GrpcReceiver:
                 grpc.method_handlers_generic_handler(_METRICS_SERVICE,
                                                      {"Export": _handler(sink, "metrics", self._large)}),
                 grpc.method_handlers_generic_handler(_TRACE_SERVICE, {"Export": _handler(sink, "traces", self._large)}),
+                grpc.method_handlers_generic_handler(_LOGS_SERVICE, {"Export": _handler(sink, "logs", self._large)}),
             ))
             try:
                 if tls_cert is not None and tls_key is not None:

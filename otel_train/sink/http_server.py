@@ -32,7 +32,7 @@ __all__ = ["HttpReceiver", "start_http"]
 
 _logger = logging.getLogger(__name__)
 
-_OTLP_PATHS = {"/v1/metrics": "metrics", "/v1/traces": "traces"}
+_OTLP_PATHS = {"/v1/metrics": "metrics", "/v1/traces": "traces", "/v1/logs": "logs"}
 _GRPC_CODES = {400: 3, 401: 16, 404: 5, 405: 12, 413: 8, 503: 14, 500: 13}  # google.rpc.Code of each error
 _UNAUTHORIZED = "missing or wrong `authorization: Bearer` token"
 

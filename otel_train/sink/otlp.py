@@ -23,6 +23,7 @@ __all__ = [
     "lean_metrics_request",
     "lean_points_request",
     "number_point",
+    "parse_logs",
     "parse_metrics",
     "parse_traces",
     "point_attributes",
@@ -354,6 +355,14 @@ def parse_traces(body: bytes, content_type: str | None = None, encoding: str | N
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
     return _parse(ExportTraceServiceRequest(), _decompress(body, encoding, limit), content_type)
+
+
+def parse_logs(body: bytes, content_type: str | None = None, encoding: str | None = None,
+               limit: int = 1 << 62) -> Any:
+    """Parse an `ExportLogsServiceRequest` from a (possibly gzipped) protobuf or JSON body."""
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+
+    return _parse(ExportLogsServiceRequest(), _decompress(body, encoding, limit), content_type)
 
 
 def _field(number: int, payload: bytes) -> bytes:

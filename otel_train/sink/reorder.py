@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from otel_train.backend import RowExporter
-    from otel_train.rows import HistogramRow, MetricRow, SpanRow
+    from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
     from otel_train.run_identity import RunInfo
 
 __all__ = ["MAX_HELD_ROWS", "ReorderHold", "needs_hold"]
@@ -161,7 +161,8 @@ class ReorderHold:
 
     # -- delivery's calls ---------------------------------------------------------------------------
     def export_window(self, window: Window) -> bool:
-        """Hold the window's metric and histogram rows (they go out in a flush); hand its spans over at once."""
+        """Hold the window's metric and histogram rows (they go out in a flush); hand its spans and log records over
+        at once."""
         now = self._clock()
         metrics: Sequence[MetricRow] = window.metrics
         histograms: Sequence[HistogramRow] = window.histograms
@@ -170,9 +171,9 @@ class ReorderHold:
         if metrics or histograms:
             self._hold(metrics, histograms, now)
         out_m, out_h = self._take(now, everything=False, by_time=False)  # past the row budget only
-        if not (out_m or out_h or window.spans):
+        if not (out_m or out_h or window.spans or window.logs):
             return True
-        return self._write(out_m, out_h, window.spans)
+        return self._write(out_m, out_h, window.spans, window.logs)
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         """Release what is due (everything after `drain_at_next_flush`), then flush the backend; then record
@@ -233,12 +234,13 @@ class ReorderHold:
             return True
         return self._write(metrics, histograms)
 
-    def _write(self, metrics: list[MetricRow], histograms: list[HistogramRow], spans: Sequence[SpanRow] = ()) -> bool:
+    def _write(self, metrics: list[MetricRow], histograms: list[HistogramRow], spans: Sequence[SpanRow] = (),
+               logs: Sequence[LogRow] = ()) -> bool:
         released = self._released
         if released is not None:
             released.check_before_write(metrics)
             released.check_before_write(histograms)
-        ok = bool(self._inner.export_window(Window(metrics, histograms, spans)))
+        ok = bool(self._inner.export_window(Window(metrics, histograms, spans, logs)))
         if faults.ARMED and (metrics or histograms):  # tests only: a kill between the write and its record
             faults.after_write(self._inner.name, max(r.step for rows in (metrics, histograms) for r in rows))
         if ok and released is not None:  # not written (kept for a retry): never claimed as held

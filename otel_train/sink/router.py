@@ -125,6 +125,7 @@ class Router:
         self._closed = False
         self.points_in = 0
         self.spans_in = 0
+        self.logs_in = 0
         self.requests = 0
         self.refused = 0
         self.errors = 0
@@ -315,6 +316,9 @@ class Router:
         part.finish(ledger)
         if part.spans:
             part.spans = ledger.new_spans(part.spans)
+        for record in part.logs:  # a record without a step: its rank's latest step (a foreign sender's)
+            if record.step is None:
+                record.step = state.last_step.get(record.run.rank)
         if state.aggregator is not None and part.metrics:
             agg = state.aggregator.add(part.metrics)
             if agg:
@@ -347,6 +351,7 @@ class Router:
         with self._counts:
             self.points_in += npoints
             self.spans_in += len(part.spans)
+            self.logs_in += len(part.logs)
 
     def _put(self, state: RunFeed, part: Decoded) -> None:
         held = state.put(part)

@@ -170,14 +170,14 @@ class RunFeed:
 
         steps = [r.step for r in item.metrics] + [h.step for h in item.histograms]
         max_step = max(steps, default=-1)
-        window = Window(item.metrics, item.histograms, item.spans)
+        window = Window(item.metrics, item.histograms, item.spans, item.logs)
         if self.spool is None:
             # Cannot fail: room was checked under this lock and only the backends' threads take from the queues.
             self.delivery.submit_window(window, max_step, 0.0)
             return 0
         from otel_train.ship.framing import encode_window
 
-        payload, _ = encode_window(_NO_RUN, (), item.metrics, item.histograms, item.spans)
+        payload, _ = encode_window(_NO_RUN, (), item.metrics, item.histograms, item.spans, item.logs)
         seq = self._seq + 1
         ledger, state = self.converter, self.state
         assert state is not None

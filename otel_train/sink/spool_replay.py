@@ -25,7 +25,7 @@ from otel_train.sink.run_feed import spool_folder
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from otel_train.rows import HistogramRow, MetricRow, SpanRow
+    from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
     from otel_train.sink.router import Router
 
 __all__ = ["SpoolReplay", "unfinished_spools"]
@@ -75,7 +75,8 @@ def _unacknowledged_run(folder: Path) -> str | None:
         if tries >= _READ_TRIES:
             break
         window = decode_window(payload)
-        rows: Sequence[MetricRow | HistogramRow | SpanRow] = window.metrics or window.histograms or window.spans
+        rows: Sequence[MetricRow | HistogramRow | SpanRow | LogRow] = (window.metrics or window.histograms or window.spans
+                                                                       or window.logs)
         if not rows:
             continue
         run_id = str(rows[0].run.run_id)

@@ -17,7 +17,7 @@ from reference import Point
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow, MetricRow, series_tag
+from otel_train.rows import HistogramRow, LogRow, MetricRow, series_tag
 from otel_train.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
@@ -56,7 +56,10 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 row(r0, 0, "optim/lr/group0", 0.02), row(r1, 0, "train/loss", 1.5),
                 row(RunInfo("other-run", "x"), 0, "train/loss", 9.0),
                 *_built_in_rows(r0, r1),
-            ], histograms=[HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)])))
+            ], histograms=[HistogramRow(r0, 1, "grad", "grad", 4, 6.0, 0.5, 3.0, (1.0, 2.0), (1, 2, 1), 0)], logs=[
+                LogRow(r0, 2, 0, 13, "WARNING", "loss spiked", "job"),
+                LogRow(r1, 1, 0, 17, "ERROR", "bad batch", "job", {"exception.stacktrace": "Traceback (x)"}),
+            ])))
             results.append(exporter.force_flush())
 
         worker = threading.Thread(target=export)
@@ -99,6 +102,15 @@ def test_rank_and_attribute_suffixes_make_distinct_series(session: dict[str, Any
         Point("otel_train/backend_errors{exporter=jsonl}", 0, 1.0),
         Point("otel_train/backend_errors{exporter=wandb}", 0, 2.0),
     ])
+
+
+def test_log_records_in_the_console_log_with_step_and_rank(session: dict[str, Any]) -> None:
+    console = [json.loads(line) for line in (session["folder"] / "log.jsonl").read_text().splitlines() if line.strip()]
+    messages = [(ev["level"], ev["msg"]) for batch in console for ev in batch]  # ClearML joins nearby lines
+    text = "\n".join(msg for _, msg in messages)
+    assert text.index("[step 2 rank 0] WARNING job: loss spiked") < text.index(
+        "[step 1 rank 1] ERROR job: bad batch\nTraceback (x)")
+    assert any(level == "error" and "bad batch" in msg for level, msg in messages)
 
 
 def test_histogram_reported(session: dict[str, Any]) -> None:

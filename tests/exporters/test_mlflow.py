@@ -17,7 +17,7 @@ from backendkit import history, isolated_mlflow_env, two_ranks
 from otel_train.collect.sdk_rows import MetricsConverter
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow, MetricRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow
 from otel_train.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.01, "optim": {"name": "adam", "betas": [0.9, 0.99]}}
@@ -44,7 +44,12 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             row(r0, 1, "eval/acc{split=val}", 0.75, split="val"),
             row(r1, 0, "train/loss", 1.5), row(r1, 1, "train/loss", 1.25),
         ], histograms=[HistogramRow(r0, 1, "grad", "grad", 2, 3.0, 1.0, 2.0, (1.5,), (1, 1), 0)]))
-        assert exporter.export_window(Window(metrics=[row(r0, 3, "train/loss", 0.125)]))
+        assert exporter.export_window(Window(metrics=[row(r0, 3, "train/loss", 0.125)], logs=[
+            LogRow(r0, 3, 1_700_000_000_000_000_003, 13, "WARNING", "loss spiked", "job"),
+            LogRow(r0, 3, 1_700_000_000_000_000_004, 17, "ERROR", "bad batch", "job",
+                   {"exception.stacktrace": "Traceback (x)\nValueError: bad batch\n"}),
+            LogRow(r1, 2, 1_700_000_000_000_000_005, 13, "WARNING", "rank 1 warns", "job"),
+        ]))
         mlflow_id = exporter.run_ids[RUN_ID]
         uri = exporter.tracking_uri
         exporter.shutdown()
@@ -62,6 +67,26 @@ def test_every_step_and_value(store: dict[str, Any]) -> None:
     assert history(uri, rid, "train/loss") == [(0, 1.0), (1, 0.5), (2, 0.25), (3, 0.125)]
     assert history(uri, rid, "eval/acc__split-val") == [(1, 0.75)]
     assert history(uri, rid, "train/loss__rank-1") == [(0, 1.5), (1, 1.25)]  # rank 1: same run, suffixed
+
+
+def test_log_records_are_text_artifacts_per_window_and_rank(store: dict[str, Any]) -> None:
+    from mlflow.artifacts import download_artifacts
+    from mlflow.tracking import MlflowClient
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in store["env"].items():
+            mp.setenv(key, value)
+        client = MlflowClient(store["uri"])
+        texts = {}
+        for rank in (0, 1):
+            (artifact,) = client.list_artifacts(store["id"], f"otel-train-logs/rank{rank}")
+            path = download_artifacts(run_id=store["id"], artifact_path=artifact.path, tracking_uri=store["uri"])
+            texts[artifact.path] = Path(path).read_text()
+    assert texts == {
+        "otel-train-logs/rank0/step000000003-1700000000000000003.log":
+            "[step 3] WARNING job: loss spiked\n[step 3] ERROR job: bad batch\nTraceback (x)\nValueError: bad batch\n",
+        "otel-train-logs/rank1/step000000002-1700000000000000005.log": "[step 2] WARNING job: rank 1 warns\n",
+    }
 
 
 def test_run_identity_params_and_tags(store: dict[str, Any]) -> None:

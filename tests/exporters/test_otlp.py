@@ -35,13 +35,13 @@ def test_protocol_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpans
 
     exp = OTLPExporter()
-    assert exp.protocols == {"metrics": "grpc", "traces": "grpc"}
+    assert exp.protocols == {"metrics": "grpc", "traces": "grpc", "logs": "grpc"}
     assert isinstance(exp._metrics, GrpcMetrics)
     exp.shutdown()
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "grpc")
     exp = OTLPExporter(None)
-    assert exp.protocols == {"metrics": "grpc", "traces": "http/protobuf"}
+    assert exp.protocols == {"metrics": "grpc", "traces": "http/protobuf", "logs": "http/protobuf"}
     assert isinstance(exp._traces, HttpSpans)
     exp.shutdown()
     exp.shutdown()  # idempotent

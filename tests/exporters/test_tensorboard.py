@@ -20,7 +20,7 @@ import otel_train as ot
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.tensorboard import TensorBoardExporter
-from otel_train.rows import HistogramRow, MetricRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow
 from otel_train.run_identity import RunInfo
 
 
@@ -217,3 +217,27 @@ def test_each_series_is_written_in_step_order_and_a_step_going_back_is_skipped(t
     assert _in_file_order(tmp_path / "order", "a") == [(0, 0.5), (1, 1.5), (3, 3.5), (4, 4.5)]
     assert _in_file_order(tmp_path / "order", "b") == [(1, 1.0), (2, 2.0)]
     assert counts == {"backwards": 1, "dropped": 1}
+
+
+def test_log_records_are_text_at_their_steps(tmp_path: Path) -> None:
+    """The Text plugin's `logs` tag: one Markdown text per step, read back with TensorBoard's own reader; a record
+    outside any step at the run's latest, a late one never before a step already written, other ranks left out."""
+    run, rank1 = RunInfo("r1", "demo"), RunInfo("r1", "demo", rank=1, world_size=2)
+    with TensorBoardExporter(ExporterOptions(directory=tmp_path)) as tb:
+        assert tb.export_window(Window(logs=[
+            LogRow(run, 2, 0, 13, "WARNING", "loss spiked", "job"),
+            LogRow(run, 2, 1, 17, "ERROR", "bad batch", "job", {"exception.stacktrace": "Traceback (x)"}),
+            LogRow(run, 5, 2, 13, "WARNING", "slow step", "job"),
+            LogRow(rank1, 3, 3, 13, "WARNING", "rank 1 (metrics of rank 0 only)", "job"),
+        ]))
+        assert tb.export_window(Window(logs=[LogRow(run, None, 4, 21, "FATAL", "uncaught", "otel_train.uncaught"),
+                                             LogRow(run, 4, 5, 13, "WARNING", "late", "job")]))
+    acc = EventAccumulator(str(tmp_path / "demo"), size_guidance={"tensors": 0})
+    acc.Reload()
+    texts = [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors("logs")]
+    assert texts == [
+        (2, "**WARNING** job: loss spiked\n\n**ERROR** job: bad batch\n\n```\nTraceback (x)\n```"),
+        (5, "**WARNING** job: slow step"),
+        (5, "**FATAL** otel_train.uncaught: uncaught\n\n**WARNING** job: late"),
+    ]
+    assert acc.SummaryMetadata("logs").plugin_data.plugin_name == "text"
