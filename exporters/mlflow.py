@@ -101,14 +101,16 @@ def mlflow_name(key: str) -> str:
     Example:
         >>> mlflow_name("train/loss"), mlflow_name("épochs/loss"), mlflow_name("val/mAP@0.5")
         ('train/loss', 'épochs/loss', 'val/mAP_0.5_909d36')
-        >>> mlflow_name("Loss (val)")
-        'Loss _val__47840d'
+        >>> mlflow_name("Loss (val)"), mlflow_name("..a/b")
+        ('Loss _val__47840d', '_.a/b_d0420f')
     """
     if _KEY.match(key) and len(key) <= _MAX_KEY and not path_not_unique(key):
         return key
     mapped = _DISALLOWED.sub("_", key)
     # MLflow treats keys as paths: no empty, `.` or `..` segments, no leading `/`.
     parts = [p if p not in (".", "..") else p.replace(".", "_") for p in mapped.split("/") if p]
+    if parts and parts[0].startswith(".."):  # MLflow refuses any key that starts with `..`, not only the segment
+        parts[0] = "_" + parts[0][1:]
     suffix = "_" + key_hash(key)
     return "/".join(parts)[:_MAX_KEY - len(suffix)] + suffix
 

@@ -27,6 +27,7 @@ MODULES = [
     "otel_train.exporters.tensorboard",
     "otel_train.exporters.chrome_trace",
     "otel_train.exporters.wandb",
+    "otel_train.exporters.mlflow",
     "otel_train.verify.wanted",
     "otel_train.collect.phases",
     "otel_train.summary",

@@ -208,6 +208,18 @@ def test_keys_map_deterministically() -> None:
     assert len(long) == 250 and long == mlflow_name("x" * 300) != mlflow_name("x" * 301)
 
 
+def test_every_mapped_key_passes_mlflows_own_validation() -> None:
+    from mlflow.utils.validation import _validate_metric_name
+
+    from otel_train.exporters.mlflow import mlflow_key, mlflow_name
+
+    odd = ["..yLμyz/損", "..", ".", "...", "..a", "../x", "a/../b", "/lead", "trail/", "a//b", "val/mAP@0.5", "x" * 300,
+           "a b", "(x)", "損"]
+    for key in odd:
+        for mapped in (mlflow_name(key), mlflow_key(key, {"k": "@/.."})):
+            _validate_metric_name(mapped)  # raises for a key MLflow would refuse (its rows would be lost)
+
+
 def test_missing_mlflow_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     from otel_train.exporters.mlflow import MLflowExporter
 
