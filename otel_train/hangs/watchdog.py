@@ -148,6 +148,7 @@ class HangWatchdog:
             thread.join(timeout=2.0)
         self._thread = None
         if self._state != "ended":
+            self.check()  # a hang whose step ended since the last look gets its `resumed` record
             self._state = "ended"
             self._write()
 
