@@ -189,6 +189,8 @@ class Session:
             self.export_process.worker_address if self.export_process is not None else None)
         after_fork_in_child(self._after_fork_in_child)  # held weakly: a shut-down session is freed
         self.hang_watchdog = _start_hang_watchdog(settings, self.run, directory)
+        if self.hang_watchdog is not None:  # it learns each span name's usual duration from the collected spans
+            self.reader.span_listener = self.hang_watchdog.take_spans
 
     def _after_fork_in_child(self) -> None:
         # A forked child (e.g. a DataLoader worker) shares the parent's open files, backend runs and

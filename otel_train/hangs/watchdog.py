@@ -2,8 +2,8 @@
 
 It never touches the training thread: every `poll_s` it reads what the training thread already keeps (the step
 entered last, `otel_train.capture.step.open_step`; the main thread's open spans,
-`otel_train.capture.instrument.open_spans_of`), learns each kind's usual duration from the steps and spans it
-sees finish, and applies `otel_train.hangs.hang_rule.HangRule`. When work is stuck it records what the rank is
+`otel_train.capture.instrument.open_spans_of`), learns each kind's usual duration from the steps it sees finish
+and the spans the reader collects (`take_spans`, on the collector thread), and applies `otel_train.hangs.hang_rule.HangRule`. When work is stuck it records what the rank is
 doing (step, open spans, every thread's Python stack) as a WARN log record on the logger ``otel_train.hang``
 (``event.name`` ``train.hang``) and in ``hang/rank<N>.json`` (`otel_train.hangs.hang_file`); again each time the
 wait doubles; and a ``resumed`` record when the work ends. It writes the file's heartbeat every `heartbeat_s`, so
@@ -19,12 +19,13 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from otel_train import semconv
-from otel_train.capture.instrument import open_spans_of
+from otel_train.capture.instrument import SpanRecord, open_spans_of
 from otel_train.capture.step import open_step
 from otel_train.hangs.hang_file import MAX_HISTORY, write_hang_file
 from otel_train.hangs.hang_rule import HangRule, Work
@@ -37,6 +38,7 @@ hang_logger = logging.getLogger("otel_train.hang")
 """Where `train.hang` records go (WARNING), for the logs signal and the user's own handlers."""
 
 STEP_KEY = "step"
+_SPAN_SAMPLES = 512  # finished spans kept between two looks (the latest)
 _NATIVE_PAUSE_S = 0.02  # between two looks at the main thread's frame: has it moved?
 
 
@@ -45,7 +47,7 @@ class Look(NamedTuple):
 
     step: int | None  # the step entered last
     works: list[Work]  # the open step, then the innermost span opened in it; outside a step, the innermost span
-    finished: list[Work]  # work seen open before and finished since (elapsed_s: its whole duration)
+    finished: list[Work]  # steps seen open before and finished since (elapsed_s: its whole duration)
     spans: list[str]  # the main thread's open spans, outermost first
 
 
@@ -60,7 +62,6 @@ class TrainingThreadView:
         main = threading.main_thread()
         self.thread_id = thread_id if thread_id is not None else (main.native_id or 0)
         self._step: Any = None  # the step seen open at the last look
-        self._spans: dict[int, Any] = {}  # id -> span scope seen open, until seen finished
 
     def look(self) -> Look:
         finished: list[Work] = []
@@ -77,15 +78,6 @@ class TrainingThreadView:
             works.append(Work(STEP_KEY, step_elapsed_s, id(current)))
         scopes = open_spans_of(self.thread_id)
         now_ns = time.time_ns()
-        open_ids = {id(s) for s in scopes}
-        for ident, scope in list(self._spans.items()):
-            if ident not in open_ids:
-                del self._spans[ident]
-                end_ns = getattr(scope, "end_ns", None)  # unset: the scope was dropped unexited (a generator)
-                if end_ns is not None:
-                    finished.append(Work(_span_key(scope.name), (end_ns - scope.start_ns) / 1e9, ident))
-        for scope in scopes[-16:]:
-            self._spans[id(scope)] = scope
         innermost = scopes[-1] if scopes else None
         if innermost is not None:
             elapsed_s = (now_ns - innermost.start_ns) / 1e9
@@ -133,6 +125,7 @@ class HangWatchdog:
         self._failed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._finished_spans: deque[tuple[str, float]] = deque(maxlen=_SPAN_SAMPLES)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,6 +144,16 @@ class HangWatchdog:
             self.check()  # a hang whose step ended since the last look gets its `resumed` record
             self._state = "ended"
             self._write()
+
+    def take_spans(self, spans: list[tuple[Any, ...]]) -> None:
+        """The reader's span listener (collector thread): keep the durations of the latest finished `ot.span`
+        scopes of the training thread, for the watchdog thread to learn from. Raw OTel spans are left out."""
+        thread_id = self._view.thread_id
+        keep = self._finished_spans.append
+        for item in spans[-_SPAN_SAMPLES:]:
+            span = item[-1]
+            if isinstance(span, SpanRecord) and span.thread_id == thread_id:
+                keep((_span_key(span.name), (span.end_ns - span.start_ns) / 1e9))
 
     def remove_file(self) -> None:
         """Remove this rank's file (and the hang folder, once empty): the session's run never was (the rank was
@@ -177,6 +180,10 @@ class HangWatchdog:
         look = self._view.look()
         self._step = look.step if look.step is not None else self._step
         hang = self._hang
+        spans = self._finished_spans
+        while spans:
+            key, duration_s = spans.popleft()
+            self.rule.add(key, duration_s)
         for work in look.finished:
             self.rule.add(work.key, work.elapsed_s)
             if hang is not None and work.ident == hang.ident:
