@@ -284,8 +284,8 @@ class _NoSpan:
 NO_SPAN = _NoSpan()
 
 
-#: Per thread (its native id): the `ot.span` scope entered last and not yet exited, else None. One dict store at
-#: each span's enter and exit; `open_spans_of` reads it from the hang watchdog's thread.
+#: Per thread (its native id): the `ot.span` scope entered last. One dict store as a span enters, none as it exits:
+#: `open_spans_of` (the hang watchdog's thread) walks from it to its outer scopes and skips those that have ended.
 _innermost: dict[int, SpanScope | None] = {}
 
 
@@ -318,7 +318,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
             self.parent_id: int | None = parent.span_id
             self._outer: SpanScope | None = parent
         else:
-            self._outer = parent if isinstance(parent, SpanScope) else None
+            self._outer = parent if parent is not None and isinstance(parent, SpanScope) else None
             ctx = None if parent is None or not isinstance(parent, otel_trace.Span) else parent.get_span_context()
             if ctx is not None and ctx.is_valid:
                 self.trace_id = ctx.trace_id
@@ -343,7 +343,6 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self.end_ns = _time_ns()
-        _innermost[self.thread_id] = self._outer
         token = self._token
         if token is not None:
             self._token = None
