@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HANG_FOLDER", "STATES", "hang_path", "read_hang_files", "write_hang_file"]
+__all__ = ["HANG_FOLDER", "STATES", "hang_path", "native_dump_path", "read_hang_files", "write_hang_file"]
 
 HANG_FOLDER = "hang"
 STATES = ("running", "stuck", "resumed", "ended")
@@ -39,6 +39,12 @@ MAX_HISTORY = 32  # records of one hang kept in the file (the first ones and the
 def hang_path(run_dir: Path, rank: int) -> Path:
     """Where rank `rank` of the run in `run_dir` keeps its hang file."""
     return run_dir / HANG_FOLDER / f"rank{rank}.json"
+
+
+def native_dump_path(path: Path) -> Path:
+    """Beside ``rank<N>.json``: ``rank<N>.native.txt``, where `faulthandler` dumps every thread's stack when the
+    watchdog itself could not run (a C call holding the GIL)."""
+    return path.with_name(path.stem + ".native.txt")
 
 
 def write_hang_file(path: Path, content: Mapping[str, Any]) -> None:
@@ -55,7 +61,9 @@ def write_hang_file(path: Path, content: Mapping[str, Any]) -> None:
 
 
 def read_hang_files(run_dir: Path) -> dict[int, dict[str, Any]]:
-    """Every rank's hang file in `run_dir`, by rank; a file that is not a rank's JSON object is skipped."""
+    """Every rank's hang file in `run_dir`, by rank; a file that is not a rank's JSON object is skipped. A native
+    dump written after the file's last heartbeat is added as ``native_dump``: ``{"time": ..., "main_frames": [...]}``
+    (the main thread's stack, innermost first)."""
     out: dict[int, dict[str, Any]] = {}
     for path in sorted((run_dir / HANG_FOLDER).glob("rank*.json")):
         try:
@@ -64,5 +72,22 @@ def read_hang_files(run_dir: Path) -> dict[int, dict[str, Any]]:
         except (OSError, ValueError):
             continue
         if isinstance(content, dict):
+            dump = _native_dump(native_dump_path(path), content)
+            if dump is not None:
+                content["native_dump"] = dump
             out[rank] = content
     return out
+
+
+def _native_dump(path: Path, content: Mapping[str, Any]) -> dict[str, Any] | None:
+    from otel_train.hangs.stacks import parse_faulthandler
+
+    try:
+        written = path.stat().st_mtime
+        if not path.stat().st_size or written <= float(content.get("heartbeat_time") or 0.0):
+            return None
+        stacks = parse_faulthandler(path.read_text(encoding="utf-8", errors="replace"))
+    except (OSError, ValueError):
+        return None
+    main = stacks.get(int(content.get("main_ident") or 0))
+    return {"time": written, "main_frames": main or []}

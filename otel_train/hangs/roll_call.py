@@ -64,6 +64,7 @@ class Silent:
     last: Mapping[str, Any] | None
     state: str
     step: int | None
+    native_frames: list[str]  # the main thread's stack from a faulthandler dump made after the last heartbeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +129,7 @@ class RollCall:
         return {"stuck": self.stuck, "suspects": self.suspects(), "verdict": self.verdict(),
                 "groups": [dataclasses.asdict(g) for g in self.groups],
                 "silent": [{"rank": s.rank, "silent_s": round(s.silent_s, 1), "host": s.host, "state": s.state,
-                            "step": s.step, "last": s.last} for s in self.silent],
+                            "step": s.step, "last": s.last, "native_frames": s.native_frames} for s in self.silent],
                 "running": {str(r): s for r, s in sorted(self.running.items())}, "ended": self.ended,
                 "missing": self.missing}
 
@@ -138,6 +139,8 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _last(s: Silent) -> str:
+    if s.native_frames:  # the watchdog could not run: faulthandler's dump, made without the GIL
+        return f" (its main thread holds the GIL in native code, called from `{s.native_frames[0]}`)"
     last = s.last
     if not last or last.get("state") != "stuck":
         return ""
@@ -168,7 +171,9 @@ def take_roll_call(files: Mapping[int, Mapping[str, Any]], now: float | None = N
             continue
         quiet_s = now - float(content.get("heartbeat_time") or 0.0)
         if quiet_s > silent_after_s(float(content.get("heartbeat_s") or 30.0)):
-            silent.append(Silent(rank, quiet_s, content.get("host"), latest, state, content.get("step")))
+            dump = content.get("native_dump") or {}
+            silent.append(Silent(rank, quiet_s, content.get("host"), latest, state, content.get("step"),
+                                 list(dump.get("main_frames") or [])))
         elif state == "stuck" and latest is not None:
             key = (str(latest.get("phase")), str(latest.get("main_frame")))
             by_place.setdefault(key, []).append((rank, latest))

@@ -9,13 +9,18 @@ doing (step, open spans, every thread's Python stack) as a WARN log record on th
 wait doubles; and a ``resumed`` record when the work ends. It writes the file's heartbeat every `heartbeat_s`, so
 the roll call can tell a rank that stopped altogether. Nothing here raises: a failure is logged once.
 
-A training thread that holds the GIL in a C call stops this thread too (it cannot run Python); the rank's
-heartbeat then goes stale and the roll call names it from its last record.
+A training thread that holds the GIL in a C call stops this thread too (it cannot run Python). For that case,
+while work is open, each look also (re)arms `faulthandler.dump_traceback_later` for when that work would pass its
+limit plus a heartbeat: if this thread has not run by then, faulthandler's own C thread writes every thread's
+stack, without the GIL, to ``hang/rank<N>.native.txt``; the heartbeat goes stale, and the roll call names the rank
+with its main thread's last Python frame from that dump. (This uses the process's one `dump_traceback_later`
+timer: a program that arms its own should set ``OTEL_TRAIN_HANG_AFTER_S=0``, or expect it re-armed.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import threading
 import time
@@ -27,7 +32,7 @@ from typing import Any, NamedTuple
 from otel_train import semconv
 from otel_train.capture.instrument import SpanRecord, open_spans_of
 from otel_train.capture.step import open_step
-from otel_train.hangs.hang_file import MAX_HISTORY, write_hang_file
+from otel_train.hangs.hang_file import MAX_HISTORY, native_dump_path, write_hang_file
 from otel_train.hangs.hang_rule import HangRule, Work
 from otel_train.hangs.stacks import ThreadStack, thread_stacks
 
@@ -111,7 +116,7 @@ class HangWatchdog:
                  wall: Callable[[], float] = time.time) -> None:
         self.rule = HangRule(floor_s, factor)
         self.path = path
-        self.identity = dict(identity)
+        self.identity = {**identity, "main_ident": threading.main_thread().ident}
         self.poll_s = min(1.0, max(0.05, floor_s / 10))
         self.heartbeat_s = min(30.0, max(1.0, floor_s))
         self._view = view if view is not None else TrainingThreadView()
@@ -126,10 +131,16 @@ class HangWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._finished_spans: deque[tuple[str, float]] = deque(maxlen=_SPAN_SAMPLES)
+        self._native_file: Any = None  # where faulthandler writes if this thread stops running (`_arm_native`)
+        self._armed: tuple[int, float] | None = None  # (the work armed for, when: time.monotonic)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self._write()
+        try:
+            self._native_file = open(native_dump_path(self.path), "w", encoding="utf-8")  # noqa: SIM115 - kept open
+        except OSError:
+            self._native_file = None
         self._thread = threading.Thread(target=self._run, name="otel-train-hang-watchdog", daemon=True)
         self._thread.start()
 
@@ -140,6 +151,14 @@ class HangWatchdog:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=2.0)
         self._thread = None
+        self._disarm_native()
+        if self._native_file is not None:
+            with contextlib.suppress(OSError):
+                empty = self._native_file.tell() == 0
+                self._native_file.close()
+                if empty:
+                    native_dump_path(self.path).unlink()
+            self._native_file = None
         if self._state != "ended":
             self.check()  # a hang whose step ended since the last look gets its `resumed` record
             self._state = "ended"
@@ -196,6 +215,7 @@ class HangWatchdog:
             work = look.works[0]
             hang = self._hang = _Hang(work.ident, work.key, 0.0)
             self._records = []
+        self._arm_native(look.works)
         if hang is not None:
             waited_s = next(w.elapsed_s for w in look.works if w.ident == hang.ident)
             if waited_s >= hang.next_at_s:
@@ -203,6 +223,28 @@ class HangWatchdog:
                 return
         if self._wall() - self._last_write >= self.heartbeat_s:
             self._write()
+
+    def _arm_native(self, works: list[Work]) -> None:
+        """While work is open, keep faulthandler's timer set for when it would pass its limit plus a heartbeat:
+        re-armed every look (a new timer thread each time, so at most once a second), it fires only if this
+        thread stops running."""
+        if self._native_file is None or self._stop.is_set():
+            return
+        if not works:
+            self._disarm_native()
+            return
+        work, now = works[0], time.monotonic()
+        armed = self._armed
+        if armed is not None and armed[0] == work.ident and now - armed[1] < min(1.0, self.heartbeat_s / 2):
+            return
+        due_s = max(self.rule.limit_s(work.key) - work.elapsed_s, 0.0) + self.heartbeat_s
+        faulthandler.dump_traceback_later(due_s, repeat=False, file=self._native_file)
+        self._armed = (work.ident, now)
+
+    def _disarm_native(self) -> None:
+        if self._armed is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed = None
 
     def _record(self, look: Look, waited_s: float) -> None:
         hang = self._hang

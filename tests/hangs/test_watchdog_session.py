@@ -48,3 +48,36 @@ def test_hang_after_0_turns_the_watchdog_off(tmp_path: Path, monkeypatch: pytest
         pass
     ot.shutdown()
     assert session.hang_watchdog is None and not (tmp_path / "r" / "hang").exists()
+
+
+def test_a_step_holding_the_gil_in_a_c_call_is_named_from_faulthandlers_dump(tmp_path: Path) -> None:
+    """The watchdog's thread cannot run while the training thread holds the GIL: faulthandler's timer, armed by
+    the watchdog, dumps the stacks without the GIL, and the roll call names the rank with that frame."""
+    import os
+    import subprocess
+    import sys
+
+    from otel_train.hangs.hang_file import read_hang_files
+    from otel_train.hangs.roll_call import take_roll_call
+
+    env = {**os.environ, "OTEL_TRAIN_HANG_AFTER_S": "1", "OTEL_TRAIN_HANG_FACTOR": "5",
+           "OTEL_TRAIN_EXPORT_PROCESS": "off", "OTEL_TRAIN_QUIET": "1"}
+    job = subprocess.Popen([sys.executable, str(Path(__file__).with_name("gil_job.py")), str(tmp_path), "12"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = tmp_path / "gil"
+    try:
+        deadline = time.monotonic() + 60
+        while "native_dump" not in read_hang_files(run_dir).get(0, {}):
+            assert job.poll() is None, job.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no faulthandler dump while the GIL was held"
+            time.sleep(0.2)
+        files = read_hang_files(run_dir)
+        call = take_roll_call(files, now=time.time() + 60)  # as a roll call a minute later sees it
+    finally:
+        output, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, output[-3000:]
+    assert files[0]["native_dump"]["main_frames"][0].endswith("gil_job.py:15 in hold_the_gil")
+    assert [s.rank for s in call.silent] == [0] and call.suspects() == [0]
+    assert "its main thread holds the GIL in native code, called from `" in call.verdict()
+    assert call.verdict().endswith("gil_job.py:15 in hold_the_gil`): rank 0 is where to look")
+    assert json.loads((run_dir / "hang" / "rank0.json").read_text())["state"] == "ended"
