@@ -116,8 +116,9 @@ class RollCall:
             steps = ", ".join(str(s) for s in sorted(set(g.steps)))
             lines.append(f"  {_ranks(g.ranks)}: step {steps}, {g.place()}{' in native code' if g.native else ''}")
         for s in self.silent:
-            lines.append(f"  {_ranks([s.rank])}: possibly dead (host {s.host}; {s.state} at step {s.step}; no "
-                         f"heartbeat for {s.silent_s:.0f} s){_last(s)}")
+            at = f"{s.state} at step {s.step}" if s.step is not None else f"{s.state}, before its first step"
+            lines.append(f"  {_ranks([s.rank])}: possibly dead (host {s.host}; its last heartbeat, {s.silent_s:.0f} s "
+                         f"ago, said {at}){_last(s)}")
         if self.running:
             lines.append("  running: " + ", ".join(f"rank {r} (step {s})" for r, s in sorted(self.running.items())))
         if self.missing:

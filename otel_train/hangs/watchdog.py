@@ -197,6 +197,7 @@ class HangWatchdog:
 
     def _check(self) -> None:
         look = self._view.look()
+        first_step = self._step is None and look.step is not None  # written at once: the roll call's "at step"
         self._step = look.step if look.step is not None else self._step
         hang = self._hang
         spans = self._finished_spans
@@ -221,7 +222,7 @@ class HangWatchdog:
             if waited_s >= hang.next_at_s:
                 self._record(look, waited_s)
                 return
-        if self._wall() - self._last_write >= self.heartbeat_s:
+        if first_step or self._wall() - self._last_write >= self.heartbeat_s:
             self._write()
 
     def _arm_native(self, works: list[Work]) -> None:

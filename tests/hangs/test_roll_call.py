@@ -61,7 +61,8 @@ def test_a_rank_that_stopped_writing_is_named_from_its_last_record(tmp_path: Pat
     assert [s.rank for s in call.silent] == [3] and call.groups[0].ranks == [0, 1, 2]
     assert call.verdict().endswith(f"rank [3] has sent nothing for 95 s (last record: in `backward` at `{C10D}`): "
                                    "rank 3 is where to look")
-    assert "  rank [3]: possibly dead (host node7; stuck at step 50; no heartbeat for 95 s)" in call.text("run")
+    assert "  rank [3]: possibly dead (host node7; its last heartbeat, 95 s ago, said stuck at step 50) (last record: " \
+           f"in `backward` at `{C10D}`)" in call.text("run")
 
 
 def test_a_run_with_no_stuck_rank_exits_0_and_ranks_without_a_file_are_listed(
