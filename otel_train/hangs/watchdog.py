@@ -14,13 +14,13 @@ while work is open, each look also (re)arms `faulthandler.dump_traceback_later` 
 limit plus a heartbeat: if this thread has not run by then, faulthandler's own C thread writes every thread's
 stack, without the GIL, to ``hang/rank<N>.native.txt``; the heartbeat goes stale, and the roll call names the rank
 with its main thread's last Python frame from that dump. (This uses the process's one `dump_traceback_later`
-timer: a program that arms its own should set ``OTEL_TRAIN_HANG_AFTER_S=0``, or expect it re-armed.)
+timer: a program that arms its own should set ``OTEL_TRAIN_HANG_AFTER_S=0``, or expect it re-armed. Forks are
+safe: `otel_train.hangs.native_timer`.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import logging
 import threading
 import time
@@ -34,6 +34,7 @@ from otel_train.capture.instrument import SpanRecord, open_spans_of
 from otel_train.capture.step import open_step
 from otel_train.hangs.hang_file import MAX_HISTORY, native_dump_path, write_hang_file
 from otel_train.hangs.hang_rule import HangRule, Work
+from otel_train.hangs.native_timer import NATIVE_TIMER
 from otel_train.hangs.stacks import ThreadStack, thread_stacks
 
 __all__ = ["HangWatchdog", "Look", "TrainingThreadView"]
@@ -239,12 +240,12 @@ class HangWatchdog:
         if armed is not None and armed[0] == work.ident and now - armed[1] < min(1.0, self.heartbeat_s / 2):
             return
         due_s = max(self.rule.limit_s(work.key) - work.elapsed_s, 0.0) + self.heartbeat_s
-        faulthandler.dump_traceback_later(due_s, repeat=False, file=self._native_file)
+        NATIVE_TIMER.arm(due_s, self._native_file)
         self._armed = (work.ident, now)
 
     def _disarm_native(self) -> None:
         if self._armed is not None:
-            faulthandler.cancel_dump_traceback_later()
+            NATIVE_TIMER.cancel()
             self._armed = None
 
     def _record(self, look: Look, waited_s: float) -> None:

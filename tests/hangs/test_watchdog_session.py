@@ -81,3 +81,37 @@ def test_a_step_holding_the_gil_in_a_c_call_is_named_from_faulthandlers_dump(tmp
     assert "its main thread holds the GIL in native code, called from `" in call.verdict()
     assert call.verdict().endswith("gil_job.py:15 in hold_the_gil`): rank 0 is where to look")
     assert json.loads((run_dir / "hang" / "rank0.json").read_text())["state"] == "ended"
+
+
+FORK_SCRIPT = """
+import os, sys, time
+import otel_train as ot
+from otel_train.hangs.native_timer import NATIVE_TIMER
+
+ot.init(dir=sys.argv[1], run_name="fork", exporters=["jsonl"])
+with ot.step(0):
+    deadline = time.monotonic() + 30
+    while not NATIVE_TIMER.armed and time.monotonic() < deadline:  # the watchdog's first look arms it
+        time.sleep(0.05)
+    assert NATIVE_TIMER.armed
+    pid = os.fork()
+    if pid == 0:  # a child that ends through the interpreter's normal exit (not os._exit)
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status), "armed in parent", NATIVE_TIMER.armed)
+ot.shutdown()
+"""
+
+
+def test_a_child_forked_while_the_native_timer_is_armed_exits(tmp_path: Path) -> None:
+    """CPython's faulthandler timer, armed at a fork, hangs the child at its normal exit: it is cancelled before
+    every fork and re-armed in the parent after it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OTEL_TRAIN_HANG_AFTER_S": "1", "OTEL_TRAIN_EXPORT_PROCESS": "off", "OTEL_TRAIN_QUIET": "1"}
+    done = subprocess.run([sys.executable, "-c", FORK_SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "child 0 armed in parent True"
