@@ -191,6 +191,20 @@ def test_the_view_sees_the_open_step_and_spans_and_learns_the_step_duration() ->
     assert view.look().finished == []  # counted once
 
 
+def test_outside_a_step_the_innermost_open_span_is_the_work_and_ended_spans_are_left_out() -> None:
+    view = TrainingThreadView(threading.current_thread().native_id)
+    buffer = SpanBuffer(100)
+    with SpanScope(buffer, "fit"):
+        with SpanScope(buffer, "checkpoint"), SpanScope(buffer, "save"):
+            pass
+        with SpanScope(buffer, "validation"):
+            seen = view.look()
+        between = view.look()
+    assert seen.step is None and seen.spans == ["fit", "validation"]
+    assert [w.key for w in seen.works] == ["span validation"]
+    assert between.spans == ["fit"] and [w.key for w in between.works] == ["span fit"]
+
+
 def test_span_durations_come_from_the_collected_spans_of_the_training_thread(tmp_path: Path) -> None:
     dog, _, _ = make(tmp_path, floor_s=1.0, factor=10.0)
     buffer = SpanBuffer(100)
