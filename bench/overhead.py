@@ -9,7 +9,9 @@ The step-boundary table times, on the training thread with `perf_counter_ns` aro
 side by side in one process (rounds interleaved, median of 3): the floor (the 20 values built as a
 dict literal, as user code does, and 20 `list.append`), an empty `ot.step`, `ot.step` + `ot.log` of
 the 20 values, and TensorBoard's own event writer for the same 20 values (each row builds the dict
-inside its timed block).
+inside its timed block). The session runs without the hang watchdog; the "watchdog on" rows time the same
+`ot.step` + `ot.log` with a watchdog thread running through that row (default settings: one look a second;
+and one look every 0.1 s, as `OTEL_TRAIN_HANG_AFTER_S=1` gives), interleaved with the others.
 """
 
 from __future__ import annotations
@@ -122,11 +124,19 @@ def _boundary(args: argparse.Namespace, tmp: Path) -> int:
     if isinstance(with_tensors, dict):
         print(f"- 4 of the 20 values as CPU tensors (read at the call): +{with_tensors['median_us'] - logged['median_us']:.2f} "
               f"µs per step ({with_tensors['median_us'] / logged['median_us']:.2f}× the all-float call)")
+    for name in ("ot.step + ot.log, watchdog on", "ot.step + ot.log, watchdog on, 10 looks/s"):
+        on = result.get(name)
+        if isinstance(on, dict):  # noise: the larger spread of the two rows' round medians
+            delta = on["median_us"] - logged["median_us"]
+            noise = max(max(r["round_medians_us"]) - min(r["round_medians_us"]) for r in (on, logged))
+            print(f"- {name}: {on['median_us']:.2f} µs vs {logged['median_us']:.2f} µs off ({delta:+.2f} µs; "
+                  f"rounds spread up to {noise:.2f} µs: {'within' if abs(delta) <= noise else 'BEYOND'} noise)")
     print(f"- every step landed in the log buffer's export: {result['landed']} of {result['expected']}\n")
     return 0
 
 
 def _boundary_child(args: argparse.Namespace, root: Path) -> int:
+    import os
     import statistics
     import time
 
@@ -134,7 +144,9 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     import otel_train as ot
+    from otel_train.hangs.watchdog import HangWatchdog
 
+    os.environ["OTEL_TRAIN_HANG_AFTER_S"] = "0"  # the watchdog runs only through the "watchdog on" rows
     session = ot.init(exporters=["jsonl"], dir=str(root / "runs"), run_name="boundary")
     writer = EventFileWriter(str(root / "tb"))
     from _loop import make_values  # the 20 values as a dict literal, built inside every timed block
@@ -173,7 +185,9 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
         writer.add_event(event_pb2.Event(wall_time=time.time(), step=step_no[0], summary=summary))
         return clock() - t0
 
-    rows = {"floor": floor, "ot.step empty": empty, "ot.step + ot.log": logged, "tb writer": tb}
+    rows = {"floor": floor, "ot.step empty": empty, "ot.step + ot.log": logged, "tb writer": tb,
+            "ot.step + ot.log, watchdog on": logged, "ot.step + ot.log, watchdog on, 10 looks/s": logged}
+    watchdog_floor_s = {"ot.step + ot.log, watchdog on": 60.0, "ot.step + ot.log, watchdog on, 10 looks/s": 1.0}
     try:  # 4 of the 20 values as CPU tensors, filled in place after logging (read at the call since the snapshot)
         import torch
 
@@ -198,6 +212,11 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
     logged_steps = []
     for _ in range(3):
         for name, fn in rows.items():
+            dog = None
+            if name in watchdog_floor_s:  # as `init()` starts it, fed the collected spans
+                dog = HangWatchdog(watchdog_floor_s[name], 10.0, root / "hang" / "rank0.json", {"rank": 0})
+                dog.start()
+                session.reader.span_listener = dog.take_spans
             times = []
             for i in range(n):
                 if name.startswith("ot.step + ot.log"):
@@ -205,6 +224,9 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
                 times.append(fn(i))
                 if gap:
                     time.sleep(gap)
+            if dog is not None:
+                dog.stop()
+                session.reader.span_listener = None
             samples[name].append(sorted(times))
     session.shutdown()
     writer.close()
@@ -217,7 +239,8 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
     out: dict[str, object] = {}
     for name, rounds in samples.items():
         out[name] = {"median_us": statistics.median(r[len(r) // 2] for r in rounds) / 1000,
-                     "p99_us": statistics.median(r[int(len(r) * 0.99)] for r in rounds) / 1000}
+                     "p99_us": statistics.median(r[int(len(r) * 0.99)] for r in rounds) / 1000,
+                     "round_medians_us": [r[len(r) // 2] / 1000 for r in rounds]}
     out.update(exporters="jsonl (exporter process)", landed=len(landed & set(logged_steps)),
                expected=len(logged_steps))
     print("RESULT " + json.dumps(out))

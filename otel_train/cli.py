@@ -1,4 +1,4 @@
-"""The `otel-train` command: `demo`, `trace merge`, `replay`, `verify`, `sink`."""
+"""The `otel-train` command: `demo`, `trace merge`, `replay`, `verify`, `hangs`, `sink`."""
 
 from __future__ import annotations
 
@@ -126,6 +126,25 @@ def _verify(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _hangs(args: argparse.Namespace) -> int:
+    import json
+
+    from otel_train.hangs.hang_file import read_hang_files
+    from otel_train.hangs.roll_call import take_roll_call
+
+    files = read_hang_files(args.run_dir)
+    if not files:
+        sys.stderr.write(f"otel-train: error: hangs: no hang files under {args.run_dir / 'hang'} (is this a run "
+                         "folder, OTEL_TRAIN_DIR/<run name>? OTEL_TRAIN_HANG_AFTER_S=0 writes none)\n")
+        return 2
+    call = take_roll_call(files)
+    if args.json:
+        sys.stdout.write(json.dumps(call.to_json(), indent=1, default=str) + "\n")
+    else:
+        sys.stdout.write(call.text(str(args.run_dir)) + "\n")
+    return 1 if call.stuck else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="otel-train", description="OpenTelemetry for training loops.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +193,15 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("run_dir", type=Path, help="the run folder (OTEL_TRAIN_DIR/<run name>)")
     verify.add_argument("--json", action="store_true", help="print the report as JSON (for tools)")
     verify.set_defaults(func=_verify)
+
+    hangs = sub.add_parser("hangs", help="the roll call: which ranks are stuck where, and which one to look at",
+                           description="Read every rank's hang/rank<N>.json (written by the hang watchdog) and group "
+                                       "the stuck ranks by (open span, innermost frame of the main thread); name the "
+                                       "odd ones out and the ranks that stopped writing. Exit 0 when no rank is "
+                                       "stuck, 1 when some are (or have stopped), 2 when the run has no hang files.")
+    hangs.add_argument("run_dir", type=Path, help="the run folder (OTEL_TRAIN_DIR/<run name>)")
+    hangs.add_argument("--json", action="store_true", help="print the roll call as JSON (for tools)")
+    hangs.set_defaults(func=_hangs)
 
     try:
         from otel_train.sink import cli as sink_cli

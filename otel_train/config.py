@@ -8,6 +8,7 @@ type, unit and default; the table in docs/configuration.md lists the same.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -97,6 +98,14 @@ OTEL_TRAIN_WORKER_ADDRESS = "OTEL_TRAIN_WORKER_ADDRESS"
 child processes (DataLoader workers, `multiprocessing` children); ``none`` when there is none (their
 data is dropped with one warning), ``disabled`` for a disabled run (their calls are no-ops). Spawned
 children find the run through it."""
+
+OTEL_TRAIN_HANG_AFTER_S = "OTEL_TRAIN_HANG_AFTER_S"
+"""The hang watchdog's floor in seconds (float >= 0): a step (or a span, against spans of its name) counts as
+stuck once it has run more than max(`OTEL_TRAIN_HANG_FACTOR` × its usual duration, this); a kind of work never
+seen to finish (the first step, the first validation) waits `OTEL_TRAIN_HANG_FACTOR` × this. ``0`` turns the
+watchdog off. Default 60."""
+OTEL_TRAIN_HANG_FACTOR = "OTEL_TRAIN_HANG_FACTOR"
+"""The hang watchdog's multiple of the median duration of the same kind of work (float >= 1). Default 10."""
 
 OTEL_TRAIN_BACKEND_INCLUDE = "OTEL_TRAIN_<BACKEND>_INCLUDE"
 """Comma list of globs on metric names; that backend gets only matching metrics (its wire name or its
@@ -319,6 +328,8 @@ class Settings:
     log_level: int | None = 30
     log_rate: float = 500.0
     capture_output: bool = False
+    hang_after_s: float = 60.0
+    hang_factor: float = 10.0
 
     @property
     def record_bytes(self) -> int:
@@ -346,6 +357,16 @@ def _parse_verify(name: str, raw: str) -> str:
     except ConfigError:
         raise ConfigError(f"{name}: {raw!r} is not allowed; use off, record or on (or a boolean)") from None
 _parse_export_process = choice(EXPORT_PROCESS_ALLOWED)
+
+
+def _parse_hang_factor(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a number; expected a multiple >= 1 (e.g. 10)") from None
+    if not value >= 1 or math.isinf(value):
+        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite multiple >= 1 (e.g. 10)")
+    return value
 
 
 # field name -> (env variable, parser)
@@ -384,6 +405,8 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "log_level": (OTEL_TRAIN_LOG_LEVEL, lambda n, r: parse_log_level(n, r)),
     "log_rate": (OTEL_TRAIN_LOG_RATE, parse_positive_float),
     "capture_output": (OTEL_TRAIN_CAPTURE_OUTPUT, parse_bool),
+    "hang_after_s": (OTEL_TRAIN_HANG_AFTER_S, parse_non_negative_float),
+    "hang_factor": (OTEL_TRAIN_HANG_FACTOR, _parse_hang_factor),
 }
 
 

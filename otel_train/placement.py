@@ -159,6 +159,8 @@ def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
     session.settings = dataclasses.replace(settings, quiet=True)  # no summary naming a run that never was
     session.shutdown()
     if not session.reader.windows:  # nothing went out at shutdown either: no folder of a run that never was
+        if session.hang_watchdog is not None:
+            session.hang_watchdog.remove_file()
         _remove_unused_run_folder(session.run_claim.path)
     else:  # what was logged before the framework said where this process runs went out at the shutdown
         _logger.warning("otel-train: values logged before the framework set the rank are in run %r (rank %d), "

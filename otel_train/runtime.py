@@ -194,6 +194,9 @@ class Session:
         self._children = ChildHandOff(
             self.export_process.worker_address if self.export_process is not None else None)
         after_fork_in_child(self._after_fork_in_child)  # held weakly: a shut-down session is freed
+        self.hang_watchdog = _start_hang_watchdog(settings, self.run, directory)
+        if self.hang_watchdog is not None:  # it learns each span name's usual duration from the collected spans
+            self.reader.span_listener = self.hang_watchdog.take_spans
 
     def _after_fork_in_child(self) -> None:
         # A forked child (e.g. a DataLoader worker) shares the parent's open files, backend runs and
@@ -362,6 +365,8 @@ class Session:
         set_refused_step_hook(None)
         self._children.release()
         set_step_order("warn")
+        if self.hang_watchdog is not None:  # first: a long final flush is no hang
+            self.hang_watchdog.stop()
         preempted = exit_hooks._preempted_by
         if preempted is not None:  # backends that have the notion mark the run as preempted before closing it
             for exporter in self.exporters:
@@ -439,6 +444,27 @@ def _undo(part: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         part(*args, **kwargs)
     except Exception:
         _logger.debug("otel-train: undoing a failed init(): %r failed", part, exc_info=True)
+
+
+def _start_hang_watchdog(settings: cfg.Settings, run: RunInfo, directory: Path) -> Any:
+    """This rank's hang watchdog (`otel_train.hangs.watchdog`), started; None under `OTEL_TRAIN_HANG_AFTER_S=0`.
+    Never raises: a watchdog that cannot start is logged, and training goes on without it."""
+    if not settings.hang_after_s:
+        return None
+    from otel_train.hangs.hang_file import hang_path
+    from otel_train.hangs.watchdog import HangWatchdog
+    from otel_train.run_paths import run_folder
+
+    identity = {"rank": run.rank, "world_size": run.world_size, "run_id": run.run_id, "run_name": run.run_name,
+                "host": run.host, "pid": run.pid}
+    try:
+        watchdog = HangWatchdog(settings.hang_after_s, settings.hang_factor,
+                                hang_path(run_folder(directory, run.run_name), run.rank), identity)
+        watchdog.start()
+    except Exception:
+        _logger.warning("otel-train: the hang watchdog could not start; training goes on without it", exc_info=True)
+        return None
+    return watchdog
 
 
 def _claim(directory: Path, run: RunInfo, drain_timeout_s: float) -> Any:

@@ -42,6 +42,20 @@ SPAN_TRUNCATED = "otel_train.truncated"
 RUN_PREEMPTED = "otel_train.preempted"
 """Backend run mark (W&B summary field, MLflow tag, ClearML tag ``name:value``): the preemption signal's name."""
 
+# -- the hang watchdog's log record (`otel_train.hangs`): event name and attributes -----------------
+TRAIN_HANG = "train.hang"
+HANG_STATE = "train.hang.state"
+HANG_PHASE = "train.hang.phase"
+HANG_SPANS = "train.hang.spans"
+HANG_WAITED = "train.hang.waited_s"
+HANG_LIMIT = "train.hang.limit_s"
+HANG_USUAL = "train.hang.usual_s"
+HANG_FRAME = "train.hang.frame"
+HANG_USER_FRAME = "train.hang.user_frame"
+HANG_NATIVE = "train.hang.native"
+HANG_THREADS = "train.hang.threads"
+HANG_FILE = "train.hang.file"
+
 # -- metrics recorded at every step end ------------------------------------------------------------
 TRAIN_STEP_DURATION = "train.step.duration_s"
 TRAIN_TIME_TOTAL = "train.time_total_s"
@@ -118,6 +132,24 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention(SPAN_TRUNCATED, "span", "bool", "", "a signal ended the process while the span was open"),
     Convention(RUN_PREEMPTED, "backend run", "str", "",
                "a SIGTERM / SIGUSR1 / SIGHUP ended the process: the signal's name (W&B summary, MLflow tag, ClearML tag)"),
+    Convention(TRAIN_HANG, "log event", "—", "", "hang watchdog: `event.name` of its WARN log records (logger "
+               "`otel_train.hang`) and of the records in `hang/rank<N>.json`"),
+    Convention(HANG_STATE, "log", "str", "", "hang watchdog: `stuck` (a record while stuck), `resumed` (the work ended)"),
+    Convention(HANG_PHASE, "log", "str", "", "hang watchdog: the innermost open span's name, else `step`"),
+    Convention(HANG_SPANS, "log", "str[]", "", "hang watchdog: the open spans of the main thread, outermost first"),
+    Convention(HANG_WAITED, "log", "float", "s", "hang watchdog: how long the step (or span) has run; when resumed, "
+               "how long it ran"),
+    Convention(HANG_LIMIT, "log", "float", "s", "hang watchdog: the limit it passed, max(factor × usual, floor)"),
+    Convention(HANG_USUAL, "log", "float", "s", "hang watchdog: the median duration of the same kind (absent: none "
+               "seen yet)"),
+    Convention(HANG_FRAME, "log", "str", "", "hang watchdog: the main thread's innermost Python frame, "
+               "`file:line in function`"),
+    Convention(HANG_USER_FRAME, "log", "str", "", "hang watchdog: the main thread's innermost frame in the user's "
+               "code"),
+    Convention(HANG_NATIVE, "log", "bool", "", "hang watchdog: the main thread is in native code (its frame did "
+               "not move between two looks)"),
+    Convention(HANG_THREADS, "log", "str", "", "hang watchdog: every thread's stack, innermost frame first (text)"),
+    Convention(HANG_FILE, "log", "str", "", "hang watchdog: the `hang/rank<N>.json` file with the whole record"),
     Convention(TRAIN_STEP_DURATION, "metric", "float", "s", "every step end", display="train/step_duration_s"),
     Convention(TRAIN_TIME_TOTAL, "metric", "float", "s", "every step end", display="train/time_total_s"),
     Convention(TRAIN_ITERATIONS, "metric", "int", "1", "every step end", display="train/iterations"),

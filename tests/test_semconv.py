@@ -11,7 +11,7 @@ from otel_train.semconv import CONVENTIONS, display_name
 ROOT = Path(__file__).resolve().parents[1]
 #: Dotted names in the code that are not telemetry names (an entry-point group, an MLflow bookkeeping tag).
 NOT_TELEMETRY = {"otel_train.exporters", "otel_train.last_step", "otel_train.resume_step",  # backend tags
-                 "otel_train.ship.delivery", "otel_train.collect.reader",  # logger names
+                 "otel_train.ship.delivery", "otel_train.collect.reader", "otel_train.hang",  # logger names
                  "otel_train.cli"}  # a module run with `python -m`
 
 

@@ -289,6 +289,11 @@ class _NoSpan:
 NO_SPAN = _NoSpan()
 
 
+#: Per thread (its native id): the `ot.span` scope entered last. One dict store as a span enters, none as it exits:
+#: `open_spans_of` (the hang watchdog's thread) walks from it to its outer scopes and skips those that have ended.
+_innermost: dict[int, SpanScope | None] = {}
+
+
 class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
     """The context manager behind `ot.span`: ids and OTel context now, the OTel span itself later.
 
@@ -298,7 +303,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
     only when someone asks for it (a raw OTel child, a propagator), not on every span.
     """
 
-    __slots__ = ("_buffer", "_record_context", "_span_context", "_token")
+    __slots__ = ("_buffer", "_outer", "_record_context", "_span_context", "_token")
 
     def __init__(self, buffer: SpanBuffer, name: str, attributes: Mapping[str, Any] | None = None,
                  record_context: bool = True) -> None:
@@ -316,7 +321,9 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
         if type(parent) is SpanScope:  # nested ot.span: no SpanContext needed
             self.trace_id = parent.trace_id
             self.parent_id: int | None = parent.span_id
+            self._outer: SpanScope | None = parent
         else:
+            self._outer = parent if parent is not None and isinstance(parent, SpanScope) else None
             ctx = None if parent is None or not isinstance(parent, otel_trace.Span) else parent.get_span_context()
             if ctx is not None and ctx.is_valid:
                 self.trace_id = ctx.trace_id
@@ -336,6 +343,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
         self.in_step = step is not None
         self.step = current_step() if step is None else step
         self.start_ns = _time_ns()
+        _innermost[self.thread_id] = self  # the hang watchdog reads a thread's open spans from here
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
@@ -445,4 +453,17 @@ def open_span_scopes() -> list[Any]:
         scopes.append(scope)
         outer: Any = getattr(scope._token, "old_value", None)  # the context it was entered from holds its parent
         scope = outer.get(_SPAN_KEY) if hasattr(outer, "get") else None
+    return scopes
+
+
+def open_spans_of(thread_id: int) -> list[SpanScope]:
+    """The `ot.span` scopes open on the thread of native id `thread_id`, outermost first. Lock-free, from any
+    thread (the hang watchdog's): a scope that has ended meanwhile is left out."""
+    scopes: list[SpanScope] = []
+    scope = _innermost.get(thread_id)
+    while scope is not None and len(scopes) < 64:  # 64: a bound, should the chain ever loop
+        if not hasattr(scope, "end_ns"):  # `end_ns` is set when the scope exits
+            scopes.append(scope)
+        scope = scope._outer
+    scopes.reverse()
     return scopes

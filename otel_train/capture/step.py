@@ -29,6 +29,7 @@ __all__ = [
     "check_log_step",
     "coerce_step",
     "current_step",
+    "open_step",
     "remove_step_end_listener",
     "set_step_end_hook",
     "set_step_order",
@@ -144,7 +145,8 @@ def _next_step() -> int:
 class _ProcessState:
     """Process-wide step facts: the latest step entered and the run's start time."""
 
-    __slots__ = ("iterations", "last_logged", "latest", "order", "resumed_at", "started_ns", "warned_backwards")
+    __slots__ = ("iterations", "last_logged", "latest", "open", "order", "resumed_at", "started_ns",
+                 "warned_backwards")
 
     def __init__(self) -> None:
         self.latest: int | None = None
@@ -154,6 +156,7 @@ class _ProcessState:
         self.order = "warn"  # OTEL_TRAIN_STEP_ORDER of the running session
         self.last_logged: int | None = None  # highest explicit `ot.log(step=)` under `raise`
         self.resumed_at: int | None = None  # the declared restart step: where `step()` without a number starts
+        self.open: step | None = None  # the step entered last (open until its `ended_ns`): read by the hang watchdog
 
 
 _state = _ProcessState()
@@ -274,6 +277,12 @@ def share_latest_step(cell: Any) -> None:
         cell[0] = 0 if _state.latest is None else _state.latest
 
 
+def open_step() -> step | None:
+    """The step entered last in this process (still running while its `ended_ns` is 0), or None. Lock-free: the
+    hang watchdog calls it from its own thread."""
+    return _state.open
+
+
 def new_step_sequence() -> None:
     """Forget the previous run's steps: a new run in this process starts at step 0, with its own clock,
     iteration count and step-order state (the runtime calls it at an `init()` after a `shutdown()`)."""
@@ -306,7 +315,7 @@ class step:
         5
     """
 
-    __slots__ = ("_samples", "_start_ns", "_step", "_token")
+    __slots__ = ("_end_ns", "_samples", "_start_ns", "_step", "_token")
 
     def __init__(self, i: int | None = None, *, samples: int | None = None) -> None:
         if i is not None and (type(i) is not int or i >> 63):  # i >> 63: i is not in 0..MAX_STEP
@@ -318,10 +327,21 @@ class step:
         self._samples = samples
         self._token: contextvars.Token[int | None] | None = None
         self._start_ns = 0
+        self._end_ns = 0
 
     @property
     def index(self) -> int:
         return self._step
+
+    @property
+    def started_ns(self) -> int:
+        """When the step was entered (`time.perf_counter_ns`); 0 before."""
+        return self._start_ns
+
+    @property
+    def ended_ns(self) -> int:
+        """When the step ended (`time.perf_counter_ns`); 0 while it runs."""
+        return self._end_ns
 
     def __enter__(self) -> int:
         latest = _state.latest
@@ -347,12 +367,13 @@ class step:
             shared[0] = self._step
         self._token = _current.set(self._step)
         self._start_ns = _clock()
+        _state.open = self  # one store: the hang watchdog reads the running step from another thread
         return self._step
 
     def __exit__(self, *exc: object) -> None:
         # Kept to a few attribute stores and one call: the runtime's hook appends the step's numbers to a
         # buffer and wakes no thread unless a collection is due; a `StepEnd` is built only for listeners.
-        end_ns = _clock()
+        end_ns = self._end_ns = _clock()
         if self._token is not None:
             _current.reset(self._token)
             self._token = None

@@ -128,6 +128,9 @@ class StepAlignedMetricReader(MetricReader):
         self._local = LocalDelivery(exporters, queue_size, lambda: self._resource, record) if exporters else None
         self._channel = channel
         self._channels: list[Any] = [c for c in (self._local, channel) if c is not None]
+        #: Called with every drained batch of finished spans, on the collector thread (the hang watchdog learns
+        #: each span name's usual duration from it); None: nobody.
+        self.span_listener: Callable[[list[tuple[Any, ...]]], None] | None = None
         self._log = LogOnce(_logger)
         self._drops = DropCounter(self.log_buffer, self.span_buffer,
                                   lambda: self.dropped_windows)
@@ -320,6 +323,12 @@ class StepAlignedMetricReader(MetricReader):
             step = current_step() or 0
         records = self.log_buffer.drain()
         spans = self.span_buffer.drain()
+        listener = self.span_listener
+        if listener is not None and spans:
+            try:
+                listener(spans)
+            except Exception:
+                self._log.warning("span_listener", "the span listener failed", exc_info=True)
         self._drops.report(step, records)
         if not self._channels or (not records and not spans and not has_points(metrics_data)):
             return  # no backend wants anything: draining bounded the memory, converting would waste CPU
