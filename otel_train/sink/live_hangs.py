@@ -43,6 +43,7 @@ HEARTBEAT_S = 30.0
 LOG_EVERY_S = 60.0
 """The status line of a run with a stuck rank is logged at most this often."""
 _MAX_RANKS = 100_000
+_MISSING = "never heard from"  # ranks below the world size that sent nothing
 
 #: The record's field <- the log record's attribute (the inverse of the watchdog's `_log`).
 _FIELDS = (("phase", semconv.HANG_PHASE), ("waited_s", semconv.HANG_WAITED), ("limit_s", semconv.HANG_LIMIT),
@@ -201,7 +202,7 @@ class LiveHangs:
         with self._lock:
             run = self._runs.get(run_id)
             files = None if run is None else self._files(run_id, run, now)
-        return None if files is None else take_roll_call(files, now)
+        return None if files is None else take_roll_call(files, now, _MISSING)
 
     def document(self, run_id: str) -> dict[str, Any] | None:
         """`GET /runs/<run id>/hangs`: the roll call as ``otel-train hangs --json`` prints it, with ``run_id`` and
@@ -227,7 +228,7 @@ class LiveHangs:
                 if stuck or run.reported:
                     due.append((run_id, self._files(run_id, run, now)))
         for run_id, files in due:
-            call = take_roll_call(files, now)
+            call = take_roll_call(files, now, _MISSING)
             with self._lock:
                 kept = self._runs.get(run_id)
                 if kept is None:

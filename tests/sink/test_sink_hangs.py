@@ -207,6 +207,14 @@ def test_a_stuck_rank_that_dies_is_named_from_its_last_record(sink: Any, clock: 
                                   "rank 1 is where to look")
 
 
+def test_a_rank_the_sink_never_heard_from_is_counted_as_such(sink: Any) -> None:
+    for rank in (0, 1, 2):
+        _post(sink, _logs(rank, {"note": "alive"}, step=7, body="a plain record"))
+    doc = _get(sink, f"/runs/{RUN}/hangs")[1]
+    assert doc["missing"] == [3] and doc["running"] == {"0": 7, "1": 7, "2": 7}
+    assert doc["status"] == "no rank is stuck (3 running, 0 ended, 1 never heard from)"
+
+
 def test_the_route_asks_for_the_token_like_runs_and_an_unknown_run_is_404(tmp_path: Path) -> None:
     s = make_sink(tmp_path, ("jsonl",), token="s3cret")
     try:
