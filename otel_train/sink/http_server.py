@@ -263,7 +263,7 @@ class HttpReceiver:
             doc = sink.run_hangs(run_id)
             if doc is None:
                 sink.count_rejected("not_found", f"GET {path[:200]}")
-                return _json(404, {"code": 5, "message": f"no run {run_id!r} heard from (or it was dropped after "
+                return _json(404, {"code": 5, "message": f"no run {run_id[:200]!r} heard from (or it was dropped after "
                                    "its idle time); see GET /runs"})
             return _json(200, doc)
         if path.startswith("/metrics/"):

@@ -44,6 +44,7 @@ LOG_EVERY_S = 60.0
 """The status line of a run with a stuck rank is logged at most this often."""
 _MAX_RANKS = 100_000
 _MISSING = "never heard from"  # ranks below the world size that sent nothing
+_MAX_WORLD = 65_536  # a sender's `train.world_size` above this is taken as this (the roll call lists the missing)
 
 #: The record's field <- the log record's attribute (the inverse of the watchdog's `_log`).
 _FIELDS = (("phase", semconv.HANG_PHASE), ("waited_s", semconv.HANG_WAITED), ("limit_s", semconv.HANG_LIMIT),
@@ -170,11 +171,11 @@ class LiveHangs:
         run.heard = now
         rank = run.ranks.get(number)
         if rank is None:
-            rank = run.ranks[number] = _Rank(now, host, world_size)
+            rank = run.ranks[number] = _Rank(now, host, 0)
             self._entries += 1
         rank.heard = now
         rank.host = host or rank.host
-        rank.world_size = max(rank.world_size, world_size)
+        rank.world_size = min(max(rank.world_size, world_size), _MAX_WORLD)
         return rank
 
     def files(self, run_id: str) -> dict[int, dict[str, Any]] | None:

@@ -232,6 +232,20 @@ def test_runs_are_dropped_after_their_idle_time(sink: Any, clock: Clock) -> None
     assert _get(sink, f"/runs/{RUN}/hangs")[0] == 404 and sink.health()["hangs"]["ranks"] == 0
 
 
+def test_at_most_max_ranks_entries_are_kept_the_run_heard_from_longest_ago_goes_first(clock: Clock) -> None:
+    from otel_train.run_identity import RunInfo
+    from otel_train.sink.decode import Decoded
+
+    hangs = LiveHangs(clock=clock, max_ranks=4)
+    for run_id in ("a", "b", "c"):
+        decoded = Decoded()
+        decoded.runs = {RunInfo(run_id, run_id, rank=r, world_size=2): 5 for r in (0, 1)}
+        hangs.take(decoded)
+        clock.now += 1
+    assert hangs.stats() == {"runs": 2, "ranks": 4, "runs_stuck": 0}
+    assert hangs.files("a") is None and hangs.files("c") is not None
+
+
 JOB = '''
 import sys, time
 from pathlib import Path
