@@ -74,6 +74,7 @@ class RollCall:
     running: dict[int, int | None]  # rank -> its step: alive, not stuck
     ended: list[int]
     missing: list[int]  # ranks below the world size without a file
+    missing_label: str = "without a hang file"  # how the counts name them (the sink: never heard from)
 
     @property
     def stuck(self) -> bool:
@@ -151,12 +152,14 @@ def _last(s: Silent) -> str:
 def _counts(call: RollCall) -> str:
     parts = [f"{len(call.running)} running", f"{len(call.ended)} ended"]
     if call.missing:
-        parts.append(f"{len(call.missing)} without a hang file")
+        parts.append(f"{len(call.missing)} {call.missing_label}")
     return ", ".join(parts)
 
 
-def take_roll_call(files: Mapping[int, Mapping[str, Any]], now: float | None = None) -> RollCall:
-    """The roll call over every rank's hang file (`otel_train.hangs.hang_file.read_hang_files`) at time `now`."""
+def take_roll_call(files: Mapping[int, Mapping[str, Any]], now: float | None = None,
+                   missing_label: str = "without a hang file") -> RollCall:
+    """The roll call over every rank's hang file (`otel_train.hangs.hang_file.read_hang_files`) at time `now`;
+    `missing_label` names the ranks below the world size that have none (the sink's: ``never heard from``)."""
     now = time.time() if now is None else now
     by_place: dict[tuple[str, str], list[tuple[int, Mapping[str, Any]]]] = {}
     silent: list[Silent] = []
@@ -191,4 +194,4 @@ def take_roll_call(files: Mapping[int, Mapping[str, Any]], now: float | None = N
             steps=[int(m["step"]) for _, m in members if m.get("step") is not None]))
     groups.sort(key=lambda g: (-len(g.ranks), g.ranks))
     missing = [r for r in range(world) if r not in files]
-    return RollCall(groups, silent, running, ended, missing)
+    return RollCall(groups, silent, running, ended, missing, missing_label)

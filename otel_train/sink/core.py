@@ -33,6 +33,7 @@ from otel_train.sink.decode import (
 from otel_train.sink.decode_logs import decode_logs
 from otel_train.sink.decode_traces import decode_traces
 from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs, fds_in_use
+from otel_train.sink.live_hangs import LiveHangs
 from otel_train.sink.otlp import parse_logs
 from otel_train.sink.reorder import ReorderHold, needs_hold
 from otel_train.sink.router import ExporterFactory, Overloaded, Router
@@ -95,6 +96,8 @@ class SinkCore:
         self.run_names = RunNames(directory)
         self.compat = CompatAPI(self.router, self.run_names)
         self._runs = DecodeCache(names=self.run_names)
+        #: Per run and rank: the latest `train.hang` record and the heartbeat (`GET /runs/<run id>/hangs`).
+        self.hangs = LiveHangs(keep_s=settings.idle_s)
         self.rejected: dict[str, int] = {}
         self.unattributed = 0
         self.unattributed_runs: set[str] = set()
@@ -209,6 +212,7 @@ class SinkCore:
         else:
             raise DecodeError(f"unknown signal {signal!r}")
         n = decoded.points + len(decoded.spans) + len(decoded.logs)
+        self.hangs.take(decoded)  # the sender is alive, even if its run refuses the request for now
         for run_id, count in decoded.unattributed.items():
             with self._lock:  # `ingest` also runs on the backpressure thread
                 self.unattributed += count
@@ -293,6 +297,7 @@ class SinkCore:
             "points": self.router.points_in,
             "spans": self.router.spans_in,
             "logs": self.router.logs_in,
+            "hangs": self.hangs.stats(),
             "delivery": self.router.delivery_totals(),
             "errors": self.router.errors,
             "requests": self.router.requests,
@@ -323,3 +328,7 @@ class SinkCore:
         for run in doc["runs"]:
             run["unattributed"] = run["run_id"] in self.unattributed_runs
         return doc
+
+    def run_hangs(self, run_id: str) -> dict[str, Any] | None:
+        """The `/runs/<run id>/hangs` document (`otel_train.sink.live_hangs`); None for a run not heard from."""
+        return self.hangs.document(run_id)

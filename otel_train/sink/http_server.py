@@ -1,4 +1,5 @@
-"""The sink's HTTP server: OTLP/HTTP (protobuf and JSON), `/health`, `/runs` and the compat API.
+"""The sink's HTTP server: OTLP/HTTP (protobuf and JSON), `/health`, `/runs`, `/runs/<run id>/hangs` and the
+compat API.
 
 It is aiohttp's server on the receivers' event loop (shared with OTLP/gRPC): HTTP/1.1 keep-alive,
 chunked bodies (the OTel JavaScript exporters send them), slow clients and TLS handshakes are
@@ -257,6 +258,14 @@ class HttpReceiver:
             return _json(401, {"code": 16, "message": _UNAUTHORIZED})
         if path == "/runs":
             return _json(200, sink.runs())
+        if path.startswith("/runs/") and path.endswith("/hangs") and len(path) > len("/runs//hangs"):
+            run_id = path[len("/runs/"):-len("/hangs")]
+            doc = sink.run_hangs(run_id)
+            if doc is None:
+                sink.count_rejected("not_found", f"GET {path[:200]}")
+                return _json(404, {"code": 5, "message": f"no run {run_id[:200]!r} heard from (or it was dropped after "
+                                   "its idle time); see GET /runs"})
+            return _json(200, doc)
         if path.startswith("/metrics/"):
             return self._compat("GET", request, None)
         sink.count_rejected("not_found", f"GET {path}")

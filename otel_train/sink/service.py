@@ -144,6 +144,7 @@ class Sink(SinkCore):
                 self.router.tick()
                 self.compat.tick()
                 self.release_due_holds()
+                self.hangs.tick()
             except Exception:
                 _logger.exception("sink housekeeping failed")
             now = time.monotonic()
