@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import series_tag
+from otel_train.rows import LogRow, series_tag
 from otel_train.run_identity import CONFIG_HASH, RUN_ID, RunInfo, config_hash
 from otel_train.run_paths import run_folder as records_run_folder
 from otel_train.semconv import display_name
@@ -61,6 +61,33 @@ def histogram_bins(row: Any, max_bins: int) -> tuple[list[int], list[float]] | N
 def wanted(options: ExporterOptions, run: RunInfo) -> bool:
     """Whether rows of `run` (one rank) are written: rank 0 always; other ranks only with `all`."""
     return run.rank == 0 or options.ranks == "all"
+
+
+#: The folder of a run's files where backends without a place of their own for text keep log records (MLflow's
+#: artifacts, W&B's run files).
+LOGS_FOLDER = "otel-train-logs"
+
+
+def log_line(row: LogRow) -> str:
+    """One log record as a line of text (with its traceback, if any, below it).
+
+    Example:
+        >>> log_line(LogRow(RunInfo("r", "r"), 3, 0, 13, "WARNING", "loss spiked", "train"))
+        '[step 3] WARNING train: loss spiked\\n'
+    """
+    step = "-" if row.step is None else row.step
+    line = f"[step {step}] {row.severity_text} {row.logger}: {row.body}\n"
+    stack = row.attributes.get("exception.stacktrace")
+    return f"{line}{stack.rstrip()}\n" if isinstance(stack, str) and stack else line
+
+
+def logs_by_rank(options: ExporterOptions, rows: Iterable[LogRow]) -> dict[tuple[str, int], tuple[RunInfo, list[LogRow]]]:
+    """The log records a backend writes (`wanted`), per (run id, rank), in order."""
+    out: dict[tuple[str, int], tuple[RunInfo, list[LogRow]]] = {}
+    for row in rows:
+        if wanted(options, row.run):
+            out.setdefault((row.run.run_id, row.run.rank), (row.run, []))[1].append(row)
+    return out
 
 
 def series_name(tag: str, name: str) -> str:

@@ -50,12 +50,15 @@ from typing import TYPE_CHECKING, Any
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._mlflow_store import open_store, store_lock
 from otel_train.exporters._runs import (
+    LOGS_FOLDER,
     RANK_SUFFIX_KEY,
     StepGate,
     bounded,
     by_step,
     flatten,
     hparams_for,
+    log_line,
+    logs_by_rank,
     series_name,
     wanted,
 )
@@ -82,16 +85,6 @@ _SUFFIX_MAP = str.maketrans({"{": "__", ",": "__", "=": "-", "}": ""})
 _ALLOWED = r"/\w.\- " if os.name == "nt" else r"/\w.\- :"  # MLflow's own rule (no `:` on Windows)
 _DISALLOWED = re.compile(f"[^{_ALLOWED}]")
 _KEY = re.compile(f"[{_ALLOWED}]+\\Z")
-
-
-_LOGS_FOLDER = "otel-train-logs"
-
-
-def _log_line(row: LogRow) -> str:
-    step = "-" if row.step is None else row.step
-    line = f"[step {step}] {row.severity_text} {row.logger}: {row.body}\n"
-    stack = row.attributes.get("exception.stacktrace")
-    return f"{line}{stack.rstrip()}\n" if isinstance(stack, str) and stack else line
 
 
 @functools.lru_cache(maxsize=4096)
@@ -240,18 +233,15 @@ class MLflowExporter(RowExporter):
                     self._last_stored[(mlflow_id, rank)] = step
 
     def write_logs(self, rows: Sequence[LogRow]) -> None:
-        per_rank: dict[tuple[str, int], tuple[RunInfo, list[LogRow]]] = {}
-        for row in rows:
-            if wanted(self.options, row.run):
-                per_rank.setdefault((row.run.run_id, row.run.rank), (row.run, []))[1].append(row)
+        per_rank = logs_by_rank(self.options, rows)
         if not per_rank:
             return
         client = self._get_client()
         for run_info, records in per_rank.values():
             mlflow_id = self._run(run_info)
             first = min((r.step for r in records if r.step is not None), default=0)
-            name = f"{_LOGS_FOLDER}/rank{run_info.rank}/step{first:09d}-{records[0].time_unix_nano}.log"
-            client.log_text(mlflow_id, "".join(_log_line(r) for r in records), name)
+            name = f"{LOGS_FOLDER}/rank{run_info.rank}/step{first:09d}-{records[0].time_unix_nano}.log"
+            client.log_text(mlflow_id, "".join(log_line(r) for r in records), name)
             self.mark_written(records)
 
     def _key(self, row: MetricRow) -> str:

@@ -37,6 +37,10 @@
   resumed run reads the steps the earlier attempts' files hold, and drops those rows). The open step is
   in the file after `finish`, at the close. The resume marker (``otel-train-<id>.last-step``) also holds
   only steps the file has.
+- Log records (`logging` records, uncaught exceptions): appended as text lines (``[step S] LEVEL logger:
+  message``, a traceback below it) to ``otel-train-logs/rank<N>.log`` in the run's files folder (``run.dir``),
+  saved with ``policy="live"``: W&B's Files tab shows it (online, uploaded as it grows; offline, with `wandb sync`).
+  W&B's own Logs tab is its console capture, which would see only the exporter process.
 - Preemption: a run that ended on SIGTERM, SIGUSR1 or SIGHUP gets `run.mark_preempting()` and the summary
   field ``otel_train.preempted`` = the signal's name.
 - Settings: `WANDB_PROJECT` (default: the otel-train project), `WANDB_ENTITY`, `WANDB_MODE`,
@@ -58,14 +62,17 @@ from typing import TYPE_CHECKING, Any
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters._runs import (
+    LOGS_FOLDER,
     StepGate,
     histogram_bins,
     hparams_for,
+    log_line,
+    logs_by_rank,
     run_folder,
     wanted,
 )
 from otel_train.exporters.base import LOSS_CAUSES, RowExporter
-from otel_train.rows import HistogramRow, MetricRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow
 from otel_train.run_identity import PREEMPTED, RunInfo
 
 if TYPE_CHECKING:
@@ -155,6 +162,7 @@ class WandbExporter(RowExporter):
     display_names = True
     handles_metrics = True
     handles_spans = False
+    handles_logs = True
     client_module = "wandb"
 
     def __init__(self, options: ExporterOptions | None = None, *, entity: str | None = None,
@@ -179,6 +187,7 @@ class WandbExporter(RowExporter):
         self._replaced = 0
         self._tries: dict[tuple[tuple[str, int], int], int] = {}  # failed writes of a held step
         self._write_all = False  # the next flush writes everything held (an explicit flush)
+        self._log_files: set[tuple[str, int]] = set()  # runs whose log file W&B was told to save
 
     @property
     def steps_dropped(self) -> int:
@@ -206,6 +215,23 @@ class WandbExporter(RowExporter):
         self.mark_written(taken)  # held now: a retry of this window does not hold them twice
         if self.hold_s <= 0 or self._held_rows > _MAX_HELD_ROWS:
             self._release(everything=self.hold_s <= 0, oldest_first=self._held_rows > _MAX_HELD_ROWS)
+
+    def write_logs(self, rows: Sequence[LogRow]) -> None:
+        """Append the log records to each run's ``otel-train-logs/rank<N>.log`` (module docstring)."""
+        for key, (info, records) in logs_by_rank(self.options, rows).items():
+            run = self._run(key, info)
+            self._infos.setdefault(key, info)
+            path = Path(run.dir) / LOGS_FOLDER / f"rank{info.rank}.log"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                f.write("".join(log_line(r) for r in records))
+            self.mark_written(records)
+            if key not in self._log_files:
+                self._log_files.add(key)
+                try:
+                    run.save(str(path), base_path=run.dir, policy="live")
+                except Exception as err:  # the file is in the run's folder all the same (uploaded at the end)
+                    _logger.debug("wandb: run.save(%s) failed: %s", path, err)
 
     def durable_step(self) -> int | None:
         """The last step the run file holds, where a run has steps it does not hold yet, and one below the

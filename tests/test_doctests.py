@@ -28,6 +28,7 @@ MODULES = [
     "otel_train.exporters.chrome_trace",
     "otel_train.exporters.wandb",
     "otel_train.exporters.mlflow",
+    "otel_train.exporters._runs",
     "otel_train.verify.wanted",
     "otel_train.collect.phases",
     "otel_train.summary",

@@ -19,7 +19,7 @@ from backendkit import isolated_wandb_env, read_run, two_ranks, wandb_files
 
 from otel_train.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow, MetricRow
+from otel_train.rows import HistogramRow, LogRow, MetricRow
 from otel_train.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.1, "optim": {"beta": 0.9}}
@@ -28,6 +28,13 @@ RUN_ID = "job/77"  # "/" is reserved in W&B ids: becomes "-"
 
 def row(run: RunInfo, step: int, tag: str, value: float, **attrs: Any) -> MetricRow:
     return backendkit.row(run, step, tag, value, 1_000 + step, **attrs)
+
+
+def log_rows(r0: RunInfo, r1: RunInfo) -> list[LogRow]:
+    return [LogRow(r0, 3, 1, 13, "WARNING", "loss spiked", "train"),
+            LogRow(r1, 1, 2, 17, "ERROR", "uncaught ValueError in thread 'MainThread': boom", "otel_train.uncaught",
+                   {"exception.stacktrace": "Traceback (most recent call last):\nValueError: boom\n"}),
+            LogRow(r0, None, 3, 13, "WARNING", "before the first step", "data")]
 
 
 # -- the real offline run (one module-scoped session) ----------------------------------------------
@@ -56,7 +63,7 @@ def offline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         assert exporter.export_window(Window(metrics=[
             row(r0, 2, "eval/late", 7.0), row(r0, 1, "train/loss", 99.0), row(r0, 1, "eval/older", 98.0),
             row(r0, 3, "train/loss", 0.1), row(r0, 4, "train/loss", 0.05),
-        ]))
+        ], logs=log_rows(r0, r1)))
         dropped = exporter.steps_dropped, exporter.step_order.counts()
         exporter.shutdown()
         exporter.shutdown()  # idempotent
@@ -81,6 +88,21 @@ def test_offline_history_every_step_and_value(offline: dict[str, Any]) -> None:
     assert offline["dropped"] == (1, {"backwards": 1, "dropped": 1})
     # A histogram is stored as nested keys under its tag; outer edges are its min and max.
     assert hist[1]["grad/values"] == [1, 2, 1] and hist[1]["grad/bins"] == [0.5, 1.0, 2.0, 3.0]
+
+
+def test_log_records_are_lines_of_each_ranks_run_file(offline: dict[str, Any]) -> None:
+    """W&B's place for text: a file in the run's files folder (its Files tab), one per rank's run."""
+    from otel_train.exporters.wandb import offline_run_files
+
+    folder = offline["root"] / "runs" / "wb" / "wandb"
+    texts = {}
+    for wandb_id in ("job-77", "job-77-rank1"):
+        (path,) = offline_run_files(folder, wandb_id)
+        rank = 1 if wandb_id.endswith("rank1") else 0
+        texts[rank] = (path.parent / "files" / "otel-train-logs" / f"rank{rank}.log").read_text().splitlines()
+    assert texts[0] == ["[step 3] WARNING train: loss spiked", "[step -] WARNING data: before the first step"]
+    assert texts[1] == ["[step 1] ERROR otel_train.uncaught: uncaught ValueError in thread 'MainThread': boom",
+                        "Traceback (most recent call last):", "ValueError: boom"]
 
 
 def test_offline_config_has_hparams_and_hash(offline: dict[str, Any]) -> None:
