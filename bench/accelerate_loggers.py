@@ -1,4 +1,4 @@
-"""Issue 22's Accelerate number: what a tracker adds per step to a tiny model's loop, beside Accelerate's own.
+"""Accelerate: what a tracker adds per step to a tiny model's loop, beside Accelerate's own.
 
     python bench/accelerate_loggers.py                  # 500 steps, 3 rounds
     python bench/accelerate_loggers.py --steps 200 --rounds 1

@@ -1,4 +1,4 @@
-"""Issue 11's Lightning number: what a logger adds to a tiny model's `Trainer.fit`.
+"""Lightning: what a logger adds to a tiny model's `Trainer.fit`.
 
     python bench/lightning_loggers.py                  # 500 steps, 3 rounds, ~2-3 min on 2 cores
     python bench/lightning_loggers.py --steps 200 --rounds 1

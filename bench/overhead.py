@@ -1,4 +1,4 @@
-"""Issue 2's numbers in one run: `ot.log`+`ot.span` against raw OTel and the floor, plus RSS growth.
+"""The training thread's cost in one run: `ot.log`+`ot.span` against raw OTel and the floor, plus RSS growth.
 
     python bench/overhead.py                 # 20,000 steps per row, then a 200,000-step RSS run
     python bench/overhead.py --steps 5000 --rss-steps 50000

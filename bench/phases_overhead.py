@@ -1,4 +1,4 @@
-"""Issue 12's budget: wall time per step with phases + the system sampler on vs off (target <= 1 %).
+"""The phases budget: wall time per step with phases + the system sampler on vs off (target <= 1 %).
 
     python bench/phases_overhead.py                       # 5,000 steps per run, 3 interleaved pairs
     python bench/phases_overhead.py --steps 20000 --tool ot:tensorboard --gap-us 1000

@@ -1,4 +1,4 @@
-"""What stamping raw OTel measurements with their step costs the training thread (issue 20, item 5).
+"""What stamping raw OTel measurements with their step costs the training thread.
 
     python bench/raw_otel_step.py                  # 2,000 steps x 20 records per variant, 5 interleaved rounds
     python bench/raw_otel_step.py --steps 500 --rounds 3

@@ -1,4 +1,4 @@
-"""Issue 22's Ray Tune number: what a logger callback adds per reported result, beside Tune's own.
+"""Ray Tune: what a logger callback adds per reported result, beside Tune's own.
 
     python bench/ray_tune_loggers.py                  # 1 trial, 500 results, 3 rounds
     python bench/ray_tune_loggers.py --results 200 --rounds 1

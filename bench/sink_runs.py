@@ -1,4 +1,4 @@
-"""Benchmark: what an open run costs `otel-train sink` (issue 21, item 6), ramping the number of runs.
+"""Benchmark: what an open run costs `otel-train sink`, ramping the number of runs.
 
 The sink runs as its own process (`python -m otel_train.sink`, JSONL backend unless `--exporters`, runs never
 idle-closed unless `--close-all`, default `--max-open-runs` and `--backend-threads`); one gRPC client opens runs

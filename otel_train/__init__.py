@@ -371,13 +371,13 @@ def set_placement(*, rank: int | None = None, local_rank: int | None = None,
         The session now running (`current_session()`).
     """
     global _session
-    from otel_train import placement, runtime
+    from otel_train import adopt, runtime
 
     with _init_lock:
         current = _session
         if isinstance(current, runtime.Session) and not current.closed:
             try:
-                moved = placement.adopt_placement(current, rank, local_rank, world_size)
+                moved = adopt.adopt_placement(current, rank, local_rank, world_size)
             except Exception:  # after init(): never into the training loop
                 _logger.warning("otel-train: could not move the session to rank %s (local rank %s, world size %s)",
                                 rank, local_rank, world_size, exc_info=True)

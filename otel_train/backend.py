@@ -39,16 +39,15 @@ from otel_train._internal import sdk
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
 from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.rows import LOSS_CAUSES, HistogramRow, LogRow, MetricRow, SpanRow, Window
 from otel_train.run_identity import RunInfo
+from otel_train.ship.window_writer import WindowWriter
 from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from opentelemetry.sdk.trace import ReadableSpan
-
-    from otel_train.ship.window_writer import WindowWriter
 
 __all__ = ["DELTA_TEMPORALITY", "LOSS_CAUSES", "RowExporter", "Window"]
 
@@ -66,37 +65,7 @@ DELTA_TEMPORALITY: dict[type, AggregationTemporality] = {
 }
 
 
-#: Why a backend did not write a row (`RowExporter.rows_lost`), as the shutdown summary words it.
-LOSS_CAUSES: dict[str, str] = {
-    "bad_step": "bad step",
-    "bad_value": "bad value",
-    "refused": "refused by the backend",
-    "gave_up": "given up after retries",
-    "disk_full": "disk full",
-    "not_started": "the backend did not start",
-}
 _NUMBERS = (float, int)
-
-
-class Window:
-    """The rows of one export window."""
-
-    __slots__ = ("histograms", "logs", "metrics", "spans")
-
-    def __init__(
-        self,
-        metrics: Sequence[MetricRow] = (),
-        histograms: Sequence[HistogramRow] = (),
-        spans: Sequence[SpanRow] = (),
-        logs: Sequence[LogRow] = (),
-    ) -> None:
-        self.metrics = metrics
-        self.histograms = histograms
-        self.spans = spans
-        self.logs = logs
-
-    def __bool__(self) -> bool:
-        return bool(self.metrics or self.histograms or self.spans or self.logs)
 
 
 class RowExporter(MetricExporter, SpanExporter, ABC):
@@ -163,10 +132,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         self._converter = MetricsConverter()
         #: Rate-limited logging for the backend's own warnings (once a minute per key).
         self._log = LogOnce(_logger, interval_s=60.0)
-        from otel_train.ship.window_writer import WindowWriter  # here: that module imports this contract
-
         #: How windows reach this backend's hooks: the one retry policy (`otel_train.ship.window_writer`).
-        self.window_writer: WindowWriter = WindowWriter(self, route)
+        #: With the base `row_problem` (a backend refusing nothing more) rows are checked in bulk.
+        self.window_writer = WindowWriter(self, route,
+                                          plain_rows_only=type(self).row_problem is RowExporter.row_problem)
 
     # -- hooks -------------------------------------------------------------------------------
     @classmethod

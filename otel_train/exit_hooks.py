@@ -14,21 +14,34 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from otel_train import semconv
 from otel_train._internal import sdk
-from otel_train.capture.instrument import open_span_scopes
+from otel_train.capture.instrument import SpanBuffer, open_span_scopes
+from otel_train.config import Settings
 
-if TYPE_CHECKING:
-    from otel_train.runtime import Session
-
-__all__ = ["TRUNCATED_ATTRIBUTE", "release_signal"]
+__all__ = ["TRUNCATED_ATTRIBUTE", "HandsOff", "release_signal"]
 
 #: Span attribute set on spans that were still open when a signal ended the process.
 TRUNCATED_ATTRIBUTE = semconv.SPAN_TRUNCATED
 
 _logger = logging.getLogger("otel_train")
+
+
+class HandsOff(Protocol):
+    """What the hooks need of a session (`otel_train.runtime.Session` is one): its deadline, its state, where
+    a span cut short by a signal goes, and the hand-off itself."""
+
+    settings: Settings
+    span_buffer: SpanBuffer
+
+    @property
+    def closed(self) -> bool: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+
+    def shutdown(self, deadline: float | None = None) -> None: ...
 
 
 # -- process hooks --------------------------------------------------------------------------------
@@ -43,7 +56,7 @@ _preempted_by: str | None = None
 _hooks_installed = False
 #: Per signal whose handler is ours (or was, until a handler installed over ours): the handler before ours.
 _previous_handlers: dict[int, Any] = {}
-_active: list[Session] = []
+_active: list[HandsOff] = []
 _handoff: threading.Thread | None = None
 
 

@@ -21,11 +21,13 @@ from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 from otel_train.run_identity import RunInfo
 
 __all__ = [
+    "LOSS_CAUSES",
     "ExponentialBuckets",
     "HistogramRow",
     "LogRow",
     "MetricRow",
     "SpanRow",
+    "Window",
     "explicit_buckets",
     "extra_attributes",
     "series_tag",
@@ -164,6 +166,38 @@ class LogRow:
     @property
     def rank(self) -> int:
         return self.run.rank
+
+
+#: Why a backend did not write a row (`RowExporter.rows_lost`), as the shutdown summary words it.
+LOSS_CAUSES: dict[str, str] = {
+    "bad_step": "bad step",
+    "bad_value": "bad value",
+    "refused": "refused by the backend",
+    "gave_up": "given up after retries",
+    "disk_full": "disk full",
+    "not_started": "the backend did not start",
+}
+
+
+class Window:
+    """The rows of one export window."""
+
+    __slots__ = ("histograms", "logs", "metrics", "spans")
+
+    def __init__(
+        self,
+        metrics: Sequence[MetricRow] = (),
+        histograms: Sequence[HistogramRow] = (),
+        spans: Sequence[SpanRow] = (),
+        logs: Sequence[LogRow] = (),
+    ) -> None:
+        self.metrics = metrics
+        self.histograms = histograms
+        self.spans = spans
+        self.logs = logs
+
+    def __bool__(self) -> bool:
+        return bool(self.metrics or self.histograms or self.spans or self.logs)
 
 
 def series_tag(name: str, attributes: Mapping[str, Any] | None) -> str:

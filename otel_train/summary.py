@@ -15,12 +15,15 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from otel_train._internal.values import REFUSAL_CAUSES, REFUSED_PREFIX
+from otel_train._internal.values import REFUSAL_CAUSES, REFUSED_PREFIX, RefusalCounts
 
 if TYPE_CHECKING:
-    from otel_train.runtime import Session
+    from otel_train.collect.reader import StepAlignedMetricReader
+    from otel_train.config import Settings
+    from otel_train.run_identity import RunInfo
+    from otel_train.ship.export_process import ExportProcess
 
 __all__ = ["summary_line", "write_session_summary", "write_summary"]
 
@@ -128,7 +131,20 @@ def write_summary(line: str, quiet: bool = False) -> None:
         pass
 
 
-def write_session_summary(session: Session) -> None:
+class SummarySource(Protocol):
+    """What the line is gathered from (`otel_train.runtime.Session` is one): the reader's counts, the backends
+    in this process, the exporter process's last progress report, and the run."""
+
+    settings: Settings
+    run: RunInfo
+    reader: StepAlignedMetricReader
+    exporters: list[Any]
+    export_process: ExportProcess | None
+    refusals: RefusalCounts
+    verify_verdict: str | None
+
+
+def write_session_summary(session: SummarySource) -> None:
     """Gather what `session` delivered and lost (its reader, its in-process backends, its exporter process's last
     progress report) and write the line; never raises."""
     from otel_train.run_paths import run_folder

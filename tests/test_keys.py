@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent("""
             run_name="keys", export_every=2)
     for s in ot.steps(range({steps})):
         ot.log({{k: s * 10 + i + 0.5 for i, k in enumerate(keys)}})
-    ot.flush()  # every step out first: a child's value arriving before an older step is item 10(a)'s case
+    ot.flush()  # every step out first: a child's value arriving before an older step is the case under test
     pid = os.fork()
     if pid == 0:  # a child process: values go through the worker path
         ot.log({{{child!r}: 7.0}}, step={steps} - 1)

@@ -47,7 +47,7 @@ def test_the_session_example_runs() -> None:
 
 
 def test_log_signature() -> None:
-    """`log`'s parameters are a contract: `attributes=` was added deliberately (issue 23), positional-or-keyword
+    """`log`'s parameters are a contract: `attributes=` was added deliberately, positional-or-keyword
     because a keyword-only parameter keeps CPython from specialising the call (~40 ns on every `log`)."""
     params = inspect.signature(otel_train.log).parameters
     assert [(p.name, p.kind.name, p.default) for p in params.values()] == [

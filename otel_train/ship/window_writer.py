@@ -33,19 +33,19 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.backend import LOSS_CAUSES, RowExporter, Window
 from otel_train.file_append import is_disk_full
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.rows import LOSS_CAUSES, HistogramRow, LogRow, MetricRow, SpanRow, Window
 from otel_train.step_order import StepOrder
 
 if TYPE_CHECKING:
+    from otel_train.exporter_options import ExporterOptions
     from otel_train.routing import RowFilter
     from otel_train.run_identity import RunInfo
 
-__all__ = ["WindowWriter"]
+__all__ = ["BackendHooks", "WindowWriter"]
 
 _logger = logging.getLogger(__name__)
 _DOWN_AFTER = 4  # rows failing (twice each), none landing, after which a backend counts as down
@@ -53,6 +53,32 @@ _DOWN_AFTER = 4  # rows failing (twice each), none landing, after which a backen
 MAX_BACKOFF_S = 300.0
 _STEP, _VALUE = attrgetter("step"), attrgetter("value")
 _INT, _NUMBER_TYPES = frozenset({int}), frozenset({float, int})
+
+
+class BackendHooks(Protocol):
+    """What the writer reads and calls on a backend: `otel_train.backend.RowExporter`'s contract as a type, so
+    the policy depends on the contract's shape, not on the base class (which builds a writer of its own)."""
+
+    name: str
+    options: ExporterOptions
+    handles_metrics: bool
+    handles_spans: bool
+    handles_logs: bool
+    stores_older_steps: bool
+    max_pending_windows: int
+    max_attempts: int
+    backoff_s: tuple[float, ...]
+    isolate_rows: bool | None
+
+    def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None: ...
+    def write_spans(self, rows: Sequence[SpanRow]) -> None: ...
+    def write_logs(self, rows: Sequence[LogRow]) -> None: ...
+    def write_resume(self, run: RunInfo, step: int) -> None: ...
+    def row_problem(self, row: MetricRow | HistogramRow) -> str | None: ...
+    def mark_written(self, rows: Sequence[MetricRow | HistogramRow | SpanRow | LogRow]) -> None: ...
+    def mark_preempted(self, cause: str) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class WindowWriter:
@@ -63,9 +89,11 @@ class WindowWriter:
     Args:
         backend: The backend whose hooks it calls.
         route: The backend's row filter (`otel_train.routing.bind`); None: every row unchanged.
+        plain_rows_only: The backend refuses no row beyond the generic checks (it keeps the base `row_problem`):
+            rows are checked in bulk.
     """
 
-    def __init__(self, backend: RowExporter, route: RowFilter | None) -> None:
+    def __init__(self, backend: BackendHooks, route: RowFilter | None, plain_rows_only: bool = False) -> None:
         self.backend = backend
         self.route = route
         #: Held around every hook call (reentrant: a backend's `shutdown` override may hold it around ours).
@@ -93,8 +121,7 @@ class WindowWriter:
         self._warned_series: set[tuple[str, str]] = set()
         #: The step-order policy (`OTEL_TRAIN_STEP_ORDER`) and its counters.
         self.step_order = StepOrder(backend.options.step_order, backend.name, backend.stores_older_steps)
-        # The base `row_problem` (a backend refusing nothing more): rows are checked in bulk (`_writable`).
-        self._plain_rows_only = type(backend).row_problem is RowExporter.row_problem
+        self._plain_rows_only = plain_rows_only  # rows checked in bulk (`_writable`)
 
     # -- what RowExporter hands over ------------------------------------------------------------
     def write(self, window: Window) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from otel_train.run_identity import RUN_ID, RunInfo
 from otel_train.sink.metric_walk import MetricHeaders
@@ -15,10 +15,15 @@ from otel_train.sink.otlp import MAX_RUN_ID_BYTES, DecodeError
 from otel_train.sink.points import AttributeCache
 from otel_train.sink.run_names import RunNames
 
-if TYPE_CHECKING:
-    from otel_train.sink.decode import Decoded
+__all__ = ["DecodeCache", "RunsSeen", "fallback_run_id", "resource_run", "sender_of"]
 
-__all__ = ["DecodeCache", "fallback_run_id", "resource_run", "sender_of"]
+
+class RunsSeen(Protocol):
+    """Where `resource_run` notes what it found (`otel_train.sink.decode.Decoded` is one)."""
+
+    sender: str
+    runs: dict[RunInfo, int]
+    unattributed: dict[str, int]
 
 
 class DecodeCache:
@@ -112,7 +117,7 @@ def fallback_run_id(attrs: Mapping[str, Any]) -> str:
     return "unknown-run"
 
 
-def resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: Decoded) -> RunInfo:
+def resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: RunsSeen) -> RunInfo:
     """The run of one Resource of a request; counts Resources without `train.run.id` by their run."""
     run = runs.run_for(attrs)
     out.sender = sender_of(attrs)

@@ -1,4 +1,4 @@
-"""A bounded set of threads per backend kind, on which every run's backends take turns (issue 21, item 6).
+"""A bounded set of threads per backend kind, on which every run's backends take turns.
 
 The sink opens one set of backends per training run. A thread per run and backend does not scale (10,000
 runs would be 20,000 threads); here each backend kind (``jsonl (sink)``, ``tensorboard (sink)``, ...) has

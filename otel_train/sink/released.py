@@ -1,4 +1,4 @@
-"""What a held backend of one sink run already holds, kept next to the run's spool cursors (issue 21).
+"""What a held backend of one sink run already holds, kept next to the run's spool cursors.
 
 The reorder hold (`otel_train.sink.reorder`) keeps the spool's cursor below every held row, and the cursor is
 one per run and backend: while the ranks of a run are at different steps, it follows the slowest, so windows

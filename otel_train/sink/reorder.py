@@ -1,4 +1,4 @@
-"""A short hold in front of the sink's backends that cannot store an older step (issue 21).
+"""A short hold in front of the sink's backends that cannot store an older step.
 
 A collector with several consumers reorders requests, and one that was down re-sends what it kept: a point can
 reach the sink after a later step of its series. TensorBoard and W&B (`RowExporter.stores_older_steps` False)

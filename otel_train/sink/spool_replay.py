@@ -1,4 +1,4 @@
-"""At start, the sink delivers what an earlier sink process left in its runs' spools (issue 21).
+"""At start, the sink delivers what an earlier sink process left in its runs' spools.
 
 A sink killed (or crashed) with windows its backends had not made durable keeps them in each run's spool, and a
 run's spool is read again when the run is opened. A run that sends again after the restart is opened by its

@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' h
 
 from sinkkit import make_sink
 
-# Features a backend still gets wrong: generated only once fixed (each with its reason). Issue 20 has landed whole:
+# Features a backend still gets wrong: generated only once fixed (each with its reason). None is pending now:
 # Trackio ranks starting together share one run record, and a step going backwards is modelled per backend (see
-# `expected`). A feature a future issue adds starts here until its backends hold it.
+# `expected`). A new feature starts here until its backends hold it.
 PENDING: set[str] = set()
 # A local run can generate them anyway: OTEL_TRAIN_DIFF_FEATURES=all, or a comma list of the names above.
 _FORCED = os.environ.get("OTEL_TRAIN_DIFF_FEATURES", "")
@@ -60,7 +60,7 @@ BACKENDS = ("tensorboard", "jsonl", "chrome_trace", "mlflow", "wandb", "trackio"
 
 # -- the generated programs ---------------------------------------------------------------------------------
 def _keys() -> st.SearchStrategy[str]:
-    """Keys as users write them: `/`-separated segments; the odd alphabet once item 4 has landed."""
+    """Keys as users write them: `/`-separated segments; the odd alphabet unless `odd_keys` is pending."""
     if "odd_keys" in PENDING:  # the OTel instrument-name rule: a letter, then [A-Za-z0-9_./-]
         first = st.sampled_from("abcxyzLR")
         rest = st.text("abcxyzLR019_.-", max_size=6)

@@ -1,5 +1,5 @@
 """Admission: a refused request changes nothing (retries are exact), a slow run is held in its spool, and
-one run's backlog never refuses or slows another run (issue 21, items 1, 3 and 4)."""
+one run's backlog never refuses or slows another run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chaos (issue 21): several senders at once, through the real rotel collector and directly, with random
+"""Chaos: several senders at once, through the real rotel collector and directly, with random
 refusals, duplicated and reordered requests, a stalled backend on one run and restarted senders. Every
 backend read back (JSONL and TensorBoard, as lists of (step, value)) equals one clean delivery of what
 was sent (TensorBoard through the sink's reorder hold, at its default), and `/health`'s counters add up. Bounded to well under a minute."""

@@ -98,7 +98,7 @@ def test_client_never_raises_when_the_sink_is_down(caplog: pytest.LogCaptureFixt
 
 
 def test_report_step_on_a_backlogged_run_refuses_without_losing(tmp_path: Path) -> None:
-    """Issue 21, item 9: a run whose backend hangs answers report_step 503 (Retry-After) at once, keeps the
+    """A run whose backend hangs answers report_step 503 (Retry-After) at once, keeps the
     values buffered and the step unreported; the retry after the backend moved writes every value once."""
     import threading
 

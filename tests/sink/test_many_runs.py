@@ -1,4 +1,4 @@
-"""Runs are cheap (issue 21, item 6): threads do not grow with runs, open files are bounded by an LRU,
+"""Runs are cheap: threads do not grow with runs, open files are bounded by an LRU,
 a closed run reopens with its totals, and one run's hung backend never holds up the others."""
 
 from __future__ import annotations

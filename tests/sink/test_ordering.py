@@ -1,4 +1,4 @@
-"""Points are ordered by their own times, per sender (issue 21, item 2): a late cumulative point is not a
+"""Points are ordered by their own times, per sender: a late cumulative point is not a
 restart, and two processes on one series are told apart (and reported) instead of read as restarts."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sink's reorder hold (issue 21): TensorBoard and W&B get a point that a collector delivers late in its
+"""The sink's reorder hold: TensorBoard and W&B get a point that a collector delivers late in its
 place, not skipped. The release rule on a fake clock; then the real sink with real TensorBoard (with and without
 a spool, with no traffic after the reordered requests, an idle close, a point later than the hold), a sink
 killed while it holds points, and a real offline W&B run."""

@@ -1,4 +1,4 @@
-"""A sink killed and restarted (issue 21): exactly once for TensorBoard and W&B under the reorder hold.
+"""A sink killed and restarted: exactly once for TensorBoard and W&B under the reorder hold.
 
 The hold keeps the spool's cursor below the lowest held step of a whole run, so while the ranks of a run are
 several steps apart a killed sink's spool hands over again rows of the faster rank that were already written;

@@ -318,7 +318,7 @@ def _sdk_program(temporality: str) -> list[bytes]:
 
 
 def test_one_program_gives_the_same_rows_in_either_temporality() -> None:
-    """Temporality parity (issue 21, item 11): up-down counters are running totals in both, histogram
+    """Temporality parity: up-down counters are running totals in both, histogram
     /min and /max run since the series' start in both; every other row equal too."""
     rows = {}
     for temporality in ("cumulative", "delta"):
