@@ -56,7 +56,7 @@ _logger = logging.getLogger(__name__)
 _SyncGauge = sdk.sync_gauge_class()  # the SDK's temporality-preference env var skips it, so name it here
 
 #: DELTA for every instrument kind: the SDK frees per-step attribute sets after each collection,
-#: and the records layer turns DELTA sums back into running totals.
+#: and the rows converter (`otel_train.collect.sdk_rows.MetricsConverter`) turns DELTA sums back into running totals.
 DELTA_TEMPORALITY: dict[type, AggregationTemporality] = {
     kind: AggregationTemporality.DELTA
     for kind in (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter, ObservableGauge,

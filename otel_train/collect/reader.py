@@ -79,7 +79,7 @@ class StepAlignedMetricReader(MetricReader):
         queue_size: Windows queued per exporter (merged while it is busy) before the oldest is dropped.
         log_buffer: Where `ot.log` records wait for collection.
         span_buffer: Where finished spans wait for collection.
-        metrics_ranks: Whether this process exports metrics (spans always go out).
+        export_metrics: Whether this process exports metrics (spans always go out).
         resource: The Resource for `ot.log` data; taken from the MeterProvider when registered.
         channel: Where encoded windows go besides `exporters` (the exporter process's
             `send_window` / `flush` / `close`); None for none.
