@@ -30,6 +30,9 @@ def test_wheel_contents(wheel: Path) -> None:
     assert "otel_train/exporters/base.py" in names
     assert "otel_train/py.typed" in names
     assert not [n for n in names if n.startswith("exporters/")]
+    # Every module of the source tree is in the wheel (a package missing from pyproject's list is not).
+    sources = {f"otel_train/{p.relative_to(ROOT / 'otel_train').as_posix()}" for p in (ROOT / "otel_train").rglob("*.py")}
+    assert sources - set(names) == set()
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "otel-train = otel_train.cli:main" in text
