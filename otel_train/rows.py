@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
+from otel_train import semconv
 from otel_train.run_identity import RunInfo
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 #: Attributes that identify a point's step and rank; every other attribute makes a distinct series.
-_SERIES_EXCLUDED = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
+_SERIES_EXCLUDED = frozenset({semconv.TRAIN_STEP, semconv.TRAIN_RANK})
 
 
 @dataclasses.dataclass(slots=True, eq=False)

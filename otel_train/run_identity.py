@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_train import semconv
-from otel_train.capture.step import RANK_ATTRIBUTE
 
 __all__ = [
     "CONFIG_HASH",
@@ -67,7 +66,7 @@ class RunInfo:
             semconv.SERVICE_NAME: self.service_name,
             RUN_ID: self.run_id,
             RUN_NAME: self.run_name,
-            RANK_ATTRIBUTE: self.rank,
+            semconv.TRAIN_RANK: self.rank,
             LOCAL_RANK: self.local_rank,
             WORLD_SIZE: self.world_size,
             semconv.HOST_NAME: self.host or socket.gethostname(),
@@ -85,7 +84,7 @@ class RunInfo:
         return cls(
             run_id=run_id,
             run_name=str(attrs.get(RUN_NAME) or run_id),
-            rank=as_int(attrs.get(RANK_ATTRIBUTE)),
+            rank=as_int(attrs.get(semconv.TRAIN_RANK)),
             local_rank=as_int(attrs.get(LOCAL_RANK)),
             world_size=max(1, as_int(attrs.get(WORLD_SIZE), 1)),
             service_name=str(attrs.get("service.name") or "otel-train"),
