@@ -145,7 +145,10 @@ def _flush_active() -> None:
         session.flush(max(0.0, deadline - time.monotonic()))
 
 
-_LOCKING_CODE = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(threading.__file__) + os.sep + "threading",
+_PACKAGE_DIR = os.path.abspath(__file__)
+for _ in range(__name__.count(".")):  # otel-train's own code: the package folder, wherever this module sits in it
+    _PACKAGE_DIR = os.path.dirname(_PACKAGE_DIR)
+_LOCKING_CODE = (_PACKAGE_DIR, os.path.dirname(threading.__file__) + os.sep + "threading",
                  os.path.dirname(logging.__file__) + os.sep)
 
 
