@@ -159,7 +159,7 @@ def _verify(args: argparse.Namespace, tmp: Path) -> int:
 
     import otel_train as ot
     from otel_train.exporters.jsonl import read_jsonl
-    from otel_train.run_paths import run_folder
+    from otel_train.vocab.run_paths import run_folder
 
     ot.init(exporters="jsonl", dir=str(tmp), run_name="verify", export_every=50)
     model, opt, x = _model(args)

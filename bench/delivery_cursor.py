@@ -14,12 +14,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.jsonl import JsonlExporter
-from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo
 from otel_train.ship.spool import Spool
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("bench", "bench")
 WINDOW = Window(metrics=[MetricRow(RUN, 0, f"m{i}", f"m{i}", float(i), "gauge", 1) for i in range(20)])

@@ -183,8 +183,8 @@ def collector_down(down_s: float) -> None:
 
 def hanging_backend(deadline_s: float) -> None:
     import otel_train as ot
-    from otel_train.rows import HistogramRow, MetricRow
     from otel_train.testing import InMemoryRowExporter
+    from otel_train.vocab.rows import HistogramRow, MetricRow
 
     class Hanging(InMemoryRowExporter):
         def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:

@@ -21,9 +21,9 @@ from operator import attrgetter
 from typing import Any
 
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
 from otel_train.ship.framing import decode_window, encode_window
+from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("bench-run", "bench-run", 0, 0, 8, "otel-train", "host-1", 4242, "abcd1234")
 

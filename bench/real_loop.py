@@ -175,7 +175,7 @@ def main() -> int:
 
 def _start_sink(directory: Path) -> Any:
     """An `otel-train sink` writing TensorBoard files, on a free loopback gRPC port, in this process."""
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
     from otel_train.sink.settings import SinkSettings
 

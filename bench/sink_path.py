@@ -45,8 +45,8 @@ def _requests(ranks: int, steps: int, metrics: int, per_request: int) -> list[by
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.sink.core import SinkCore
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.sink.receive.ingest import SinkCore
     from otel_train.sink.service import exporter_factory
     from otel_train.sink.settings import SinkSettings
 

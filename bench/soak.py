@@ -36,7 +36,7 @@ from worker import _counting_exporter
 
 def sessions_alive() -> int:
     """`Session` objects the garbage collector can still reach (after a collection)."""
-    from otel_train.runtime import Session
+    from otel_train.session.runtime import Session
 
     gc.collect()
     return sum(1 for o in gc.get_objects() if type(o) is Session)

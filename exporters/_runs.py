@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import LogRow, series_tag
-from otel_train.run_identity import CONFIG_HASH, RUN_ID, RunInfo, config_hash
-from otel_train.run_paths import run_folder as records_run_folder
-from otel_train.semconv import display_name
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.vocab.rows import LogRow, series_tag
+from otel_train.vocab.run_identity import CONFIG_HASH, RUN_ID, RunInfo, config_hash
+from otel_train.vocab.run_paths import run_folder as records_run_folder
+from otel_train.vocab.semconv import display_name
 
 __all__ = [
     "StepGate",

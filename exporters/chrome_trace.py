@@ -45,14 +45,14 @@ killed process appended but had not recorded as written is cut back out of the e
 gzip at a sync-flush point) before the restarted process writes it into its new file, so it is in the trace once.
 An append that fails (a full disk) leaves nothing behind and is retried whole when there is space; a run folder
 deleted during the run is noticed at the next append, said once, and a new trace file is started where it was
-(`otel_train.file_append`).
+(`otel_train.ship.file_append`).
 
 Example:
     >>> import tempfile
     >>> from otel_train.exporters.base import Window
-    >>> from otel_train.exporter_options import ExporterOptions
-    >>> from otel_train.rows import SpanRow
-    >>> from otel_train.run_identity import RunInfo
+    >>> from otel_train.config.exporter_options import ExporterOptions
+    >>> from otel_train.vocab.rows import SpanRow
+    >>> from otel_train.vocab.run_identity import RunInfo
     >>> run = RunInfo("r1", "demo")
     >>> span = SpanRow(run, "forward", 1, 2, None, 1_000_000, 3_000_000, 7, "MainThread", 0, {"train.step": 0})
     >>> with ChromeTraceExporter(ExporterOptions(directory=tempfile.mkdtemp())) as exp:
@@ -72,12 +72,12 @@ from collections.abc import Container, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
-from otel_train.file_append import AppendFile, warn_recreated
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
-from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo
-from otel_train.run_paths import run_folder
+from otel_train.ship.file_append import AppendFile, warn_recreated
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME, RunInfo
+from otel_train.vocab.run_paths import run_folder
 
 __all__ = ["ChromeTraceExporter", "trace_path"]
 
@@ -288,7 +288,7 @@ class ChromeTraceExporter(RowExporter):
         self._paths: list[Path] = []
         self._steps: Container[int] | None = self.options.trace_steps
         self._gzip = bool(self.options.trace_gzip)
-        #: Trace files started again because the run folder was deleted under them (`otel_train.file_append`).
+        #: Trace files started again because the run folder was deleted under them (`otel_train.ship.file_append`).
         self.files_recreated = 0
 
     def _trace(self, run: RunInfo) -> _RankTrace:

@@ -35,11 +35,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters._runs import by_step, hparams_for, rank_tag, series_name, wanted
 from otel_train.exporters.base import RowExporter
-from otel_train.rows import HistogramRow, LogRow, MetricRow, series_tag
-from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RunInfo
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, series_tag
+from otel_train.vocab.run_identity import CONFIG_HASH, PREEMPTED, RunInfo
 
 __all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
 

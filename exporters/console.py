@@ -7,9 +7,9 @@ everything else through `logging`).
 Example:
     >>> import io
     >>> from otel_train.exporters.base import Window
-    >>> from otel_train.exporter_options import ExporterOptions
-    >>> from otel_train.rows import MetricRow
-    >>> from otel_train.run_identity import RunInfo
+    >>> from otel_train.config.exporter_options import ExporterOptions
+    >>> from otel_train.vocab.rows import MetricRow
+    >>> from otel_train.vocab.run_identity import RunInfo
     >>> out = io.StringIO()
     >>> row = MetricRow(RunInfo("r1", "demo"), 3, "train/loss", "train/loss", 0.25, "gauge", 1)
     >>> with ConsoleExporter(ExporterOptions(), stream=out) as exp:
@@ -25,10 +25,10 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
-from otel_train.rows import HistogramRow, MetricRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.rows import HistogramRow, MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["ConsoleExporter"]
 

@@ -10,7 +10,7 @@ append the file and its size are reported (`RowExporter.mark_appending`): a wind
 but had not recorded as written is cut back out before delivery writes it again, so it is in the file once.
 An append that fails (a full disk) leaves nothing behind and is retried whole once there is space; a run folder
 deleted during the run is noticed at the next append, said once, and a new file is started where it was
-(`otel_train.file_append`).
+(`otel_train.ship.file_append`).
 
 A run that ended on SIGTERM, SIGUSR1 or SIGHUP (preemption) ends with ``{"type": "preempted", "signal": "SIGTERM"}``.
 A resumed run (`OTEL_TRAIN_RESUME_STEP` = N) first appends a ``{"type": "resume", "step": N}`` record:
@@ -23,9 +23,9 @@ to the same floats). Trace and span ids are lower-case hex, as in OTLP/JSON.
 Example:
     >>> import tempfile
     >>> from otel_train.exporters.base import Window
-    >>> from otel_train.exporter_options import ExporterOptions
-    >>> from otel_train.rows import MetricRow
-    >>> from otel_train.run_identity import RunInfo
+    >>> from otel_train.config.exporter_options import ExporterOptions
+    >>> from otel_train.vocab.rows import MetricRow
+    >>> from otel_train.vocab.run_identity import RunInfo
     >>> d = tempfile.mkdtemp()
     >>> row = MetricRow(RunInfo("r1", "demo"), 3, "train/loss", "train/loss", 0.5, "gauge", 1)
     >>> with JsonlExporter(ExporterOptions(directory=d)) as exp:
@@ -43,12 +43,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter
-from otel_train.file_append import AppendFile, warn_recreated
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
-from otel_train.run_paths import run_folder
+from otel_train.ship.file_append import AppendFile, warn_recreated
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
+from otel_train.vocab.run_paths import run_folder
 
 __all__ = ["JsonlExporter", "jsonl_path", "read_jsonl", "resolve_resumes"]
 
@@ -165,7 +165,7 @@ class JsonlExporter(RowExporter):
     def __init__(self, options: ExporterOptions | None = None) -> None:
         super().__init__(options)
         self._files: dict[tuple[str, int], tuple[Path, AppendFile]] = {}
-        #: Files started again because the run folder was deleted under them (`otel_train.file_append`).
+        #: Files started again because the run folder was deleted under them (`otel_train.ship.file_append`).
         self.files_recreated = 0
         self._runs: dict[tuple[str, int], RunInfo] = {}
         self._paths: list[Path] = []

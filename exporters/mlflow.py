@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters._mlflow_store import open_store, store_lock
 from otel_train.exporters._runs import (
     LOGS_FOLDER,
@@ -63,9 +63,9 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.names import key_hash
-from otel_train.rows import HistogramRow, LogRow, MetricRow, series_tag
-from otel_train.run_identity import CONFIG_HASH, PREEMPTED, RUN_ID, RunInfo
+from otel_train.vocab.names import key_hash
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, series_tag
+from otel_train.vocab.run_identity import CONFIG_HASH, PREEMPTED, RUN_ID, RunInfo
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient

@@ -30,10 +30,10 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from otel_train.backend import RowExporter
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.errors import ConfigError
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.ship.rows_to_sdk import RowsToSDK
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
 
 __all__ = ["OTLPExporter"]
 

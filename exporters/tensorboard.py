@@ -25,7 +25,7 @@ event file and its size (`RowExporter.mark_appending`): records a killed process
 as written are cut back out (at a record boundary) before delivery writes them again, so each lands once.
 An append that fails (a full disk) is cut back at once and retried whole when there is space; a run folder
 deleted during the run is noticed at the next append, said once, and a new event file is started there
-(`otel_train.file_append`).
+(`otel_train.ship.file_append`).
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters._runs import wanted
 from otel_train.exporters.base import RowExporter
-from otel_train.file_append import AppendFile, warn_recreated
-from otel_train.rows import HistogramRow, LogRow, MetricRow
-from otel_train.run_identity import RunInfo
-from otel_train.run_paths import run_folder
+from otel_train.ship.file_append import AppendFile, warn_recreated
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow
+from otel_train.vocab.run_identity import RunInfo
+from otel_train.vocab.run_paths import run_folder
 
 __all__ = ["TensorBoardExporter"]
 
@@ -96,7 +96,7 @@ class _EventFile:
     """One event file (TensorBoard's naming), appended a window at a time, never held open.
 
     Not holding the file open keeps a sink with hundreds of runs x ranks within its file limit.
-    A failed append is cut back (`otel_train.file_append.AppendFile`), so a retried window neither duplicates
+    A failed append is cut back (`otel_train.ship.file_append.AppendFile`), so a retried window neither duplicates
     nor corrupts records, and TensorBoard's reader never meets a torn record mid-file.
     """
 
@@ -151,9 +151,9 @@ class TensorBoardExporter(RowExporter):
     Example:
         >>> import tempfile
         >>> from otel_train.exporters.base import Window
-        >>> from otel_train.exporter_options import ExporterOptions
-        >>> from otel_train.rows import MetricRow
-        >>> from otel_train.run_identity import RunInfo
+        >>> from otel_train.config.exporter_options import ExporterOptions
+        >>> from otel_train.vocab.rows import MetricRow
+        >>> from otel_train.vocab.run_identity import RunInfo
         >>> d = tempfile.mkdtemp()
         >>> with TensorBoardExporter(ExporterOptions(directory=d)) as tb:
         ...     _ = tb.export_window(Window([MetricRow(RunInfo("r1", "demo"), 0, "loss", "loss", 1.5, "gauge", 0)]))
@@ -189,7 +189,7 @@ class TensorBoardExporter(RowExporter):
         self._summary_pb2 = summary_pb2
         self._log_dir = Path(log_dir) if log_dir is not None else None
         self._writers: dict[tuple[str, int], _EventFile] = {}
-        #: Event files started again because the run folder was deleted under them (`otel_train.file_append`).
+        #: Event files started again because the run folder was deleted under them (`otel_train.ship.file_append`).
         self.files_recreated = 0
         self._value_prefix: dict[str, bytes] = {}
         self._log_step: dict[tuple[str, int], int] = {}  # per rank: the last step of its ``logs`` text

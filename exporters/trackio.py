@@ -37,7 +37,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters._runs import (
     StepGate,
     by_step,
@@ -48,8 +48,8 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import RowExporter
-from otel_train.rows import HistogramRow, MetricRow
-from otel_train.run_identity import PREEMPTED, RUN_ID, RunInfo
+from otel_train.vocab.rows import HistogramRow, MetricRow
+from otel_train.vocab.run_identity import PREEMPTED, RUN_ID, RunInfo
 
 __all__ = ["PREEMPTED_KEY", "PREEMPTED_TITLE", "TrackioExporter", "shared_run_id"]
 

@@ -60,7 +60,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters._runs import (
     LOGS_FOLDER,
     StepGate,
@@ -72,8 +72,8 @@ from otel_train.exporters._runs import (
     wanted,
 )
 from otel_train.exporters.base import LOSS_CAUSES, RowExporter
-from otel_train.rows import HistogramRow, LogRow, MetricRow
-from otel_train.run_identity import PREEMPTED, RunInfo
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow
+from otel_train.vocab.run_identity import PREEMPTED, RunInfo
 
 if TYPE_CHECKING:
     from wandb.sdk.wandb_run import Run

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from otel_train._internal.session_type import RunIdentity, Session
 from otel_train.capture.instrument import NO_SPAN
 from otel_train.capture.step import STEP_ATTRIBUTE, current_step, step, steps
-from otel_train.config import Route
+from otel_train.config.settings import Route
 from otel_train.errors import ConfigError, OtelTrainError, StepOrderError
 
 if TYPE_CHECKING:
@@ -115,11 +115,11 @@ def init(
             installed opentelemetry-sdk is outside the supported range (checked before anything starts).
     """
     global _session
-    from otel_train import config as cfg
-    from otel_train import runtime
     from otel_train._internal import sdk
     from otel_train.capture.step import new_step_sequence
-    from otel_train.exit_hooks import forget_preemption
+    from otel_train.config import settings as cfg
+    from otel_train.session import runtime
+    from otel_train.session.exit_hooks import forget_preemption
 
     with _init_lock:
         if _session is not None and not _session.closed:
@@ -371,7 +371,7 @@ def set_placement(*, rank: int | None = None, local_rank: int | None = None,
         The session now running (`current_session()`).
     """
     global _session
-    from otel_train import adopt, runtime
+    from otel_train.session import adopt, runtime
 
     with _init_lock:
         current = _session

@@ -34,15 +34,15 @@ from opentelemetry.sdk.metrics.export import (
 )
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from otel_train import routing
 from otel_train._internal import sdk
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import LOSS_CAUSES, HistogramRow, LogRow, MetricRow, SpanRow, Window
-from otel_train.run_identity import RunInfo
+from otel_train.config import routing
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.ship.window_writer import WindowWriter
-from otel_train.step_order import StepOrder
+from otel_train.vocab.rows import LOSS_CAUSES, HistogramRow, LogRow, MetricRow, SpanRow, Window
+from otel_train.vocab.run_identity import RunInfo
+from otel_train.vocab.step_order import StepOrder
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -102,13 +102,13 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     name: str = "row"
     #: The backend's client package (an optional extra), imported by `preload`.
     client_module: str | None = None
-    #: Dashboards that group by ``/`` show built-in series under their display names (`otel_train.semconv`).
+    #: Dashboards that group by ``/`` show built-in series under their display names (`otel_train.vocab.semconv`).
     display_names: bool = False
     #: Every successful `export_window` has appended the window to the backend's own files and handed it to
     #: the OS, so delivery may record it as written at once: a process killed later does not write it again.
     kill_safe_writes: bool = False
     #: Whether the backend holds a row whose step went backwards in its series as logged; False (TensorBoard, W&B):
-    #: under `OTEL_TRAIN_STEP_ORDER=warn` such a row is skipped and counted here (`otel_train.step_order`).
+    #: under `OTEL_TRAIN_STEP_ORDER=warn` such a row is skipped and counted here (`otel_train.vocab.step_order`).
     stores_older_steps: bool = True
     #: Failed windows kept for retry before the oldest is dropped, tries of one window before it is dropped
     #: (0: never), and the waits between tries: a backend whose failures are outages (a collector) keeps more.

@@ -15,7 +15,7 @@ __all__ = ["main"]
 
 def _demo(args: argparse.Namespace) -> int:
     import otel_train as ot
-    from otel_train.config import load_settings
+    from otel_train.config.settings import load_settings
     from otel_train.demo import train
 
     session = ot.init(dir=args.dir, run_name=args.run_name)

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from otel_train.backend import RowExporter
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
 
 __all__ = ["InMemoryRowExporter", "OtlpPoint", "metrics_request", "set_any_value"]
 
@@ -20,8 +20,8 @@ class InMemoryRowExporter(RowExporter):
 
     Example:
         >>> from otel_train.backend import Window
-        >>> from otel_train.rows import MetricRow
-        >>> from otel_train.run_identity import RunInfo
+        >>> from otel_train.vocab.rows import MetricRow
+        >>> from otel_train.vocab.run_identity import RunInfo
         >>> mem = InMemoryRowExporter()
         >>> _ = mem.export_window(Window([MetricRow(RunInfo("r", "r"), 1, "loss", "loss", 0.5, "gauge", 0)]))
         >>> mem.values("loss")
@@ -129,7 +129,7 @@ def metrics_request(resource: Mapping[str, Any], points: Iterable[OtlpPoint]) ->
 
     Example:
         >>> body = metrics_request({"train.run.id": "r"}, [OtlpPoint("train/loss", 0.5, step=1)])
-        >>> from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
+        >>> from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics
         >>> decode_metrics(parse_metrics(body), DecodeCache()).points
         1
     """

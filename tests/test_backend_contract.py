@@ -22,8 +22,8 @@ import pytest
 
 import otel_train as ot
 from otel_train.exporters import RowExporter
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "backend-plugin"
 

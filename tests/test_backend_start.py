@@ -121,8 +121,8 @@ def test_a_bad_setting_of_a_backend_started_elsewhere_still_fails_init(
 def test_a_child_process_left_alive_does_not_hold_the_listener_at_close(tmp_path: Path) -> None:
     """A persistent DataLoader worker stays connected after the trainer's shutdown: the exporter process reads
     what it sent and closes at once, without waiting for it to disconnect."""
-    from otel_train.run_identity import RunInfo
     from otel_train.ship.workers import WorkerClient, WorkerListener
+    from otel_train.vocab.run_identity import RunInfo
 
     got: list[list[tuple[str, int, float]]] = []
     address = str(tmp_path / "w.sock")
@@ -140,7 +140,7 @@ def test_a_child_process_left_alive_does_not_hold_the_listener_at_close(tmp_path
 
 def test_the_log_level_of_a_start_failure_is_error() -> None:
     # The one line a user sees when a backend they configured does not start: an error, not a debug note.
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.ship.backend_start import StartingBackend
 
     def fail(options: ExporterOptions) -> None:

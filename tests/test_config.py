@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from otel_train.config import load_settings
+from otel_train.config.settings import load_settings
 from otel_train.errors import ConfigError
 from otel_train.sink.settings import load_sink_settings
 

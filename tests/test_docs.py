@@ -76,21 +76,68 @@ def test_readme_example_runs_and_lands_every_step(tmp_path: Path) -> None:
     assert (run / "trace" / "rank0.trace.json").stat().st_size > 0
 
 
-def test_the_layout_section_names_every_module_of_the_tree() -> None:
-    """The Layout section of docs/architecture.md lists the package's modules folder by folder: a module added,
-    moved or removed without it fails here."""
+def _layout() -> tuple[set[str], dict[str, set[str]]]:
+    """The Layout section of docs/architecture.md: the modules it names (paths under `otel_train/`) and, per
+    folder, the folders and top modules it says that folder imports (``...; imports a/, b, c/``)."""
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     layout = _code_blocks(text.split("## Layout", 1)[1], "")[0]
     listed: set[str] = set()
-    folder = ""
-    for line in layout.splitlines():
-        name = line.strip().split("  ")[0]
-        if line.startswith("  ") and not line.startswith("    ") and name.endswith("/"):
-            folder = name
+    imports: dict[str, set[str]] = {}
+    stack: list[str] = []
+    for line in layout.splitlines()[1:]:  # below `otel_train/`
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        if depth == 0:
+            break  # the folders beside the package
+        name, _, about = line.strip().partition("  ")
+        del stack[depth - 1:]
+        if name.endswith("/"):
+            stack.append(name)
+            rule = about.rsplit("; imports ", 1)
+            assert len(rule) == 2, f"{''.join(stack)}: say what it imports (`...; imports a/, b`)"
+            imports["".join(stack)] = {w.strip() for w in rule[1].split(",")} - {"nothing"}
         for module in re.findall(r"(\w+\.py)", name):
-            listed.add((folder if line.startswith("    ") else "") + module)
-    tree = {str(p.relative_to(ROOT / "otel_train")) for p in (ROOT / "otel_train").glob("*.py")}
-    tree |= {str(p.relative_to(ROOT / "otel_train")) for sub in ("capture", "collect", "ship", "verify", "hangs")
-             for p in (ROOT / "otel_train" / sub).glob("*.py") if p.name != "__init__.py"}
+            listed.add("".join(stack) + module)
+    return listed, imports
+
+
+def test_the_layout_section_names_every_module_of_the_tree() -> None:
+    """Every module of the package is named in its folder, and only those: a module added, moved or removed
+    without the page fails here."""
+    listed, _ = _layout()
+    tree = {p.relative_to(ROOT / "otel_train").as_posix() for p in (ROOT / "otel_train").rglob("*.py")
+            if p.name not in ("__init__.py", "__main__.py") or p.parent == ROOT / "otel_train"}
     assert sorted(tree - listed) == [], "modules missing from the Layout section"
     assert sorted(listed - tree) == [], "the Layout section names modules that are gone"
+
+
+def test_each_folder_imports_only_what_the_layout_section_says() -> None:
+    """Each folder's line ends with what it may import (folders and top modules of the package); the code's
+    imports, lazy and `TYPE_CHECKING` ones included, stay within it."""
+    import otel_train
+    import otel_train.exporters
+    from import_graph import import_graph, modules
+
+    _, allowed = _layout()
+    mods = modules("otel_train", Path(otel_train.__file__).parent)
+    mods.update(modules("otel_train.exporters", Path(otel_train.exporters.__file__).parent))
+
+    def place(module: str) -> str:
+        """`sink/runs/` for otel_train.sink.runs.router, `backend` for otel_train.backend."""
+        parts = module.split(".")[1:]
+        path = "/".join(parts) + ("/" if mods[module].name == "__init__.py" else "")
+        folders = [f for f in allowed if path.startswith(f)]
+        if folders:
+            return max(folders, key=len)
+        return "exporters/" if parts[:1] == ["exporters"] else parts[0] if parts else "otel_train"
+
+    wrong = []
+    for module, deps in import_graph(mods).items():
+        here = place(module)
+        if here not in allowed:
+            continue
+        for dep in deps:
+            there = place(dep)
+            inside = there == here or there.startswith(here) or here.startswith(there)
+            if not inside and there not in allowed[here]:
+                wrong.append(f"{module} imports {dep} ({here} -> {there})")
+    assert wrong == []

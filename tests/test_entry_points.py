@@ -9,7 +9,7 @@ import pytest
 from opentelemetry.sdk.metrics.export import MetricExporter
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from otel_train.registry import known_exporters, load_class
+from otel_train.config.registry import known_exporters, load_class
 
 
 def test_otel_train_group_matches_the_registry() -> None:

@@ -29,7 +29,7 @@ _SCRIPT = textwrap.dedent(
     exporters = ["wandb"]
     if placement == "object":
         from otel_train.exporters.wandb import WandbExporter
-        from otel_train.exporter_options import ExporterOptions
+        from otel_train.config.exporter_options import ExporterOptions
 
         exporters = [WandbExporter(ExporterOptions(directory=root, project="exit"))]
     session = ot.init(exporters=exporters, dir=root, run_id="exit", run_name="exit", project="exit")

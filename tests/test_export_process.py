@@ -27,7 +27,7 @@ from fake_wandb import fake_wandb_env
 from selected import selected
 
 import otel_train as ot
-from otel_train.config import load_settings
+from otel_train.config.settings import load_settings
 from otel_train.errors import ConfigError
 from otel_train.exporters.chrome_trace import trace_path
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl

@@ -14,10 +14,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_train.exporter_options import ExporterOptions, options_from_json, options_to_json
-from otel_train.rows import ExponentialBuckets, HistogramRow, LogRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.config.exporter_options import ExporterOptions, options_from_json, options_to_json
 from otel_train.ship.framing import Resume, decode_window, encode_resume, encode_window
+from otel_train.vocab.rows import ExponentialBuckets, HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 STEP = st.integers(0, (1 << 63) - 1)
@@ -205,7 +205,7 @@ def test_replay_never_runs_a_crafted_pickle_in_the_run_folder(tmp_path: Path) ->
 
 
 def test_exporter_options_round_trip_through_json() -> None:
-    from otel_train.config import Route, parse_step_selection
+    from otel_train.config.settings import Route, parse_step_selection
 
     options = ExporterOptions(
         directory=Path("/runs"), project="p", hparams={"lr": 0.1, "layers": [1, 2], "act": object}, ranks="all",

@@ -12,7 +12,7 @@ HEAVY = ["torch", "wandb", "clearml", "mlflow", "trackio", "tensorboard", "tenso
 
 def test_import_does_not_load_heavy_modules() -> None:
     code = (
-        "import sys, json, otel_train, otel_train.exporters, otel_train.registry, otel_train.rows, otel_train.run_identity,"
+        "import sys, json, otel_train, otel_train.exporters, otel_train.config.registry, otel_train.vocab.rows, otel_train.vocab.run_identity,"
         " otel_train.integrations, otel_train.integrations._session;"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     )

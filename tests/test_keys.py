@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent / "sink"))
 from backendkit import isolated_backends_env, read_run, row
 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
-from otel_train.names import KEY_DESCRIPTION_PREFIX, key_from_description, otlp_name
+from otel_train.vocab.names import KEY_DESCRIPTION_PREFIX, key_from_description, otlp_name
 
 # Real processes, each under a 300 s limit of its own: twice the suite's default per test.
 pytestmark = pytest.mark.timeout(600)
@@ -122,7 +122,7 @@ def test_mappings_are_pure_functions_of_the_key() -> None:
     """The same names in another process (another rank, a restarted job, the sink)."""
     from otel_train.exporters.mlflow import mlflow_name
 
-    code = ("import sys, json; from otel_train.names import otlp_name;"
+    code = ("import sys, json; from otel_train.vocab.names import otlp_name;"
             "from otel_train.exporters.mlflow import mlflow_name;"
             "keys = json.loads(sys.argv[1]); print(json.dumps([[otlp_name(k), mlflow_name(k)] for k in keys]))")
     import json
@@ -144,8 +144,8 @@ def test_otlp_sends_instrument_names_and_the_sink_restores_the_keys(
 
     from otel_train.exporters.base import Window
     from otel_train.exporters.otlp import OTLPExporter
-    from otel_train.run_identity import RunInfo
     from otel_train.ship.rows_to_sdk import RowsToSDK
+    from otel_train.vocab.run_identity import RunInfo
 
     run = RunInfo("otlp-keys", "otlp-keys")
     rows = [row(run, s, key, value(i, s), 1_700_000_000_000_000_000 + s) for s in range(STEPS)

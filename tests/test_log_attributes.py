@@ -108,8 +108,8 @@ def test_an_explicit_step_back_in_another_series_does_not_raise(run_dir: Path,
 
 
 def test_a_child_process_value_keeps_its_attributes_beside_the_worker() -> None:
-    from otel_train.run_identity import RunInfo
     from otel_train.ship.workers import WorkerListener
+    from otel_train.vocab.run_identity import RunInfo
 
     run = RunInfo("r", "r")
     listener: Any = SimpleNamespace(_run=run, _last_step=lambda: 4, _metrics=True)

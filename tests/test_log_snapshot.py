@@ -11,7 +11,7 @@ import pytest
 
 import otel_train as ot
 from otel_train.exporters.jsonl import read_jsonl
-from otel_train.run_paths import run_folder
+from otel_train.vocab.run_paths import run_folder
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency; only its absence skips this")
 

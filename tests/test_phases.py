@@ -10,7 +10,7 @@ from backendkit import by_step, tb_scalars
 
 import otel_train as ot
 from otel_train.collect.phases import DURATION_KEY, PhaseTimer, Span, phase_values
-from otel_train.semconv import display_name
+from otel_train.vocab.semconv import display_name
 
 
 def test_nested_spans_count_once_and_other_is_the_uncovered_rest() -> None:

@@ -14,7 +14,7 @@ from reference import Point
 
 import otel_train as ot
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
-from otel_train.run_paths import run_folder
+from otel_train.vocab.run_paths import run_folder
 
 
 def _train(run_dir: Path, name: str, scale: float) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import otel_train as ot
-from otel_train.config import load_settings
+from otel_train.config.settings import load_settings
 from otel_train.errors import ConfigError
-from otel_train.placement import resolve_run_id
+from otel_train.session.placement import resolve_run_id
 from otel_train.testing import InMemoryRowExporter
 
 

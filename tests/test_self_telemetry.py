@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 import otel_train as ot
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters import base
 from otel_train.exporters.tensorboard import TensorBoardExporter
-from otel_train.run_identity import RunInfo
+from otel_train.session.summary import write_session_summary
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.framing import encode_window
 from otel_train.ship.self_metrics import SelfMetrics
-from otel_train.summary import write_session_summary
 from otel_train.testing import InMemoryRowExporter
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("health", "health")
 

@@ -1,12 +1,12 @@
-"""The semantic conventions: `otel_train.semconv`, the table in docs/semantic-conventions.md and the code agree."""
+"""The semantic conventions: `otel_train.vocab.semconv`, the table in docs/semantic-conventions.md and the code agree."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from otel_train import semconv
-from otel_train.semconv import CONVENTIONS, display_name
+from otel_train.vocab import semconv
+from otel_train.vocab.semconv import CONVENTIONS, display_name
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Dotted names in the code that are not telemetry names (an entry-point group, an MLflow bookkeeping tag).
@@ -46,7 +46,7 @@ def test_every_dotted_name_in_the_code_is_a_convention() -> None:
                 if not name.startswith(("otel_train.compat", "otel_train.sink", "otel_train.integrations")):
                     found.setdefault(name, str(path.relative_to(ROOT)))
     unknown = {n: where for n, where in found.items() if n not in names and n not in NOT_TELEMETRY}
-    assert not unknown, f"names missing from otel_train/semconv.py: {unknown}"
+    assert not unknown, f"names missing from otel_train/vocab/semconv.py: {unknown}"
 
 
 def test_built_in_series_have_a_slash_display_name() -> None:

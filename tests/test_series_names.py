@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from otel_train.rows import series_tag
+from otel_train.vocab.rows import series_tag
 
 sys.path.insert(0, str(Path(__file__).parent / "sink"))  # the sink tests' helpers
 
@@ -94,8 +94,8 @@ def test_the_sink_names_the_three_series_as_the_training_process_does(tmp_path: 
     from otel_train.exporters.base import Window
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
     from otel_train.exporters.otlp import OTLPExporter
-    from otel_train.rows import MetricRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     run = RunInfo("otlp-series", "otlp-series")
     series = [("acc", {"a": "1,b=2"}, 1.0), ("acc", {"a": "1", "b": "2"}, 2.0), ("acc{a=1,b=2}", {}, 3.0)]

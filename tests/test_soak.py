@@ -179,7 +179,7 @@ def test_signal_handlers_are_given_back_at_shutdown(run_dir: Path) -> None:
 def test_a_handler_installed_over_ours_is_left_in_place(run_dir: Path) -> None:
     """A framework's handler set after `init()` (it may chain to ours) is not replaced at shutdown, and it still
     ends in ours: a chained call flushes, never recursing."""
-    from otel_train import exit_hooks
+    from otel_train.session import exit_hooks
 
     chained: list[int] = []
     original = signal.getsignal(signal.SIGUSR1)

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from otel_train.exporter_options import ExporterOptions
-from otel_train.run_identity import RunInfo
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.ship import spool as spool_mod
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import decode_window, encode_window
 from otel_train.ship.spool import Spool, last_seq
 from otel_train.testing import InMemoryRowExporter
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("run", "run")
 
@@ -258,8 +258,8 @@ def test_sync_says_durable_only_when_every_window_was_written_ahead(tmp_path: Pa
 
 def test_a_kept_window_is_retried_with_a_backoff_growing_to_minutes() -> None:
     from otel_train.backend import Window
-    from otel_train.rows import MetricRow
     from otel_train.ship.window_writer import MAX_BACKOFF_S
+    from otel_train.vocab.rows import MetricRow
 
     down = InMemoryRowExporter(fail_times=10**9)
     writer = down.window_writer

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from otel_train.backend import RowExporter, Window
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow
-from otel_train.run_identity import RunInfo
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_window
 from otel_train.ship.spool import Spool
+from otel_train.vocab.rows import HistogramRow, MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("run", "run")
 

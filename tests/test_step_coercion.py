@@ -15,7 +15,7 @@ import pytest
 import otel_train as ot
 from otel_train.capture.step import coerce_step
 from otel_train.exporters.jsonl import read_jsonl
-from otel_train.run_paths import run_folder
+from otel_train.vocab.run_paths import run_folder
 
 
 def _metric_rows(folder: Path, name: str) -> list[tuple[int, float]]:
@@ -201,7 +201,7 @@ def test_a_raw_otel_point_at_a_step_out_of_range_is_counted_not_written(tmp_path
 
 
 def test_the_sink_refuses_a_negative_step_as_ot_log_does() -> None:
-    from otel_train.sink.otlp import BAD_STEP, step_value
+    from otel_train.sink.decode.otlp import BAD_STEP, step_value
 
     assert [step_value(v) for v in (0, 2**63 - 1, 7.0, "8")] == [0, 2**63 - 1, 7, 8]
     assert [step_value(v) for v in (-1, -5.0, "-2", 2**63)] == [BAD_STEP] * 4

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from otel_train.summary import summary_line
+from otel_train.session.summary import summary_line
 
 _SCRIPT = textwrap.dedent(
     """

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.chrome_trace import ChromeTraceExporter, trace_path
-from otel_train.rows import MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
 from otel_train.trace_merge import load_trace, merge_traces
+from otel_train.vocab.rows import MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 T0 = 1_700_000_000_000_000_000
 

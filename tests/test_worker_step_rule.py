@@ -14,7 +14,7 @@ import pytest
 import readback
 
 from otel_train.exporters.jsonl import jsonl_path
-from otel_train.run_paths import run_folder
+from otel_train.vocab.run_paths import run_folder
 
 SCRIPT = textwrap.dedent("""
     import multiprocessing as mp, sys
@@ -63,7 +63,7 @@ def test_a_childs_value_without_a_step_lands_at_the_trainers_step(tmp_path: Path
 
 def test_a_forked_child_entering_steps_of_its_own_leaves_the_trainers_step_alone(tmp_path: Path) -> None:
     from otel_train.capture.step import step
-    from otel_train.child_handoff import ChildHandOff
+    from otel_train.session.child_handoff import ChildHandOff
     from otel_train.ship.workers import open_step_cell, read_step, step_cell_path
 
     address = str(tmp_path / "workers.sock")

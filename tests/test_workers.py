@@ -166,8 +166,8 @@ def test_spawned_child_of_a_disabled_run_is_a_silent_no_op(monkeypatch: pytest.M
 
 def test_a_long_run_path_listens_in_a_short_temporary_folder(tmp_path: Path) -> None:
     """Unix socket paths are limited to about 100 bytes: a deep run folder falls back to a temporary one."""
-    from otel_train.run_identity import RunInfo
     from otel_train.ship.workers import WorkerListener, listen_address
+    from otel_train.vocab.run_identity import RunInfo
 
     deep = tmp_path / ("d" * 120) / "spool" / "rank0"
     address = listen_address(deep)

@@ -2,7 +2,7 @@
 
 ``OTEL_TRAIN_TEST_KILL_AFTER_WRITE`` = ``<backend>@<step>[@<marker file>]``: the process sends itself SIGKILL
 right after a write to a backend whose name starts with ``<backend>`` handed it rows at step ``<step>`` or
-later, before delivery records that write (`otel_train.ship.backend_feed`, `otel_train.sink.reorder`): the worst
+later, before delivery records that write (`otel_train.ship.backend_feed`, `otel_train.sink.runs.reorder`): the worst
 moment for a ``kill -9``. With a marker file, only the process that creates it is killed (once per test, however
 often the process is restarted). Read once, at import.
 

@@ -65,7 +65,7 @@ class RefusalCounts(dict[str, int]):
 
 def valid_name(key: Any) -> bool:
     """Whether `key` can be a metric key: any non-empty string (each backend maps it as it must,
-    see `otel_train.names`)."""
+    see `otel_train.vocab.names`)."""
     return isinstance(key, str) and key != ""
 
 

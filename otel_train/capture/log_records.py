@@ -25,8 +25,8 @@ from typing import Any
 
 from opentelemetry import trace as otel_trace
 
-from otel_train import semconv
 from otel_train.capture.step import current_step
+from otel_train.vocab import semconv
 
 __all__ = ["EVENT_NAME", "CapturedLog", "LogRecordHandler", "RateLimit", "active_span", "captured_exception",
            "severity_number"]
@@ -60,7 +60,7 @@ class CapturedLog:
         self.span_id = span_id
 
     def fields(self) -> tuple[Any, ...]:
-        """The fields in `otel_train.rows.LogRow` order (after its run)."""
+        """The fields in `otel_train.vocab.rows.LogRow` order (after its run)."""
         return (self.step, self.time_unix_nano, self.severity_number, self.severity_text, self.body, self.logger,
                 self.attributes, self.trace_id, self.span_id)
 

@@ -19,9 +19,9 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.context import Context
 from opentelemetry.util.types import AnyValue, Attributes
 
-from otel_train import semconv
 from otel_train.capture.log_records import CapturedLog, active_span
 from otel_train.capture.step import current_step
+from otel_train.vocab import semconv
 
 __all__ = ["SESSION_LOGGER_PROVIDER", "SessionLoggerProvider", "install_global"]
 

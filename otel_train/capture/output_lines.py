@@ -16,9 +16,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from otel_train import semconv
 from otel_train.capture.log_records import CapturedLog, RateLimit, active_span
 from otel_train.capture.step import current_step
+from otel_train.vocab import semconv
 
 __all__ = ["OutputLines"]
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from otel_train import semconv
 from otel_train.errors import StepOrderError
+from otel_train.vocab import semconv
 
 __all__ = [
     "MAX_STEP",

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from otel_train import semconv
 from otel_train.capture.log_records import CapturedLog, active_span, captured_exception
 from otel_train.capture.step import current_step
+from otel_train.vocab import semconv
 
 __all__ = ["LOGGER_NAME", "UncaughtHooks"]
 

@@ -28,8 +28,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from otel_train import semconv
 from otel_train.capture.step import STEP_ATTRIBUTE
+from otel_train.vocab import semconv
 
 __all__ = ["DURATION_KEY", "PhaseTimer", "Span", "phase_values", "span_of"]
 

@@ -30,8 +30,8 @@ from otel_train.backend import DELTA_TEMPORALITY
 from otel_train.capture.instrument import LogBuffer, SpanBuffer
 from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd, current_step
 from otel_train.collect.window_builder import DropCounter, WindowBuilder, has_points
-from otel_train.run_identity import THREAD_ID, THREAD_NAME
 from otel_train.ship.local_delivery import LocalDelivery
+from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME
 
 __all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
 

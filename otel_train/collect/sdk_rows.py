@@ -3,7 +3,7 @@
 Counters arrive as DELTA sums (bounded memory in the SDK); `MetricsConverter` keeps their running
 totals, so every backend shows a counter as its cumulative value. Each row keeps its instrument's unit and
 description; an exponential histogram keeps its buckets (and is drawn by every backend through the explicit
-form of them, `otel_train.rows.explicit_buckets`).
+form of them, `otel_train.vocab.rows.explicit_buckets`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from otel_train.capture.step import STEP_ATTRIBUTE
-from otel_train.rows import (
+from otel_train.vocab.rows import (
     ExponentialBuckets,
     HistogramRow,
     MetricRow,
@@ -21,7 +21,7 @@ from otel_train.rows import (
     extra_attributes,
     series_tag,
 )
-from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo, as_int
+from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME, RunInfo, as_int
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics.export import MetricsData

@@ -6,7 +6,7 @@ training thread). When the step changes, the finished step's samples become two 
 ``<series>/mean`` and ``<series>/max``, appended to the `ot.log` buffer, so they reach every backend
 like any logged gauge. A step shorter than the interval gets points only when a sample fell in it.
 
-Series (their OTel semantic conventions are in `otel_train.semconv`):
+Series (their OTel semantic conventions are in `otel_train.vocab.semconv`):
 
 * ``system/cpu_percent``: this process's CPU, 100 = one core (psutil);
 * ``system/rss_mb``: this process's resident memory;

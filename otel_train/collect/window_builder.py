@@ -28,8 +28,8 @@ from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import MAX_STEP, STEP_ATTRIBUTE, StepEnd
 from otel_train.collect.phases import PhaseTimer
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow, series_tag
-from otel_train.run_identity import THREAD_ID, THREAD_NAME, RunInfo
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow, series_tag
+from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME, RunInfo
 
 __all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points"]
 

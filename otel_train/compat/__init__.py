@@ -34,7 +34,7 @@ from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train.compat._adapter import MetricsServiceAdapter
-from otel_train.config import OTEL_TRAIN_RUN_ID
+from otel_train.config.settings import OTEL_TRAIN_RUN_ID
 from otel_train.sink.settings import OTEL_TRAIN_SINK_TOKEN
 
 __all__ = ["MetricsClient", "MetricsServiceAdapter"]

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.backend import RowExporter
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.chrome_trace import json_safe, span_event
-from otel_train.rows import SpanRow
+from otel_train.vocab.rows import SpanRow
 
 __all__ = ["RAW_PHASES", "TimelineDump", "raw_events"]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import otel_train as ot
 from otel_train.compat._adapter import MetricsServiceAdapter
-from otel_train.config import OTEL_TRAIN_EXPORTERS, OTEL_TRAIN_PROJECT, OTEL_TRAIN_RUN_NAME
+from otel_train.config.settings import OTEL_TRAIN_EXPORTERS, OTEL_TRAIN_PROJECT, OTEL_TRAIN_RUN_NAME
 
 __all__ = ["flush_metrics", "init_tracking", "log"]
 
@@ -132,8 +132,8 @@ def init_tracking(args: Any) -> None:
     kwargs, wandb = settings_from_args(args)
     names: list[Any] = list(kwargs.pop("exporters"))
     if wandb:  # a W&B entity/group: build that exporter here with the session's options
-        from otel_train.config import load_settings
-        from otel_train.exporter_options import ExporterOptions
+        from otel_train.config.exporter_options import ExporterOptions
+        from otel_train.config.settings import load_settings
         from otel_train.exporters.wandb import WandbExporter
 
         s = load_settings(exporters=[n for n in names if isinstance(n, str)], **kwargs)

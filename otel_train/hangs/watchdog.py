@@ -29,13 +29,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from otel_train import semconv
 from otel_train.capture.instrument import SpanRecord, open_spans_of
 from otel_train.capture.step import open_step
 from otel_train.hangs.hang_file import MAX_HISTORY, native_dump_path, write_hang_file
 from otel_train.hangs.hang_rule import HangRule, Work
 from otel_train.hangs.native_timer import NATIVE_TIMER
 from otel_train.hangs.stacks import ThreadStack, thread_stacks
+from otel_train.vocab import semconv
 
 __all__ = ["HangWatchdog", "Look", "TrainingThreadView"]
 

@@ -1,5 +1,5 @@
 """An intent record written before a backend appends to its own files, so a kill between the append and the
-record that the data was written (`Spool.advance`, `otel_train.sink.released`) does not write it twice.
+record that the data was written (`Spool.advance`, `otel_train.sink.runs.released`) does not write it twice.
 
 The record says: "everything up to `mark` is recorded as written, and these files had these sizes then; what
 they hold beyond comes from writes not recorded yet". Whoever resumes the delivery finds an intent whose mark is

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from otel_train.backend import RowExporter, Window
-from otel_train.exporter_options import ExporterOptions
-from otel_train.run_identity import RunInfo
-from otel_train.step_order import StepOrder
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.vocab.run_identity import RunInfo
+from otel_train.vocab.step_order import StepOrder
 
 __all__ = ["StartingBackend", "starting_backends"]
 
@@ -247,7 +247,7 @@ def starting_backends(names: Sequence[str], options: ExporterOptions, *, spooled
     Raises:
         ConfigError: an unknown name or a missing package (before anything is built).
     """
-    from otel_train.registry import check_available, get_spec, load_class
+    from otel_train.config.registry import check_available, get_spec, load_class
 
     specs = [get_spec(name) for name in names]
     for spec in specs:
@@ -264,7 +264,7 @@ def starting_backends(names: Sequence[str], options: ExporterOptions, *, spooled
 
 
 def _builder(spec: Any) -> Callable[[ExporterOptions], RowExporter]:
-    from otel_train.registry import load_class
+    from otel_train.config.registry import load_class
 
     def build(options: ExporterOptions) -> RowExporter:
         backend: RowExporter = load_class(spec)(options)

@@ -25,9 +25,8 @@ from typing import Any
 from otel_train._internal import faults
 from otel_train._internal.gc_tuning import tune_for_row_churn
 from otel_train.backend import RowExporter
+from otel_train.config.exporter_options import ExporterOptions, options_to_json
 from otel_train.errors import ConfigError
-from otel_train.exporter_options import ExporterOptions, options_to_json
-from otel_train.run_identity import RunInfo
 from otel_train.ship import store_env
 from otel_train.ship.backend_start import StartingBackend, starting_backends
 from otel_train.ship.delivery import Delivery
@@ -36,6 +35,7 @@ from otel_train.ship.logged_record import open_record
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, mark_draining
 from otel_train.ship.workers import WorkerListener
+from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["ID", "META", "WINDOW", "boot", "build_backends", "child_main", "exports_metrics", "preempt", "set_hparams"]
 
@@ -54,7 +54,7 @@ def build_backends(names: Sequence[str], options: ExporterOptions) -> dict[str, 
     Raises:
         ConfigError: one line naming the exporter that could not start.
     """
-    from otel_train.registry import check_available, get_spec, load_class
+    from otel_train.config.registry import check_available, get_spec, load_class
 
     specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
     for spec in specs:

@@ -43,9 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import (
     ID,
@@ -62,6 +60,8 @@ from otel_train.ship.replay import replay
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, last_seq, spool_dir
 from otel_train.ship.workers import listen_address, listen_on
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
 
@@ -133,7 +133,7 @@ class ExportProcess:
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
                  drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0,
                  self_metrics: bool = True, lock_fd: int = -1, record_bytes: int = 0) -> None:
-        from otel_train.registry import check_available, get_spec
+        from otel_train.config.registry import check_available, get_spec
 
         for spec in [get_spec(n) for n in names]:
             check_available(spec)

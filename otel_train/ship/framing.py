@@ -49,8 +49,8 @@ except ImportError:  # pragma: no cover - a platform without its wheel: msgpack-
     ormsgpack = None  # type: ignore[assignment]
 
 from otel_train.backend import Window
-from otel_train.rows import ExponentialBuckets, HistogramRow, LogRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.rows import ExponentialBuckets, HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["Resume", "cut_window", "decode_window", "encode_resume", "encode_window", "is_resume"]
 

@@ -16,12 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from otel_train.backend import RowExporter, Window
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import Resume
 from otel_train.ship.logged_record import LoggedRecord
 from otel_train.ship.otel_adapter import as_row_exporter
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource

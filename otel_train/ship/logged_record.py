@@ -50,12 +50,12 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.file_append import AppendFile, is_disk_full, warn_recreated
-from otel_train.rows import extra_attributes
+from otel_train.ship.file_append import AppendFile, is_disk_full, warn_recreated
+from otel_train.vocab.rows import extra_attributes
 
 if TYPE_CHECKING:
     from otel_train.backend import RowExporter, Window
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["FOLDER", "FULL_MARK", "SESSION_FILE", "LoggedRecord", "backend_header", "backend_info", "open_record", "read_entries", "record_files",
            "write_session_record"]
@@ -113,14 +113,14 @@ def _whole_entries_end(path: Path) -> int:
 class LoggedRecord:
     """Appends what one process's delivery hands its backends to that process's record file.
 
-    Never raises. Storage faults heal as in the file backends (`otel_train.file_append`): on a full disk an
+    Never raises. Storage faults heal as in the file backends (`otel_train.ship.file_append`): on a full disk an
     entry is cut back whole and kept in memory (within the cap) until space returns, so a disk that is freed
     leaves a complete record; a run folder deleted during the run gets a new record file (its header again)
     from the next window on, beside the backends' new files. Any other write error stops the record, logged
     once, and verify then says the record is incomplete rather than pass.
 
     Args:
-        run_dir: The run's folder (`otel_train.run_paths.run_folder`).
+        run_dir: The run's folder (`otel_train.vocab.run_paths.run_folder`).
         rank: This process's rank.
         cap_bytes: Stop recording past this many bytes (a stop entry says where).
         header: What verify needs besides the windows (run id, per backend its store and routing rule).
@@ -369,7 +369,7 @@ def write_session_record(run_dir: Path, rank: int, refusals: Mapping[str, int]) 
 def open_record(backends: Mapping[str, Any], run: RunInfo, directory: str | os.PathLike[str], cap_bytes: int,
                 resume_step: int | None = None) -> LoggedRecord | None:
     """This process's record of `run`'s windows to `backends` (None when `cap_bytes` is 0: no record)."""
-    from otel_train.run_paths import run_folder
+    from otel_train.vocab.run_paths import run_folder
 
     if cap_bytes <= 0 or not backends:
         return None

@@ -21,10 +21,10 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from otel_train.backend import RowExporter
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.ship.rows_to_sdk import RowsToSDK
+from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource

@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from otel_train.backend import Window
-from otel_train.exporter_options import ExporterOptions, options_from_json
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.config.exporter_options import ExporterOptions, options_from_json
 from otel_train.ship import store_env
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import META, OLD_META, build_backends
 from otel_train.ship.spool import Spool, holder, try_lock
+from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
 
 __all__ = ["RowWanted", "replay"]
 

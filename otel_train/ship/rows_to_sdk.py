@@ -20,7 +20,7 @@ SDK objects -> the SDK's exporter, with no representation in between. What each 
   body, attributes with ``train.step`` (when it has one), the active span's ids; the scope is the logger name.
 
 Each metric keeps the unit and description its rows carry. Names: a key that breaks OTel's instrument-name
-rule goes under `otel_train.names.otlp_name` with the key in the metric's description (in place of the
+rule goes under `otel_train.vocab.names.otlp_name` with the key in the metric's description (in place of the
 instrument's own), which `otel-train sink` reads back. Every point carries ``train.step``; every request carries the run's Resource, built as the training
 process builds it (`Resource.create` of the run's attributes, so ``OTEL_RESOURCE_ATTRIBUTES`` too).
 Requests hold at most `MAX_POINTS` points or spans.
@@ -52,11 +52,11 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from otel_train._internal import sdk
-from otel_train.names import KEY_DESCRIPTION_PREFIX, otlp_name
-from otel_train.rows import HistogramRow, LogRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
-from otel_train.semconv import THREAD_ID, THREAD_NAME
-from otel_train.semconv import TRAIN_STEP as STEP_ATTRIBUTE
+from otel_train.vocab.names import KEY_DESCRIPTION_PREFIX, otlp_name
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
+from otel_train.vocab.semconv import THREAD_ID, THREAD_NAME
+from otel_train.vocab.semconv import TRAIN_STEP as STEP_ATTRIBUTE
 
 __all__ = ["MAX_POINTS", "RowsToSDK"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from otel_train import semconv
 from otel_train.backend import Window
-from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab import semconv
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["SelfMetrics"]
 
@@ -28,7 +28,7 @@ class SelfMetrics:
         spool_failed_appends: The spool's count of windows it could not write ahead (disk full).
 
     Example:
-        >>> from otel_train.run_identity import RunInfo
+        >>> from otel_train.vocab.run_identity import RunInfo
         >>> stats = {"tensorboard": {"backlog": 1, "exports": 2, "export_s": 0.5, "rows": 9, "failures": 0,
         ...                          "dropped": 0}}
         >>> rows = SelfMetrics(lambda: stats).rows(RunInfo("r", "r"), 3, 10)

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.run_paths import run_folder
 from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
+from otel_train.vocab.run_paths import run_folder
 
 __all__ = ["RunClaim", "Spool", "backend_file", "claim_run", "holder", "last_seq", "spool_dir", "try_lock"]
 

@@ -4,8 +4,8 @@ Every `RowExporter` has one `WindowWriter`, which `export_window`, `resume`, `fo
 hand their work to, whoever calls them: delivery's feed of that backend (`otel_train.ship.backend_feed`) or an
 OTel SDK pipeline. It runs the backend's hooks one at a time (its lock) and never lets one raise:
 
-- Routing (`otel_train.routing`) filters each window first, then the step-order policy
-  (`otel_train.step_order`) takes out the rows going backwards that the backend is not to get.
+- Routing (`otel_train.config.routing`) filters each window first, then the step-order policy
+  (`otel_train.vocab.step_order`) takes out the rows going backwards that the backend is not to get.
 - Before a write, every row is checked (`row_problem`: the generic checks, plus the backend's own); a row
   it refuses is skipped, counted in `rows_lost` by cause, and warned about once per series.
 - A write that raises is counted in `failures` and followed at once by one row at a time (each row its own
@@ -18,7 +18,7 @@ OTel SDK pipeline. It runs the backend's hooks one at a time (its lock) and neve
   a backoff that keeps growing, past `backoff_s`, to `MAX_BACKOFF_S`, for as long as the backend lives.
 - Rows a write has landed are never handed to the backend again: a backend whose window write is not
   all-or-nothing (one client call per step or per value) reports what landed with `mark_written`.
-- A full disk (`otel_train.file_append.is_disk_full`) is an outage, not a refused row: no row-at-a-time, no
+- A full disk (`otel_train.ship.file_append.is_disk_full`) is an outage, not a refused row: no row-at-a-time, no
   giving up, a retry every `backoff_s[0]`; windows past `max_pending_windows` or still waiting at close are
   counted as lost to it (``disk_full``).
 - A forked child forgets the windows waiting (its parent writes them); at shutdown what is waiting gets one
@@ -36,14 +36,14 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train.file_append import is_disk_full
-from otel_train.rows import LOSS_CAUSES, HistogramRow, LogRow, MetricRow, SpanRow, Window
-from otel_train.step_order import StepOrder
+from otel_train.ship.file_append import is_disk_full
+from otel_train.vocab.rows import LOSS_CAUSES, HistogramRow, LogRow, MetricRow, SpanRow, Window
+from otel_train.vocab.step_order import StepOrder
 
 if TYPE_CHECKING:
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.routing import RowFilter
-    from otel_train.run_identity import RunInfo
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.config.routing import RowFilter
+    from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["BackendHooks", "WindowWriter"]
 
@@ -88,7 +88,7 @@ class WindowWriter:
 
     Args:
         backend: The backend whose hooks it calls.
-        route: The backend's row filter (`otel_train.routing.bind`); None: every row unchanged.
+        route: The backend's row filter (`otel_train.config.routing.bind`); None: every row unchanged.
         plain_rows_only: The backend refuses no row beyond the generic checks (it keeps the base `row_problem`):
             rows are checked in bulk.
     """

@@ -35,15 +35,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from otel_train import semconv
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name
 from otel_train.backend import Window
 from otel_train.capture.attributes import clean_attributes, refused_reason
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import StepOutOfRange, coerce_step
-from otel_train.rows import LogRow, MetricRow, SpanRow, series_tag
-from otel_train.run_identity import RunInfo
+from otel_train.vocab import semconv
+from otel_train.vocab.rows import LogRow, MetricRow, SpanRow, series_tag
+from otel_train.vocab.run_identity import RunInfo
 
 __all__ = ["LOST_BUFFER", "LOST_LOGS", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
            "client_from_env", "listen_on", "step_cell_path"]
@@ -532,7 +532,7 @@ _from_env: tuple[int, str, WorkerClient | None] | None = None
 def client_from_env() -> WorkerClient | None:
     """The client of a spawned child of a run (from `OTEL_TRAIN_WORKER_ADDRESS`), else None."""
     global _from_env
-    from otel_train.config import OTEL_TRAIN_WORKER_ADDRESS
+    from otel_train.config.settings import OTEL_TRAIN_WORKER_ADDRESS
 
     raw = os.environ.get(OTEL_TRAIN_WORKER_ADDRESS, "").strip()
     if _from_env is None or _from_env[:2] != (os.getpid(), raw):

@@ -113,9 +113,9 @@ def _fail(message: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Run the sink until SIGTERM/SIGINT. Returns the exit code (2: bad setting, 1: cannot bind)."""
-    from otel_train.config import load_settings
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.config.settings import load_settings
     from otel_train.errors import ConfigError
-    from otel_train.exporter_options import ExporterOptions
     from otel_train.sink.settings import load_sink_settings
 
     level = getattr(logging, str(args.log_level).upper(), None)

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.exporter_options import ExporterOptions
-from otel_train.sink.core import SinkCore
-from otel_train.sink.router import ExporterFactory
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.sink.receive.ingest import SinkCore
+from otel_train.sink.runs.router import ExporterFactory
 from otel_train.sink.settings import SinkSettings
 
 __all__ = ["Sink", "exporter_factory", "is_loopback"]
@@ -40,7 +40,7 @@ def is_loopback(address: str) -> bool:
 
 def exporter_factory(names: Sequence[str], options: ExporterOptions) -> ExporterFactory:
     """Validate exporter names now (unknown name or missing package -> `ConfigError`); build per run later."""
-    from otel_train.registry import check_available, get_spec, load_class
+    from otel_train.config.registry import check_available, get_spec, load_class
 
     specs = [get_spec(n) for n in names]
     for spec in specs:
@@ -89,9 +89,9 @@ class Sink(SinkCore):
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Sink:
         """Bind the gRPC and HTTP receivers (port 0 picks a free port) and start housekeeping."""
-        from otel_train.sink.event_loop import LoopThread
-        from otel_train.sink.grpc_server import start_grpc
-        from otel_train.sink.http_server import start_http
+        from otel_train.sink.receive.event_loop import LoopThread
+        from otel_train.sink.receive.grpc_server import start_grpc
+        from otel_train.sink.receive.http_server import start_http
 
         s = self.settings
         cert = Path(s.tls_cert).read_bytes() if s.tls_cert else None
@@ -112,7 +112,7 @@ class Sink(SinkCore):
         self._housekeeper.start()
         if s.spool_dir is not None and s.spool_run_mb > 0:
             # What a killed sink left in runs' spools goes out now, not when (if ever) each run sends again.
-            from otel_train.sink.spool_replay import SpoolReplay
+            from otel_train.sink.runs.spool_replay import SpoolReplay
 
             self.spool_replay = SpoolReplay(self.router, s.spool_dir, self._stop,
                                             workers=min(2, max(1, self.router.max_open_runs // 4))).start()

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from otel_train.config_values import parse_int, parse_positive_float, parse_text
+from otel_train.config.values import parse_int, parse_positive_float, parse_text
 from otel_train.errors import ConfigError
 
 __all__ = ["SinkSettings", "load_sink_settings"]

@@ -96,10 +96,10 @@ def load(run_dir: Path, ranks: Iterable[int] | None = None) -> dict[int, RankPla
 
 
 def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[int]) -> None:
-    from otel_train.config import Route
-    from otel_train.routing import RowFilter
-    from otel_train.rows import MetricRow, SpanRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.config.routing import RowFilter
+    from otel_train.config.settings import Route
+    from otel_train.vocab.rows import MetricRow, SpanRow
+    from otel_train.vocab.run_identity import RunInfo
 
     mine: list[BackendPlan] = []
     filters: dict[str, RowFilter | None] = {}

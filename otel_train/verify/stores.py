@@ -90,7 +90,7 @@ def _chrome_trace(plan: RankPlan, backend: BackendPlan) -> Held | str:
 
 def _wandb(plan: RankPlan, backend: BackendPlan) -> Held | str:
     from otel_train.exporters.wandb import wandb_run_id
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.run_identity import RunInfo
 
     mode = plan.env.get("WANDB_MODE", "").strip().lower()
     if mode not in ("offline", "dryrun"):

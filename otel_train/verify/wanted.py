@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
 from otel_train.verify import BackendReport, VerifyReport
 from otel_train.verify.compare import SeriesResult
+from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
 
 __all__ = ["report_from_json", "rows_missing"]
 
@@ -45,7 +45,7 @@ def report_from_json(data: dict[str, Any]) -> VerifyReport:
 def _names(row: MetricRow | HistogramRow, backend: str) -> set[str]:
     """The names `backend` may show `row`'s series under (the ones verify reports missing points by)."""
     from otel_train.exporters._runs import RANK_SUFFIX_KEY, rank_tag, series_name
-    from otel_train.semconv import DISPLAY_NAMES
+    from otel_train.vocab.semconv import DISPLAY_NAMES
 
     tags = {row.tag}
     if row.name in DISPLAY_NAMES:  # a built-in series, as a backend with display names shows it (`routing`)
@@ -72,7 +72,7 @@ def rows_missing(report: VerifyReport) -> Callable[[str, str, MetricRow | Histog
     """`otel_train.ship.replay.replay`'s `wanted`: (rank folder, backend, row) -> whether that backend lacks it.
 
     Example:
-        >>> from otel_train.run_identity import RunInfo
+        >>> from otel_train.vocab.run_identity import RunInfo
         >>> report = VerifyReport(Path("run"), [BackendReport(0, "jsonl", "fail", expected=2, present=1, series=[
         ...     SeriesResult("loss", 0, missing=[3])])])
         >>> wanted = rows_missing(report)

@@ -17,12 +17,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.chrome_trace import ERROR_CNAME, ChromeTraceExporter, trace_path
-from otel_train.rows import MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
 from otel_train.trace_merge import load_trace
+from otel_train.vocab.rows import MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 T0 = 1_700_000_000_000_000_000  # ns
 
@@ -190,9 +190,9 @@ _CRASH = textwrap.dedent("""
     import os, sys, time
     from otel_train.exporters.base import Window
     from otel_train.exporters.chrome_trace import ChromeTraceExporter
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.rows import MetricRow, SpanRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.rows import MetricRow, SpanRow
+    from otel_train.vocab.run_identity import RunInfo
     run = RunInfo("rid", "crash", rank=3)
     exp = ChromeTraceExporter(ExporterOptions(directory=sys.argv[1], trace_gzip=sys.argv[3:] == ["gzip"]))
     for step in range(4):
@@ -253,7 +253,7 @@ def test_failing_write_is_isolated_and_retried(tmp_path: Path) -> None:
 
 # -- long runs: step windows and gzip ----------------------------------------------------------------
 def test_trace_steps_keep_only_the_requested_steps(tmp_path: Path) -> None:
-    from otel_train.config import parse_step_selection
+    from otel_train.config.settings import parse_step_selection
 
     sel = parse_step_selection("OTEL_TRAIN_TRACE_STEPS", "2-3,every:10:2")
     exp = ChromeTraceExporter(ExporterOptions(directory=tmp_path, trace_steps=sel))
@@ -269,7 +269,7 @@ def test_trace_steps_keep_only_the_requested_steps(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("raw", ["5-2", "x", "every:0", "every:5:6", "-3", "1-"])
 def test_bad_trace_steps_name_the_variable(raw: str) -> None:
-    from otel_train.config import load_settings
+    from otel_train.config.settings import load_settings
     from otel_train.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"OTEL_TRAIN_TRACE_STEPS: .* is not a step selection; use `A-B`"):

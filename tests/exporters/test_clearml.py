@@ -15,10 +15,10 @@ from backendkit import events, isolated_clearml_env, row, two_ranks
 from readback import clearml as clearml_points
 from reference import Point
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow, LogRow, MetricRow, series_tag
-from otel_train.run_identity import RunInfo, config_hash
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, series_tag
+from otel_train.vocab.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.2, "model": {"depth": 4}}
 RUN_ID = "cml-run-1"

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters import console
 from otel_train.exporters.base import Window
 from otel_train.exporters.console import ConsoleExporter
-from otel_train.rows import MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.rows import MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("rid", "con", rank=1)
 

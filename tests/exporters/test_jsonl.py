@@ -13,11 +13,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.jsonl import JsonlExporter, jsonl_path, read_jsonl
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 
 def run_info(rank: int = 0) -> RunInfo:

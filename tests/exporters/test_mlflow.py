@@ -15,10 +15,10 @@ import pytest
 from backendkit import history, isolated_mlflow_env, two_ranks
 
 from otel_train.collect.sdk_rows import MetricsConverter
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow, LogRow, MetricRow
-from otel_train.run_identity import RunInfo, config_hash
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow
+from otel_train.vocab.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.01, "optim": {"name": "adam", "betas": [0.9, 0.99]}}
 RUN_ID = "mlf-run-1"
@@ -108,9 +108,9 @@ RESUME_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from otel_train.exporters.base import Window
     from otel_train.exporters.mlflow import MLflowExporter
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.rows import MetricRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     run = RunInfo(sys.argv[2], "mlf")
     exp = MLflowExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-mlflow-test",
@@ -194,7 +194,7 @@ def test_otel_sdk_path_with_counter_totals(tmp_path: Path, monkeypatch: pytest.M
 def test_keys_map_deterministically() -> None:
     """Keys MLflow accepts stay; others are mapped plus a hash of the key; the attribute suffix is mapped."""
     from otel_train.exporters.mlflow import mlflow_key, mlflow_name
-    from otel_train.names import key_hash
+    from otel_train.vocab.names import key_hash
 
     assert [mlflow_name(k) for k in ("train/loss", "épochs/loss", "a b:c-d.e_f")] == [
         "train/loss", "épochs/loss", "a b:c-d.e_f"]

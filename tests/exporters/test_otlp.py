@@ -51,7 +51,7 @@ def test_protocol_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_registry_builds_it() -> None:
-    from otel_train.registry import get_spec, load_class
+    from otel_train.config.registry import get_spec, load_class
 
     cls = load_class(get_spec("otlp"))
     assert cls is OTLPExporter
@@ -135,7 +135,7 @@ def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Pa
     # One line of ours, with the SDK's reason in it; none of the SDK's own per-attempt lines.
     failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(failed) == 1 and "exporter `otlp` failed" in failed[0] and "UNAVAILABLE" in failed[0], failed
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.sink import Sink, exporter_factory
     from otel_train.sink.settings import SinkSettings
 
@@ -170,8 +170,8 @@ def test_shutdown_with_collector_down_is_bounded(monkeypatch: pytest.MonkeyPatch
 def test_a_window_half_sent_is_not_sent_twice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Metrics taken, spans refused: the retry sends only the spans (a DELTA counter re-sent would count twice)."""
     from otel_train.exporters.base import Window
-    from otel_train.rows import MetricRow, SpanRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.rows import MetricRow, SpanRow
+    from otel_train.vocab.run_identity import RunInfo
 
     sink = make_sink(tmp_path)
     try:

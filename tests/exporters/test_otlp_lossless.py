@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "sink"))  # the sink tests' h
 
 from rotel_proc import Rotel
 
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import ExponentialBuckets
-from otel_train.rows import explicit_buckets as explicit_buckets_of
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.sink.settings import SinkSettings
 from otel_train.testing import InMemoryRowExporter
+from otel_train.vocab.rows import ExponentialBuckets
+from otel_train.vocab.rows import explicit_buckets as explicit_buckets_of
 
 VALUES = (0.0, 0.3, 1.0, 1.5, 2.0, 3.0, 7.5, 100.0)  # a histogram takes no negative values
 
@@ -130,10 +130,10 @@ def test_the_exporter_process_hand_off_keeps_them_for_the_one_conversion() -> No
     with its scale and buckets, and each metric's unit and description."""
     from opentelemetry.sdk.metrics.export import ExponentialHistogram, Gauge
 
-    from otel_train.rows import HistogramRow, MetricRow
-    from otel_train.run_identity import RunInfo
     from otel_train.ship.framing import decode_window, encode_window
     from otel_train.ship.rows_to_sdk import RowsToSDK
+    from otel_train.vocab.rows import HistogramRow, MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     run = RunInfo("lossless", "lossless")
     buckets = ExponentialBuckets(3, 1, -2, (1, 0, 2), -1, (4,))

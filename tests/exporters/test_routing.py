@@ -12,7 +12,7 @@ import pytest
 from backendkit import events, read_run, tb_scalars
 
 import otel_train as ot
-from otel_train.config import load_settings
+from otel_train.config.settings import load_settings
 from otel_train.errors import ConfigError
 
 STEPS = range(12)
@@ -67,10 +67,10 @@ def test_a_misspelt_pattern_is_reported_once_at_shutdown(run_dir: Path, monkeypa
     monkeypatch.setenv("OTEL_TRAIN_TENSORBOARD_INCLUDE", "trian/*,eval/*")
     ot.init(exporters=["tensorboard"], dir=run_dir, run_id="typo", routes={"tensorboard": {"exclude": ["debug/*"]}})
     _train(range(3))
-    with caplog.at_level(logging.WARNING, logger="otel_train.routing"):
+    with caplog.at_level(logging.WARNING, logger="otel_train.config.routing"):
         ot.shutdown()
         ot.shutdown()
-    lines = [r.getMessage() for r in caplog.records if r.name == "otel_train.routing"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "otel_train.config.routing"]
     assert lines == ["OTEL_TRAIN_TENSORBOARD_INCLUDE: pattern 'trian/*' matched no metric",
                      "routes['tensorboard'].exclude: pattern 'debug/*' matched no metric"]
     assert set(tb_scalars(run_dir / "typo")) == {"eval/acc"}
@@ -129,7 +129,7 @@ def test_the_sink_routes_its_backends_the_same(tmp_path: Path, monkeypatch: pyte
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
     from opentelemetry.sdk.resources import Resource
 
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
     from otel_train.sink import Sink, exporter_factory
     from otel_train.sink.settings import SinkSettings

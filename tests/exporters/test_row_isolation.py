@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from backendkit import isolated_wandb_env, wandb_files, wandb_records
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import RowExporter, Window
-from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("iso-run", "iso")
 LOSS = [(s, s * 0.25) for s in range(5)]  # exact in float32 (TensorBoard)

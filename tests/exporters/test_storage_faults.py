@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import readback
 
-from otel_train import file_append
 from otel_train.backend import RowExporter, Window
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.chrome_trace import ChromeTraceExporter
 from otel_train.exporters.jsonl import JsonlExporter
 from otel_train.exporters.tensorboard import TensorBoardExporter
-from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo
+from otel_train.ship import file_append
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("r", "disk")
 BACKENDS = ["tensorboard", "jsonl", "chrome_trace", "chrome_trace_gzip"]

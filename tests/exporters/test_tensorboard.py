@@ -17,11 +17,11 @@ from backendkit import approx_points
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import otel_train as ot
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.exporters.tensorboard import TensorBoardExporter
-from otel_train.rows import HistogramRow, LogRow, MetricRow
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 
 def _scalars(path: Path, tag: str) -> list[tuple[int, float]]:
@@ -166,7 +166,7 @@ def test_a_failed_append_leaves_no_partial_record_and_the_retry_writes_once(
     import errno
     import os
 
-    from otel_train import file_append
+    from otel_train.ship import file_append
 
     run = RunInfo("r", "disk")
     failing = {"on": False}

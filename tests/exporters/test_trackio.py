@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from otel_train.exporter_options import ExporterOptions
-from otel_train.run_identity import config_hash
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.vocab.run_identity import config_hash
 
 HPARAMS = {"lr": 0.3, "data": {"bs": 8}}
 
@@ -29,9 +29,9 @@ SCRIPT = textwrap.dedent("""
     from trackio.sqlite_storage import SQLiteStorage
     from otel_train.exporters.base import Window
     from otel_train.exporters.trackio import TrackioExporter
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.rows import HistogramRow, MetricRow
-    from otel_train.run_identity import RunInfo, config_hash
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.rows import HistogramRow, MetricRow
+    from otel_train.vocab.run_identity import RunInfo, config_hash
 
     phase, directory = sys.argv[1], Path(sys.argv[2])
     hp = json.loads(sys.argv[3])
@@ -145,8 +145,8 @@ CURSOR_SCRIPT = textwrap.dedent("""
     from otel_train.ship.delivery import Delivery
     from otel_train.exporters.trackio import TrackioExporter
     from otel_train.ship.framing import encode_window
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.run_identity import RunInfo
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.run_identity import RunInfo
     from otel_train.ship.spool import Spool
 
     run = RunInfo("cur-run", "cur")

@@ -17,10 +17,10 @@ import backendkit
 import pytest
 from backendkit import isolated_wandb_env, read_run, two_ranks, wandb_files
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import HistogramRow, LogRow, MetricRow
-from otel_train.run_identity import RunInfo, config_hash
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow
+from otel_train.vocab.run_identity import RunInfo, config_hash
 
 HPARAMS = {"lr": 0.1, "optim": {"beta": 0.9}}
 RUN_ID = "job/77"  # "/" is reserved in W&B ids: becomes "-"
@@ -126,9 +126,9 @@ RESUME_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from otel_train.exporters.base import Window
     from otel_train.exporters.wandb import WandbExporter
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.rows import MetricRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     run = RunInfo(sys.argv[2], "wb", world_size=2)
     exp = WandbExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-wandb-test", ranks="all"))

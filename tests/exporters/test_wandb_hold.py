@@ -15,9 +15,9 @@ import readback
 from backendkit import isolated_wandb_env, row, wandb_files
 from reference import Point
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.run_identity import RunInfo
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("hold-run", "hold")
 HOLD_S = 0.5

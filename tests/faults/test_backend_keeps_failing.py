@@ -19,11 +19,11 @@ from faultkit import SERIES, value
 import otel_train as ot
 from otel_train.cli import main as cli_main
 from otel_train.exporters.jsonl import jsonl_path
-from otel_train.run_identity import RunInfo
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_window
 from otel_train.ship.spool import Spool, try_lock
 from otel_train.testing import InMemoryRowExporter
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("run", "run")
 WINDOWS = 12
@@ -121,9 +121,9 @@ def test_jsonl_failing_through_the_run_is_completed_by_replay(tmp_path: Path, ca
 def test_replay_with_a_record_hands_a_backend_only_what_verify_finds_missing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from otel_train.backend import Window
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.exporters.jsonl import JsonlExporter
-    from otel_train.rows import MetricRow
+    from otel_train.vocab.rows import MetricRow
 
     monkeypatch.setenv("OTEL_TRAIN_DRAIN_TIMEOUT_S", "2")
     monkeypatch.setenv("OTEL_TRAIN_VERIFY", "record")

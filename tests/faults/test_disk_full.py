@@ -23,7 +23,7 @@ import pytest
 from faultkit import SERIES, expected, jsonl_points, tb_points, value
 
 import otel_train as ot
-from otel_train.run_paths import run_folder
+from otel_train.vocab.run_paths import run_folder
 
 STEPS = 40
 
@@ -222,10 +222,10 @@ def _mount_tmpfs(where: Path, size: str) -> None:
 
 
 # Loaded at start by every interpreter of the test (the exporter process too): while the flag file exists, the
-# file backends' appends (`otel_train.file_append`) get what a full disk gives, a short write, then ENOSPC.
+# file backends' appends (`otel_train.ship.file_append`) get what a full disk gives, a short write, then ENOSPC.
 FULL_FLAG = textwrap.dedent("""
     import errno, os
-    import otel_train.file_append as file_append
+    import otel_train.ship.file_append as file_append
     real, flag = file_append._write, os.environ["FAKE_FULL_FLAG"]
 
     def write(fd, data):

@@ -11,8 +11,8 @@ import pytest
 from faultkit import SERIES, expected, jsonl_points, value
 
 import otel_train as ot
-from otel_train.rows import HistogramRow, MetricRow
 from otel_train.testing import InMemoryRowExporter
+from otel_train.vocab.rows import HistogramRow, MetricRow
 
 
 class Hanging(InMemoryRowExporter):

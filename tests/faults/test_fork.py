@@ -72,7 +72,7 @@ def test_fork_in_the_middle_of_a_step(tmp_path: Path) -> None:
 def _pending_then_fork(tmp_path: Path, start_child: Any) -> list[tuple[str, int, float]]:
     """20 steps logged and left uncollected (no window yet), then a child forked: the child collects, records a raw
     OTel counter and flushes what its reader holds; the parent then logs 5 more steps and shuts down."""
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.exporters.jsonl import JsonlExporter
 
     obj = JsonlExporter(ExporterOptions(directory=tmp_path / "object"))  # an exporter object passed to init

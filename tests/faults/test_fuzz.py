@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import otel_train as ot
-from otel_train import config as cfg
+from otel_train.config import settings as cfg
 from otel_train.errors import ConfigError
-from otel_train.rows import series_tag
 from otel_train.testing import InMemoryRowExporter
+from otel_train.vocab.rows import series_tag
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_./\-]{0,254}\Z")  # the OTel instrument name syntax (README)
 

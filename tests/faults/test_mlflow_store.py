@@ -135,10 +135,10 @@ def test_a_half_built_store_without_runs_is_set_aside_and_rebuilt(
     from backendkit import isolated_mlflow_env
 
     from otel_train.backend import Window
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.exporters.mlflow import MLflowExporter
-    from otel_train.rows import MetricRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     isolated_mlflow_env(monkeypatch, tmp_path)
     store = tmp_path / "mlruns"

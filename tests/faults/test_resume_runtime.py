@@ -73,12 +73,12 @@ def test_resume_lets_steps_restart_below_the_latest_under_raise(tmp_path: Path) 
 def test_a_rank_whose_metrics_no_backend_writes_leaves_no_restart_marker(tmp_path: Path) -> None:
     """Under `OTEL_TRAIN_RANKS=0` every rank declares the resume (Lightning calls it on each); rank 1's must
     not land in rank 0's TensorBoard folder, where its marker would supersede rank 0's new steps."""
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.exporters.base import Window
     from otel_train.exporters.jsonl import JsonlExporter
     from otel_train.exporters.tensorboard import TensorBoardExporter
-    from otel_train.rows import MetricRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     rank0, rank1 = (RunInfo(RUN, RUN, rank=r, world_size=2) for r in (0, 1))
     options = ExporterOptions(directory=tmp_path)

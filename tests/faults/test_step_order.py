@@ -12,11 +12,11 @@ import pytest
 from faultkit import jsonl_points, tb_points
 
 import otel_train as ot
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
-from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo
-from otel_train.step_order import StepOrder
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
+from otel_train.vocab.step_order import StepOrder
 
 RUN = RunInfo("r", "r")
 
@@ -41,7 +41,7 @@ def log_backwards(directory: Path, policy: str) -> Any:
 def test_warn_writes_backwards_rows_as_given_and_counts(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "off")  # counters are read from the exporters here
-    with caplog.at_level(logging.WARNING, logger="otel_train.step_order"):
+    with caplog.at_level(logging.WARNING, logger="otel_train.vocab.step_order"):
         session = log_backwards(tmp_path, "warn")
     assert jsonl_points(tmp_path, "so") == [("loss", s, float(s)) for s in range(4)] + [
         ("loss", 2, 20.0), ("loss", 4, 4.0)]
@@ -142,8 +142,8 @@ def test_wandb_under_warn_drops_what_it_cannot_store_loudly(tmp_path: Path, monk
 
 
 def test_the_sink_applies_the_same_policy_per_run() -> None:
-    from otel_train.sink.decode import Decoded
-    from otel_train.sink.router import Router
+    from otel_train.sink.decode.requests import Decoded
+    from otel_train.sink.runs.router import Router
     from otel_train.testing import InMemoryRowExporter
 
     built: list[InMemoryRowExporter] = []

@@ -22,9 +22,9 @@ SCRIPT = textwrap.dedent("""
     from trackio.sqlite_storage import SQLiteStorage
     from otel_train.backend import Window
     from otel_train.exporters.trackio import TrackioExporter
-    from otel_train.exporter_options import ExporterOptions
-    from otel_train.rows import MetricRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     run = RunInfo("split-1", "split")
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from otel_train.cli import main
-from otel_train.config import load_settings
+from otel_train.config.settings import load_settings
 from otel_train.errors import ConfigError
 from otel_train.hangs.hang_file import hang_path, read_hang_files, write_hang_file
 from otel_train.hangs.roll_call import take_roll_call

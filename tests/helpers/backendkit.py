@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo, config_hash
 from otel_train.verify.readers import wandb_records  # the package's reader, re-exported for the tests
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo, config_hash
 
 
 def row(run: RunInfo, step: int, tag: str, value: float, time_ns: int = 0, **attrs: Any) -> MetricRow:

@@ -25,7 +25,7 @@ from otel_train._internal.values import REFUSAL_CAUSES
 from otel_train.exporters.clearml import title_series
 from otel_train.exporters.mlflow import mlflow_key
 from otel_train.exporters.wandb import wandb_key
-from otel_train.rows import series_tag
+from otel_train.vocab.rows import series_tag
 
 # One real job with seven backends (about a minute on 2 shared cores), under a 300 s limit of its own.
 pytestmark = pytest.mark.timeout(600)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 import otel_train as ot
-from otel_train.config import load_settings
+from otel_train.config.settings import load_settings
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.integrations._session import OwnedSession
-from otel_train.placement import resolve_run_id
-from otel_train.runtime import Session
+from otel_train.session.placement import resolve_run_id
+from otel_train.session.runtime import Session
 
 
 def test_nothing_exported_yet_the_session_moves_to_the_frameworks_rank(tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_a_first_run_that_holds_data_keeps_its_folder(tmp_path: Path, caplog: py
     ({}, 0),
 ])
 def test_without_rank_local_rank_on_the_first_node_is_the_rank(tmp_path: Path, env: dict[str, str], rank: int) -> None:
-    from otel_train.runtime import start
+    from otel_train.session.runtime import start
 
     session = start(load_settings({"OTEL_TRAIN_EXPORTERS": "jsonl", "OTEL_TRAIN_DIR": str(tmp_path)}), env=env)
     try:
@@ -122,7 +122,7 @@ def test_forked_ranks_share_the_run_id_of_their_launcher_and_another_job_on_the_
         c.join(timeout=60)
     env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     here = resolve_run_id(load_settings({}), env)  # the parent as a rank too (Lightning's rank 0 starts the others)
-    code = ("from otel_train.config import load_settings; from otel_train.placement import resolve_run_id; "
+    code = ("from otel_train.config.settings import load_settings; from otel_train.session.placement import resolve_run_id; "
             f"print(resolve_run_id(load_settings({{}}), {env!r}))")
     other_job = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                timeout=120).stdout.strip()

@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import otel_train as ot
 from otel_train.integrations.lightning import OtelTrainCallback, OtelTrainLogger
-from otel_train.semconv import TRAIN_STEP_DURATION, display_name
 from otel_train.trace_merge import load_trace
+from otel_train.vocab.semconv import TRAIN_STEP_DURATION, display_name
 
 BATCHES_PER_EPOCH = 8
 EPOCHS = 2

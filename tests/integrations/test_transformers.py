@@ -19,8 +19,8 @@ from transformers import Trainer, TrainingArguments
 
 import otel_train as ot
 from otel_train.integrations.transformers import OtelTrainCallback
-from otel_train.semconv import TRAIN_STEP_DURATION, display_name
 from otel_train.trace_merge import load_trace
+from otel_train.vocab.semconv import TRAIN_STEP_DURATION, display_name
 
 
 class TinyRegressor(torch.nn.Module):

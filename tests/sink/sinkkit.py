@@ -7,7 +7,7 @@ from typing import Any
 
 from backendkit import tb_scalars as scalars  # noqa: F401 - the sink tests' name for it
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.sink.settings import SinkSettings
 
 

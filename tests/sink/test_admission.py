@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
-from otel_train.sink.router import Overloaded, Router
+from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics
+from otel_train.sink.runs.router import Overloaded, Router
 from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from otel_train.rows import MetricRow, series_tag
-from otel_train.run_identity import RunInfo
-from otel_train.sink.aggregate import Aggregator
+from otel_train.sink.runs.aggregate import Aggregator
+from otel_train.vocab.rows import MetricRow, series_tag
+from otel_train.vocab.run_identity import RunInfo
 
 
 def _row(rank: int, step: int, value: float, world: int = 2, split: str | None = None) -> MetricRow:

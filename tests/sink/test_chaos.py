@@ -20,7 +20,7 @@ from backendkit import approx_points
 from rotel_proc import Rotel
 from sinkkit import scalars
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.sink.settings import SinkSettings
 from otel_train.testing import OtlpPoint, metrics_request
 

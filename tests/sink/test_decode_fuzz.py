@@ -5,17 +5,17 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_train.rows import series_tag
-from otel_train.sink.decode import (
+from otel_train.sink.decode.requests import (
     DecodeCache,
     DecodeError,
     decode_metrics,
     parse_metrics,
     parse_traces,
 )
-from otel_train.sink.decode_traces import decode_traces
-from otel_train.sink.temporality import SeriesLedger
+from otel_train.sink.decode.traces import decode_traces
+from otel_train.sink.runs.temporality import SeriesLedger
 from otel_train.testing import OtlpPoint, metrics_request
+from otel_train.vocab.rows import series_tag
 
 _names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=12)
 #: A NUL in a run id is refused at the door (tests/sink/test_sink_hardening.py).
@@ -87,7 +87,7 @@ _point = st.tuples(_steps, _values, st.booleans(), st.integers(0, 2**64 - 1), st
        delta=st.booleans())
 def test_points_read_from_their_encoding_match_protobufs_objects(
         points: list[tuple[object, float | int, bool, int, str | None, bool]], kind: str, delta: bool) -> None:
-    """The sink reads gauge/sum points from their bytes (`otel_train.sink.points`); whatever the
+    """The sink reads gauge/sum points from their bytes (`otel_train.sink.decode.points`); whatever the
     layout (start time, int values, extra or odd attributes), rows equal those of the protobuf objects."""
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
@@ -139,7 +139,7 @@ def test_points_in_unusual_field_order_or_with_repeated_fields_are_read_whole() 
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
     from opentelemetry.proto.metrics.v1.metrics_pb2 import NumberDataPoint
 
-    from otel_train.sink.otlp import lean_points_request
+    from otel_train.sink.decode.otlp import lean_points_request
 
     def point(**fields: object) -> bytes:
         p = NumberDataPoint(**fields)  # type: ignore[arg-type]

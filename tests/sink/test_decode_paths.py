@@ -1,5 +1,5 @@
 """The sink reads protobuf metric requests along several paths: each metric walked from its encoding
-(`otel_train.sink.metric_walk`), metrics parsed by protobuf with points kept encoded
+(`otel_train.sink.decode.metric_walk`), metrics parsed by protobuf with points kept encoded
 (`lean_points_request`), and the usual protobuf classes. Whatever arrives, every path gives the same
 rows, in the same order, with the same counts, or fails the request with `DecodeError`."""
 
@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import Metric, NumberDataPoint
 
-from otel_train.names import KEY_DESCRIPTION_PREFIX
-from otel_train.rows import MetricRow
-from otel_train.sink.decode import DecodeCache, Decoded, DecodeError, decode_metrics, parse_metrics
-from otel_train.sink.otlp import lean_metrics_request, lean_points_request
-from otel_train.sink.temporality import SeriesLedger
+from otel_train.sink.decode.otlp import lean_metrics_request, lean_points_request
+from otel_train.sink.decode.requests import DecodeCache, Decoded, DecodeError, decode_metrics, parse_metrics
+from otel_train.sink.runs.temporality import SeriesLedger
 from otel_train.testing import OtlpPoint, metrics_request, set_any_value
+from otel_train.vocab.names import KEY_DESCRIPTION_PREFIX
+from otel_train.vocab.rows import MetricRow
 
 # -- what a decode gives, comparable across paths ----------------------------------------------------
 
@@ -271,7 +271,7 @@ def test_the_usual_metrics_are_walked_without_protobuf(monkeypatch: pytest.Monke
     def no_protobuf(raw: bytes) -> None:
         raise AssertionError(f"parsed by protobuf: {raw[:40]!r}")
 
-    monkeypatch.setattr("otel_train.sink.decode.lean_metric", no_protobuf)
+    monkeypatch.setattr("otel_train.sink.decode.requests.lean_metric", no_protobuf)
     cache = DecodeCache()
     assert _outcome(decode_metrics(lean_metrics_request().FromString(body), cache)) == want
     assert len(cache.headers.usual) == 1  # train/loss: a name and one gauge point
@@ -376,12 +376,12 @@ def test_malformed_metrics_fail_the_request(metric: bytes) -> None:
 
 
 def test_wire_examples_run() -> None:
-    """The examples in `otel_train.sink.wire` (hand-encoded requests and metrics) hold."""
+    """The examples in `otel_train.sink.decode.wire` (hand-encoded requests and metrics) hold."""
     import doctest
 
-    import otel_train.sink.wire
+    import otel_train.sink.decode.wire
 
-    result = doctest.testmod(otel_train.sink.wire)
+    result = doctest.testmod(otel_train.sink.decode.wire)
     assert result.attempted >= 3 and result.failed == 0
 
 
@@ -391,7 +391,7 @@ def test_threads_decoding_the_first_requests_at_once_all_decode_them() -> None:
     import sys
     import threading
 
-    from otel_train.sink import otlp
+    from otel_train.sink.decode import otlp
 
     body = metrics_request({"train.run.id": "r"}, [OtlpPoint(f"m{i}", 1.0, step=1) for i in range(5)])
     interval = sys.getswitchinterval()

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from otel_train.exporter_options import ExporterOptions
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
 from otel_train.sink import exporter_factory
-from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
-from otel_train.sink.router import Overloaded, Router
+from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics
+from otel_train.sink.runs.router import Overloaded, Router
 from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
 
 # 2,000 runs through an LRU of 64 open runs: ~1,900 runs closed, so a thread or file kept per closed run passes

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
-from otel_train.sink.router import Router
+from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics
+from otel_train.sink.runs.router import Router
 from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
 
 _START = 1_000

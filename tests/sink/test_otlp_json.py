@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics, parse_traces
-from otel_train.sink.decode_traces import decode_traces
-from otel_train.sink.temporality import SeriesLedger
+from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics, parse_traces
+from otel_train.sink.decode.traces import decode_traces
+from otel_train.sink.runs.temporality import SeriesLedger
 
 
 def _attr(key: str, value: str) -> dict[str, Any]:

@@ -17,12 +17,12 @@ from rotel_proc import SinkProcess, wait_until
 from sinkkit import make_sink, scalars
 
 from otel_train.backend import Window
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
-from otel_train.sink import reorder
-from otel_train.sink.reorder import ReorderHold, needs_hold
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.sink.runs import reorder
+from otel_train.sink.runs.reorder import ReorderHold, needs_hold
 from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
+from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 R0, R1 = RunInfo("r", "r", rank=0, world_size=2), RunInfo("r", "r", rank=1, world_size=2)
 

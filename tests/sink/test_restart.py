@@ -2,8 +2,8 @@
 
 The hold keeps the spool's cursor below the lowest held step of a whole run, so while the ranks of a run are
 several steps apart a killed sink's spool hands over again rows of the faster rank that were already written;
-the restarted hold skips them (`otel_train.sink.released`). And a restarted sink delivers what its runs' spools
-hold without waiting for the runs to send again (`otel_train.sink.spool_replay`). First the record on its own,
+the restarted hold skips them (`otel_train.sink.runs.released`). And a restarted sink delivers what its runs' spools
+hold without waiting for the runs to send again (`otel_train.sink.runs.spool_replay`). First the record on its own,
 then real `otel-train sink` processes killed with SIGKILL, read back from TensorBoard's event files in file order
 and JSONL (lists: a step written twice shows twice)."""
 
@@ -21,12 +21,12 @@ import readback
 from rotel_proc import SinkProcess, wait_until
 
 from otel_train.backend import Window
-from otel_train.rows import MetricRow
-from otel_train.run_identity import RunInfo
-from otel_train.sink.released import ReleasedSteps
-from otel_train.sink.reorder import ReorderHold
-from otel_train.sink.run_feed import spool_folder
+from otel_train.sink.runs.feed import spool_folder
+from otel_train.sink.runs.released import ReleasedSteps
+from otel_train.sink.runs.reorder import ReorderHold
 from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
 
 R0, R1 = RunInfo("r", "r", rank=0, world_size=2), RunInfo("r", "r", rank=1, world_size=2)
 GAP = 10  # rank 1 runs this many steps behind rank 0
@@ -418,8 +418,8 @@ def test_the_replay_delivers_each_unfinished_spool_once_within_max_open_runs(tmp
 
     from otel_train.ship.framing import encode_window
     from otel_train.ship.spool import Spool
-    from otel_train.sink.router import Router
-    from otel_train.sink.spool_replay import SpoolReplay, unfinished_spools
+    from otel_train.sink.runs.router import Router
+    from otel_train.sink.runs.spool_replay import SpoolReplay, unfinished_spools
 
     spool_dir = tmp_path / "spool"
     for run_id in ("a", "b", "c", "done"):

@@ -200,8 +200,8 @@ def test_thousands_of_one_request_runs_through_rotel_with_few_open_runs_lose_not
 
 
 def _ingest_all(router: Any, bodies: list[bytes]) -> None:
-    from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
-    from otel_train.sink.router import Overloaded
+    from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics
+    from otel_train.sink.runs.router import Overloaded
 
     cache = DecodeCache()
     for body in bodies:
@@ -216,9 +216,9 @@ def _ingest_all(router: Any, bodies: list[bytes]) -> None:
 
 
 def _router(tmp_path: Path, **kwargs: Any) -> Any:
-    from otel_train.exporter_options import ExporterOptions
+    from otel_train.config.exporter_options import ExporterOptions
     from otel_train.sink import exporter_factory
-    from otel_train.sink.router import Router
+    from otel_train.sink.runs.router import Router
 
     options = ExporterOptions(directory=tmp_path / "runs", ranks="all")
     return Router(exporter_factory(("jsonl",), options), spool_dir=tmp_path / "runs" / ".sink-spool", **kwargs)
@@ -327,7 +327,7 @@ def test_requests_of_many_new_runs_never_close_their_own_runs_before_writing_the
     """A collector's batch of new runs: opening the later ones makes room by closing the least recently used idle
     runs, which must not be the batch's own earlier runs (before: closed, their spool removed, the request
     acknowledged and its rows lost)."""
-    from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
+    from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics
     from otel_train.testing import OtlpPoint, metrics_request
 
     def batch(first: int) -> bytes:
@@ -356,7 +356,7 @@ def test_a_run_closed_between_its_lookup_and_its_lock_refuses_the_request_whose_
     """Fault injection: the run is closed (as the LRU or the idle timer would) right after the request looked it up,
     before it took the run's lock. Before: the rows were put into the closed run (its spool removed) and the
     request acknowledged: lost. Now it is refused with a short retry-after, and the retry lands."""
-    from otel_train.sink.router import Router
+    from otel_train.sink.runs.router import Router
     from otel_train.testing import OtlpPoint, metrics_request
 
     real = Router._run
@@ -444,7 +444,7 @@ def test_a_delta_counter_whose_step_10_comes_after_step_11_ends_at_the_true_tota
 def test_runs_count_rows_of_failed_writes_as_failed_not_written(tmp_path: Path) -> None:
     """Fault injection: a backend whose writes fail for its first windows. `/runs` said `written == points`
     (failed writes counted as written); now each backend's rows written, failed, and requests pending."""
-    from otel_train.sink.router import Router
+    from otel_train.sink.runs.router import Router
     from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
 
     class _Failing(InMemoryRowExporter):
@@ -473,8 +473,8 @@ def test_runs_count_rows_of_failed_writes_as_failed_not_written(tmp_path: Path) 
 
 
 def test_a_torn_journal_keeps_its_whole_records_and_a_damaged_snapshot_never_stops_a_run(tmp_path: Path) -> None:
-    from otel_train.sink.run_feed import spool_folder
-    from otel_train.sink.run_state import RunState
+    from otel_train.sink.runs.feed import spool_folder
+    from otel_train.sink.runs.state import RunState
     from otel_train.testing import OtlpPoint, metrics_request
 
     state = RunState(tmp_path)

@@ -21,7 +21,7 @@ from sinkkit import make_sink
 
 from otel_train.cli import main
 from otel_train.hangs.hang_file import hang_path, write_hang_file
-from otel_train.sink.live_hangs import LiveHangs
+from otel_train.sink.runs.live_hangs import LiveHangs
 
 RUN = "hung-run"
 C10D = "torch/distributed/distributed_c10d.py:2501 in all_reduce"
@@ -153,7 +153,7 @@ def test_three_ranks_in_one_frame_and_one_elsewhere_name_the_odd_rank_as_the_cli
         ([0, 2, 3], "backward", C10D, [50, 50, 50]), ([1], "data", LOAD, [50])]
     assert doc["run_id"] == RUN and sink.health()["hangs"] == {"runs": 1, "ranks": 4, "runs_stuck": 1}
 
-    with caplog.at_level(logging.WARNING, logger="otel_train.sink.live_hangs"):
+    with caplog.at_level(logging.WARNING, logger="otel_train.sink.runs.live_hangs"):
         sink.hangs.tick()
         clock.now += 30  # within the minute: not logged again
         sink.hangs.tick()
@@ -166,7 +166,7 @@ def test_three_ranks_in_one_frame_and_one_elsewhere_name_the_odd_rank_as_the_cli
     code, doc = _get(sink, f"/runs/{RUN}/hangs")
     assert code == 200 and doc["stuck"] is False and doc["suspects"] == [] and doc["groups"] == []
     assert doc["status"] == "no rank is stuck (4 running, 0 ended)"
-    with caplog.at_level(logging.WARNING, logger="otel_train.sink.live_hangs"):
+    with caplog.at_level(logging.WARNING, logger="otel_train.sink.runs.live_hangs"):
         sink.hangs.tick()
         sink.hangs.tick()
     assert [r.getMessage() for r in caplog.records] == [f"run {RUN!r} resumed: no rank is stuck (4 running, 0 ended)"]
@@ -233,8 +233,8 @@ def test_runs_are_dropped_after_their_idle_time(sink: Any, clock: Clock) -> None
 
 
 def test_at_most_max_ranks_entries_are_kept_the_run_heard_from_longest_ago_goes_first(clock: Clock) -> None:
-    from otel_train.run_identity import RunInfo
-    from otel_train.sink.decode import Decoded
+    from otel_train.sink.decode.requests import Decoded
+    from otel_train.vocab.run_identity import RunInfo
 
     hangs = LiveHangs(clock=clock, max_ranks=4)
     for run_id in ("a", "b", "c"):

@@ -19,8 +19,8 @@ import pytest
 from sinkkit import make_sink
 
 from otel_train.exporters.jsonl import read_jsonl
-from otel_train.run_paths import run_folder
 from otel_train.testing import OtlpPoint, metrics_request
+from otel_train.vocab.run_paths import run_folder
 
 _METHOD = "/opentelemetry.proto.collector.metrics.v1.MetricsService/Export"
 
@@ -177,7 +177,7 @@ def test_status_codes_of_malformed_requests(tmp_path: Path) -> None:
 
 
 def test_gzip_members_are_all_inflated() -> None:
-    from otel_train.sink.otlp import _decompress
+    from otel_train.sink.decode.otlp import _decompress
 
     assert _decompress(gzip.compress(b"ab") + gzip.compress(b"cd"), "gzip", 100) == b"abcd"
     with pytest.raises(OverflowError):
@@ -291,7 +291,7 @@ def test_grpc_requests_larger_than_the_inline_size_are_written_like_small_ones(t
     malformed one is answered INVALID_ARGUMENT (counted) as a small one is."""
     import grpc
 
-    from otel_train.sink.grpc_server import INLINE_BYTES
+    from otel_train.sink.receive.grpc_server import INLINE_BYTES
 
     sink = make_sink(tmp_path, ("jsonl",))
     try:

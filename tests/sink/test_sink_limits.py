@@ -12,8 +12,8 @@ import pytest
 from rotel_proc import SinkProcess
 from sinkkit import scalars
 
-from otel_train.run_paths import run_folder
 from otel_train.testing import OtlpPoint, metrics_request
+from otel_train.vocab.run_paths import run_folder
 
 _FD_LIMIT = 1024  # the common `ulimit -n`
 
@@ -111,7 +111,7 @@ def test_sigterm_with_a_hung_backend_ends_within_the_shutdown_timeout_and_the_ne
     import os
     import subprocess
 
-    from otel_train.sink.run_feed import spool_folder
+    from otel_train.sink.runs.feed import spool_folder
 
     runs = tmp_path / "runs"
     hung = run_folder(runs, "hung")

@@ -132,8 +132,8 @@ def test_the_otlp_backend_sends_log_records_the_sink_writes(sink: Any, tmp_path:
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     from otel_train.backend import Window
     from otel_train.exporters.otlp import OTLPExporter
-    from otel_train.rows import LogRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.rows import LogRow
+    from otel_train.vocab.run_identity import RunInfo
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{sink.grpc_port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")

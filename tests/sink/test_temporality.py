@@ -1,4 +1,4 @@
-"""The sink's temporality and step rules (`otel_train.sink.temporality`), read back from TensorBoard."""
+"""The sink's temporality and step rules (`otel_train.sink.runs.temporality`), read back from TensorBoard."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sinkkit import scalars
 
-from otel_train.exporter_options import ExporterOptions
-from otel_train.sink.decode import DecodeCache, decode_metrics, parse_metrics
-from otel_train.sink.router import Router
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.sink.decode.requests import DecodeCache, decode_metrics, parse_metrics
+from otel_train.sink.runs.router import Router
+from otel_train.sink.runs.temporality import SeriesLedger, exponential_buckets
 from otel_train.sink.service import exporter_factory
-from otel_train.sink.temporality import SeriesLedger, exponential_buckets
 from otel_train.testing import InMemoryRowExporter, OtlpPoint, metrics_request
 
 _BOUNDS = (1.0, 5.0)
@@ -203,8 +203,8 @@ def test_tensorboard_overflow_bucket_ends_at_the_max_or_is_left_out(tmp_path: Pa
 
 
 def _gauge_rows(steps: range, ranks: tuple[int, ...] = (0, 1), tags: int = 1) -> list[Any]:
-    from otel_train.rows import MetricRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
 
     return [MetricRow(RunInfo("r", "r", rank=rank), step, f"g{t}", f"g{t}", float(step), "gauge", 0)
             for step in steps for rank in ranks for t in range(tags)]
@@ -237,8 +237,8 @@ def test_retried_delta_points_and_spans_are_applied_once() -> None:
 
 
 def _span(trace_id: int, span_id: int) -> Any:
-    from otel_train.rows import SpanRow
-    from otel_train.run_identity import RunInfo
+    from otel_train.vocab.rows import SpanRow
+    from otel_train.vocab.run_identity import RunInfo
 
     return SpanRow(RunInfo("r", "r"), "s", trace_id, span_id, None, 0, 1, 0, "", 1, {})
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from otel_train.backend import Window
-from otel_train.rows import MetricRow, SpanRow
-from otel_train.run_identity import RunInfo
 from otel_train.ship.logged_record import LoggedRecord, read_entries, record_files
 from otel_train.verify.compare import compare, same_value
 from otel_train.verify.expected import load
+from otel_train.vocab.rows import MetricRow, SpanRow
+from otel_train.vocab.run_identity import RunInfo
 
 RUN = RunInfo("r", "r")
 
@@ -143,10 +143,10 @@ def test_values_refused_at_the_call_are_reported_with_their_cause(tmp_path: Path
 
 
 class _Disk:
-    """`otel_train.file_append`'s write with a disk that fills and frees (a short write, then ENOSPC)."""
+    """`otel_train.ship.file_append`'s write with a disk that fills and frees (a short write, then ENOSPC)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        from otel_train import file_append
+        from otel_train.ship import file_append
 
         self.full = False
         real = file_append._write

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import IO
 
 from otel_train.backend import RowExporter
-from otel_train.exporter_options import ExporterOptions
-from otel_train.rows import HistogramRow, MetricRow
-from otel_train.run_identity import RunInfo
-from otel_train.run_paths import run_folder
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.vocab.rows import HistogramRow, MetricRow
+from otel_train.vocab.run_identity import RunInfo
+from otel_train.vocab.run_paths import run_folder
 
 __all__ = ["CsvExporter"]
 

@@ -1,0 +1,118 @@
+"""Parsers of setting values, shared by `otel_train.config.settings` (the training process) and
+`otel_train.sink.settings` (the sink): each takes the setting's name and its raw text and raises `ConfigError`
+with one line naming the setting, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from otel_train.errors import ConfigError
+
+__all__ = ["choice", "parse_bool", "parse_config_json", "parse_cpus", "parse_exporters", "parse_int", "parse_nice",
+           "parse_non_negative_float",
+           "parse_positive_float", "parse_text"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """Parse a boolean setting; raise `ConfigError` naming the variable on anything else."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}: {raw!r} is not a boolean; use one of 1, true, yes, on, 0, false, no, off")
+
+
+def parse_int(name: str, raw: str, minimum: int) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not an integer; expected an integer >= {minimum}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}: {value} is too small; expected an integer >= {minimum}")
+    return value
+
+
+def parse_positive_float(name: str, raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a number; expected seconds > 0") from None
+    if not value > 0 or math.isinf(value):
+        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite number of seconds > 0")
+    return value
+
+
+def parse_non_negative_float(name: str, raw: str) -> float:
+    """A finite number >= 0 (a size, a cap where 0 turns a feature off)."""
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a number; expected a finite number >= 0") from None
+    if not value >= 0 or math.isinf(value):
+        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite number >= 0")
+    return value
+
+
+def parse_exporters(name: str, raw: str) -> tuple[str, ...]:
+    names = tuple(part.strip().lower() for part in raw.split(",") if part.strip())
+    seen: list[str] = []
+    for part in names:
+        if part not in seen:
+            seen.append(part)
+    return tuple(seen)
+
+
+def choice(allowed: tuple[str, ...]) -> Callable[[str, str], str]:
+    """A parser accepting one of `allowed` (case-insensitive)."""
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ConfigError(f"{name}: {raw!r} is not allowed; use one of {', '.join(allowed)}")
+        return value
+    return parse
+
+
+def parse_config_json(name: str, raw: str) -> Mapping[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{name}: not valid JSON ({err.msg} at char {err.pos}); expected a JSON object") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name}: {raw[:60]!r} is not allowed; expected a JSON object")
+    return value
+
+
+def parse_cpus(name: str, raw: str) -> tuple[int, ...]:
+    """A CPU list as `taskset -c` takes it: ``1``, ``0,2``, ``8-9,12``."""
+    cpus: set[int] = set()
+    try:
+        for part in raw.replace(" ", "").split(","):
+            first, _, last = part.partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 0 or hi < lo:
+                raise ValueError(part)
+            cpus.update(range(lo, hi + 1))
+    except ValueError:
+        raise ConfigError(f"{name}: {raw!r} is not a CPU list; expected e.g. `1`, `0,2` or `8-9,12`") from None
+    return tuple(sorted(cpus))
+
+
+def parse_nice(name: str, raw: str) -> int:
+    value = parse_int(name, raw, 0)
+    if value > 19:
+        raise ConfigError(f"{name}: {value} is too large; expected an integer from 0 to 19")
+    return value
+
+
+def parse_text(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not value:
+        raise ConfigError(f"{name}: empty value is not allowed; unset it or give a non-empty string")
+    return value

@@ -1,0 +1,525 @@
+"""Wiring: settings -> Resource, providers, the one reader, exporters; `start` registers each session with the
+exit and signal hooks (`otel_train.session.exit_hooks`).
+
+Nothing imports this module but the public face (`otel_train/__init__.py`), the CLI and, lazily,
+`otel_train.session.placement` (which restarts a session in the framework's place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from otel_train._internal.at_fork import after_fork_in_child
+from otel_train._internal.values import REFUSED_PREFIX, RefusalCounts
+from otel_train.capture.attributes import clean_attributes, refused_reason
+from otel_train.capture.instrument import (
+    NO_SPAN,
+    LogBuffer,
+    ProfiledSpanScope,
+    SpanBuffer,
+    SpanScope,
+)
+from otel_train.capture.log_capture import LogCapture
+from otel_train.capture.step import (
+    StepEnd,
+    StepOutOfRange,
+    _current,
+    check_log_step,
+    coerce_step,
+    current_step,
+    set_refused_step_hook,
+    set_step_end_hook,
+    set_step_order,
+    step_end_hook,
+)
+from otel_train.config import settings as cfg
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.errors import ConfigError
+from otel_train.session import exit_hooks
+from otel_train.session.backend_setup import build_backends, split_backends
+from otel_train.session.child_handoff import ChildHandOff, hand_off_disabled
+from otel_train.session.placement import _env_int, _env_rank, resolve_run_id
+from otel_train.session.summary import write_session_summary
+from otel_train.ship.logged_record import open_record, write_session_record
+from otel_train.vocab.run_identity import RunInfo, config_hash
+
+__all__ = ["DisabledSession", "Session", "start"]
+
+_logger = logging.getLogger("otel_train")
+
+
+def _check_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".otel-train-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"OTEL_TRAIN_DIR: cannot write to {str(path)!r} ({err.strerror or err}); "
+            "give a directory this process can create and write"
+        ) from None
+    return path
+
+
+class Session:
+    """One `init()`: the providers, the reader and the exporters of this process."""
+
+    enabled = True
+
+    def __init__(self, settings: cfg.Settings, env: Mapping[str, str], instances: Sequence[Any] = ()) -> None:
+        from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from otel_train.collect.reader import StepAlignedMetricReader, ThreadSpanProcessor
+
+        self.settings = settings
+        rank = _env_rank(env)
+        run_id = resolve_run_id(settings, env)
+        self.run = RunInfo(
+            run_id=run_id,
+            run_name=settings.run_name or run_id,
+            rank=rank,
+            local_rank=_env_int(env, "LOCAL_RANK", 0),
+            world_size=max(1, _env_int(env, "WORLD_SIZE", 1)),
+            service_name=settings.service_name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            config_hash=config_hash(settings.config),
+        )
+        # A backend's `OTEL_TRAIN_<BACKEND>_RANKS=all` makes this rank export metrics; routing drops them elsewhere.
+        self.export_metrics = rank == 0 or settings.ranks == "all" or any(
+            r.ranks == "all" for r in settings.routes.values())
+        directory = _check_dir(settings.dir)
+        options = ExporterOptions.from_settings(settings, directory=directory)
+        local, remote = split_backends(settings)
+        self.run_claim = _claim(directory, self.run, settings.drain_timeout_s)
+        self.run = dataclasses.replace(self.run, run_id=self.run_claim.run_id, run_name=self.run_claim.run_name)
+        # A failed `init()` leaves nothing behind: each part built registers its undoing, run (last first)
+        # only when a later part fails (no exporter process, thread, open backend or run-folder claim).
+        with contextlib.ExitStack() as undo:
+            undo.callback(_undo, self.run_claim.release)
+            self.export_process = None
+            if remote:
+                from otel_train.ship.export_process import ExportProcess
+
+                self.export_process = ExportProcess(
+                    remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
+                    nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd,
+                    record_bytes=settings.record_bytes)
+                undo.callback(_undo, self.export_process.end, 1.0)
+            self.exporters = build_backends(local, options) + list(instances)
+            for ex in self.exporters:  # the caller's instances too: `init()` took them, as `shutdown()` does
+                undo.callback(_undo, ex.shutdown)
+            # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
+            self.resource = Resource.create(self.run.resource_attributes())
+            self.log_buffer = LogBuffer(settings.buffer_size, strict=settings.strict_sync)
+            self.span_buffer = SpanBuffer(settings.buffer_size)
+            self.reader = StepAlignedMetricReader(
+                self.exporters,
+                export_every=settings.export_every,
+                export_interval_s=settings.export_interval_s,
+                queue_size=settings.queue_size,
+                log_buffer=self.log_buffer,
+                span_buffer=self.span_buffer,
+                export_metrics=self.export_metrics,
+                resource=self.resource,
+                channel=self.export_process,
+                phases=settings.phases,
+                record=functools.partial(open_record, run=self.run, directory=directory,
+                                         cap_bytes=settings.record_bytes,
+                                         resume_step=settings.resume_step),
+            )
+            undo.pop_all()  # the reader's shutdown closes the exporters and the exporter process from here on
+            undo.callback(_undo, self.run_claim.release)
+            if self.export_process is not None:  # after the reader's shutdown has closed it: its child ends now
+                undo.callback(_undo, self.export_process.end, 1.0)
+            undo.callback(_undo, self.reader.shutdown, 1000)
+            self.meter_provider = MeterProvider(
+                metric_readers=[self.reader], resource=self.resource,
+                exemplar_filter=AlwaysOffExemplarFilter(), shutdown_on_exit=False,
+            )
+            undo.callback(_undo, self.meter_provider.shutdown, timeout_millis=1000)
+            self.tracer_provider = TracerProvider(resource=self.resource, shutdown_on_exit=False)
+            undo.callback(_undo, self.tracer_provider.shutdown)
+            self.tracer_provider.add_span_processor(ThreadSpanProcessor(self.span_buffer))
+            self.sampler = None
+            if settings.system_metrics and self.export_metrics:
+                from otel_train.collect.system_metrics import SystemSampler
+
+                self.sampler = SystemSampler(self.log_buffer.append, settings.system_interval_s)
+                self.sampler.start()
+                undo.callback(_undo, self.sampler.stop)
+            self._install_globals()
+            undo.callback(_undo, self._release_globals)
+            #: `logging` records, uncaught exceptions (and stdout/stderr lines) as log records, into the buffer.
+            self.log_capture = LogCapture(self.log_buffer.append_log, settings.log_level, settings.log_rate,
+                                          settings.capture_output)
+            self.log_capture.install()
+            undo.callback(_undo, self.log_capture.remove)
+            undo.pop_all()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._append = self.log_buffer.append
+        set_step_order(settings.step_order, resume=False if settings.resume_step is None else settings.resume_step)
+        self._check_step = settings.step_order == "raise"
+        self._warned_step = False
+        self._warned_attributes = False
+        self._warned_mapping = False
+        #: Values refused at the call, by cause (`otel_train._internal.values.REFUSAL_CAUSES`: a type that is no
+        #: number, a bad key, a step out of range, ...): never in any window; the summary line and `otel-train
+        #: verify` report them. The collector counts here what it refuses as it converts values; at shutdown the
+        #: child processes' join.
+        self.refusals: RefusalCounts = self.reader.refusals
+        #: `OTEL_TRAIN_VERIFY`: this rank's verdict at shutdown (`otel_train.verify`), for the summary line.
+        self.verify_verdict: str | None = None
+        set_refused_step_hook(self.refuse_step)
+        self._scope_class = ProfiledSpanScope if settings.profiler_bridge else SpanScope
+        self._step_hook = self.reader.step_end_hook()
+        set_step_end_hook(self._step_hook)
+        self.reader.export_in_forked_child = False  # a forked child logs through `workers`, never through these
+        self.forked = False
+        self.worker: Any = None
+        self._children = ChildHandOff(
+            self.export_process.worker_address if self.export_process is not None else None)
+        after_fork_in_child(self._after_fork_in_child)  # held weakly: a shut-down session is freed
+        self.hang_watchdog = _start_hang_watchdog(settings, self.run, directory)
+        if self.hang_watchdog is not None:  # it learns each span name's usual duration from the collected spans
+            self.reader.span_listener = self.hang_watchdog.take_spans
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child (e.g. a DataLoader worker) shares the parent's open files, backend runs and
+        # exporter-process socket: it must use none of them. Its `ot.log`/`ot.span` go through a
+        # connection of its own to the exporter process (`otel_train.ship.workers`), opened on first use.
+        if not self._closed:
+            self.worker = self._children.forked_child_client()
+            self.log_capture.retarget(self.worker.add_log)  # its records go where its `ot.log` values go
+        self._closed = True
+        self.forked = True
+        if step_end_hook() is self._step_hook:  # the reader exports nothing here: nothing to buffer for it
+            set_step_end_hook(None)
+        self._lock = threading.Lock()
+
+    def export_progress(self, timeout_s: float = 5.0) -> Any:
+        """The exporter process's progress (`otel_train.ship.delivery.Progress`: windows spooled, per backend
+        the last durable window and step, `behind()`), or None when every backend runs in this process."""
+        if self.export_process is None:
+            return None
+        return self.export_process.progress(timeout_s)
+
+    def _install_globals(self) -> None:
+        from otel_train._internal import global_providers
+
+        # OTel's globals are set once per process: ours are set once and follow each session (`point_to`).
+        global_providers.install(self.meter_provider, self.tracer_provider)
+
+    def _release_globals(self) -> None:
+        from otel_train._internal import global_providers
+
+        global_providers.release(self.meter_provider, self.tracer_provider)
+
+    # -- hot path ---------------------------------------------------------------------------
+    def log(self, mapping: Mapping[str, Any], step: int | None = None,
+            attributes: Mapping[str, Any] | None = None) -> None:
+        if step is None:
+            step = _current.get()
+            if step is None:
+                step = current_step() or 0
+        else:
+            if type(step) is not int or step >> 63:  # not 0..MAX_STEP (2**63-1): one shift, no lookup
+                try:
+                    step = coerce_step(step, "otel_train.log(step=)")
+                except ValueError as err:  # never into the loop: counted, warned once, the values go nowhere
+                    if isinstance(mapping, Mapping):
+                        self.refuse_step(err, len(mapping))
+                    else:
+                        self.refusals.add("not_a_mapping")
+                    return
+            if self._check_step and attributes is None:  # attributed values: other series, checked per series
+                check_log_step(step)  # OTEL_TRAIN_STEP_ORDER=raise: API misuse, raised where it happens
+        try:
+            if attributes is None:
+                self._append(step, dict(mapping))
+            else:  # the rare path: checked as OTel checks attributes; what it leaves out is counted, never raised
+                clean, refused = clean_attributes(attributes)
+                if refused:
+                    self.refuse_attributes(attributes, refused)
+                if clean:
+                    self.log_buffer.append_attributed(step, dict(mapping), clean)
+                else:
+                    self._append(step, dict(mapping))
+        except (TypeError, ValueError):
+            self.refusals.add("not_a_mapping")
+            if not self._warned_mapping:
+                self._warned_mapping = True
+                _logger.warning("otel_train.log expects a mapping of name -> number, got %s; skipped (warned once; "
+                                "counted in the shutdown summary)", type(mapping).__name__)
+
+    @property
+    def refused_step_values(self) -> int:
+        """Values of `ot.log` calls whose step was refused (2.5, NaN, "3", -1, 2**63): never written."""
+        return self.refusals.get("bad_step", 0) + self.refusals.get("step_out_of_range", 0)
+
+    @property
+    def refused_attributes(self) -> int:
+        """Attributes of `ot.log(..., attributes=)` calls left out by OTel's rule (the values were still logged)."""
+        return self.refusals.get("bad_attribute", 0)
+
+    def refuse_attributes(self, attributes: Any, refused: list[Any]) -> None:
+        """Attributes of an `ot.log` call that OTel's rule leaves out (`clean_attributes`): counted and warned
+        once; the values are logged with the attributes that remain."""
+        self.refusals.add("bad_attribute", len(refused))
+        if not self._warned_attributes:
+            self._warned_attributes = True
+            _logger.warning("otel_train.log: %s; left out, the values are logged without it (warned once; "
+                            "counted in the shutdown summary)", refused_reason(attributes, refused[0]))
+
+    def refuse_step(self, err: ValueError, values: int | None = None) -> None:
+        """A step that is no step, given after `init()`: counted (the `values` of an `ot.log` call, which go
+        nowhere; else, `values` None, the `ot.step`/`ot.steps` call, whose block takes the next step) and warned
+        once; never raised into the training loop."""
+        if values is not None:
+            self.refusals.add("step_out_of_range" if isinstance(err, StepOutOfRange) else "bad_step", values)
+        else:
+            self.refusals.add("bad_step_entered")
+        if not self._warned_step:
+            self._warned_step = True
+            _logger.warning("%s (warned once; an `ot.log` with such a step is not written, an `ot.step` or "
+                            "`ot.steps` with one continues after the latest step)", err)
+
+    def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
+        return self._scope_class(self.span_buffer, name, attributes, record_context)
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        """Merge hyperparameters that a framework reports after `init()` into the run's config.
+
+        Backends read the config when they open their run, at the first metrics they write, so
+        config added before the first export reaches every backend (frameworks report it before
+        training starts); a backend that has already opened its run keeps the config it had.
+        """
+        merged = {**(self.settings.config or {}), **config}
+        self.settings = dataclasses.replace(self.settings, config=merged)
+        for exporter in self.exporters:
+            options = getattr(exporter, "options", None)
+            if isinstance(options, ExporterOptions):
+                exporter.options = dataclasses.replace(options, hparams=merged)
+        if self.export_process is not None:
+            self.export_process.add_config(merged)
+
+    def resume(self, step: int) -> None:
+        """The run restarts at `step` (`otel_train.resume`): steps may start again below the latest, and every
+        backend, here and in the exporter process, supersedes the earlier attempt's steps >= `step`, in order
+        after what was logged before. Never raises, never waits for a backend."""
+        if self._closed:
+            return
+        set_step_order(self.settings.step_order, resume=step)
+        try:
+            self.reader.resume(step)
+        except Exception:
+            _logger.warning("otel-train: declaring the resume at step %d failed", step, exc_info=True)
+
+    def step_ended(self, step: int) -> None:
+        """`otel_train.step_ended`: a framework's logged step is a step boundary for collection (the reader
+        wakes the collector as at an `otel_train.step` end, every `export_every` steps, at most every 0.1 s).
+        Never raises."""
+        if self._closed:
+            return
+        try:  # the reader collects what a pause leaves pending on its own (its collector loop)
+            now = time.perf_counter_ns()
+            self.reader.on_step_end(StepEnd.from_times(int(step), (now, now, 0, None)))
+        except Exception:
+            _logger.warning("otel-train: declaring the end of step %r failed", step, exc_info=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def flush(self, timeout_s: float | None = None) -> bool:
+        if self._closed:
+            return True
+        timeout = self.settings.shutdown_timeout_s if timeout_s is None else timeout_s
+        try:
+            return self.reader.force_flush(timeout * 1000)
+        except Exception:
+            _logger.warning("flush failed", exc_info=True)
+            return False
+
+    def shutdown(self, deadline: float | None = None) -> None:
+        """Flush and close everything by `deadline` (`time.monotonic()`; default: the shutdown timeout)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(ValueError):  # nothing of the process keeps a closed session alive
+            exit_hooks._active.remove(self)
+        if step_end_hook() is self._step_hook:
+            set_step_end_hook(None)
+        set_refused_step_hook(None)
+        self._children.release()
+        set_step_order("warn")
+        if self.hang_watchdog is not None:  # first: a long final flush is no hang
+            self.hang_watchdog.stop()
+        preempted = exit_hooks._preempted_by
+        if preempted is not None:  # backends that have the notion mark the run as preempted before closing it
+            for exporter in self.exporters:
+                if hasattr(exporter, "preempt_at_close"):
+                    exporter.preempt_at_close(preempted)
+            if self.export_process is not None:
+                self.export_process.preempted = preempted
+        self.log_capture.remove()  # what was captured until now goes out with the last window
+        if self.log_capture.rate_limited:
+            self.refusals.add("log_rate_limited", self.log_capture.rate_limited)
+        timeout_s = self.settings.shutdown_timeout_s
+        if deadline is not None:
+            timeout_s = max(0.05, min(timeout_s, deadline - time.monotonic()))
+        try:
+            if self.sampler is not None:
+                self.sampler.stop()  # its last step goes out with the final flush
+            self.reader.shutdown(timeout_s * 1000)
+            self._release_globals()
+            self.tracer_provider.shutdown()
+            self.meter_provider.shutdown(timeout_millis=1000)
+        except Exception:
+            _logger.warning("shutdown did not complete cleanly", exc_info=True)
+        self.run_claim.release()  # an exporter process still draining keeps the run folder's lock until it is done
+        self._add_children_refusals()  # before the record of this session is written for verify
+        self._verify_own_part()
+        if self.run.rank == 0 and not self.settings.quiet:
+            write_session_summary(self)
+        if not any(not s.closed for s in exit_hooks._active):  # after the hand-off: a signal during it still hands off
+            exit_hooks._restore_signal_handlers()
+
+    def _add_children_refusals(self) -> None:
+        """What child processes refused (they tell the exporter process, whose last progress report has it)."""
+        progress = self.export_process.last_progress if self.export_process is not None else None
+        for cause, n in (getattr(progress, "children_lost", None) or {}).items():
+            if cause.startswith(REFUSED_PREFIX):
+                self.refusals.add(cause[len(REFUSED_PREFIX):], n)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _verify_own_part(self) -> None:
+        """Record the values refused at the call; under `OTEL_TRAIN_VERIFY`, check this rank's part of the run
+        (its backends are closed now) and keep the verdict for the summary line. Never raises."""
+        from otel_train.vocab.run_paths import run_folder
+
+        run_dir = run_folder(self.settings.dir, self.run.run_name)
+        if self.settings.record_bytes:
+            write_session_record(run_dir, self.run.rank, self.refusals)
+        if self.settings.verify != "on":
+            return
+        if exit_hooks._handoff is not None:  # a signal's hand-off has a deadline to keep: verify by hand later
+            self.verify_verdict = f"verify: skipped on a signal (`otel-train verify {run_dir}`)"
+            return
+        try:
+            from otel_train.verify import check
+
+            report = check(run_dir, ranks=[self.run.rank])
+            self.verify_verdict = report.verdict()
+        except Exception as err:
+            self.verify_verdict = f"verify: could not run ({type(err).__name__}: {err})"
+        if self.run.rank != 0 and not self.verify_verdict.startswith("verify: pass"):
+            _logger.warning("otel-train rank %d: %s", self.run.rank, self.verify_verdict)
+
+    release_signal = staticmethod(exit_hooks.release_signal)
+
+    def step_order_counts(self) -> dict[str, dict[str, int]]:
+        """Per exporter name: rows whose step went backwards, and of those dropped (`OTEL_TRAIN_STEP_ORDER`)."""
+        return {ex.name: ex.step_order.counts() for ex in self.exporters if hasattr(ex, "step_order")}
+
+
+def _undo(part: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Undo one part of a failed `init()`, never raising over the error that made it fail."""
+    try:
+        part(*args, **kwargs)
+    except Exception:
+        _logger.debug("otel-train: undoing a failed init(): %r failed", part, exc_info=True)
+
+
+def _start_hang_watchdog(settings: cfg.Settings, run: RunInfo, directory: Path) -> Any:
+    """This rank's hang watchdog (`otel_train.hangs.watchdog`), started; None under `OTEL_TRAIN_HANG_AFTER_S=0`.
+    Never raises: a watchdog that cannot start is logged, and training goes on without it."""
+    if not settings.hang_after_s:
+        return None
+    from otel_train.hangs.hang_file import hang_path
+    from otel_train.hangs.watchdog import HangWatchdog
+    from otel_train.vocab.run_paths import run_folder
+
+    identity = {"rank": run.rank, "world_size": run.world_size, "run_id": run.run_id, "run_name": run.run_name,
+                "host": run.host, "pid": run.pid}
+    try:
+        watchdog = HangWatchdog(settings.hang_after_s, settings.hang_factor,
+                                hang_path(run_folder(directory, run.run_name), run.rank), identity)
+        watchdog.start()
+    except Exception:
+        _logger.warning("otel-train: the hang watchdog could not start; training goes on without it", exc_info=True)
+        return None
+    return watchdog
+
+
+def _claim(directory: Path, run: RunInfo, drain_timeout_s: float) -> Any:
+    """Become the one writer of this rank's run folder, or of a distinct run (`otel_train.ship.spool.claim_run`)."""
+    from otel_train.ship.spool import claim_run
+
+    # An earlier attempt's exporter process drains for at most its drain timeout (+ its watchdog's grace).
+    return claim_run(directory, run.run_id, run.run_name, run.rank, wait_s=drain_timeout_s + 5.0)
+
+
+class DisabledSession:
+    """What `init()` returns under `OTEL_TRAIN_DISABLED` / `OTEL_SDK_DISABLED`: every call is a no-op."""
+
+    enabled = False
+    closed = False
+    run = None  # no run is recorded
+
+    def __init__(self, settings: cfg.Settings) -> None:
+        self.settings = settings
+        self.refusals = RefusalCounts()  # nothing is checked, so nothing is refused
+
+    def export_progress(self, timeout_s: float = 5.0) -> None:
+        return None
+
+    def log(self, mapping: Mapping[str, Any], step: int | None = None,
+            attributes: Mapping[str, Any] | None = None) -> None:
+        return None
+
+    def span(self, name: str, attributes: Mapping[str, Any] | None = None, record_context: bool = True) -> Any:
+        return NO_SPAN
+
+    def add_config(self, config: Mapping[str, Any]) -> None:
+        return None
+
+    def resume(self, step: int) -> None:
+        return None
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+def start(settings: cfg.Settings, env: Mapping[str, str] | None = None,
+          instances: Sequence[Any] = ()) -> Session | DisabledSession:
+    """Build the session for `settings` (plus ready-made exporter `instances`).
+
+    Raises:
+        ConfigError: anything misconfigured.
+    """
+    if settings.disabled:
+        hand_off_disabled()
+        return DisabledSession(settings)
+    session = Session(settings, os.environ if env is None else env, instances)
+    exit_hooks._active[:] = [s for s in exit_hooks._active if not s.closed]
+    exit_hooks._active.append(session)
+    exit_hooks._install_hooks()
+    return session

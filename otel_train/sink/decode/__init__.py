@@ -1,0 +1,2 @@
+"""OTLP requests -> rows: pure functions and caches, no run state.
+"""
