@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from otel_train._internal.values import REFUSAL_CAUSES, REFUSED_PREFIX, RefusalCounts
+from otel_train.vocab.rows import LOSS_CAUSES
 
 if TYPE_CHECKING:
     from otel_train.collect.reader import StepAlignedMetricReader
@@ -30,15 +31,7 @@ __all__ = ["summary_line", "write_session_summary", "write_summary"]
 _logger = logging.getLogger("otel_train")
 
 #: How a backend's loss causes (`RowExporter.rows_lost`, delivery's ``queue_full``) read in the line.
-_CAUSES = {
-    "bad_step": "bad step",
-    "bad_value": "bad value",
-    "refused": "refused by the backend",
-    "gave_up": "given up after retries",
-    "disk_full": "disk full",
-    "not_started": "the backend did not start",
-    "queue_full": "queue full",
-}
+_CAUSES = {**LOSS_CAUSES, "queue_full": "queue full"}
 
 
 def _unit(words: str, n: int) -> str:
