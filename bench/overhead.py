@@ -9,9 +9,14 @@ The step-boundary table times, on the training thread with `perf_counter_ns` aro
 side by side in one process (rounds interleaved, median of 3): the floor (the 20 values built as a
 dict literal, as user code does, and 20 `list.append`), an empty `ot.step`, `ot.step` + `ot.log` of
 the 20 values, and TensorBoard's own event writer for the same 20 values (each row builds the dict
-inside its timed block). The session runs without the hang watchdog; the "watchdog on" rows time the same
-`ot.step` + `ot.log` with a watchdog thread running through that row (default settings: one look a second;
-and one look every 0.1 s, as `OTEL_TRAIN_HANG_AFTER_S=1` gives), interleaved with the others.
+inside its timed block). The session runs without the hang watchdog; the "logging handler installed + watchdog
+on" rows time the same `ot.step` + `ot.log` with a watchdog thread running through that row (default settings:
+one look a second; and one look every 0.1 s, as `OTEL_TRAIN_HANG_AFTER_S=1` gives), interleaved with the others.
+
+The logging handler (the `logging.Logger.callHandlers` hook that turns records into log records, at the default
+`OTEL_TRAIN_LOG_LEVEL=WARNING`) is installed by `init()` in every row that runs a session: every `ot` row here and
+in the per-row table below, the watchdog rows included. The child checks that it is and the table says so; nothing
+in the timed loop logs, so the rows measure what having it installed costs a step that emits no record.
 """
 
 from __future__ import annotations
@@ -106,7 +111,8 @@ def _boundary(args: argparse.Namespace, tmp: Path) -> int:
         return 1
     floor, empty, logged, tb = (result[k] for k in ("floor", "ot.step empty", "ot.step + ot.log", "tb writer"))
     print(f"Step boundary, training thread, {args.boundary_steps:,} steps x 3 interleaved rounds (median), "
-          f"gap {args.gap_us:g} µs, exporters: {result['exporters']}\n")
+          f"gap {args.gap_us:g} µs, exporters: {result['exporters']}; logging handler installed in every ot row "
+          f"(OTEL_TRAIN_LOG_LEVEL={result['log_level']}): {'yes' if result['logging_handler'] else 'NO'}\n")
     print("| row | µs/step median | p99 |")
     print("|---|---|---|")
     for name, r in result.items():
@@ -124,7 +130,7 @@ def _boundary(args: argparse.Namespace, tmp: Path) -> int:
     if isinstance(with_tensors, dict):
         print(f"- 4 of the 20 values as CPU tensors (read at the call): +{with_tensors['median_us'] - logged['median_us']:.2f} "
               f"µs per step ({with_tensors['median_us'] / logged['median_us']:.2f}× the all-float call)")
-    for name in ("ot.step + ot.log, watchdog on", "ot.step + ot.log, watchdog on, 10 looks/s"):
+    for name in ("ot.step + ot.log, logging handler installed + watchdog on", "ot.step + ot.log, logging handler installed + watchdog on, 10 looks/s"):
         on = result.get(name)
         if isinstance(on, dict):  # noise: the larger spread of the two rows' round medians
             delta = on["median_us"] - logged["median_us"]
@@ -136,6 +142,7 @@ def _boundary(args: argparse.Namespace, tmp: Path) -> int:
 
 
 def _boundary_child(args: argparse.Namespace, root: Path) -> int:
+    import logging
     import os
     import statistics
     import time
@@ -148,6 +155,8 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
 
     os.environ["OTEL_TRAIN_HANG_AFTER_S"] = "0"  # the watchdog runs only through the "watchdog on" rows
     session = ot.init(exporters=["jsonl"], dir=str(root / "runs"), run_name="boundary")
+    capture = session.log_capture  # the logging handler, installed by `init()` for every row (checked, reported)
+    handler_installed = capture.handler.active and logging.Logger.callHandlers is capture.handler._hook
     writer = EventFileWriter(str(root / "tb"))
     from _loop import make_values  # the 20 values as a dict literal, built inside every timed block
     clock, gap = time.perf_counter_ns, args.gap_us / 1e6
@@ -186,8 +195,8 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
         return clock() - t0
 
     rows = {"floor": floor, "ot.step empty": empty, "ot.step + ot.log": logged, "tb writer": tb,
-            "ot.step + ot.log, watchdog on": logged, "ot.step + ot.log, watchdog on, 10 looks/s": logged}
-    watchdog_floor_s = {"ot.step + ot.log, watchdog on": 60.0, "ot.step + ot.log, watchdog on, 10 looks/s": 1.0}
+            "ot.step + ot.log, logging handler installed + watchdog on": logged, "ot.step + ot.log, logging handler installed + watchdog on, 10 looks/s": logged}
+    watchdog_floor_s = {"ot.step + ot.log, logging handler installed + watchdog on": 60.0, "ot.step + ot.log, logging handler installed + watchdog on, 10 looks/s": 1.0}
     try:  # 4 of the 20 values as CPU tensors, filled in place after logging (read at the call since the snapshot)
         import torch
 
@@ -242,7 +251,8 @@ def _boundary_child(args: argparse.Namespace, root: Path) -> int:
                      "p99_us": statistics.median(r[int(len(r) * 0.99)] for r in rounds) / 1000,
                      "round_medians_us": [r[len(r) // 2] / 1000 for r in rounds]}
     out.update(exporters="jsonl (exporter process)", landed=len(landed & set(logged_steps)),
-               expected=len(logged_steps))
+               expected=len(logged_steps), logging_handler=handler_installed,
+               log_level=logging.getLevelName(session.settings.log_level or 0))
     print("RESULT " + json.dumps(out))
     return 0
 

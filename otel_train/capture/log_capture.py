@@ -58,9 +58,13 @@ class LogCapture:
             lines.install()
             self._output = lines
 
-    def retarget(self, target: Callable[[CapturedLog], None]) -> None:
-        """Hand records to `target` from now on (a forked child: its connection to the exporter process)."""
+    def retarget(self, target: Callable[[CapturedLog], None], on_drop: Callable[[], None] | None = None) -> None:
+        """Hand records to `target` from now on (a forked child: its connection to the exporter process), and
+        each record the rate limit drops to `on_drop`. The limit starts over: each process has its own budget,
+        and the drops counted before the fork are the parent's to report."""
         self._target = target
+        self.handler.limit.restart()
+        self.handler.limit.on_drop = on_drop
 
     @property
     def rate_limited(self) -> int:

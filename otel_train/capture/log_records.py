@@ -83,14 +83,22 @@ def severity_number(levelno: int) -> int:
 
 class RateLimit:
     """A token bucket: `allow` passes `rate_per_s` calls a second on average, bursts of as many; refused calls
-    are counted in `dropped`. Thread-safe without a lock on the common path's arithmetic being exact (a lost
-    token under a race is harmless)."""
+    are counted in `dropped` and told to `on_drop` (a forked child's connection, which carries them to the
+    trainer's summary). Thread-safe without a lock on the common path's arithmetic being exact (a lost token
+    under a race is harmless)."""
 
     def __init__(self, rate_per_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.rate_per_s = float(rate_per_s)
         self._clock = clock
         self._tokens = self.rate_per_s
         self._last = clock()
+        self.dropped = 0
+        self.on_drop: Callable[[], None] | None = None
+
+    def restart(self) -> None:
+        """A full bucket and nothing dropped: a forked child's own budget (the parent's drops are the parent's)."""
+        self._tokens = self.rate_per_s
+        self._last = self._clock()
         self.dropped = 0
 
     def allow(self) -> bool:
@@ -101,6 +109,8 @@ class RateLimit:
             self._tokens -= 1.0
             return True
         self.dropped += 1
+        if self.on_drop is not None:
+            self.on_drop()
         return False
 
 

@@ -54,7 +54,7 @@ class ExporterOptions:
                    step_order=s.step_order, resume_step=s.resume_step if with_hparams else None)  # the sink: per run
 
 
-_ROUTE_FIELDS = ("include", "exclude", "every", "ranks", "include_setting", "exclude_setting")
+_ROUTE_FIELDS = ("include", "exclude", "every", "ranks", "logs", "include_setting", "exclude_setting")
 
 
 def options_to_json(options: ExporterOptions) -> dict[str, Any]:

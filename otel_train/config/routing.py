@@ -6,6 +6,9 @@ same in the sink, whose backends are built from the same `ExporterOptions`. The 
 `OTEL_TRAIN_<BACKEND>_{INCLUDE,EXCLUDE,EVERY,RANKS}` and `init(routes=...)`, parsed in
 `otel_train.config.settings`.
 
+Log records are routed by logger name only (`OTEL_TRAIN_<BACKEND>_LOGS`): the metric-name globs, `_EVERY` and
+`_RANKS` leave them alone, as a warning or a traceback is an event of its rank and step, not a sampled series.
+
 The filter also renames the built-in series to their dashboard names for backends that group by
 ``/`` (see `otel_train.vocab.semconv`), and remembers which patterns matched a metric, so that a
 misspelt pattern is reported once at shutdown instead of leaving a silently empty dashboard.
@@ -20,7 +23,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, TypeVar
 
 from otel_train.config.exporter_options import ExporterOptions
-from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
+from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.vocab.semconv import DISPLAY_NAMES, display_name
 
 if TYPE_CHECKING:
@@ -76,6 +79,15 @@ class RowFilter:
         self.include = route.include if route is not None and route.include else ()
         self.exclude = route.exclude if route is not None and route.exclude else ()
         self.every = route.every if route is not None and route.every else 1
+        #: Logger-name globs to keep (only ``!`` patterns: every logger) and to leave out; None: every record;
+        #: ``off`` (no pattern): none.
+        logs = route.logs if route is not None else None
+        self.logs: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        if logs is not None:
+            kept = tuple(p for p in logs if not p.startswith("!"))
+            left_out = tuple(p[1:] for p in logs if p.startswith("!"))
+            self.logs = (kept or (("*",) if left_out else ()), left_out)
+        self._keep_logger: dict[str, bool] = {}
         self.rank0_only = rank0_only
         self.display_names = display_names
         self._settings = (route.include_setting, route.exclude_setting) if route is not None else ("", "")
@@ -140,6 +152,22 @@ class RowFilter:
         if self.every > 1 and spans:
             routed_spans = [s for s in spans if self._step_ok(s.step)]
         return self._rows(metrics), self._rows(histograms), routed_spans
+
+    def apply_logs(self, logs: Sequence[LogRow]) -> Sequence[LogRow]:
+        """The log records of one window this backend gets (by logger name; cached per logger)."""
+        if self.logs is None or not logs:
+            return logs
+        keep = self._keep_logger
+        out: list[LogRow] = []
+        for row in logs:
+            wanted = keep.get(row.logger)
+            if wanted is None:
+                include, exclude = self.logs
+                wanted = keep[row.logger] = (any(fnmatchcase(row.logger, p) for p in include) and
+                                              not any(fnmatchcase(row.logger, p) for p in exclude))
+            if wanted:
+                out.append(row)
+        return out
 
     def unmatched(self) -> list[str]:
         """One line per pattern that matched no metric name this backend was offered."""

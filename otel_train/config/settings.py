@@ -115,6 +115,10 @@ OTEL_TRAIN_BACKEND_EXCLUDE = "OTEL_TRAIN_<BACKEND>_EXCLUDE"
 """Comma list of globs on metric names that backend does not get (applied after ``_INCLUDE``). Default none."""
 OTEL_TRAIN_BACKEND_EVERY = "OTEL_TRAIN_<BACKEND>_EVERY"
 """That backend gets only steps that are a multiple of N (int >= 1; spans too). Default 1."""
+OTEL_TRAIN_BACKEND_LOGS = "OTEL_TRAIN_<BACKEND>_LOGS"
+"""Which log records that backend gets, by logger name: a comma list of globs (``job*``), a pattern that begins
+with ``!`` leaves matching loggers out (``*,!transformers*``), ``off`` none. Default: every record. Log records
+are not picked by ``_INCLUDE``/``_EXCLUDE`` (metric names) nor thinned out by ``_EVERY``."""
 OTEL_TRAIN_BACKEND_RANKS = "OTEL_TRAIN_<BACKEND>_RANKS"
 """``0`` or ``all``: overrides `OTEL_TRAIN_RANKS` for that backend. Default: `OTEL_TRAIN_RANKS`."""
 
@@ -180,7 +184,7 @@ JOB_ID_VARIABLES = (
 
 T = TypeVar("T")
 
-ROUTE_FIELDS = ("include", "exclude", "every", "ranks")
+ROUTE_FIELDS = ("include", "exclude", "every", "ranks", "logs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,23 +194,27 @@ class Route:
     ``None`` means "not given": the ``OTEL_TRAIN_<BACKEND>_*`` variable applies, else everything.
     Patterns are globs (`fnmatch`, ``*`` also crosses ``/``) on metric names; a metric passes when
     its wire name or its dashboard name matches (``train/*`` also takes ``train.step.duration_s``,
-    shown as ``train/step_duration_s``). Spans are routed by `every` only.
+    shown as ``train/step_duration_s``). Spans are routed by `every` only; log records by `logs` only.
 
     Args:
         include: Only metrics matching one of these globs (a comma string or a sequence).
         exclude: Minus metrics matching one of these (applied after `include`).
         every: Only steps that are a multiple of this (>= 1).
         ranks: ``"0"`` or ``"all"``: overrides `OTEL_TRAIN_RANKS` for this backend.
+        logs: Which log records, by logger name: globs, ``!glob`` to leave some out, ``"off"`` (or ``()``) none.
 
     Example:
         >>> Route(include="train/*, eval/*", every=10).include
         ('train/*', 'eval/*')
+        >>> Route(logs="*, !transformers*").logs, Route(logs="off").logs
+        (('*', '!transformers*'), ())
     """
 
     include: tuple[str, ...] | None = None
     exclude: tuple[str, ...] | None = None
     every: int | None = None
     ranks: str | None = None
+    logs: tuple[str, ...] | None = None
     #: The setting each pattern list came from, named in messages (``OTEL_TRAIN_WANDB_INCLUDE``).
     include_setting: str = "include"
     exclude_setting: str = "exclude"
@@ -220,6 +228,8 @@ class Route:
             object.__setattr__(self, "every", parse_int("every", str(self.every), 1))
         if self.ranks is not None:
             object.__setattr__(self, "ranks", _parse_ranks("ranks", str(self.ranks)))
+        if self.logs is not None:
+            object.__setattr__(self, "logs", _log_patterns("logs", self.logs))
 
     def merged_over(self, base: Route) -> Route:
         """This route's given fields over `base`'s (keyword over env var)."""
@@ -230,6 +240,18 @@ class Route:
                 extra = {f"{field}_setting": getattr(self, f"{field}_setting")} if field in ("include", "exclude") else {}
                 out = dataclasses.replace(out, **{field: value}, **extra)
         return out
+
+
+def _log_patterns(name: str, value: Any) -> tuple[str, ...]:
+    """Logger-name globs (``!glob``: left out); ``off`` or an empty sequence: no log records."""
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return ()
+    if not isinstance(value, str) and not list(value):
+        return ()
+    out = _patterns(name, value)
+    if any(p.lstrip("!") == "" for p in out):
+        raise ConfigError(f"{name}: {value!r} has a `!` without a pattern; give globs such as `job*,!job.noisy`")
+    return out
 
 
 def _patterns(name: str, value: Any) -> tuple[str, ...]:
@@ -439,7 +461,7 @@ def _route_variables() -> frozenset[str]:
 
 
 def _parse_route_env(env: Mapping[str, str]) -> dict[str, Route]:
-    """`OTEL_TRAIN_<BACKEND>_{INCLUDE,EXCLUDE,EVERY,RANKS}` -> a `Route` per backend name."""
+    """`OTEL_TRAIN_<BACKEND>_{INCLUDE,EXCLUDE,EVERY,RANKS,LOGS}` -> a `Route` per backend name."""
     fixed = _route_variables()
     known: tuple[str, ...] | None = None  # looked up once, and only if a routing variable is set
     found: dict[str, dict[str, Any]] = {}
@@ -461,6 +483,8 @@ def _parse_route_env(env: Mapping[str, str]) -> dict[str, Route]:
             values[field] = parse_int(var, raw, 1)
         elif field == "ranks":
             values[field] = _parse_ranks(var, raw)
+        elif field == "logs":
+            values[field] = _log_patterns(var, raw)
         else:
             values[field] = _patterns(var, raw)
             values[f"{field}_setting"] = var
@@ -471,7 +495,7 @@ def _validate_routes(value: Any) -> dict[str, Route]:
     """`init(routes=...)`: exporter name -> `Route` or a mapping with the same keys."""
     if not isinstance(value, Mapping):
         raise ConfigError(f"routes: {type(value).__name__} is not allowed; expected a mapping of exporter name -> "
-                          "Route (or a dict with include, exclude, every, ranks)")
+                          "Route (or a dict with include, exclude, every, ranks, logs)")
     known = _known_backends()
     out: dict[str, Route] = {}
     for backend, spec in value.items():

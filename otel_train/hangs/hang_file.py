@@ -2,7 +2,8 @@
 
 The file is written at `init()` (state ``running``), again every `heartbeat_s` seconds while the rank lives, at
 each hang record (state ``stuck``: the latest record and the history of records of this hang), when the step
-ends after a hang (``resumed``) and at shutdown (``ended``). Each write goes to a temporary file renamed over the
+ends after a hang (``resumed``) and at shutdown (``ended``; a rank still stuck then adds an ``ended`` record, so
+the file does not look like a live hang). Each write goes to a temporary file renamed over the
 old one, so a reader sees a whole file, never a torn one. A rank whose file is not ``ended`` and whose heartbeat
 is old has stopped (a dead node, a rank holding the GIL in a C call, a kill -9): the roll call names it from its
 last record.

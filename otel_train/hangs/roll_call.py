@@ -3,7 +3,9 @@
 Stuck ranks are grouped by (open span, the main thread's innermost frame). When most stuck ranks share a place
 (a collective) and a few do not, the few are where to look: the others wait for them. A rank whose file is not
 ``ended`` and whose heartbeat is old has stopped altogether (a dead node, a kill -9, a C call holding the GIL)
-and is named from its last record; such ranks are where to look first.
+and is named from its last record; such ranks are where to look first. A rank that ended while stuck (its file
+``ended`` with an ``ended`` record: a job stopped by a signal or its launcher mid-hang) is no longer stuck, but
+the sentence still says where it was, grouped the same way, so the roll call after such a job points at the rank.
 
 Example:
     >>> now = 1000.0
@@ -75,6 +77,7 @@ class RollCall:
     ended: list[int]
     missing: list[int]  # ranks below the world size without a file
     missing_label: str = "without a hang file"  # how the counts name them (the sink: never heard from)
+    ended_stuck: list[Group] = dataclasses.field(default_factory=list)  # ranks that ended while stuck, by place
 
     @property
     def stuck(self) -> bool:
@@ -83,11 +86,13 @@ class RollCall:
 
     def suspects(self) -> list[int]:
         """The ranks to look at first: stopped ranks; else the ranks outside the one largest stuck group; else
-        ranks still running while others are stuck."""
+        ranks still running while others are stuck. With none stuck: the odd ones out of the ranks that ended
+        while stuck."""
         if self.silent:
             return sorted(s.rank for s in self.silent)
-        if len(self.groups) > 1 and len(self.groups[0].ranks) > len(self.groups[1].ranks):
-            return sorted(r for g in self.groups[1:] for r in g.ranks)
+        groups = self.groups if self.stuck else self.ended_stuck
+        if len(groups) > 1 and len(groups[0].ranks) > len(groups[1].ranks):
+            return sorted(r for g in groups[1:] for r in g.ranks)
         if self.groups and self.running:
             return sorted(self.running)
         return []
@@ -95,7 +100,14 @@ class RollCall:
     def verdict(self) -> str:
         """The one-line answer."""
         if not self.stuck:
-            return f"no rank is stuck ({_counts(self)})"
+            text = f"no rank is stuck ({_counts(self)})"
+            if self.ended_stuck:
+                text += "; the job ended while " + "; ".join(
+                    f"{_ranks(g.ranks)} had waited {g.waited_s:.0f} s {g.place()}" for g in self.ended_stuck)
+                suspects = self.suspects()
+                if suspects:
+                    text += f": {_who(suspects)} where to look"
+            return text
         parts = [f"{_ranks(g.ranks)} {'have' if len(g.ranks) > 1 else 'has'} waited {g.waited_s:.0f} s {g.place()}"
                  + (" (in native code)" if g.native and len(self.groups) == 1 else "") for g in self.groups]
         parts += [f"{_ranks([s.rank])} has sent nothing for {s.silent_s:.0f} s{_last(s)}" for s in self.silent]
@@ -104,15 +116,20 @@ class RollCall:
         suspects = self.suspects()
         text = "; ".join(parts)
         if suspects:
-            who = f"rank {suspects[0]} is" if len(suspects) == 1 else f"ranks {', '.join(map(str, suspects))} are"
-            text += f": {who} where to look"
+            text += f": {_who(suspects)} where to look"
         return text
 
     def text(self, run_dir: str) -> str:
         """The verdict, then one line per group and per stopped or missing rank."""
         lines = [self.verdict()]
         if not self.stuck:
-            return lines[0]
+            for g in self.ended_stuck:
+                steps = ", ".join(str(s) for s in sorted(set(g.steps)))
+                lines.append(f"  {_ranks(g.ranks)}: ended while stuck at step {steps}, {g.place()}"
+                             f"{' in native code' if g.native else ''}")
+            if self.ended_stuck:
+                lines.append(f"  every thread's stack: {run_dir}/hang/rank<N>.json")
+            return "\n".join(lines)
         for g in self.groups:
             steps = ", ".join(str(s) for s in sorted(set(g.steps)))
             lines.append(f"  {_ranks(g.ranks)}: step {steps}, {g.place()}{' in native code' if g.native else ''}")
@@ -133,7 +150,11 @@ class RollCall:
                 "silent": [{"rank": s.rank, "silent_s": round(s.silent_s, 1), "host": s.host, "state": s.state,
                             "step": s.step, "last": s.last, "native_frames": s.native_frames} for s in self.silent],
                 "running": {str(r): s for r, s in sorted(self.running.items())}, "ended": self.ended,
-                "missing": self.missing}
+                "ended_stuck": [dataclasses.asdict(g) for g in self.ended_stuck], "missing": self.missing}
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))} are"
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -162,6 +183,7 @@ def take_roll_call(files: Mapping[int, Mapping[str, Any]], now: float | None = N
     `missing_label` names the ranks below the world size that have none (the sink's: ``never heard from``)."""
     now = time.time() if now is None else now
     by_place: dict[tuple[str, str], list[tuple[int, Mapping[str, Any]]]] = {}
+    ended_by_place: dict[tuple[str, str], list[tuple[int, Mapping[str, Any]]]] = {}
     silent: list[Silent] = []
     running: dict[int, int | None] = {}
     ended: list[int] = []
@@ -172,6 +194,8 @@ def take_roll_call(files: Mapping[int, Mapping[str, Any]], now: float | None = N
         latest = content.get("latest") or None
         if state == "ended":
             ended.append(rank)
+            if latest is not None and latest.get("state") == "ended":  # it ended while stuck
+                ended_by_place.setdefault(_place(latest), []).append((rank, latest))
             continue
         quiet_s = now - float(content.get("heartbeat_time") or 0.0)
         if quiet_s > silent_after_s(float(content.get("heartbeat_s") or 30.0)):
@@ -179,19 +203,28 @@ def take_roll_call(files: Mapping[int, Mapping[str, Any]], now: float | None = N
             silent.append(Silent(rank, quiet_s, content.get("host"), latest, state, content.get("step"),
                                  list(dump.get("main_frames") or [])))
         elif state == "stuck" and latest is not None:
-            key = (str(latest.get("phase")), str(latest.get("main_frame")))
-            by_place.setdefault(key, []).append((rank, latest))
+            by_place.setdefault(_place(latest), []).append((rank, latest))
         else:
             running[rank] = content.get("step")
+    missing = [r for r in range(world) if r not in files]
+    return RollCall(_groups(by_place, now), silent, running, ended, missing, missing_label,
+                    _groups(ended_by_place, None))
+
+
+def _place(record: Mapping[str, Any]) -> tuple[str, str]:
+    return str(record.get("phase")), str(record.get("main_frame"))
+
+
+def _groups(by_place: Mapping[tuple[str, str], list[tuple[int, Mapping[str, Any]]]], now: float | None) -> list[Group]:
+    """Ranks by place, the largest group first; `now`: the wait goes on since each record (None: it ended)."""
     groups = []
     for (phase, frame), members in by_place.items():
         first = members[0][1]
         groups.append(Group(
             ranks=[r for r, _ in members], phase=phase, frame=frame, user_frame=first.get("user_frame"),
             native=all(bool(m.get("native")) for _, m in members),
-            waited_s=max(float(m.get("waited_s") or 0.0) + max(0.0, now - float(m.get("time") or now))
-                         for _, m in members),
+            waited_s=max(float(m.get("waited_s") or 0.0)
+                         + (0.0 if now is None else max(0.0, now - float(m.get("time") or now))) for _, m in members),
             steps=[int(m["step"]) for _, m in members if m.get("step") is not None]))
     groups.sort(key=lambda g: (-len(g.ranks), g.ranks))
-    missing = [r for r in range(world) if r not in files]
-    return RollCall(groups, silent, running, ended, missing, missing_label)
+    return groups

@@ -6,7 +6,8 @@ entered last, `otel_train.capture.step.open_step`; the main thread's open spans,
 and the spans the reader collects (`take_spans`, on the collector thread), and applies `otel_train.hangs.hang_rule.HangRule`. When work is stuck it records what the rank is
 doing (step, open spans, every thread's Python stack) as a WARN log record on the logger ``otel_train.hang``
 (``event.name`` ``train.hang``) and in ``hang/rank<N>.json`` (`otel_train.hangs.hang_file`); again each time the
-wait doubles; and a ``resumed`` record when the work ends. It writes the file's heartbeat every `heartbeat_s`, so
+wait doubles; a ``resumed`` record when the work ends, or an ``ended`` one when the rank ends (`stop`, at
+shutdown) while still stuck, so the file and the sink do not go on saying it is stuck. It writes the file's heartbeat every `heartbeat_s`, so
 the roll call can tell a rank that stopped altogether. Nothing here raises: a failure is logged once.
 
 A training thread that holds the GIL in a C call stops this thread too (it cannot run Python). For that case,
@@ -162,6 +163,8 @@ class HangWatchdog:
             self._native_file = None
         if self._state != "ended":
             self.check()  # a hang whose step ended since the last look gets its `resumed` record
+            if self._hang is not None:  # still stuck as the rank ends (a signal, a launcher's kill): said so
+                self._ended_stuck()
             self._state = "ended"
             self._write()
 
@@ -291,6 +294,23 @@ class HangWatchdog:
         self._write()
         self._log(record)
 
+    def _ended_stuck(self) -> None:
+        """The ``ended`` record: the rank ended while its work was still stuck (no ``resumed`` will come). The
+        last ``stuck`` record's place, with the wait until now; the file and the sink then read as ended, with
+        where it was stuck."""
+        last = self._records[-1] if self._records else None
+        self._hang = None
+        if last is None or last.get("state") != "stuck":
+            return
+        now = self._wall()
+        record = {key: last.get(key) for key in ("step", "phase", "spans", "limit_s", "usual_s", "main_frame",
+                                                  "user_frame", "native")}
+        record.update({"event.name": semconv.TRAIN_HANG, "state": "ended", "time": now,
+                       "waited_s": round(float(last.get("waited_s") or 0.0) + max(0.0, now - float(last["time"])),
+                                         3)})
+        self._records.append(record)
+        self._log(record)
+
     # -- output ----------------------------------------------------------------------------------
     def _write(self) -> None:
         records = self._records
@@ -318,12 +338,18 @@ class HangWatchdog:
             return
         extra.update({semconv.HANG_LIMIT: record["limit_s"], semconv.HANG_USUAL: record["usual_s"],
                       semconv.HANG_FRAME: record["main_frame"], semconv.HANG_USER_FRAME: record["user_frame"],
-                      semconv.HANG_NATIVE: record["native"], semconv.HANG_THREADS: _threads_text(record["threads"])})
+                      semconv.HANG_NATIVE: record["native"]})
         where = record["main_frame"] or "an unknown frame"
         if record["native"]:
             where += " (in native code)"
         if record["user_frame"] and record["user_frame"] != record["main_frame"]:
             where += f" (from {record['user_frame']})"
+        if record["state"] == "ended":  # the stacks are in the `stuck` records before it
+            hang_logger.warning("otel-train rank %s: ended while step %s was stuck for %.1f s in `%s` at %s; every "
+                                "thread's stack in %s", rank, record.get("step"), record["waited_s"],
+                                record["phase"], where, self.path, extra=extra)
+            return
+        extra[semconv.HANG_THREADS] = _threads_text(record["threads"])
         usual = "none seen yet" if record["usual_s"] is None else f"usual {record['usual_s']:.3g} s"
         hang_logger.warning("otel-train rank %s: step %s has run %.1f s (%s, limit %.3g s) in `%s` at %s; every "
                             "thread's stack in %s", rank, record.get("step"), record["waited_s"], usual,

@@ -204,7 +204,8 @@ class Session:
         # connection of its own to the exporter process (`otel_train.ship.workers`), opened on first use.
         if not self._closed:
             self.worker = self._children.forked_child_client()
-            self.log_capture.retarget(self.worker.add_log)  # its records go where its `ot.log` values go
+            # Its records, and its count of those over the rate limit, go where its `ot.log` values go.
+            self.log_capture.retarget(self.worker.add_log, self.worker.count_rate_limited)
         self._closed = True
         self.forked = True
         if step_end_hook() is self._step_hook:  # the reader exports nothing here: nothing to buffer for it

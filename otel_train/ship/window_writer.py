@@ -130,7 +130,8 @@ class WindowWriter:
             if self.closed:
                 return False
             if window and self.route is not None:
-                window = Window(*self.route.apply(window.metrics, window.histograms, window.spans), window.logs)
+                window = Window(*self.route.apply(window.metrics, window.histograms, window.spans),
+                                self.route.apply_logs(window.logs))
             if window:
                 if self.backend.handles_metrics and (window.metrics or window.histograms):
                     window = self._in_step_order(window)

@@ -45,7 +45,7 @@ from otel_train.vocab import semconv
 from otel_train.vocab.rows import LogRow, MetricRow, SpanRow, series_tag
 from otel_train.vocab.run_identity import RunInfo
 
-__all__ = ["LOST_BUFFER", "LOST_LOGS", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
+__all__ = ["LOST_BUFFER", "LOST_LOGS", "LOST_RATE_LIMITED", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
            "client_from_env", "listen_on", "step_cell_path"]
 
 _logger = logging.getLogger("otel_train")
@@ -62,6 +62,7 @@ LOST_REFUSED_STEP = REFUSED_PREFIX + "bad_step"  # refusals: the trainer's summa
 LOST_BUFFER = "values over a child process's buffer"
 LOST_SPANS = "spans over a child process's buffer"
 LOST_LOGS = "log records over a child process's buffer"
+LOST_RATE_LIMITED = REFUSED_PREFIX + "log_rate_limited"  # with the trainer's own records over the rate limit
 
 
 _warn_once = LogOnce(_logger)  # per child process: the first refused step, attribute set and key of each kind
@@ -353,6 +354,10 @@ class WorkerClient:
         self.dropped = 0
         #: Lost here and not yet told to the exporter process (which tells the trainer's summary): cause -> count.
         self._lost: dict[str, int] = {}
+        #: Log records this child's rate limit dropped (counted without the lock, on the logging thread), and how
+        #: many of them were sent: the sender adds the difference to what it tells.
+        self._rate_limited = 0
+        self._rate_limited_sent = 0
         self.trace_id = secrets.randbits(128) or 1
         self._step_cell: memoryview | None = None  # the trainer's latest step (opened with the connection)
 
@@ -444,6 +449,13 @@ class WorkerClient:
             self._logs.append(record.fields())
         self._wake.set()
 
+    def count_rate_limited(self) -> None:
+        """One log record of this child dropped by the rate limit (`RateLimit.on_drop`): the trainer's summary
+        counts it. Opens the connection if nothing else did, so that a child that only dropped still tells."""
+        self._rate_limited += 1
+        if self._state == "new":
+            self._usable()
+
     # -- connection (the sender thread) ------------------------------------------------------------------
     def _usable(self) -> bool:
         if self._state == "open":
@@ -496,6 +508,10 @@ class WorkerClient:
         with self._lock:
             points, spans, lost, logs = self._points, self._spans, self._lost, self._logs
             self._points, self._spans, self._lost, self._logs = [], [], {}, []
+            rate_limited = self._rate_limited - self._rate_limited_sent
+            if rate_limited:
+                self._rate_limited_sent += rate_limited
+                lost[LOST_RATE_LIMITED] = lost.get(LOST_RATE_LIMITED, 0) + rate_limited
             sock = self._sock
             if not (points or spans or lost or logs) or sock is None or self._state != "open":
                 return

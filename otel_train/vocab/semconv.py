@@ -134,7 +134,8 @@ CONVENTIONS: tuple[Convention, ...] = (
                "a SIGTERM / SIGUSR1 / SIGHUP ended the process: the signal's name (W&B summary, MLflow tag, ClearML tag)"),
     Convention(TRAIN_HANG, "log event", "—", "", "hang watchdog: `event.name` of its WARN log records (logger "
                "`otel_train.hang`) and of the records in `hang/rank<N>.json`"),
-    Convention(HANG_STATE, "log", "str", "", "hang watchdog: `stuck` (a record while stuck), `resumed` (the work ended)"),
+    Convention(HANG_STATE, "log", "str", "", "hang watchdog: `stuck` (a record while stuck), `resumed` (the work "
+               "ended), `ended` (the rank ended while still stuck)"),
     Convention(HANG_PHASE, "log", "str", "", "hang watchdog: the innermost open span's name, else `step`"),
     Convention(HANG_SPANS, "log", "str[]", "", "hang watchdog: the open spans of the main thread, outermost first"),
     Convention(HANG_WAITED, "log", "float", "s", "hang watchdog: how long the step (or span) has run; when resumed, "

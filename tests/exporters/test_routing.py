@@ -97,6 +97,7 @@ def test_keyword_fields_override_their_variables(monkeypatch: pytest.MonkeyPatch
     ({}, {"routes": {"wanb": {"every": 2}}}, "routes['wanb']: unknown exporter 'wanb'; known: "),
     ({}, {"routes": {"wandb": {"evry": 2}}}, "routes['wandb']: unknown key 'evry'; allowed: include, exclude, every"),
     ({}, {"routes": {"wandb": {"every": -1}}}, "every: -1 is too small; expected an integer >= 1"),
+    ({"OTEL_TRAIN_WANDB_LOGS": "job*,!"}, {}, "OTEL_TRAIN_WANDB_LOGS: 'job*,!' has a `!` without a pattern"),
 ])
 def test_bad_routing_fails_init_with_one_line(env: dict[str, str], kwargs: dict[str, Any], message: str,
                                               monkeypatch: pytest.MonkeyPatch, run_dir: Path) -> None:
@@ -165,3 +166,40 @@ def test_the_sink_routes_its_backends_the_same(tmp_path: Path, monkeypatch: pyte
         rows = [r for r in read_jsonl(jsonl_path(tmp_path / "runs", "s", rank)) if r["type"] == "metric"]
         assert {r["name"] for r in rows} == {"train/loss", "eval/acc", "train.step.duration_s"}
         assert len(rows) == 30
+
+
+def test_log_records_are_routed_by_logger_name_only(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSONL gets the `job` loggers but `job.noisy`, the Chrome trace none (`off`, by keyword); a route on metric
+    names and `_EVERY` pick no log records: every step's records still reach JSONL."""
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+    from otel_train.trace_merge import load_trace
+
+    monkeypatch.setenv("OTEL_TRAIN_JSONL_LOGS", "job*, !job.noisy")
+    monkeypatch.setenv("OTEL_TRAIN_JSONL_INCLUDE", "train/*")
+    monkeypatch.setenv("OTEL_TRAIN_JSONL_EVERY", "2")
+    ot.init(exporters=["jsonl", "chrome_trace"], dir=run_dir, run_id="logs", run_name="logs",
+            routes={"chrome_trace": ot.Route(logs="off")})
+    for s in ot.steps(range(3)):
+        ot.log({"train/loss": 1.0, "eval/acc": 0.5})
+        with ot.span("forward"):
+            for name in ("job", "job.data", "job.noisy", "other"):
+                logging.getLogger(name).warning("%s at %d", name, s)
+    ot.shutdown()
+    rows = list(read_jsonl(jsonl_path(run_dir, "logs", 0)))
+    assert [(r["logger"], r["step"]) for r in rows if r["type"] == "log"] == [
+        (name, s) for s in range(3) for name in ("job", "job.data")]
+    assert {r["name"] for r in rows if r["type"] == "metric" and not r["name"].startswith("otel_train")} == {
+        "train/loss", "train.step.duration_s", "train.time_total_s", "train.iterations"}  # metrics as routed
+    assert sorted({r["step"] for r in rows if r["type"] == "metric"}) == [0, 2]
+    (trace,) = (run_dir / "logs" / "trace").glob("rank0*.trace.json")
+    events = load_trace(trace)
+    assert [e for e in events if e.get("cat") == "log"] == [] and any(e.get("ph") == "X" for e in events)
+
+
+def test_log_routes_parse_and_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRAIN_WANDB_LOGS", "off")
+    monkeypatch.setenv("OTEL_TRAIN_CLEARML_LOGS", "!transformers*")
+    s = load_settings(routes={"jsonl": {"logs": ["job*"]}})
+    assert (s.routes["wandb"].logs, s.routes["clearml"].logs, s.routes["jsonl"].logs) == (
+        (), ("!transformers*",), ("job*",))
+    assert load_settings(routes={"wandb": ot.Route(logs="*")}).routes["wandb"].logs == ("*",)  # keyword wins

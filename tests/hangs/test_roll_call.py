@@ -104,3 +104,26 @@ def test_hang_settings_default_and_parse() -> None:
     assert (load_settings({}).hang_after_s, load_settings({}).hang_factor) == (60.0, 10.0)
     s = load_settings({"OTEL_TRAIN_HANG_AFTER_S": "0", "OTEL_TRAIN_HANG_FACTOR": "4"})
     assert (s.hang_after_s, s.hang_factor) == (0.0, 4.0)
+
+
+def test_after_a_job_that_ended_while_stuck_the_odd_rank_out_is_still_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every rank ended while stuck (the launcher stopped the job): nothing is stuck now (exit 0), and the sentence
+    still says where each rank was and which one to look at."""
+    now = time.time()
+    files = {r: rank_file("stuck", phase="backward", frame=C10D, user="train.py:88 in main", now=now)
+             for r in (0, 2, 3)}
+    files[1] = rank_file("stuck", phase="data", frame=LOAD, user=LOAD, now=now, waited_s=215.0)
+    for content in files.values():
+        content["latest"] = {**content["latest"], "state": "ended"}
+        content["state"] = "ended"
+    write_run(tmp_path, files)
+    assert main(["hangs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"no rank is stuck (0 running, 4 ended); the job ended while ranks [0, 2, 3] had waited 212 s "
+                      f"in `backward` at `{C10D}` (from `train.py:88 in main`); rank [1] had waited 215 s in `data` "
+                      f"at `{LOAD}`: rank 1 is where to look")
+    assert out[2] == f"  rank [1]: ended while stuck at step 50, in `data` at `{LOAD}` in native code"
+    assert main(["hangs", "--json", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["suspects"] == [1] and [g["ranks"] for g in report["ended_stuck"]] == [[0, 2, 3], [1]]

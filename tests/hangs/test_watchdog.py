@@ -240,3 +240,44 @@ def test_every_thread_stack_is_innermost_first_with_the_user_frame() -> None:
     assert any(f.endswith("in parked") for f in stacks["parked"].frames)
     assert short_path("/x/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py") == (
         "torch/distributed/distributed_c10d.py")
+
+
+def test_a_rank_that_ends_while_stuck_says_so_and_the_roll_call_names_where(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Stopped (shutdown on a signal) while its step is still stuck: an `ended` record with the place and the
+    whole wait, the file `ended` (not live), and the roll call says where it was."""
+    from otel_train.hangs.hang_file import read_hang_files
+    from otel_train.hangs.roll_call import take_roll_call
+
+    dog, view, clock = make(tmp_path)
+    finish_steps(dog, view, [0.5] * 10)
+    with caplog.at_level(logging.WARNING, logger="otel_train.hang"):
+        view.next = Look(50, [Work("step", 61.0, 7), Work("span data", 60.5, 8)], [], ["train", "data"])
+        dog.check()
+        clock.now += 30.0
+        dog.stop()  # the step never ended
+        dog.stop()
+    content = read(tmp_path)
+    assert content["state"] == "ended"
+    assert [(r["state"], r["waited_s"]) for r in content["history"]] == [("stuck", 61.0), ("ended", 91.0)]
+    ended = content["latest"]
+    assert (ended["step"], ended["phase"], ended["main_frame"], ended["native"]) == (
+        50, "data", "train.py:41 in load_batch", True)
+    assert [r.__dict__["train.hang.state"] for r in caplog.records] == ["stuck", "ended"]
+    assert caplog.records[1].getMessage().startswith(
+        "otel-train rank 1: ended while step 50 was stuck for 91.0 s in `data` at train.py:41 in load_batch")
+    call = take_roll_call(read_hang_files(tmp_path), now=clock.now + 600)
+    assert not call.stuck and call.ended == [1]
+    assert call.verdict() == ("no rank is stuck (0 running, 1 ended, 3 without a hang file); the job ended while "
+                              "rank [1] had waited 91 s in `data` at `train.py:41 in load_batch`")
+
+
+def test_a_rank_that_resumed_before_it_ended_has_no_ended_record(tmp_path: Path) -> None:
+    dog, view, _ = make(tmp_path)
+    finish_steps(dog, view, [0.5] * 10)
+    view.next = Look(50, [Work("step", 61.0, 7)], [], [])
+    dog.check()
+    view.next = Look(51, [], [Work("step", 62.0, 7)], [])
+    dog.stop()  # its last look sees the step finished: `resumed`, then the file `ended`
+    content = read(tmp_path)
+    assert content["state"] == "ended" and [r["state"] for r in content["history"]] == ["stuck", "resumed"]

@@ -115,3 +115,57 @@ def test_a_child_forked_while_the_native_timer_is_armed_exits(tmp_path: Path) ->
                           text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[-1] == "child 0 armed in parent True"
+
+
+STUCK_JOB = """
+import sys, time
+import otel_train as ot
+
+ot.init(exporters="jsonl", dir=sys.argv[1], run_name="r")
+for i in ot.steps(range(30)):
+    with ot.span("data"):
+        if i == 25:
+            open(sys.argv[2], "w").close()  # the test waits for the `stuck` record from here on
+            time.sleep(600)  # stuck until the launcher stops the job
+        time.sleep(0.002)
+"""
+
+
+def test_a_job_stopped_while_stuck_leaves_an_ended_record_not_a_live_hang(tmp_path: Path) -> None:
+    """SIGTERM (a launcher's timeout) while step 25 is stuck: the shutdown writes an `ended` record into the file
+    and as a log record, so neither the file nor the sink goes on showing a live hang."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    script, marker = tmp_path / "job.py", tmp_path / "at-25"
+    script.write_text(STUCK_JOB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_TRAIN_HANG_AFTER_S="0.5", OTEL_TRAIN_HANG_FACTOR="5", OTEL_TRAIN_QUIET="1")
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(marker)], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    hang_file = tmp_path / "r" / "hang" / "rank0.json"
+    try:
+        deadline = time.monotonic() + 120  # a bound on waiting, not an assertion on time
+        while time.monotonic() < deadline and proc.poll() is None:
+            if marker.exists() and hang_file.exists() and json.loads(hang_file.read_text())["state"] == "stuck":
+                break
+            time.sleep(0.05)
+        assert json.loads(hang_file.read_text())["state"] == "stuck"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    content = json.loads(hang_file.read_text())
+    assert content["state"] == "ended", err[-2000:]
+    ended = content["latest"]
+    assert (ended["state"], ended["step"], ended["phase"]) == ("ended", 25, "data")
+    assert ended["waited_s"] >= content["history"][-2]["waited_s"]
+    records = [r for r in read_jsonl(jsonl_path(tmp_path, "r", 0))
+               if r["type"] == "log" and r["logger"] == "otel_train.hang"]
+    assert [r["attributes"]["train.hang.state"] for r in records][-1] == "ended"
+    assert [r["attributes"]["train.hang.state"] for r in records].count("ended") == 1

@@ -192,6 +192,20 @@ def test_a_rank_that_stopped_sending_is_named_silent_then_counts_as_ended_once_n
     assert doc["stuck"] is False and doc["status"] == "no rank is stuck (3 running, 1 ended)"
 
 
+def test_a_rank_that_ended_while_stuck_is_no_longer_stuck_and_its_place_is_kept(sink: Any, clock: Clock) -> None:
+    """The watchdog's `ended` record (the rank shut down mid-hang): the run is not left stuck, and says where."""
+    _post(sink, _stuck(1, "data", LOAD, LOAD, 40.0))
+    clock.now += 10
+    _post(sink, _logs(1, {"event.name": "train.hang", "train.rank": 1, "train.hang.state": "ended",
+                          "train.hang.phase": "data", "train.hang.spans": ["train", "data"],
+                          "train.hang.waited_s": 50.0, "train.hang.frame": LOAD, "train.hang.user_frame": LOAD,
+                          "train.hang.native": True}))
+    code, doc = _get(sink, f"/runs/{RUN}/hangs")
+    assert code == 200 and doc["stuck"] is False
+    assert doc["status"] == (f"no rank is stuck (0 running, 1 ended, 3 never heard from); the job ended while "
+                             f"rank [1] had waited 50 s in `data` at `{LOAD}`")
+
+
 def test_a_stuck_rank_that_dies_is_named_from_its_last_record(sink: Any, clock: Clock) -> None:
     _post(sink, _stuck(1, "data", LOAD, LOAD, 40.0))
     clock.now += 60

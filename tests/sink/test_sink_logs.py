@@ -166,3 +166,49 @@ def test_through_the_rotel_collector(tmp_path: Path) -> None:
         rotel.stop()
         sink.stop()
     assert [(r["step"], r["body"]) for r in _records(tmp_path)] == [(6, "through rotel")]
+
+
+def test_a_logs_request_sent_twice_writes_each_record_once(sink: Any, tmp_path: Path) -> None:
+    """A request whose acknowledgement was lost is sent again (over HTTP, then gRPC): every record once; a record
+    that differs only in its time (logged again later) is a record of its own."""
+    import grpc
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2_grpc import LogsServiceStub
+
+    first = _request("stuck in allreduce", 4)
+    second = _request("stuck in allreduce", 4)  # the same record, logged again a second later
+    second.resource_logs[0].scope_logs[0].log_records[0].time_unix_nano += 1_000_000_000
+    for _ in range(2):
+        assert _post(sink, first.SerializeToString(), "application/x-protobuf") == 200
+    with grpc.insecure_channel(f"127.0.0.1:{sink.grpc_port}") as channel:
+        stub = LogsServiceStub(channel)
+        for request in (first, second, second):
+            stub.Export(ExportLogsServiceRequest.FromString(request.SerializeToString()), timeout=10)
+    assert sink.flush(10)
+    assert [(r["step"], r["body"], r["time_unix_nano"]) for r in _records(tmp_path)] == [
+        (4, "stuck in allreduce", 1_700_000_000_000_000_000), (4, "stuck in allreduce", 1_700_000_001_000_000_000)]
+
+
+def test_a_logs_request_sent_again_after_the_sink_was_killed_is_written_once(tmp_path: Path) -> None:
+    """The sink took the request (its keys are in the run's state with its spool) and was killed before the
+    sender heard back: the restarted sink recognises the retry."""
+    import signal
+
+    from rotel_proc import SinkProcess
+
+    args = ("--exporters", "jsonl", "--dir", str(tmp_path / "runs"))
+    body = _request("stuck in allreduce", 4).SerializeToString()
+    sink = SinkProcess(tmp_path / "sink0", *args).wait_ready()
+    try:
+        assert _post(sink, body, "application/x-protobuf") == 200
+    finally:
+        sink.proc.send_signal(signal.SIGKILL)
+        sink.proc.wait(10)
+    sink = SinkProcess(tmp_path / "sink1", *args).wait_ready()
+    try:
+        assert _post(sink, body, "application/x-protobuf") == 200  # the retry
+        assert _post(sink, _request("resumed", 5).SerializeToString(), "application/x-protobuf") == 200
+        sink.settled_health()
+    finally:
+        assert sink.terminate() == 0
+    assert [(r["step"], r["body"]) for r in _records(tmp_path)] == [(4, "stuck in allreduce"), (5, "resumed")]

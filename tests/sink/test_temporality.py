@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sinkkit import scalars
@@ -332,3 +333,22 @@ def test_one_program_gives_the_same_rows_in_either_temporality() -> None:
     assert queue == [(0, 3.0), (1, 1.0), (2, 4.0), (3, 2.0), (4, 5.0), (5, 3.0)]
     latency_min = [v for name, _, v in rows["delta"] if name == "latency/min"]
     assert latency_min == [10.0, 9.0, 8.0, 7.0, 6.0, 5.0]  # since the start, not per window
+
+
+def test_retried_log_records_are_taken_once_and_their_keys_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.sink.runs import temporality
+    from otel_train.vocab.rows import LogRow
+    from otel_train.vocab.run_identity import RunInfo
+
+    def record(t: int, rank: int = 0) -> LogRow:
+        return LogRow(RunInfo("r", "r", rank=rank), 1, t, 13, "WARN", "slow", "job", {"a": 1})
+
+    ledger = SeriesLedger()
+    assert [r.time_unix_nano for r in ledger.new_logs([record(1), record(2)])] == [1, 2]
+    assert [(r.time_unix_nano, r.rank) for r in ledger.new_logs([record(2), record(2, rank=1), record(3)])] == [
+        (2, 1), (3, 0)]  # the same record of another rank is its own
+    assert ledger.retries_skipped == 1
+    monkeypatch.setattr(temporality, "_MAX_LOGS", 100)
+    for t in range(10, 1010):
+        ledger.new_logs([record(t)])
+    assert len(ledger._logs) <= 125 and [r.time_unix_nano for r in ledger.new_logs([record(1009)])] == []

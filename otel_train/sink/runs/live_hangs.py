@@ -73,7 +73,7 @@ def hang_record(attributes: Mapping[str, Any], step: int | None, time_s: float) 
     if attributes.get("event.name") != semconv.TRAIN_HANG:
         return None
     state = attributes.get(semconv.HANG_STATE)
-    if state not in ("stuck", "resumed"):
+    if state not in ("stuck", "resumed", "ended"):  # ended: the rank ended while stuck (its last record)
         return None
     record: dict[str, Any] = {"event.name": semconv.TRAIN_HANG, "state": state, "time": time_s, "step": step}
     spans = attributes.get(semconv.HANG_SPANS)

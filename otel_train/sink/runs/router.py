@@ -316,6 +316,8 @@ class Router:
         part.finish(ledger)
         if part.spans:
             part.spans = ledger.new_spans(part.spans)
+        if part.logs:
+            part.logs = ledger.new_logs(part.logs)
         for record in part.logs:  # a record without a step: its rank's latest step (a foreign sender's)
             if record.step is None:
                 record.step = state.last_step.get(record.run.rank)

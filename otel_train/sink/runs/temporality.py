@@ -34,7 +34,8 @@ steps again), each sum as its total since the series' start time. otel-train its
   point's own time stays its wall time.
 
 Retries are idempotent: a DELTA point is applied once per (series, step, sender, start time, time), a span
-once per (trace id, span id), so a request sent again after a lost acknowledgement changes nothing.
+once per (trace id, span id), a log record once per its key (`otel_train.sink.runs.log_keys`), so a request sent
+again after a lost acknowledgement changes nothing.
 
 State is bounded by series x a window of recent steps (`_WINDOW_STEPS`), never cleared wholesale: a point
 further below its series' highest step than the window is not applied (`window_skipped`), as the step order
@@ -51,7 +52,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from otel_train.collect.sdk_rows import MetricsConverter
-from otel_train.vocab.rows import ExponentialBuckets, HistogramRow, MetricRow, SpanRow, explicit_buckets
+from otel_train.sink.runs.log_keys import log_key
+from otel_train.vocab.rows import (
+    ExponentialBuckets,
+    HistogramRow,
+    LogRow,
+    MetricRow,
+    SpanRow,
+    explicit_buckets,
+)
 from otel_train.vocab.run_identity import RunInfo
 
 __all__ = [
@@ -87,6 +96,8 @@ _MAX_ENTRIES = 200_000
 _WINDOW_STEPS = 4096
 # Span ids remembered per run to recognise a retried request (~100 bytes each).
 _MAX_SPANS = 100_000
+# Log record keys remembered per run, likewise (~100 bytes each).
+_MAX_LOGS = 100_000
 _MISSING: Any = object()
 _LOW_64 = (1 << 64) - 1
 
@@ -146,13 +157,14 @@ class SeriesLedger(MetricsConverter):
         self._deltas: dict[tuple[int, str, int], float] = {}  # DELTA sums' increase per step (late points)
         self._delta_seen: dict[tuple[int, str, int, str, int, int], int] = {}  # DELTA points applied: retries
         self._spans: dict[tuple[int, int, int], int] = {}  # (trace id high, low, span id) of spans taken: retries
+        self._logs: dict[int, int] = {}  # keys of log records taken (`log_key`): retries
         self._written: dict[tuple[int, str], float] = {}  # last value of step-less gauge series
         self._senders: dict[tuple[int, str], str] = {}  # (rank, tag) -> first sender of a cumulative series
         self._sequence: dict[tuple[int, str], int] = {}
         self._tables: dict[str, dict[Any, Any]] = {
             "T": self._sums, "P": self._tops, "G": self._gauges, "C": self._cumulative, "H": self._hists,
             "X": self._extremes, "L": self._deltas, "D": self._delta_seen, "S": self._spans, "W": self._written,
-            "N": self._senders, "Q": self._sequence,
+            "N": self._senders, "Q": self._sequence, "O": self._logs,
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
         self._new_gauges: list[tuple[int, str, int]] = []  # gauge values first written since `begin`
@@ -174,7 +186,7 @@ class SeriesLedger(MetricsConverter):
         self.stale_totals = 0
         #: Points more than the window of steps below their series' highest step: not applied.
         self.window_skipped = 0
-        #: DELTA points and spans received again (a sender's retry): not applied again.
+        #: DELTA points, spans and log records received again (a sender's retry): not applied again.
         self.retries_skipped = 0
         #: Rows written again with a DELTA series' whole total after a late point (not points received).
         self.corrections = 0
@@ -303,6 +315,9 @@ class SeriesLedger(MetricsConverter):
         if len(self._spans) > _MAX_SPANS:
             for span in list(itertools.islice(self._spans, len(self._spans) - _MAX_SPANS)):
                 del self._spans[span]
+        if len(self._logs) > _MAX_LOGS:
+            for log in list(itertools.islice(self._logs, len(self._logs) - _MAX_LOGS)):
+                del self._logs[log]
         self._prune_at = max(self._prune_min, 4 * live)  # a scan per quadrupling: amortised, bounded
 
     def _in_window(self, rank: int, tag: str, step: int) -> bool:
@@ -338,6 +353,22 @@ class SeriesLedger(MetricsConverter):
                 continue
             self._set("S", seen, key, 1)
             out.append(span)
+        return out
+
+    def new_logs(self, logs: list[LogRow]) -> list[LogRow]:
+        """`logs` less those taken before (by `log_key`: a sender's retry); the oldest keys past `_MAX_LOGS` go."""
+        seen = self._logs
+        out = []
+        for record in logs:
+            key = log_key(record)
+            if key in seen:
+                self.retries_skipped += 1
+                continue
+            self._set("O", seen, key, 1)
+            out.append(record)
+        if len(seen) > _MAX_LOGS + _MAX_LOGS // 4:  # amortised: a trim per quarter of the bound
+            for key in list(itertools.islice(seen, len(seen) - _MAX_LOGS)):
+                del seen[key]
         return out
 
     # -- steps -----------------------------------------------------------------------------------
@@ -541,5 +572,5 @@ def _hist_prev(v: list[Any]) -> tuple[int, int, float, tuple[float, ...], tuple[
 #: How each table's values come back from msgpack (lists to tuples where the table holds tuples).
 _VALUE_OF: dict[str, Callable[[Any], Any]] = {
     "T": _same, "P": _same, "G": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
-    "S": _same, "W": _same, "N": _same, "Q": _same,
+    "S": _same, "W": _same, "N": _same, "Q": _same, "O": _same,
 }
