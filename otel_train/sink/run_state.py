@@ -8,16 +8,18 @@ taken:
 
 * ``ledger.journal``: one record per request, appended with one write before the request's window is appended
   to the spool as `seq`: ``[seq, changes]``, the ledger's changes (`SeriesLedger.changes`: set entries, and the
-  gauge values first written as two columns). Records are framed by their length; a torn last record ends the
-  reading. A record whose seq the spool does not hold (the sink died between the two writes, or the spool's
+  gauge values written as a block: each series once, its steps and values packed as int64 and float64 bytes).
+  Records of the previous format (a (rank, tag, step) key per gauge value) are still read. Records are framed
+  by their length; a torn last record ends the reading. A record whose seq the spool does not hold (the sink died between the two writes, or the spool's
   write failed and the record was cut back) is ignored on load: the sender was not told OK and sends again.
 * ``ledger.snapshot``: the whole state (`SeriesLedger.dump`) with the seq it covers, written to a temporary
   file and renamed over (atomic), then the journal emptied: when the journal outgrows it (compaction), when the
   run opens (after the journal was applied), and when it closes. A run that closes with everything written
   keeps only these files in its spool folder (its size is the ledger's: series x a window of steps).
 
-Both are msgpack (the spool's encoding). Like the spool's own records (``written.*``, ``released.*``), the
-journal is not fsynced per request: a ``kill -9`` of the sink keeps what the kernel has; a machine crash may
+Both are msgpack (the spool's encoding). The snapshot is versioned (`_VERSION`); version 1 (gauge values as a
+flat table) is still read. Like the spool's own records (``written.*``, ``released.*``), the journal is not
+fsynced per request: a ``kill -9`` of the sink keeps what the kernel has; a machine crash may
 lose its last records, as it may the spool's.
 """
 
@@ -37,7 +39,8 @@ _logger = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "ledger.snapshot"
 JOURNAL_FILE = "ledger.journal"
-_VERSION = 1
+_VERSION = 2  # 2: gauge values as a block of columns per series (1: a flat table; still read)
+_READABLE = frozenset({1, _VERSION})
 _FRAME = struct.Struct("<I")  # the record's length
 _MIN_COMPACT_BYTES = 16 << 20  # the journal is folded into the snapshot past this (or twice the snapshot's size)
 
@@ -62,7 +65,7 @@ class RunState:
         covered = 0
         try:
             version, seq, state = ormsgpack.unpackb(self.snapshot_path.read_bytes())
-            if version == _VERSION:
+            if version in _READABLE:
                 snapshot, covered = state, int(seq)
         except FileNotFoundError:
             pass

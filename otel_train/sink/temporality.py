@@ -47,6 +47,8 @@ import dataclasses
 import itertools
 import math
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -89,6 +91,8 @@ _WINDOW_STEPS = 4096
 _MAX_SPANS = 100_000
 _MISSING: Any = object()
 _LOW_64 = (1 << 64) - 1
+_NO_FLOOR = -(1 << 64)  # below every step: a series with nothing out of its window
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
@@ -133,11 +137,13 @@ class SeriesLedger(MetricsConverter):
         # Tables by id (`_TABLES`); the step-keyed ones are keyed (rank, tag, step, ...).
         self._sums: dict[tuple[int, str], float] = {}  # running totals
         self._tops: dict[tuple[int, str], int] = {}  # the highest step of each series
-        self._gauges: dict[tuple[int, str, int], float] = {}  # gauge values written
+        # Gauge values written, per series: (rank, tag) -> {step: value}. Kept apart from `_tables`: one lookup
+        # per series and a small int key per point on the hot path, and no key tuple per point held.
+        self._gauges: dict[tuple[int, str], dict[int, float]] = {}
+        self._gauge_entries = 0  # steps held in `_gauges` (all series), for the prune trigger
         # (rank, tag) -> the step at or below which a gauge value is out of the window (set when pruning; only
         # series with steps that far below their highest)
         self._floors: dict[tuple[int, str], int] = {}
-        self._gauges_seen = 0  # gauge entries whose steps are in `_tops` (the oldest: insertion order)
         # (rank, tag, step, sender) -> (start time, value, time) of the newest cumulative point applied
         self._cumulative: dict[tuple[int, str, int, str], tuple[int, float, int]] = {}
         self._hists: dict[tuple[int, str, int, str],
@@ -150,12 +156,18 @@ class SeriesLedger(MetricsConverter):
         self._senders: dict[tuple[int, str], str] = {}  # (rank, tag) -> first sender of a cumulative series
         self._sequence: dict[tuple[int, str], int] = {}
         self._tables: dict[str, dict[Any, Any]] = {
-            "T": self._sums, "P": self._tops, "G": self._gauges, "C": self._cumulative, "H": self._hists,
+            "T": self._sums, "P": self._tops, "C": self._cumulative, "H": self._hists,
             "X": self._extremes, "L": self._deltas, "D": self._delta_seen, "S": self._spans, "W": self._written,
             "N": self._senders, "Q": self._sequence,
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
-        self._new_gauges: list[tuple[int, str, int]] = []  # gauge values first written since `begin`
+        # Gauge rows written since `begin`, in order, and where each series' run of them starts (its key, the
+        # index in `_new_rows`): the journal's gauge block, and what `rollback` removes.
+        self._new_rows: list[MetricRow] = []
+        self._new_series: list[tuple[int, str]] = []
+        self._new_at: list[int] = []
+        # (index in `_new_rows`, series' steps, step, old value) of gauge values changed since `begin` (rare)
+        self._changed_gauges: list[tuple[int, dict[int, float], int, float]] = []
         self._corrections: dict[tuple[int, str], MetricRow] = {}  # (rank, tag) -> its highest step, whole
         self._counts_before: tuple[Any, ...] = ()
         # Step-keyed entries at which the next commit drops those out of the window (amortised: a scan per doubling).
@@ -189,12 +201,12 @@ class SeriesLedger(MetricsConverter):
         """Start recording changes (a persistent ledger; a no-op otherwise)."""
         if self.persistent:
             self._undo = []
-            self._new_gauges = []
+            self._clear_new()
             self._counts_before = (*(getattr(self, n) for n in self._COUNTS), len(self.collided))
 
     def changes(self) -> list[Any]:
-        """The changes since `begin`, msgpack-able: [counters, [[table, key, value], ...], gauge keys first
-        written, their values] (`load`)."""
+        """The changes since `begin`, msgpack-able: [counters, [[table, key, value], ...], gauge block] (`load`;
+        the block is `_gauge_block`'s: the gauge values written, a run of steps per series)."""
         undo = self._undo or []
         tables = self._tables
         seen: set[tuple[str, Any]] = set()
@@ -206,17 +218,24 @@ class SeriesLedger(MetricsConverter):
             value = tables[tid].get(key, _MISSING)
             if value is not _MISSING:
                 out.append([tid, key, value])
-        written = self._gauges
-        new_gauges = self._new_gauges
-        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out, new_gauges,
-                [written[k] for k in new_gauges]]
+        rows = self._new_rows
+        at = self._new_at
+        block = _gauge_block(self._new_series, [b - a for a, b in itertools.pairwise([*at, len(rows)])],
+                             [r.step for r in rows], [r.value for r in rows])
+        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out, block]
+
+    def _clear_new(self) -> None:
+        self._new_rows = []
+        self._new_series = []
+        self._new_at = []
+        self._changed_gauges = []
 
     def commit(self) -> None:
         """Keep the changes since `begin` (they are durable); drop entries that fell out of the window."""
         self._undo = None
-        self._new_gauges = []
+        self._clear_new()
         # Nothing is out of the window before the run's steps span it (a series' steps are at most the run's).
-        if self.current_step >= self._window and (len(self._gauges) + len(self._cumulative) + len(self._deltas)
+        if self.current_step >= self._window and (self._gauge_entries + len(self._cumulative) + len(self._deltas)
                                                   + len(self._delta_seen) > self._prune_at):
             self._prune()
 
@@ -231,34 +250,96 @@ class SeriesLedger(MetricsConverter):
                 tables[tid].pop(key, None)
             else:
                 tables[tid][key] = old
-        for key in self._new_gauges:
-            self._gauges.pop(key, None)
+        # Gauge writes, newest first: a changed value gets its old one back, a new one goes.
+        changed = {i: (steps, old) for i, steps, _, old in self._changed_gauges}
+        gauges = self._gauges
+        for i in range(len(self._new_rows) - 1, -1, -1):
+            row = self._new_rows[i]
+            if i in changed:
+                steps, old = changed[i]
+                steps[row.step] = old
+            else:
+                series = (row.run.rank, row.tag)
+                steps = gauges.get(series, {})
+                steps.pop(row.step, None)
+                self._gauge_entries -= 1
+                if not steps:
+                    gauges.pop(series, None)  # a series this request began
         self._corrections.clear()
-        self._new_gauges = []
+        self._clear_new()
         *counts, collided = self._counts_before
         for name, value in zip(self._COUNTS, counts, strict=True):
             setattr(self, name, value)
         del self.collided[collided:]
 
     def dump(self) -> list[Any]:
-        """The whole state, msgpack-able (`load`): the counters, and each table as [keys, values]."""
-        return [[*(getattr(self, n) for n in self._COUNTS), self.collided],
-                {tid: [list(table), list(table.values())] for tid, table in self._tables.items()}]
+        """The whole state, msgpack-able (`load`): the counters, and each table as [keys, values] (the gauge
+        values as ``g``, a `_gauge_block`)."""
+        tables: dict[str, Any] = {tid: [list(table), list(table.values())] for tid, table in self._tables.items()}
+        gauges = {series: steps for series, steps in self._gauges.items() if steps}
+        tables["g"] = _gauge_block(list(gauges), [len(steps) for steps in gauges.values()],
+                                   list(itertools.chain.from_iterable(gauges.values())),
+                                   list(itertools.chain.from_iterable(steps.values() for steps in gauges.values())))
+        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], tables]
 
     def load(self, state: list[Any] | None, changes: list[list[Any]]) -> None:
-        """Restore a `dump`, then apply `changes` (lists of `changes()`) in order; `loaded` when done."""
+        """Restore a `dump`, then apply `changes` (lists of `changes()`) in order; `loaded` when done.
+
+        Also reads what the previous format wrote: gauge values as a flat table ``G`` of (rank, tag, step) keys in
+        a snapshot, and as a list of such keys and a list of values closing a journal record."""
         if state is not None:
             counts, tables = state
             self._set_counts(counts)
-            for tid, (keys, values) in tables.items():
+            for tid, data in tables.items():
+                if tid == "g":
+                    self._load_gauge_block(data)
+                    continue
+                keys, values = data
+                if tid == "G":  # the previous format
+                    self._load_gauges(keys, values)
+                    continue
                 fix = _VALUE_OF[tid]
                 self._tables[tid].update(zip(map(_key, keys), values if fix is _same else map(fix, values),
                                              strict=True))
-        for counts, entries, keys, values in changes:
+        for change in changes:
+            counts, entries, *gauges = change
             self._set_counts(counts)
             for tid, key, value in entries:
-                self._tables[tid][_key(key)] = _VALUE_OF[tid](value)
-            self._gauges.update(zip(map(_key, keys), values, strict=True))
+                if tid == "G":  # the previous format: a changed gauge value
+                    self._load_gauges([key], [value])
+                else:
+                    self._tables[tid][_key(key)] = _VALUE_OF[tid](value)
+            if len(gauges) == 2:  # the previous format: gauge keys first written, their values
+                self._load_gauges(*gauges)
+            else:
+                self._load_gauge_block(gauges[0])
+
+    def _load_gauges(self, keys: list[Any], values: list[float]) -> None:
+        """Gauge values keyed (rank, tag, step), as the previous format wrote them."""
+        gauges = self._gauges
+        for (rank, tag, step), value in zip(keys, values, strict=True):
+            steps = gauges.get((rank, tag))
+            if steps is None:
+                steps = gauges[(rank, tag)] = {}
+            steps[step] = value
+        self._gauge_entries = sum(map(len, gauges.values()))
+
+    def _load_gauge_block(self, block: list[Any]) -> None:
+        """Gauge values from a `_gauge_block`, set in order (a later value of a step replaces an earlier one)."""
+        series, counts, steps, values = block
+        steps, values = _column(steps, "q"), _column(values, "d")
+        if len(series) != len(counts) or sum(counts) != len(steps) or len(steps) != len(values):
+            raise ValueError("a gauge block whose columns do not match")
+        gauges = self._gauges
+        at = 0
+        for (rank, tag), n in zip(series, counts, strict=True):
+            key = (rank, tag)
+            table = gauges.get(key)
+            if table is None:
+                table = gauges[key] = {}
+            table.update(zip(steps[at:at + n], values[at:at + n], strict=True))
+            at += n
+        self._gauge_entries = sum(map(len, gauges.values()))
 
     def loaded(self) -> None:
         """Restoring is done: drop what fell out of the window."""
@@ -282,16 +363,23 @@ class SeriesLedger(MetricsConverter):
         lookup)."""
         tops, window, floors = self._tops, self._window, self._floors
         gauges = self._gauges
-        for rank, tag, step in itertools.islice(gauges, self._gauges_seen, None):  # added since the last pass
-            if step > tops.get((rank, tag), step - 1):
-                tops[(rank, tag)] = step
+        for series, steps in gauges.items():
+            if steps:
+                top = max(steps)
+                if top > tops.get(series, top - 1):
+                    tops[series] = top
         for series, top in tops.items():
             if top - window > floors.get(series, STEPLESS) and (series in floors or top >= window):
                 floors[series] = top - window
-        if floors:
-            for key in [k for k in gauges if k[2] <= floors.get(k[:2], STEPLESS)]:
-                del gauges[key]
-        self._gauges_seen = live = len(gauges)
+        for series, floor in floors.items():
+            kept = gauges.get(series)
+            if kept:
+                for step in [s for s in kept if s <= floor]:
+                    del kept[step]
+                if not kept:
+                    del gauges[series]  # its floor stays: older steps are still not written again
+        live = sum(map(len, gauges.values()))
+        self._gauge_entries = live
         tables: tuple[dict[Any, Any], ...] = (self._cumulative, self._hists, self._extremes, self._deltas,
                                               self._delta_seen)
         for table in tables:
@@ -355,27 +443,48 @@ class SeriesLedger(MetricsConverter):
 
     # -- number points -----------------------------------------------------------------------------
     def gauges(self, rows: list[MetricRow], append: Callable[[MetricRow], None]) -> None:
-        """Gauge rows with a step, the sink's hot path: `append` those not written before with their value."""
-        written = self._gauges
+        """Gauge rows with a step, the sink's hot path: `append` those not written before with their value.
+
+        Rows come grouped by series (a metric's points in a request): the series' table is looked up once per
+        run of rows of one series (told by the identity of the row's run and tag), then one lookup per point."""
+        gauges = self._gauges
         floors = self._floors
-        undo = self._undo
-        new_gauges = self._new_gauges
+        record = self._undo is not None
+        new_rows, new_series, new_at = self._new_rows, self._new_series, self._new_at
+        run: Any = None
+        tag: Any = None
+        steps: dict[int, float] = {}
+        floor = _NO_FLOOR
+        added = 0
         for row in rows:
-            key = (row.run.rank, row.tag, row.step)
+            if row.tag is not tag or row.run is not run:
+                run, tag = row.run, row.tag
+                series = (run.rank, tag)
+                found = gauges.get(series)
+                if found is None:
+                    found = gauges[series] = {}
+                steps = found
+                floor = floors.get(series, _NO_FLOOR) if floors else _NO_FLOOR
+                if record:
+                    new_series.append(series)
+                    new_at.append(len(new_rows))
+            step = row.step
             value = row.value
-            old = written.get(key, _MISSING)
-            if old == value or (old is not _MISSING and _same_value(old, value)):
-                continue  # re-sent unchanged
+            old = steps.get(step, _MISSING)
             if old is _MISSING:
-                if floors and key[2] <= floors.get(key[:2], STEPLESS):
+                if step <= floor:
                     self.window_skipped += 1  # older than the window: by the step order rule, not written again
                     continue
-                if undo is not None:
-                    new_gauges.append(key)
-            elif undo is not None:
-                undo.append(("G", key, old))
-            written[key] = value
+                added += 1
+            elif old == value or _same_value(old, value):
+                continue  # re-sent unchanged
+            elif record:
+                self._changed_gauges.append((len(new_rows), steps, step, old))
+            steps[step] = value
             append(row)
+            if record:
+                new_rows.append(row)
+        self._gauge_entries += added
 
     def _sender(self, rank: int, tag: str, sender: str) -> None:
         key = (rank, tag)
@@ -530,6 +639,35 @@ def _key(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
+def _gauge_block(series: list[tuple[int, str]], counts: list[int], steps: list[int],
+                 values: list[float]) -> list[Any]:
+    """Gauge values as msgpack-able columns: [[[rank, tag], ...], [steps per series, ...], steps, values], the
+    steps int64 and the values float64 (bit for bit: a NaN keeps its payload), little-endian, as bytes; steps
+    beyond int64 (none the decoder makes) stay a list."""
+    try:
+        packed_steps: Any = array("q", steps)
+    except OverflowError:
+        packed_steps = steps
+    packed_values = array("d", values)
+    if _BIG_ENDIAN:
+        packed_values.byteswap()
+        if isinstance(packed_steps, array):
+            packed_steps.byteswap()
+    return [series, counts, packed_steps.tobytes() if isinstance(packed_steps, array) else packed_steps,
+            packed_values.tobytes()]
+
+
+def _column(data: Any, typecode: str) -> Any:
+    """A column of `_gauge_block` back: bytes to an array of `typecode`, a list as it is."""
+    if not isinstance(data, bytes):
+        return data
+    column = array(typecode)
+    column.frombytes(data)
+    if _BIG_ENDIAN:
+        column.byteswap()
+    return column
+
+
 def _same(value: Any) -> Any:
     return value
 
@@ -540,6 +678,6 @@ def _hist_prev(v: list[Any]) -> tuple[int, int, float, tuple[float, ...], tuple[
 
 #: How each table's values come back from msgpack (lists to tuples where the table holds tuples).
 _VALUE_OF: dict[str, Callable[[Any], Any]] = {
-    "T": _same, "P": _same, "G": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
+    "T": _same, "P": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
     "S": _same, "W": _same, "N": _same, "Q": _same,
 }
