@@ -47,8 +47,6 @@ import dataclasses
 import itertools
 import math
 import struct
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,7 +90,6 @@ _MAX_SPANS = 100_000
 _MISSING: Any = object()
 _LOW_64 = (1 << 64) - 1
 _NO_FLOOR = -(1 << 64)  # below every step: a series with nothing out of its window
-_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
@@ -137,9 +134,9 @@ class SeriesLedger(MetricsConverter):
         # Tables by id (`_TABLES`); the step-keyed ones are keyed (rank, tag, step, ...).
         self._sums: dict[tuple[int, str], float] = {}  # running totals
         self._tops: dict[tuple[int, str], int] = {}  # the highest step of each series
-        # Gauge values written, per series: (rank, tag) -> {step: value}. Kept apart from `_tables`: one lookup
-        # per series and a small int key per point on the hot path, and no key tuple per point held.
-        self._gauges: dict[tuple[int, str], dict[int, float]] = {}
+        # Gauge values written, per series: rank -> tag -> {step: value}. Kept apart from `_tables`: a lookup per
+        # series (by its tag's cached hash) and a small int key per point on the hot path; no key tuple held.
+        self._gauges: dict[int, dict[str, dict[int, float]]] = {}
         self._gauge_entries = 0  # steps held in `_gauges` (all series), for the prune trigger
         # (rank, tag) -> the step at or below which a gauge value is out of the window (set when pruning; only
         # series with steps that far below their highest)
@@ -161,10 +158,9 @@ class SeriesLedger(MetricsConverter):
             "N": self._senders, "Q": self._sequence,
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
-        # Gauge rows written since `begin`, in order, and where each series' run of them starts (its key, the
-        # index in `_new_rows`): the journal's gauge block, and what `rollback` removes.
+        # Gauge rows written since `begin`, in order, and where each run of them of one series starts (an index
+        # in `_new_rows`): the journal's gauge block, and what `rollback` removes.
         self._new_rows: list[MetricRow] = []
-        self._new_series: list[tuple[int, str]] = []
         self._new_at: list[int] = []
         # (index in `_new_rows`, series' steps, step, old value) of gauge values changed since `begin` (rare)
         self._changed_gauges: list[tuple[int, dict[int, float], int, float]] = []
@@ -205,8 +201,9 @@ class SeriesLedger(MetricsConverter):
             self._counts_before = (*(getattr(self, n) for n in self._COUNTS), len(self.collided))
 
     def changes(self) -> list[Any]:
-        """The changes since `begin`, msgpack-able: [counters, [[table, key, value], ...], gauge block] (`load`;
-        the block is `_gauge_block`'s: the gauge values written, a run of steps per series)."""
+        """The changes since `begin`, msgpack-able: [counters, [[table, key, value], ...], gauge block] (`load`):
+        the gauge values written as columns [ranks, tags, starts, steps, values], in runs of one series each,
+        the series' (rank, tag) once per run, starting at its index in the steps and values."""
         undo = self._undo or []
         tables = self._tables
         seen: set[tuple[str, Any]] = set()
@@ -220,13 +217,13 @@ class SeriesLedger(MetricsConverter):
                 out.append([tid, key, value])
         rows = self._new_rows
         at = self._new_at
-        block = _gauge_block(self._new_series, [b - a for a, b in itertools.pairwise([*at, len(rows)])],
-                             [r.step for r in rows], [r.value for r in rows])
+        firsts = [rows[i] for i in at]
+        block = [[r.run.rank for r in firsts], [r.tag for r in firsts], at, [r.step for r in rows],
+                 [r.value for r in rows]]
         return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out, block]
 
     def _clear_new(self) -> None:
         self._new_rows = []
-        self._new_series = []
         self._new_at = []
         self._changed_gauges = []
 
@@ -259,12 +256,12 @@ class SeriesLedger(MetricsConverter):
                 steps, old = changed[i]
                 steps[row.step] = old
             else:
-                series = (row.run.rank, row.tag)
-                steps = gauges.get(series, {})
+                by_tag = gauges.get(row.run.rank, {})
+                steps = by_tag.get(row.tag, {})
                 steps.pop(row.step, None)
                 self._gauge_entries -= 1
                 if not steps:
-                    gauges.pop(series, None)  # a series this request began
+                    by_tag.pop(row.tag, None)  # a series this request began
         self._corrections.clear()
         self._clear_new()
         *counts, collided = self._counts_before
@@ -274,12 +271,14 @@ class SeriesLedger(MetricsConverter):
 
     def dump(self) -> list[Any]:
         """The whole state, msgpack-able (`load`): the counters, and each table as [keys, values] (the gauge
-        values as ``g``, a `_gauge_block`)."""
+        values as ``g``, a gauge block as `changes` writes it, a run per series)."""
         tables: dict[str, Any] = {tid: [list(table), list(table.values())] for tid, table in self._tables.items()}
-        gauges = {series: steps for series, steps in self._gauges.items() if steps}
-        tables["g"] = _gauge_block(list(gauges), [len(steps) for steps in gauges.values()],
-                                   list(itertools.chain.from_iterable(gauges.values())),
-                                   list(itertools.chain.from_iterable(steps.values() for steps in gauges.values())))
+        series = [(rank, tag, steps) for rank, by_tag in self._gauges.items() for tag, steps in by_tag.items()
+                  if steps]
+        tables["g"] = [[s[0] for s in series], [s[1] for s in series],
+                       list(itertools.accumulate((len(s[2]) for s in series[:-1]), initial=0)) if series else [],
+                       list(itertools.chain.from_iterable(s[2] for s in series)),
+                       list(itertools.chain.from_iterable(s[2].values() for s in series))]
         return [[*(getattr(self, n) for n in self._COUNTS), self.collided], tables]
 
     def load(self, state: list[Any] | None, changes: list[list[Any]]) -> None:
@@ -316,30 +315,34 @@ class SeriesLedger(MetricsConverter):
 
     def _load_gauges(self, keys: list[Any], values: list[float]) -> None:
         """Gauge values keyed (rank, tag, step), as the previous format wrote them."""
-        gauges = self._gauges
         for (rank, tag, step), value in zip(keys, values, strict=True):
-            steps = gauges.get((rank, tag))
-            if steps is None:
-                steps = gauges[(rank, tag)] = {}
-            steps[step] = value
-        self._gauge_entries = sum(map(len, gauges.values()))
+            self._steps_of(rank, tag)[step] = value
+        self._count_gauges()
 
     def _load_gauge_block(self, block: list[Any]) -> None:
-        """Gauge values from a `_gauge_block`, set in order (a later value of a step replaces an earlier one)."""
-        series, counts, steps, values = block
-        steps, values = _column(steps, "q"), _column(values, "d")
-        if len(series) != len(counts) or sum(counts) != len(steps) or len(steps) != len(values):
+        """Gauge values from a gauge block (`changes`), set in order (a later value of a step replaces an earlier
+        one)."""
+        ranks, tags, starts, steps, values = block
+        ends = [*starts[1:], len(steps)] if starts else []
+        if not len(ranks) == len(tags) == len(starts) or len(steps) != len(values) or \
+                (starts[0] if starts else len(steps)) != 0 or any(a > b for a, b in zip(starts, ends, strict=True)):
             raise ValueError("a gauge block whose columns do not match")
-        gauges = self._gauges
-        at = 0
-        for (rank, tag), n in zip(series, counts, strict=True):
-            key = (rank, tag)
-            table = gauges.get(key)
-            if table is None:
-                table = gauges[key] = {}
-            table.update(zip(steps[at:at + n], values[at:at + n], strict=True))
-            at += n
-        self._gauge_entries = sum(map(len, gauges.values()))
+        for rank, tag, a, b in zip(ranks, tags, starts, ends, strict=True):
+            self._steps_of(rank, tag).update(zip(steps[a:b], values[a:b], strict=True))
+        self._count_gauges()
+
+    def _steps_of(self, rank: int, tag: str) -> dict[int, float]:
+        """The gauge values a series has written, by step (created empty)."""
+        by_tag = self._gauges.get(rank)
+        if by_tag is None:
+            by_tag = self._gauges[rank] = {}
+        steps = by_tag.get(tag)
+        if steps is None:
+            steps = by_tag[tag] = {}
+        return steps
+
+    def _count_gauges(self) -> None:
+        self._gauge_entries = sum(len(steps) for by_tag in self._gauges.values() for steps in by_tag.values())
 
     def loaded(self) -> None:
         """Restoring is done: drop what fell out of the window."""
@@ -363,23 +366,25 @@ class SeriesLedger(MetricsConverter):
         lookup)."""
         tops, window, floors = self._tops, self._window, self._floors
         gauges = self._gauges
-        for series, steps in gauges.items():
-            if steps:
-                top = max(steps)
-                if top > tops.get(series, top - 1):
-                    tops[series] = top
+        for rank, by_tag in gauges.items():
+            for tag, steps in by_tag.items():
+                if steps:
+                    top = max(steps)
+                    if top > tops.get((rank, tag), top - 1):
+                        tops[(rank, tag)] = top
         for series, top in tops.items():
             if top - window > floors.get(series, STEPLESS) and (series in floors or top >= window):
                 floors[series] = top - window
-        for series, floor in floors.items():
-            kept = gauges.get(series)
+        for (rank, tag), floor in floors.items():
+            by_tag = gauges.get(rank, {})
+            kept = by_tag.get(tag)
             if kept:
                 for step in [s for s in kept if s <= floor]:
                     del kept[step]
                 if not kept:
-                    del gauges[series]  # its floor stays: older steps are still not written again
-        live = sum(map(len, gauges.values()))
-        self._gauge_entries = live
+                    del by_tag[tag]  # its floor stays: older steps are still not written again
+        self._count_gauges()
+        live = self._gauge_entries
         tables: tuple[dict[Any, Any], ...] = (self._cumulative, self._hists, self._extremes, self._deltas,
                                               self._delta_seen)
         for table in tables:
@@ -445,29 +450,35 @@ class SeriesLedger(MetricsConverter):
     def gauges(self, rows: list[MetricRow], append: Callable[[MetricRow], None]) -> None:
         """Gauge rows with a step, the sink's hot path: `append` those not written before with their value.
 
-        Rows come grouped by series (a metric's points in a request): the series' table is looked up once per
-        run of rows of one series (told by the identity of the row's run and tag), then one lookup per point."""
+        Rows come grouped by series (a metric's points in a request): the series' table is looked up when the
+        row's run or tag is another object than the previous row's, then one lookup by step per point."""
         gauges = self._gauges
         floors = self._floors
         record = self._undo is not None
-        new_rows, new_series, new_at = self._new_rows, self._new_series, self._new_at
+        new_rows, new_at = self._new_rows, self._new_at
         run: Any = None
+        rank = 0
         tag: Any = None
+        by_tag: dict[str, dict[int, float]] = {}
         steps: dict[int, float] = {}
+        recorded: Any = None  # the series `new_at` last began a run of rows for
         floor = _NO_FLOOR
         added = 0
         for row in rows:
             if row.tag is not tag or row.run is not run:
-                run, tag = row.run, row.tag
-                series = (run.rank, tag)
-                found = gauges.get(series)
-                if found is None:
-                    found = gauges[series] = {}
-                steps = found
-                floor = floors.get(series, _NO_FLOOR) if floors else _NO_FLOOR
-                if record:
-                    new_series.append(series)
-                    new_at.append(len(new_rows))
+                if row.run is not run:
+                    run = row.run
+                    rank = run.rank
+                    found = gauges.get(rank)
+                    if found is None:
+                        found = gauges[rank] = {}
+                    by_tag = found
+                tag = row.tag
+                series = by_tag.get(tag)
+                if series is None:
+                    series = by_tag[tag] = {}
+                steps = series
+                floor = floors.get((rank, tag), _NO_FLOOR) if floors else _NO_FLOOR
             step = row.step
             value = row.value
             old = steps.get(step, _MISSING)
@@ -483,6 +494,9 @@ class SeriesLedger(MetricsConverter):
             steps[step] = value
             append(row)
             if record:
+                if steps is not recorded:
+                    recorded = steps
+                    new_at.append(len(new_rows))
                 new_rows.append(row)
         self._gauge_entries += added
 
@@ -637,35 +651,6 @@ class SeriesLedger(MetricsConverter):
 
 def _key(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
-
-
-def _gauge_block(series: list[tuple[int, str]], counts: list[int], steps: list[int],
-                 values: list[float]) -> list[Any]:
-    """Gauge values as msgpack-able columns: [[[rank, tag], ...], [steps per series, ...], steps, values], the
-    steps int64 and the values float64 (bit for bit: a NaN keeps its payload), little-endian, as bytes; steps
-    beyond int64 (none the decoder makes) stay a list."""
-    try:
-        packed_steps: Any = array("q", steps)
-    except OverflowError:
-        packed_steps = steps
-    packed_values = array("d", values)
-    if _BIG_ENDIAN:
-        packed_values.byteswap()
-        if isinstance(packed_steps, array):
-            packed_steps.byteswap()
-    return [series, counts, packed_steps.tobytes() if isinstance(packed_steps, array) else packed_steps,
-            packed_values.tobytes()]
-
-
-def _column(data: Any, typecode: str) -> Any:
-    """A column of `_gauge_block` back: bytes to an array of `typecode`, a list as it is."""
-    if not isinstance(data, bytes):
-        return data
-    column = array(typecode)
-    column.frombytes(data)
-    if _BIG_ENDIAN:
-        column.byteswap()
-    return column
 
 
 def _same(value: Any) -> Any:
