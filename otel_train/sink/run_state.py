@@ -8,8 +8,8 @@ taken:
 
 * ``ledger.journal``: one record per request, appended with one write before the request's window is appended
   to the spool as `seq`: ``[seq, changes]``, the ledger's changes (`SeriesLedger.changes`: set entries, and the
-  gauge values written as a block: each series once, its steps and values packed as int64 and float64 bytes).
-  Records of the previous format (a (rank, tag, step) key per gauge value) are still read. Records are framed
+  gauge values written as a block of columns: a series' rank and tag once per run of its values, then the
+  steps and values). Records of the previous format (a (rank, tag, step) key per gauge value) are still read. Records are framed
   by their length; a torn last record ends the reading. A record whose seq the spool does not hold (the sink died between the two writes, or the spool's
   write failed and the record was cut back) is ignored on load: the sender was not told OK and sends again.
 * ``ledger.snapshot``: the whole state (`SeriesLedger.dump`) with the seq it covers, written to a temporary
@@ -39,7 +39,7 @@ _logger = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "ledger.snapshot"
 JOURNAL_FILE = "ledger.journal"
-_VERSION = 2  # 2: gauge values as a block of columns per series (1: a flat table; still read)
+_VERSION = 2  # 2: gauge values as a block of columns (1: a (rank, tag, step) table; still read)
 _READABLE = frozenset({1, _VERSION})
 _FRAME = struct.Struct("<I")  # the record's length
 _MIN_COMPACT_BYTES = 16 << 20  # the journal is folded into the snapshot past this (or twice the snapshot's size)
@@ -54,6 +54,7 @@ class RunState:
         self.journal_path = folder / JOURNAL_FILE
         self.journal_bytes = 0
         self._compact_at = _MIN_COMPACT_BYTES
+        self._fd: int | None = None  # the journal, open for appending while the run is open (`close`)
 
     def read(self, last_seq: int) -> tuple[Any, list[Any]]:
         """The snapshot (None: none) and the journal's changes after it that the spool holds (seq <= `last_seq`),
@@ -106,17 +107,31 @@ class RunState:
         body = ormsgpack.packb([seq, changes])
         record = _FRAME.pack(len(body)) + body
         before = self.journal_bytes
-        # Opened per request, not kept: an open run costs no file descriptor more than its spool does.
-        fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # Kept open while the run is: an open and a close per request cost as much as the write (one descriptor
+        # per open run more, as its spool's segment).
+        fd = self._fd
+        if fd is None:
+            fd = self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             written = os.write(fd, record)  # one write: a kill leaves it whole or torn
             if written != len(record):
                 os.ftruncate(fd, before)
                 raise OSError(f"short write: {written} of {len(record)} bytes (disk full?)")
-        finally:
-            os.close(fd)
+        except OSError:
+            self.close()  # opened afresh by the next request's append
+            raise
         self.journal_bytes = before + len(record)
         return before
+
+    def close(self) -> None:
+        """Close the journal's descriptor (the run closes; the next `append` opens it again)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def cut(self, size: int) -> None:
         """Cut the journal back to `size` (its request's spool write failed: that request is refused)."""
         try:
