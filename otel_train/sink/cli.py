@@ -158,9 +158,18 @@ def main(args: argparse.Namespace) -> int:
 
     raise_soft_limit()  # our own process: the limits the sink derives follow the hard descriptor limit
     sink = Sink(settings, factory, options.directory)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    # Before the listeners start: a SIGTERM as soon as /health answers must stop the sink cleanly too.
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         sink.start()
     except OSError as err:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         sys.stderr.write(f"otel-train sink: error: {err}\n")
         return 1
     logging.getLogger("otel_train.sink").info(
@@ -168,12 +177,6 @@ def main(args: argparse.Namespace) -> int:
     from otel_train._internal.gc_tuning import tune_for_row_churn
 
     tune_for_row_churn()  # our own process: fewer cycle collections (see that module)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         while not stop.wait(1.0):
             pass

@@ -1,10 +1,11 @@
 """The sink's share of file descriptors: how many runs and connections fit the process's `RLIMIT_NOFILE`, and
 whether one more run fits now.
 
-Every open run holds files: its spool (a segment and a record of what each backend holds: 2) and one file per
-backend and rank (TensorBoard's event file, the Chrome trace, a JSONL file, ...). Measured with a one-point
-request per run: 4 descriptors per run for the default ``tensorboard,chrome_trace`` with one rank, 5 with two
-ranks, 6 and 8 with ``jsonl`` added. A run's files are opened as its data arrives, so a limit counted in runs
+Every open run holds files: its spool (a segment, a record of what each backend holds, and its series state's
+journal: 3) and one file per backend and rank (TensorBoard's event file, the Chrome trace, a JSONL file, ...).
+Measured with a one-point request per run, before the journal was kept open: 4 descriptors per run for the
+default ``tensorboard,chrome_trace`` with one rank, 5 with two ranks, 6 and 8 with ``jsonl`` added; the
+journal adds one to each. A run's files are opened as its data arrives, so a limit counted in runs
 alone cannot know how many a run will need; the sink therefore
 
 * derives its default open-run limit from the descriptor limit (`default_max_open_runs`: `FDS_PER_RUN` per run,

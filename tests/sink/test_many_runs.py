@@ -78,10 +78,11 @@ def test_thousands_of_runs_on_bounded_threads_and_files(tmp_path: Path) -> None:
         assert router.runs_opened == _RUNS + len(reopened)
     finally:
         router.close(60)
-    # 2 pool threads, 4 closers, 1 watchdog; one run's files (JSONL + spool segment and cursor) are ~3 fds.
+    # 2 pool threads, 4 closers, 1 watchdog; one run's files (JSONL + spool segment and cursor + the ledger's
+    # journal, kept open while the run is) are ~4 fds.
     assert most_threads - threads0 <= 7, (threads0, most_threads)
     assert most_open <= _MAX_OPEN
-    assert most_fds - fds0 <= _MAX_OPEN * 4, (fds0, most_fds)
+    assert most_fds - fds0 <= _MAX_OPEN * 5, (fds0, most_fds)
     # No growth once the LRU is full: the last 500 runs peak where runs 500-1,000 did (measured: within 5 fds). A
     # file kept by one closed run in 80 adds 12 over the 1,000 runs between them (the bound above, at 10,000
     # runs, caught one in 40; injected one in 40 here: +27).

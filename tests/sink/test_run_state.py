@@ -498,3 +498,41 @@ def test_a_torn_journal_keeps_its_whole_records_and_a_damaged_snapshot_never_sto
     finally:
         router.close(30)
     assert _jsonl_points(tmp_path / "runs") == {"d": [("m", 0, 1.0), ("m", 1, 1.0)]}
+
+
+# A run's state files as the previous format wrote them (gauge values as (rank, tag, step) keys): a snapshot
+# (seq 1: rank 1's loss at steps 0 and 1) and a journal record (seq 2: loss at step 1 changed to 0.75, acc at 2).
+_OLD_SNAPSHOT = (b"\x93\x01\x01\x92\x9a\xff\x00\x00\x00\x00\x00\x00\x00\x00\x90\x8c\xa1T\x92\x90\x90"
+                 b"\xa1P\x92\x90\x90\xa1G\x92\x92\x93\x01\xa4loss\x00\x93\x01\xa4loss\x01\x92\xcb?\xe0\x00"
+                 b"\x00\x00\x00\x00\x00\xcb?\xd0\x00\x00\x00\x00\x00\x00\xa1C\x92\x90\x90\xa1H\x92\x90\x90"
+                 b"\xa1X\x92\x90\x90\xa1L\x92\x90\x90\xa1D\x92\x90\x90\xa1S\x92\x90\x90\xa1W\x92\x90\x90"
+                 b"\xa1N\x92\x90\x90\xa1Q\x92\x90\x90")
+_OLD_JOURNAL = (b"5\x00\x00\x00\x92\x02\x94\x9a\xff\x00\x00\x00\x00\x00\x00\x00\x00\x90\x91\x93\xa1G\x93"
+                b"\x01\xa4loss\x01\xcb?\xe8\x00\x00\x00\x00\x00\x00\x91\x93\x01\xa3acc\x02\x91\xcb?\xf0\x00"
+                b"\x00\x00\x00\x00\x00")
+
+
+def test_state_files_of_the_previous_format_still_load(tmp_path: Path) -> None:
+    from otel_train.sink.runs.state import RunState
+    from otel_train.sink.runs.temporality import SeriesLedger
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
+
+    state = RunState(tmp_path)
+    state.snapshot_path.write_bytes(_OLD_SNAPSHOT)
+    state.journal_path.write_bytes(_OLD_JOURNAL)
+    snapshot, records = state.read(last_seq=2)
+    assert snapshot is not None and len(records) == 1
+    ledger = SeriesLedger(persistent=True)
+    ledger.load(snapshot, records)
+    ledger.loaded()
+    run = RunInfo("r", "r", rank=1)
+    sent = [("loss", 0, 0.5), ("loss", 1, 0.75), ("acc", 2, 1.0), ("loss", 1, 0.25), ("acc", 3, 1.0)]
+    written: list[Any] = []
+    ledger.gauges([MetricRow(run, step, tag, tag, value, "gauge", 0) for tag, step, value in sent], written.append)
+    assert [(r.tag, r.step, r.value) for r in written] == [("loss", 1, 0.25), ("acc", 3, 1.0)]
+    # written again in the current format (version 2), it reads back the same
+    state.write(2, ledger.dump())
+    again = SeriesLedger(persistent=True)
+    again.load(*state.read(last_seq=2))
+    assert again.dump() == ledger.dump()

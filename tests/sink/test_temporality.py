@@ -222,7 +222,8 @@ def test_gauges_are_remembered_per_series_for_a_window_of_steps_never_cleared_wh
     keys = [(r.run.rank, r.tag, r.step) for r in written]
     assert len(keys) == len(set(keys)) == 2 * 3 * 1000
     assert ledger.window_skipped > 0
-    assert len(ledger._gauges) <= 4 * 16 * 20  # bounded by series x window: pruned, never cleared
+    held = sum(len(steps) for by_tag in ledger._gauges.values() for steps in by_tag.values())
+    assert 0 < held <= 2 * 3 * (20 + 50)  # bounded by series x window (+ a request): pruned, never cleared
 
 
 def test_retried_delta_points_and_spans_are_applied_once() -> None:
@@ -352,3 +353,55 @@ def test_retried_log_records_are_taken_once_and_their_keys_stay_bounded(monkeypa
     for t in range(10, 1010):
         ledger.new_logs([record(t)])
     assert len(ledger._logs) <= 125 and [r.time_unix_nano for r in ledger.new_logs([record(1009)])] == []
+
+
+def _gauge(rank: int, tag: str, step: int, value: float) -> Any:
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
+
+    return MetricRow(RunInfo("r", "r", rank=rank), step, tag, tag, value, "gauge", 0)
+
+
+def test_gauge_changes_round_trip_bit_for_bit_and_a_rollback_undoes_new_and_changed_values() -> None:
+    import math
+    import struct
+
+    import ormsgpack
+
+    def again(value: Any) -> Any:
+        return ormsgpack.unpackb(ormsgpack.packb(value))
+
+    def same(a: Any, b: Any) -> bool:  # bit for bit (a NaN equals no NaN)
+        return bool(ormsgpack.packb(a) == ormsgpack.packb(b))
+
+    nan = struct.unpack("<d", struct.pack("<Q", 0x7FF8_0000_0000_0123))[0]  # a NaN with a payload
+    ledger = SeriesLedger(persistent=True)
+    journal = []
+    for rows in ([_gauge(0, "a", 1, 1.0), _gauge(0, "a", 2, 2.0), _gauge(1, "a", 1, nan)],
+                 [_gauge(0, "a", 2, 2.5), _gauge(0, "b", 7, -0.0), _gauge(1, "a", 1, nan), _gauge(0, "a", 3, 3.0)]):
+        ledger.begin()
+        ledger.gauges(rows, lambda row: None)
+        journal.append(again(ledger.changes()))
+        ledger.commit()
+    before = again(ledger.dump())
+    # one request: a value changed, a new step written twice, a new series; all of it refused
+    ledger.begin()
+    written: list[Any] = []
+    ledger.gauges([_gauge(0, "a", 1, 9.0), _gauge(0, "c", 4, 1.0), _gauge(0, "c", 4, 5.0), _gauge(0, "a", 9, 0.0)],
+                  written.append)
+    assert len(written) == 4
+    ledger.rollback()
+    assert same(ledger.dump(), before)
+    # restored from the journal, or from the snapshot: the same values, bit for bit (NaN payload, -0.0)
+    for state, records in ((None, journal), (before, [])):
+        restored = SeriesLedger(persistent=True)
+        restored.load(state, records)
+        restored.loaded()
+        assert same(restored.dump()[1]["g"], before[1]["g"])  # (restoring also fills in series' top steps)
+        got: list[Any] = []
+        restored.gauges([_gauge(0, "a", 1, 1.0), _gauge(0, "a", 2, 2.5), _gauge(1, "a", 1, nan),
+                         _gauge(0, "b", 7, -0.0), _gauge(0, "a", 3, 3.0), _gauge(0, "a", 2, 2.0),
+                         _gauge(0, "b", 7, 0.0)], got.append)
+        assert [(r.tag, r.step, r.value) for r in got] == [("a", 2, 2.0)]  # 0.0 == -0.0: the same value
+        assert struct.pack("<d", restored._gauges[1]["a"][1]) == struct.pack("<d", nan) and math.isnan(nan)
+        assert math.copysign(1.0, restored._gauges[0]["b"][7]) == -1.0

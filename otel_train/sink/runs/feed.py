@@ -108,6 +108,11 @@ class RunFeed:
                             "wrote may be written again", self.run_id, self.state.folder, err)
             return False
 
+    def close_state(self) -> None:
+        """Close the series state's journal (the run is closed: nothing is appended to it any more)."""
+        if self.state is not None:
+            self.state.close()
+
     def forget_spool(self) -> None:
         """Every backend holds everything: remove the spool's segments and records, keep the series state (written
         first as covering no window: the next spool starts from seq 1)."""

@@ -20,7 +20,7 @@ def log_key(record: LogRow) -> int:
     """The record's key (an unsigned 64-bit integer: msgpack stores it as is).
 
     Example:
-        >>> from otel_train.run_identity import RunInfo
+        >>> from otel_train.vocab.run_identity import RunInfo
         >>> one = LogRow(RunInfo("r", "r"), 3, 1_700_000_000_000_000_000, 13, "WARN", "slow", "job", {"a": 1})
         >>> again = LogRow(RunInfo("r", "r"), 3, 1_700_000_000_000_000_000, 13, "WARN", "slow", "job", {"a": 1})
         >>> log_key(one) == log_key(again), log_key(one) == log_key(LogRow(RunInfo("r", "r"), 3, 1, 13, "WARN",

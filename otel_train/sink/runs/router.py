@@ -406,12 +406,15 @@ class Router:
                 self._emit_aggregates(state, state.aggregator.drain())
         complete = state.stop(timeout_s)
         if state.spool_path is not None:
-            if complete:
-                # Every backend holds everything: the spool's cursors and segments have nothing left to give; the
-                # series state stays for the run's next request (a reopen, a restarted sink).
-                state.forget_spool()
-            else:
-                state.save_state()
+            try:
+                if complete:
+                    # Every backend holds everything: the spool's cursors and segments have nothing left to give;
+                    # the series state stays for the run's next request (a reopen, a restarted sink).
+                    state.forget_spool()
+                else:
+                    state.save_state()
+            finally:
+                state.close_state()
         with self._lock:
             self.held_bytes -= state.held_bytes
         state.held_bytes = 0

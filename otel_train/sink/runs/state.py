@@ -8,16 +8,18 @@ taken:
 
 * ``ledger.journal``: one record per request, appended with one write before the request's window is appended
   to the spool as `seq`: ``[seq, changes]``, the ledger's changes (`SeriesLedger.changes`: set entries, and the
-  gauge values first written as two columns). Records are framed by their length; a torn last record ends the
-  reading. A record whose seq the spool does not hold (the sink died between the two writes, or the spool's
+  gauge values written as a block of columns: a series' rank and tag once per run of its values, then the
+  steps and values). Records of the previous format (a (rank, tag, step) key per gauge value) are still read. Records are framed
+  by their length; a torn last record ends the reading. A record whose seq the spool does not hold (the sink died between the two writes, or the spool's
   write failed and the record was cut back) is ignored on load: the sender was not told OK and sends again.
 * ``ledger.snapshot``: the whole state (`SeriesLedger.dump`) with the seq it covers, written to a temporary
   file and renamed over (atomic), then the journal emptied: when the journal outgrows it (compaction), when the
   run opens (after the journal was applied), and when it closes. A run that closes with everything written
   keeps only these files in its spool folder (its size is the ledger's: series x a window of steps).
 
-Both are msgpack (the spool's encoding). Like the spool's own records (``written.*``, ``released.*``), the
-journal is not fsynced per request: a ``kill -9`` of the sink keeps what the kernel has; a machine crash may
+Both are msgpack (the spool's encoding). The snapshot is versioned (`_VERSION`); version 1 (gauge values as a
+flat table) is still read. Like the spool's own records (``written.*``, ``released.*``), the journal is not
+fsynced per request: a ``kill -9`` of the sink keeps what the kernel has; a machine crash may
 lose its last records, as it may the spool's.
 """
 
@@ -37,7 +39,8 @@ _logger = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "ledger.snapshot"
 JOURNAL_FILE = "ledger.journal"
-_VERSION = 1
+_VERSION = 2  # 2: gauge values as a block of columns (1: a (rank, tag, step) table; still read)
+_READABLE = frozenset({1, _VERSION})
 _FRAME = struct.Struct("<I")  # the record's length
 _MIN_COMPACT_BYTES = 16 << 20  # the journal is folded into the snapshot past this (or twice the snapshot's size)
 
@@ -51,6 +54,7 @@ class RunState:
         self.journal_path = folder / JOURNAL_FILE
         self.journal_bytes = 0
         self._compact_at = _MIN_COMPACT_BYTES
+        self._fd: int | None = None  # the journal, open for appending while the run is open (`close`)
 
     def read(self, last_seq: int) -> tuple[Any, list[Any]]:
         """The snapshot (None: none) and the journal's changes after it that the spool holds (seq <= `last_seq`),
@@ -62,7 +66,7 @@ class RunState:
         covered = 0
         try:
             version, seq, state = ormsgpack.unpackb(self.snapshot_path.read_bytes())
-            if version == _VERSION:
+            if version in _READABLE:
                 snapshot, covered = state, int(seq)
         except FileNotFoundError:
             pass
@@ -103,17 +107,31 @@ class RunState:
         body = ormsgpack.packb([seq, changes])
         record = _FRAME.pack(len(body)) + body
         before = self.journal_bytes
-        # Opened per request, not kept: an open run costs no file descriptor more than its spool does.
-        fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # Kept open while the run is: an open and a close per request cost as much as the write (one descriptor
+        # per open run more, as its spool's segment).
+        fd = self._fd
+        if fd is None:
+            fd = self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             written = os.write(fd, record)  # one write: a kill leaves it whole or torn
             if written != len(record):
                 os.ftruncate(fd, before)
                 raise OSError(f"short write: {written} of {len(record)} bytes (disk full?)")
-        finally:
-            os.close(fd)
+        except OSError:
+            self.close()  # opened afresh by the next request's append
+            raise
         self.journal_bytes = before + len(record)
         return before
+
+    def close(self) -> None:
+        """Close the journal's descriptor (the run closes; the next `append` opens it again)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def cut(self, size: int) -> None:
         """Cut the journal back to `size` (its request's spool write failed: that request is refused)."""
         try:

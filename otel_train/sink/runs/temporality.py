@@ -100,6 +100,7 @@ _MAX_SPANS = 100_000
 _MAX_LOGS = 100_000
 _MISSING: Any = object()
 _LOW_64 = (1 << 64) - 1
+_NO_FLOOR = -(1 << 64)  # below every step: a series with nothing out of its window
 
 
 def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
@@ -144,11 +145,13 @@ class SeriesLedger(MetricsConverter):
         # Tables by id (`_TABLES`); the step-keyed ones are keyed (rank, tag, step, ...).
         self._sums: dict[tuple[int, str], float] = {}  # running totals
         self._tops: dict[tuple[int, str], int] = {}  # the highest step of each series
-        self._gauges: dict[tuple[int, str, int], float] = {}  # gauge values written
+        # Gauge values written, per series: rank -> tag -> {step: value}. Kept apart from `_tables`: a lookup per
+        # series (by its tag's cached hash) and a small int key per point on the hot path; no key tuple held.
+        self._gauges: dict[int, dict[str, dict[int, float]]] = {}
+        self._gauge_entries = 0  # steps held in `_gauges` (all series), for the prune trigger
         # (rank, tag) -> the step at or below which a gauge value is out of the window (set when pruning; only
         # series with steps that far below their highest)
         self._floors: dict[tuple[int, str], int] = {}
-        self._gauges_seen = 0  # gauge entries whose steps are in `_tops` (the oldest: insertion order)
         # (rank, tag, step, sender) -> (start time, value, time) of the newest cumulative point applied
         self._cumulative: dict[tuple[int, str, int, str], tuple[int, float, int]] = {}
         self._hists: dict[tuple[int, str, int, str],
@@ -162,12 +165,17 @@ class SeriesLedger(MetricsConverter):
         self._senders: dict[tuple[int, str], str] = {}  # (rank, tag) -> first sender of a cumulative series
         self._sequence: dict[tuple[int, str], int] = {}
         self._tables: dict[str, dict[Any, Any]] = {
-            "T": self._sums, "P": self._tops, "G": self._gauges, "C": self._cumulative, "H": self._hists,
+            "T": self._sums, "P": self._tops, "C": self._cumulative, "H": self._hists,
             "X": self._extremes, "L": self._deltas, "D": self._delta_seen, "S": self._spans, "W": self._written,
             "N": self._senders, "Q": self._sequence, "O": self._logs,
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
-        self._new_gauges: list[tuple[int, str, int]] = []  # gauge values first written since `begin`
+        # Gauge rows written since `begin`, in order, and where each run of them of one series starts (an index
+        # in `_new_rows`): the journal's gauge block, and what `rollback` removes.
+        self._new_rows: list[MetricRow] = []
+        self._new_at: list[int] = []
+        # (index in `_new_rows`, series' steps, step, old value) of gauge values changed since `begin` (rare)
+        self._changed_gauges: list[tuple[int, dict[int, float], int, float]] = []
         self._corrections: dict[tuple[int, str], MetricRow] = {}  # (rank, tag) -> its highest step, whole
         self._counts_before: tuple[Any, ...] = ()
         # Step-keyed entries at which the next commit drops those out of the window (amortised: a scan per doubling).
@@ -201,12 +209,13 @@ class SeriesLedger(MetricsConverter):
         """Start recording changes (a persistent ledger; a no-op otherwise)."""
         if self.persistent:
             self._undo = []
-            self._new_gauges = []
+            self._clear_new()
             self._counts_before = (*(getattr(self, n) for n in self._COUNTS), len(self.collided))
 
     def changes(self) -> list[Any]:
-        """The changes since `begin`, msgpack-able: [counters, [[table, key, value], ...], gauge keys first
-        written, their values] (`load`)."""
+        """The changes since `begin`, msgpack-able: [counters, [[table, key, value], ...], gauge block] (`load`):
+        the gauge values written as columns [ranks, tags, starts, steps, values], in runs of one series each,
+        the series' (rank, tag) once per run, starting at its index in the steps and values."""
         undo = self._undo or []
         tables = self._tables
         seen: set[tuple[str, Any]] = set()
@@ -218,17 +227,24 @@ class SeriesLedger(MetricsConverter):
             value = tables[tid].get(key, _MISSING)
             if value is not _MISSING:
                 out.append([tid, key, value])
-        written = self._gauges
-        new_gauges = self._new_gauges
-        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out, new_gauges,
-                [written[k] for k in new_gauges]]
+        rows = self._new_rows
+        at = self._new_at
+        firsts = [rows[i] for i in at]
+        block = [[r.run.rank for r in firsts], [r.tag for r in firsts], at, [r.step for r in rows],
+                 [r.value for r in rows]]
+        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out, block]
+
+    def _clear_new(self) -> None:
+        self._new_rows = []
+        self._new_at = []
+        self._changed_gauges = []
 
     def commit(self) -> None:
         """Keep the changes since `begin` (they are durable); drop entries that fell out of the window."""
         self._undo = None
-        self._new_gauges = []
+        self._clear_new()
         # Nothing is out of the window before the run's steps span it (a series' steps are at most the run's).
-        if self.current_step >= self._window and (len(self._gauges) + len(self._cumulative) + len(self._deltas)
+        if self.current_step >= self._window and (self._gauge_entries + len(self._cumulative) + len(self._deltas)
                                                   + len(self._delta_seen) > self._prune_at):
             self._prune()
 
@@ -243,34 +259,102 @@ class SeriesLedger(MetricsConverter):
                 tables[tid].pop(key, None)
             else:
                 tables[tid][key] = old
-        for key in self._new_gauges:
-            self._gauges.pop(key, None)
+        # Gauge writes, newest first: a changed value gets its old one back, a new one goes.
+        changed = {i: (steps, old) for i, steps, _, old in self._changed_gauges}
+        gauges = self._gauges
+        for i in range(len(self._new_rows) - 1, -1, -1):
+            row = self._new_rows[i]
+            if i in changed:
+                steps, old = changed[i]
+                steps[row.step] = old
+            else:
+                by_tag = gauges.get(row.run.rank, {})
+                steps = by_tag.get(row.tag, {})
+                steps.pop(row.step, None)
+                self._gauge_entries -= 1
+                if not steps:
+                    by_tag.pop(row.tag, None)  # a series this request began
         self._corrections.clear()
-        self._new_gauges = []
+        self._clear_new()
         *counts, collided = self._counts_before
         for name, value in zip(self._COUNTS, counts, strict=True):
             setattr(self, name, value)
         del self.collided[collided:]
 
     def dump(self) -> list[Any]:
-        """The whole state, msgpack-able (`load`): the counters, and each table as [keys, values]."""
-        return [[*(getattr(self, n) for n in self._COUNTS), self.collided],
-                {tid: [list(table), list(table.values())] for tid, table in self._tables.items()}]
+        """The whole state, msgpack-able (`load`): the counters, and each table as [keys, values] (the gauge
+        values as ``g``, a gauge block as `changes` writes it, a run per series)."""
+        tables: dict[str, Any] = {tid: [list(table), list(table.values())] for tid, table in self._tables.items()}
+        series = [(rank, tag, steps) for rank, by_tag in self._gauges.items() for tag, steps in by_tag.items()
+                  if steps]
+        tables["g"] = [[s[0] for s in series], [s[1] for s in series],
+                       list(itertools.accumulate((len(s[2]) for s in series[:-1]), initial=0)) if series else [],
+                       list(itertools.chain.from_iterable(s[2] for s in series)),
+                       list(itertools.chain.from_iterable(s[2].values() for s in series))]
+        return [[*(getattr(self, n) for n in self._COUNTS), self.collided], tables]
 
     def load(self, state: list[Any] | None, changes: list[list[Any]]) -> None:
-        """Restore a `dump`, then apply `changes` (lists of `changes()`) in order; `loaded` when done."""
+        """Restore a `dump`, then apply `changes` (lists of `changes()`) in order; `loaded` when done.
+
+        Also reads what the previous format wrote: gauge values as a flat table ``G`` of (rank, tag, step) keys in
+        a snapshot, and as a list of such keys and a list of values closing a journal record."""
         if state is not None:
             counts, tables = state
             self._set_counts(counts)
-            for tid, (keys, values) in tables.items():
+            for tid, data in tables.items():
+                if tid == "g":
+                    self._load_gauge_block(data)
+                    continue
+                keys, values = data
+                if tid == "G":  # the previous format
+                    self._load_gauges(keys, values)
+                    continue
                 fix = _VALUE_OF[tid]
                 self._tables[tid].update(zip(map(_key, keys), values if fix is _same else map(fix, values),
                                              strict=True))
-        for counts, entries, keys, values in changes:
+        for change in changes:
+            counts, entries, *gauges = change
             self._set_counts(counts)
             for tid, key, value in entries:
-                self._tables[tid][_key(key)] = _VALUE_OF[tid](value)
-            self._gauges.update(zip(map(_key, keys), values, strict=True))
+                if tid == "G":  # the previous format: a changed gauge value
+                    self._load_gauges([key], [value])
+                else:
+                    self._tables[tid][_key(key)] = _VALUE_OF[tid](value)
+            if len(gauges) == 2:  # the previous format: gauge keys first written, their values
+                self._load_gauges(*gauges)
+            else:
+                self._load_gauge_block(gauges[0])
+
+    def _load_gauges(self, keys: list[Any], values: list[float]) -> None:
+        """Gauge values keyed (rank, tag, step), as the previous format wrote them."""
+        for (rank, tag, step), value in zip(keys, values, strict=True):
+            self._steps_of(rank, tag)[step] = value
+        self._count_gauges()
+
+    def _load_gauge_block(self, block: list[Any]) -> None:
+        """Gauge values from a gauge block (`changes`), set in order (a later value of a step replaces an earlier
+        one)."""
+        ranks, tags, starts, steps, values = block
+        ends = [*starts[1:], len(steps)] if starts else []
+        if not len(ranks) == len(tags) == len(starts) or len(steps) != len(values) or \
+                (starts[0] if starts else len(steps)) != 0 or any(a > b for a, b in zip(starts, ends, strict=True)):
+            raise ValueError("a gauge block whose columns do not match")
+        for rank, tag, a, b in zip(ranks, tags, starts, ends, strict=True):
+            self._steps_of(rank, tag).update(zip(steps[a:b], values[a:b], strict=True))
+        self._count_gauges()
+
+    def _steps_of(self, rank: int, tag: str) -> dict[int, float]:
+        """The gauge values a series has written, by step (created empty)."""
+        by_tag = self._gauges.get(rank)
+        if by_tag is None:
+            by_tag = self._gauges[rank] = {}
+        steps = by_tag.get(tag)
+        if steps is None:
+            steps = by_tag[tag] = {}
+        return steps
+
+    def _count_gauges(self) -> None:
+        self._gauge_entries = sum(len(steps) for by_tag in self._gauges.values() for steps in by_tag.values())
 
     def loaded(self) -> None:
         """Restoring is done: drop what fell out of the window."""
@@ -294,16 +378,25 @@ class SeriesLedger(MetricsConverter):
         lookup)."""
         tops, window, floors = self._tops, self._window, self._floors
         gauges = self._gauges
-        for rank, tag, step in itertools.islice(gauges, self._gauges_seen, None):  # added since the last pass
-            if step > tops.get((rank, tag), step - 1):
-                tops[(rank, tag)] = step
+        for rank, by_tag in gauges.items():
+            for tag, steps in by_tag.items():
+                if steps:
+                    top = max(steps)
+                    if top > tops.get((rank, tag), top - 1):
+                        tops[(rank, tag)] = top
         for series, top in tops.items():
             if top - window > floors.get(series, STEPLESS) and (series in floors or top >= window):
                 floors[series] = top - window
-        if floors:
-            for key in [k for k in gauges if k[2] <= floors.get(k[:2], STEPLESS)]:
-                del gauges[key]
-        self._gauges_seen = live = len(gauges)
+        for (rank, tag), floor in floors.items():
+            by_tag = gauges.get(rank, {})
+            kept = by_tag.get(tag)
+            if kept:
+                for step in [s for s in kept if s <= floor]:
+                    del kept[step]
+                if not kept:
+                    del by_tag[tag]  # its floor stays: older steps are still not written again
+        self._count_gauges()
+        live = self._gauge_entries
         tables: tuple[dict[Any, Any], ...] = (self._cumulative, self._hists, self._extremes, self._deltas,
                                               self._delta_seen)
         for table in tables:
@@ -386,27 +479,57 @@ class SeriesLedger(MetricsConverter):
 
     # -- number points -----------------------------------------------------------------------------
     def gauges(self, rows: list[MetricRow], append: Callable[[MetricRow], None]) -> None:
-        """Gauge rows with a step, the sink's hot path: `append` those not written before with their value."""
-        written = self._gauges
+        """Gauge rows with a step, the sink's hot path: `append` those not written before with their value.
+
+        Rows come grouped by series (a metric's points in a request): the series' table is looked up when the
+        row's run or tag is another object than the previous row's, then one lookup by step per point."""
+        gauges = self._gauges
         floors = self._floors
-        undo = self._undo
-        new_gauges = self._new_gauges
+        record = self._undo is not None
+        new_rows, new_at = self._new_rows, self._new_at
+        run: Any = None
+        rank = 0
+        tag: Any = None
+        by_tag: dict[str, dict[int, float]] = {}
+        steps: dict[int, float] = {}
+        recorded: Any = None  # the series `new_at` last began a run of rows for
+        floor = _NO_FLOOR
+        added = 0
         for row in rows:
-            key = (row.run.rank, row.tag, row.step)
+            if row.tag is not tag or row.run is not run:
+                if row.run is not run:
+                    run = row.run
+                    rank = run.rank
+                    found = gauges.get(rank)
+                    if found is None:
+                        found = gauges[rank] = {}
+                    by_tag = found
+                tag = row.tag
+                series = by_tag.get(tag)
+                if series is None:
+                    series = by_tag[tag] = {}
+                steps = series
+                floor = floors.get((rank, tag), _NO_FLOOR) if floors else _NO_FLOOR
+            step = row.step
             value = row.value
-            old = written.get(key, _MISSING)
-            if old == value or (old is not _MISSING and _same_value(old, value)):
-                continue  # re-sent unchanged
+            old = steps.get(step, _MISSING)
             if old is _MISSING:
-                if floors and key[2] <= floors.get(key[:2], STEPLESS):
+                if step <= floor:
                     self.window_skipped += 1  # older than the window: by the step order rule, not written again
                     continue
-                if undo is not None:
-                    new_gauges.append(key)
-            elif undo is not None:
-                undo.append(("G", key, old))
-            written[key] = value
+                added += 1
+            elif old == value or _same_value(old, value):
+                continue  # re-sent unchanged
+            elif record:
+                self._changed_gauges.append((len(new_rows), steps, step, old))
+            steps[step] = value
             append(row)
+            if record:
+                if steps is not recorded:
+                    recorded = steps
+                    new_at.append(len(new_rows))
+                new_rows.append(row)
+        self._gauge_entries += added
 
     def _sender(self, rank: int, tag: str, sender: str) -> None:
         key = (rank, tag)
@@ -571,6 +694,6 @@ def _hist_prev(v: list[Any]) -> tuple[int, int, float, tuple[float, ...], tuple[
 
 #: How each table's values come back from msgpack (lists to tuples where the table holds tuples).
 _VALUE_OF: dict[str, Callable[[Any], Any]] = {
-    "T": _same, "P": _same, "G": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
+    "T": _same, "P": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
     "S": _same, "W": _same, "N": _same, "Q": _same, "O": _same,
 }
