@@ -58,6 +58,8 @@ def test_empty_exporters_means_none() -> None:
         ({"OTEL_SDK_DISABLED": "2"}, "OTEL_SDK_DISABLED: '2' is not a boolean"),
         ({"OTEL_TRAIN_CONFIG_JSON": "[1, 2]"}, "OTEL_TRAIN_CONFIG_JSON: '[1, 2]' is not allowed; expected a JSON object"),
         ({"OTEL_TRAIN_CONFIG_JSON": "{lr: 1}"}, "OTEL_TRAIN_CONFIG_JSON: not valid JSON"),
+        ({"OTEL_TRAIN_DIR": "~no-such-user-x9/runs"},
+         "OTEL_TRAIN_DIR: '~no-such-user-x9/runs' names no user's home directory"),
     ],
 )
 def test_bad_values_fail_with_one_line(env: dict[str, str], expected: str) -> None:
@@ -69,6 +71,8 @@ def test_bad_values_fail_with_one_line(env: dict[str, str], expected: str) -> No
 
 
 def test_bad_keyword_is_named() -> None:
+    with pytest.raises(ConfigError, match="^dir: '~no-such-user-x9' names no user's home directory"):
+        load_settings({}, dir="~no-such-user-x9")
     with pytest.raises(ConfigError, match="export_every: 0 is too small"):
         load_settings({}, export_every=0)
     with pytest.raises(ConfigError, match="unknown keyword `exporter`"):
@@ -90,3 +94,5 @@ def test_sink_settings() -> None:
         load_sink_settings({"OTEL_TRAIN_SINK_AGGREGATE": "median"})
     with pytest.raises(ConfigError, match="--grpc: 'localhost' is not allowed; expected HOST:PORT"):
         load_sink_settings({}, grpc="localhost")
+    with pytest.raises(ConfigError, match="OTEL_TRAIN_SINK_SPOOL_DIR: '~no-such-user-x9' names no user's home"):
+        load_sink_settings({"OTEL_TRAIN_SINK_SPOOL_DIR": "~no-such-user-x9"})

@@ -23,6 +23,7 @@ from otel_train.config.values import (
     parse_int,
     parse_nice,
     parse_non_negative_float,
+    parse_path,
     parse_positive_float,
     parse_text,
 )
@@ -394,7 +395,7 @@ def _parse_hang_factor(name: str, raw: str) -> float:
 # field name -> (env variable, parser)
 _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "exporters": (OTEL_TRAIN_EXPORTERS, parse_exporters),
-    "dir": (OTEL_TRAIN_DIR, lambda n, r: Path(parse_text(n, r)).expanduser()),
+    "dir": (OTEL_TRAIN_DIR, parse_path),
     "run_name": (OTEL_TRAIN_RUN_NAME, parse_text),
     "run_id": (OTEL_TRAIN_RUN_ID, parse_text),
     "project": (OTEL_TRAIN_PROJECT, parse_text),
@@ -533,7 +534,7 @@ def _validate_kwarg(field: str, value: Any) -> Any:
             raise ConfigError(f"config: {type(value).__name__} is not allowed; expected a mapping of hyperparameters")
         return dict(value)
     if field == "dir":
-        return Path(value).expanduser()
+        return parse_path(field, value)
     if field == "disabled":
         return value if isinstance(value, bool) else parse_bool(field, str(value))
     if isinstance(value, str):

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from otel_train.errors import ConfigError
 
 __all__ = ["choice", "parse_bool", "parse_config_json", "parse_cpus", "parse_exporters", "parse_int", "parse_nice",
            "parse_non_negative_float",
-           "parse_positive_float", "parse_text"]
+           "parse_path", "parse_positive_float", "parse_text"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -116,3 +118,14 @@ def parse_text(name: str, raw: str) -> str:
     if not value:
         raise ConfigError(f"{name}: empty value is not allowed; unset it or give a non-empty string")
     return value
+
+
+def parse_path(name: str, raw: str | os.PathLike[str]) -> Path:
+    """A folder setting, `~` and `~user` expanded; a `~user` with no home directory is a one-line `ConfigError`
+    (pathlib raises `RuntimeError` there)."""
+    text = parse_text(name, raw) if isinstance(raw, str) else os.fspath(raw)
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        raise ConfigError(f"{name}: {text!r} names no user's home directory; give an absolute path, a relative "
+                          "one, or ~/...") from None

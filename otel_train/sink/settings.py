@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from otel_train.config.values import parse_int, parse_positive_float, parse_text
+from otel_train.config.values import parse_int, parse_path, parse_positive_float, parse_text
 from otel_train.errors import ConfigError
 
 __all__ = ["SinkSettings", "load_sink_settings"]
@@ -148,7 +148,7 @@ _SINK_ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "token_file": (OTEL_TRAIN_SINK_TOKEN_FILE, _parse_token_file),
     "body_timeout_s": (OTEL_TRAIN_SINK_BODY_TIMEOUT_S, parse_positive_float),
     "max_connections": (OTEL_TRAIN_SINK_MAX_CONNECTIONS, lambda n, r: parse_int(n, r, 1)),
-    "spool_dir": (OTEL_TRAIN_SINK_SPOOL_DIR, lambda n, r: Path(parse_text(n, r)).expanduser()),
+    "spool_dir": (OTEL_TRAIN_SINK_SPOOL_DIR, parse_path),
     "spool_run_mb": (OTEL_TRAIN_SINK_SPOOL_RUN_MB, lambda n, r: parse_int(n, r, 0)),
     "spool_total_mb": (OTEL_TRAIN_SINK_SPOOL_TOTAL_MB, lambda n, r: parse_int(n, r, 1)),
     "queue_windows": (OTEL_TRAIN_SINK_QUEUE_WINDOWS, lambda n, r: parse_int(n, r, 1)),
