@@ -134,7 +134,8 @@ def test_sigterm_with_a_hung_backend_ends_within_the_shutdown_timeout_and_the_ne
     assert "stays in the spool" in sink.log.read_text()
     assert (runs / ".sink-spool" / spool_folder("hung")).is_dir()  # what was not written waits there
     (hung / "rank0.jsonl").unlink()
-    again = SinkProcess(tmp_path / "second", *args).wait_ready()
+    # the default shutdown timeout here: a second of writing is not always enough for the rest on a loaded host
+    again = SinkProcess(tmp_path / "second", "--exporters", "jsonl", "--dir", str(runs)).wait_ready()
     try:
         again.settled_health()
     finally:
