@@ -33,20 +33,22 @@ import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from otel_train import semconv
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name
-from otel_train.backend import Window
 from otel_train.capture.attributes import clean_attributes, refused_reason
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import StepOutOfRange, coerce_step
 from otel_train.rows import LogRow, MetricRow, SpanRow, series_tag
 from otel_train.run_identity import RunInfo
 
+if TYPE_CHECKING:
+    from otel_train.backend import Window
+
 __all__ = ["LOST_BUFFER", "LOST_LOGS", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
-           "client_from_env", "listen_on", "step_cell_path"]
+           "client_from_env", "listen_on", "step_cell_path", "worker_listener"]
 
 _logger = logging.getLogger("otel_train")
 _LEN = struct.Struct("<I")
@@ -213,6 +215,9 @@ class WorkerListener:
 
     def _window(self, worker: int, pid: int, points: list[tuple[Any, ...]],
                 spans: list[tuple[Any, ...]], logs: Any = ()) -> Window:
+        # Imported here: the training process imports this module, and needs nothing of the backend contract.
+        from otel_train.backend import Window
+
         run, attrs = self._run, {"worker": worker}
         last = max(0, int(self._last_step()))
         rows = [_worker_row(run, last, attrs, *point) for point in points] if self._metrics else []
@@ -295,6 +300,17 @@ def listen_address(spool_path: Path) -> str:
     import tempfile
 
     return os.path.join(tempfile.mkdtemp(prefix="otel-train-w"), "workers.sock")
+
+
+def worker_listener(spool_path: Path) -> tuple[str, socket.socket | None]:
+    """Where child processes (DataLoader workers) reach the run whose spool is `spool_path`, and the socket
+    listening there (None, logged, where it cannot listen: the children's values then go nowhere)."""
+    address = listen_address(spool_path)
+    try:
+        return address, listen_on(address)
+    except OSError as err:
+        _logger.warning("otel-train: child processes cannot reach this run: listening on %s failed: %s", address, err)
+        return address, None
 
 
 # -- the child's end ------------------------------------------------------------------------------------
