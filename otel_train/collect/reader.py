@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from otel_train._internal import sdk
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
+from otel_train._internal.values import RefusalCounts
 from otel_train.backend import DELTA_TEMPORALITY
 from otel_train.capture.instrument import LogBuffer, SpanBuffer
 from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd, current_step
@@ -84,6 +85,8 @@ class StepAlignedMetricReader(MetricReader):
         channel: Where encoded windows go besides `exporters` (the exporter process's
             `send_window` / `flush` / `close`); None for none.
         phases: Add per-step ``phase/<name>_s`` points computed from the spans of each step.
+        record: Opens the record of what was logged, for the backends of this process (None: none).
+        refusals: Where values refused as they are converted are counted (default: counts of its own).
 
     Example:
         >>> from opentelemetry.sdk.metrics import MeterProvider
@@ -113,6 +116,7 @@ class StepAlignedMetricReader(MetricReader):
         channel: Any = None,
         phases: bool = True,
         record: Callable[[Mapping[str, Any]], Any] | None = None,
+        refusals: RefusalCounts | None = None,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(**sdk.reader_options(DELTA_TEMPORALITY, limit))
@@ -121,7 +125,7 @@ class StepAlignedMetricReader(MetricReader):
         self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(100_000)
         self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(100_000)
         self._resource = resource or Resource.create()
-        self._builder = WindowBuilder(export_metrics, phases)
+        self._builder = WindowBuilder(export_metrics, phases, refusals)
         #: Values refused as they were converted (no number, no scalar, a bad key, a step out of range), by cause.
         self.refusals = self._builder.refusals
         #: The backends of this process (exporter objects; every named one without an exporter process).
@@ -224,17 +228,18 @@ class StepAlignedMetricReader(MetricReader):
         elif self._steps_since >= self.export_every:
             self._due = True
 
-    def step_end_hook(self) -> Callable[[int, int, int, int, int | None], None]:
+    def step_end_hook(self, steps_since: int = 0) -> Callable[[int, int, int, int, int | None], None]:
         """`on_step_end` plus buffering the step's numbers, as one closure for `otel_train.step`'s hook:
         no `StepEnd` object, no clock read and two calls fewer per step on the training thread (the
-        collector rebuilds the `StepEnd` with `StepEnd.from_times` and the time from `end_ns`)."""
+        collector rebuilds the `StepEnd` with `StepEnd.from_times` and the time from `end_ns`).
+        `steps_since`: steps that ended uncollected before this hook was set (they count toward `export_every`)."""
         append = self._log_items.append
         seq = self.log_buffer._seq
         wake = self._wake.set
         log_items, span_items = self._log_items, self._span_items
         every, records = self.export_every, self._wake_records
         wake_every_ns = int(_WAKE_EVERY_S * 1e9)
-        since = 0
+        since = steps_since
         next_wake_ns = 0
 
         def on_step_end(step: int, start_ns: int, end_ns: int, iterations: int, samples: int | None) -> None:

@@ -130,11 +130,15 @@ class SummarySource(Protocol):
 
     settings: Settings
     run: RunInfo
-    reader: StepAlignedMetricReader
     exporters: list[Any]
-    export_process: ExportProcess | None
     refusals: RefusalCounts
     verify_verdict: str | None
+
+    @property
+    def reader(self) -> StepAlignedMetricReader: ...
+
+    @property
+    def export_process(self) -> ExportProcess | None: ...
 
 
 def write_session_summary(session: SummarySource) -> None:
