@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,3 +126,38 @@ def test_a_child_forked_while_starting_logs_through_the_exporter_process(run_dir
     metric = [(r["name"], r["step"], r["value"]) for r in _records(run_dir, "fork") if r["type"] == "metric"]
     assert sorted(p for p in metric if p[0] in ("child/x", "train/loss")) == [("child/x", 0, 7.0),
                                                                                ("train/loss", 0, 1.0)]
+
+
+def test_steps_that_ended_while_starting_make_the_windows_they_would_have(run_dir: Path,
+                                                                          held_start: threading.Event) -> None:
+    session = ot.init(exporters=["jsonl"], dir=run_dir, run_name="windows", export_every=2,
+                      export_interval_s=3600)
+    for step in ot.steps(range(6)):
+        with ot.span("work"):
+            ot.log({"train/loss": float(step)})
+    held_start.set()
+    assert session.wait_started()
+    assert ot.flush(timeout_s=30)
+    assert session.reader.windows == 3  # one per 2 steps, as if the reader had been up from the first
+    ot.shutdown()
+    records = _records(run_dir, "windows")
+    assert sorted((r["step"], r["value"]) for r in records if r.get("tag") == "train/loss") == [
+        (s, float(s)) for s in range(6)]
+    assert sorted(r["step"] for r in records if r["type"] == "span" and r["name"] == "work") == list(range(6))
+
+
+def test_steps_ended_by_the_framework_while_starting_count_toward_export_every(
+        run_dir: Path, held_start: threading.Event) -> None:
+    session = ot.init(exporters=["jsonl"], dir=run_dir, run_name="logged", export_every=3, export_interval_s=3600)
+    for step in range(3):  # a framework's logged steps (`ot.step_ended`), no `ot.step`
+        ot.log({"train/x": float(step)}, step=step)
+        ot.step_ended(step)
+    held_start.set()
+    assert session.wait_started()
+    reader = session.reader
+    deadline = time.monotonic() + 30
+    while reader.windows < 1 and time.monotonic() < deadline:  # the third ended step made a collection due
+        time.sleep(0.02)
+    assert reader.windows == 1
+    ot.shutdown()
+    assert sorted(r["step"] for r in _records(run_dir, "logged") if r.get("tag") == "train/x") == [0, 1, 2]

@@ -172,13 +172,19 @@ class Session:
         self._sampler: Any = None
         self._hang_watchdog: Any = None
         self._early_step: int | None = None  # the latest step ended before the reader was up
-        self._early_steps = 0  # how many steps ended before the reader was up
+        self._early_steps = 0  # `ot.step` ends before the reader was up (its step-end hook counts them on)
+        self._early_logged_steps = 0  # `step_ended` calls before the reader was up (its `on_step_end` counts on)
+        self._start_failed = False
+        #: At shutdown, where the start failed: what was logged and never exported, "records" (values, step ends,
+        #: log records) and "spans" (`_count_unexported`).
+        self.unexported: dict[str, int] = {}
         self._step_hook = self._early_step_end_hook()
         set_step_end_hook(self._step_hook)
         self.forked = False
         self.worker: Any = None
         self._children = ChildHandOff(listener[0] if listener is not None else None)
         after_fork_in_child(self._after_fork_in_child)  # held weakly: a shut-down session is freed
+        _write_running_hang_file(settings, self.run, directory)  # the watchdog itself starts on the start thread
         self._started = threading.Event()
         self._start_thread = threading.Thread(target=self._start_rest, args=(remote, options, directory, listener),
                                               name="otel-train-start", daemon=True)  # an exit waits for it
@@ -186,30 +192,42 @@ class Session:
 
     def _early_step_end_hook(self) -> Callable[[int, int, int, int, int | None], None]:
         """The step-end hook until the reader is up: the step's numbers go into the buffer as the reader's hook
-        puts them there (`StepAlignedMetricReader.step_end_hook`); the reader collects them when it starts."""
+        puts them there (`StepAlignedMetricReader.step_end_hook`); the reader collects them when it starts, and
+        goes on counting toward `export_every` from them (`StepAlignedMetricReader.take_over`)."""
         append = self.log_buffer._items.append
         seq = self.log_buffer._seq
 
         def on_step_end(step: int, start_ns: int, end_ns: int, iterations: int, samples: int | None) -> None:
-            append((next(seq), step, (start_ns, end_ns, iterations, samples), 0))
-            self._early_step = step
-            self._early_steps += 1
+            with self._lock:  # the start hands the count over under this lock (`_build_rest`)
+                if self._reader is None:
+                    append((next(seq), step, (start_ns, end_ns, iterations, samples), 0))
+                    self._early_step = step
+                    self._early_steps += 1
+                    return
+            self._step_hook(step, start_ns, end_ns, iterations, samples)  # handed over meanwhile: the reader's
 
         return on_step_end
 
     def _start_rest(self, remote: tuple[str, ...], options: ExporterOptions, directory: Path,
                     listener: tuple[str, Any] | None) -> None:
-        """Build what `init()` did not wait for (on the thread "otel-train-start"). Never raises: a failure is
-        logged (what is logged then goes nowhere; `shutdown()` still closes what was built)."""
+        """Build what `init()` did not wait for (on the thread "otel-train-start"): the hang watchdog first (it
+        watches the training thread from `init()` on, whatever else fails), then the rest (`_build_rest`). Never
+        raises: a failure is logged once; what is logged meanwhile waits in the bounded buffers, and `shutdown()`
+        counts it as not exported and closes what `init()` built (the backends here, the run folder's claim)."""
         try:
+            watchdog = _start_hang_watchdog(self.settings, self.run, directory)
+            with self._lock:
+                if not self._closed:
+                    self._hang_watchdog, watchdog = watchdog, None
+            if watchdog is not None:  # shut down meanwhile (a shutdown that gave up waiting)
+                watchdog.stop()
             self._build_rest(remote, options, directory, listener)
         except Exception:
-            _logger.exception("otel-train: starting the reader and the exporter process failed: nothing logged in "
-                              "this session is exported")
+            self._start_failed = True
+            _logger.exception("otel-train: starting the reader and the exporter process failed; training goes on, "
+                              "and what it logs is counted as not exported at shutdown")
             if listener is not None and listener[1] is not None:
-                listener[1].close()
-            for ex in self.exporters:
-                _undo(ex.shutdown)
+                _undo(listener[1].close)
         finally:
             if self._reader is None:  # failed, or shut down meanwhile: raw OTel calls stop waiting
                 self._pending.finish(None)
@@ -273,27 +291,19 @@ class Session:
                 sampler.start()
                 undo.callback(_undo, sampler.stop)
             reader.export_in_forked_child = False  # a forked child logs through `workers`, never through these
-            hang_watchdog = _start_hang_watchdog(settings, self.run, directory)
-            if hang_watchdog is not None:  # it learns each span name's usual duration from the collected spans
-                reader.span_listener = hang_watchdog.take_spans
-                undo.callback(_undo, hang_watchdog.stop)
+            if self._hang_watchdog is not None:  # it learns each span name's usual duration from the collected spans
+                reader.span_listener = self._hang_watchdog.take_spans
             with self._lock:
                 if self._closed:  # a shutdown that gave up waiting for this start: undo it all
                     return
                 self._export_process, self._resource, self._reader = export_process, resource, reader
                 self._meter_provider, self._tracer_provider = meter_provider, tracer_provider
-                self._sampler, self._hang_watchdog = sampler, hang_watchdog
-                due = self._early_steps >= settings.export_every  # a collection was due before the reader was up
-                hook = reader.step_end_hook(0 if due else self._early_steps)
-                reader._last_step = self._early_step
+                self._sampler = sampler
+                hook = reader.take_over(self._early_step, self._early_steps, self._early_logged_steps)
                 if step_end_hook() is self._step_hook:
                     set_step_end_hook(hook)
                 self._step_hook = hook
-                if reader._last_step is None:  # a step that ended as the hooks changed
-                    reader._last_step = self._early_step
             undo.pop_all()
-        if due:
-            reader._wake.set()  # what waited for the reader goes out now, as it would have at its step ends
         # Raw OTel instruments and tracers now reach the SDK's (those that waited for it first).
         self._install_globals(meter_provider, tracer_provider)
         self._pending.finish((meter_provider, tracer_provider))
@@ -302,11 +312,12 @@ class Session:
         """Wait for the background start (at most `_START_WAIT_S`); False if it is not done by then."""
         return self._wait_started()
 
-    def _wait_started(self) -> bool:
-        """Wait for the background start (`_start_rest`); False if it is not done by `_START_WAIT_S`."""
+    def _wait_started(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background start (`_start_rest`), at most `timeout_s` (None: `_START_WAIT_S`); False if
+        it is not done by then."""
         if self._started.is_set() or threading.current_thread() is self._start_thread:
             return True
-        return self._started.wait(_START_WAIT_S)
+        return self._started.wait(_START_WAIT_S if timeout_s is None else max(0.0, min(timeout_s, _START_WAIT_S)))
 
     @property
     def reader(self) -> Any:
@@ -492,10 +503,14 @@ class Session:
         if self._closed:
             return
         reader = self._reader
-        if reader is None:  # not up yet: it collects what waits in the buffers when it starts
-            with contextlib.suppress(TypeError, ValueError):
-                self._early_step = int(step)
-            return
+        if reader is None:
+            with self._lock:  # the start hands the count over under this lock: no step is counted twice or lost
+                reader = self._reader
+                if reader is None:  # not up yet: counted toward `export_every`, collected when it starts
+                    with contextlib.suppress(TypeError, ValueError):
+                        self._early_step = int(step)
+                        self._early_logged_steps += 1
+                    return
         try:  # the reader collects what a pause leaves pending on its own (its collector loop)
             now = time.perf_counter_ns()
             reader.on_step_end(StepEnd.from_times(int(step), (now, now, 0, None)))
@@ -517,8 +532,12 @@ class Session:
             return False
 
     def shutdown(self, deadline: float | None = None) -> None:
-        """Flush and close everything by `deadline` (`time.monotonic()`; default: the shutdown timeout)."""
-        self._wait_started()
+        """Flush and close everything by `deadline` (`time.monotonic()`; default: the shutdown timeout).
+
+        A start still under way is waited for first (until `deadline`, else at most `_START_WAIT_S`): what was
+        logged meanwhile goes out with the last window. One that gives up waiting closes what `init()` built;
+        the start, once it gets there, closes the rest (its reader collects and delivers what waits first)."""
+        self._wait_started(None if deadline is None else deadline - time.monotonic())
         with self._lock:
             if self._closed:
                 return
@@ -554,17 +573,36 @@ class Session:
                 self._release_globals(self._meter_provider, self._tracer_provider)
                 self._tracer_provider.shutdown()
                 self._meter_provider.shutdown(timeout_millis=1000)
+            else:  # the start failed (or is not done): the backends built here were never handed to a reader
+                for exporter in self.exporters:
+                    _undo(exporter.shutdown)
+                if self._listener_sock is not None:
+                    _undo(self._listener_sock.close)
         except Exception:
             _logger.warning("shutdown did not complete cleanly", exc_info=True)
         self.run_claim.release()  # an exporter process still draining keeps the run folder's lock until it is done
         self._add_children_refusals()  # before the record of this session is written for verify
         self._verify_own_part()
-        if self.run.rank == 0 and not self.settings.quiet and self._reader is not None:
+        if self._reader is None:
+            self._count_unexported()
+        if self.run.rank == 0 and not self.settings.quiet:
             from otel_train.session.summary import write_session_summary
 
             write_session_summary(self)
         if not any(not s.closed for s in exit_hooks._active):  # after the hand-off: a signal during it still hands off
             exit_hooks._restore_signal_handlers()
+
+    def _count_unexported(self) -> None:
+        """What a session whose start failed (or was not done by shutdown) holds at shutdown: never exported,
+        counted as such for the summary line, and said once where the summary line is silenced."""
+        for what, buffer in (("records", self.log_buffer), ("spans", self.span_buffer)):
+            left = buffer.drain()
+            self.unexported[what] = len(left) + buffer.dropped
+        if any(self.unexported.values()) and (self.run.rank != 0 or self.settings.quiet):
+            _logger.warning("otel-train: %d records (values, step ends, log records) and %d spans logged in this "
+                            "session were not exported: its start %s", self.unexported["records"],
+                            self.unexported["spans"],
+                            "failed (logged above)" if self._start_failed else "was not done by shutdown")
 
     def _add_children_refusals(self) -> None:
         """What child processes refused (they tell the exporter process, whose last progress report has it)."""
@@ -622,20 +660,45 @@ def _start_hang_watchdog(settings: cfg.Settings, run: RunInfo, directory: Path) 
     Never raises: a watchdog that cannot start is logged, and training goes on without it."""
     if not settings.hang_after_s:
         return None
-    from otel_train.hangs.hang_file import hang_path
     from otel_train.hangs.watchdog import HangWatchdog
-    from otel_train.vocab.run_paths import run_folder
 
-    identity = {"rank": run.rank, "world_size": run.world_size, "run_id": run.run_id, "run_name": run.run_name,
-                "host": run.host, "pid": run.pid}
     try:
-        watchdog = HangWatchdog(settings.hang_after_s, settings.hang_factor,
-                                hang_path(run_folder(directory, run.run_name), run.rank), identity)
+        watchdog = HangWatchdog(settings.hang_after_s, settings.hang_factor, _hang_file(run, directory),
+                                _hang_identity(run))
         watchdog.start()
     except Exception:
         _logger.warning("otel-train: the hang watchdog could not start; training goes on without it", exc_info=True)
         return None
     return watchdog
+
+
+def _write_running_hang_file(settings: cfg.Settings, run: RunInfo, directory: Path) -> None:
+    """This rank's hang file as `init()` leaves it (``running``, `otel_train.hangs.hang_file`): a roll call sees
+    the rank from `init()` on, before the watchdog is up on the start thread (it rewrites the file from then on).
+    Never raises: where it cannot be written, the watchdog says so once."""
+    if not settings.hang_after_s:
+        return
+    from otel_train.hangs.hang_file import file_content, heartbeat_every_s, write_hang_file
+
+    identity = {**_hang_identity(run), "main_ident": threading.main_thread().ident}  # as the watchdog writes it
+    try:
+        write_hang_file(_hang_file(run, directory), file_content(
+            identity, "running", None, heartbeat_every_s(settings.hang_after_s), [], time.time()))
+    except OSError:
+        _logger.debug("otel-train: the hang file could not be written at init()", exc_info=True)
+
+
+def _hang_identity(run: RunInfo) -> dict[str, Any]:
+    """What a rank's hang file says of it: rank, world size, run id and name, host, pid."""
+    return {"rank": run.rank, "world_size": run.world_size, "run_id": run.run_id, "run_name": run.run_name,
+            "host": run.host, "pid": run.pid}
+
+
+def _hang_file(run: RunInfo, directory: Path) -> Path:
+    from otel_train.hangs.hang_file import hang_path
+    from otel_train.vocab.run_paths import run_folder
+
+    return hang_path(run_folder(directory, run.run_name), run.rank)
 
 
 def _claim(directory: Path, run: RunInfo, drain_timeout_s: float) -> Any:
