@@ -161,3 +161,16 @@ def test_steps_ended_by_the_framework_while_starting_count_toward_export_every(
     assert reader.windows == 1
     ot.shutdown()
     assert sorted(r["step"] for r in _records(run_dir, "logged") if r.get("tag") == "train/x") == [0, 1, 2]
+
+
+def test_a_shutdown_while_starting_waits_for_the_start_and_loses_nothing(run_dir: Path,
+                                                                       held_start: threading.Event) -> None:
+    ot.init(exporters=["jsonl"], dir=run_dir, run_name="early-end")
+    for step in ot.steps(range(4)):
+        ot.log({"train/loss": float(step)})
+    release = threading.Timer(0.2, held_start.set)  # the start is still held back as shutdown begins
+    release.start()
+    ot.shutdown()
+    release.join()
+    assert sorted((r["step"], r["value"]) for r in _records(run_dir, "early-end") if r.get("tag") == "train/loss") == [
+        (s, float(s)) for s in range(4)]
