@@ -246,7 +246,8 @@ def test_a_ready_that_comes_before_init_holds_the_connection_is_heard(run_dir: P
 
     monkeypatch.setattr(ExportProcess, "_on_ready", noting)
     monkeypatch.setattr(ExportProcess, "_start", ready_first)
-    ot.init(exporters=["jsonl"], dir=run_dir, run_name="early-ready")
+    session = ot.init(exporters=["jsonl"], dir=run_dir, run_name="early-ready")
+    assert session.export_process is not None  # started off the training thread: this waits for it
     assert heard.is_set()
     for step in range(5):
         with ot.step(step):

@@ -5,6 +5,7 @@ warning keys). The 1M-step and 50-cycle soak figures are `bench/soak.py`."""
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import threading
@@ -214,9 +215,12 @@ def _raise(*args: object, **kwargs: object) -> None:
 
 
 @pytest.mark.parametrize("where", ["reader", "meter_provider"])
-def test_a_failed_init_leaves_nothing_behind(run_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
-    """`init()` fails after the exporter process started (an SDK that refuses an argument): it raises, and no
-    exporter process, thread, handler, environment variable or claim on the run folder is left."""
+def test_a_failed_start_leaves_nothing_behind(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture, where: str) -> None:
+    """The session's start fails after the exporter process started (an SDK that refuses an argument). It runs
+    off the training thread once `init()` has returned, so nothing raises into the loop: the failure is logged
+    once, what the loop logs is counted as not exported, and after `shutdown()` no exporter process, thread,
+    handler, environment variable or claim on the run folder is left."""
     import opentelemetry.sdk.metrics
 
     import otel_train.collect.reader
@@ -228,9 +232,20 @@ def test_a_failed_init_leaves_nothing_behind(run_dir: Path, monkeypatch: pytest.
         monkeypatch.setattr(otel_train.collect.reader, "StepAlignedMetricReader", _raise)
     else:
         monkeypatch.setattr(opentelemetry.sdk.metrics, "MeterProvider", _raise)
-    with pytest.raises(_Injected):
-        ot.init(exporters=["jsonl", mem], dir=run_dir, run_name="failed", run_id="failed")
-    assert _live_children() <= children_before, "the exporter process outlived the failed init()"
+    with caplog.at_level(logging.ERROR, logger="otel_train"):
+        session = ot.init(exporters=["jsonl", mem], dir=run_dir, run_name="failed", run_id="failed")
+        assert session.wait_started() and session.reader is None
+        assert _wait_for(lambda: _live_children() <= children_before), "the exporter process outlived the start"
+        for step in ot.steps(range(3)):
+            with ot.span("work"):
+                ot.log({"train/loss": float(step)})
+        assert not ot.flush(timeout_s=1)
+        ot.shutdown()
+    failures = [r for r in caplog.records if "starting the reader and the exporter process failed" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None and failures[0].exc_info[0] is _Injected
+    assert session.unexported == {"records": 6, "spans": 3}  # 3 `ot.log` calls and 3 step ends; 3 spans
+    assert mem.metrics == [] and mem.spans == []
+    assert _live_children() <= children_before, "the exporter process outlived the failed start"
     assert _wait_for(lambda: not _our_threads()), _our_threads()
     assert signal.getsignal(signal.SIGTERM) is handler_before
     assert "OTEL_TRAIN_WORKER_ADDRESS" not in os.environ

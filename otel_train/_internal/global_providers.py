@@ -14,13 +14,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import metrics, trace
-from opentelemetry.metrics import CallbackT, Meter, MeterProvider, NoOpMeterProvider
-from opentelemetry.trace import NoOpTracerProvider, ProxyTracer, Tracer, TracerProvider
+from opentelemetry.metrics import CallbackT, Meter, MeterProvider, NoOpMeter, NoOpMeterProvider
+from opentelemetry.trace import NoOpTracer, NoOpTracerProvider, ProxyTracer, Tracer, TracerProvider
 from opentelemetry.util.types import Attributes
 
 from otel_train._internal import sdk
 
-__all__ = ["SESSION_METER_PROVIDER", "SESSION_TRACER_PROVIDER", "install", "release"]
+__all__ = ["SESSION_METER_PROVIDER", "SESSION_TRACER_PROVIDER", "PendingProviders", "install", "release"]
 
 
 _PROXY = sdk.proxy_instruments()  # the API's re-pointable proxy instrument classes (`on_meter_set`), by kind
@@ -151,6 +151,124 @@ class SessionTracerProvider(TracerProvider):
 
     def point_to(self, provider: TracerProvider) -> None:
         self.current = provider
+
+
+class PendingProviders:
+    """A session's SDK providers while they are being built off the training thread (`init()` returns first).
+
+    The globals point at `meter_provider` / `tracer_provider` meanwhile: a raw OTel measurement or span made
+    before the SDK's are built waits for them (once, bounded by `timeout_s`) and then goes to the real
+    instrument or tracer, so nothing recorded after `init()` is dropped (the API's own proxies would drop it).
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self._done = threading.Event()
+        self._timeout_s = timeout_s
+        self._real: tuple[MeterProvider, TracerProvider] | None = None
+        self.meter_provider = _PendingMeterProvider(self)
+        self.tracer_provider = _PendingTracerProvider(self)
+
+    def finish(self, providers: tuple[MeterProvider, TracerProvider] | None) -> None:
+        """The SDK providers are built (None: the start failed; waiting calls then record nothing)."""
+        self._real = providers
+        self._done.set()
+
+    def real(self) -> tuple[MeterProvider, TracerProvider] | None:
+        """The SDK providers, waiting for them if they are being built; None if they never will be."""
+        if not self._done.is_set() and not self._done.wait(self._timeout_s):
+            self._done.set()  # waited once in vain: nobody waits again (the start failed silently)
+        return self._real
+
+
+class _PendingInstrument:
+    """A synchronous instrument created on a pending meter: each call goes to the real instrument, created
+    from the SDK's meter once it exists (the first call waits for it)."""
+
+    def __init__(self, pending: PendingProviders, meter: tuple[Any, ...], create: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self._pending = pending
+        self._meter = meter
+        self._create = create
+        self._args = args
+        self._kwargs = kwargs
+        self._instrument: Any = None
+
+    def _real(self) -> Any:
+        instrument = self._instrument
+        if instrument is None:
+            providers = self._pending.real()
+            if providers is None:
+                return None
+            meter = providers[0].get_meter(*self._meter)
+            instrument = self._instrument = getattr(meter, self._create)(*self._args, **self._kwargs)
+        return instrument
+
+    def add(self, amount: Any, attributes: Attributes = None, context: Any = None) -> None:
+        real = self._real()
+        if real is not None:
+            real.add(amount, attributes, context)
+
+    def record(self, amount: Any, attributes: Attributes = None, context: Any = None) -> None:
+        real = self._real()
+        if real is not None:
+            real.record(amount, attributes, context)
+
+    def set(self, amount: Any, attributes: Attributes = None, context: Any = None) -> None:
+        real = self._real()
+        if real is not None:
+            real.set(amount, attributes, context)
+
+
+class _PendingMeter(NoOpMeter):
+    """Synchronous instruments that wait for the SDK's meter (`_PendingInstrument`); observable ones are the
+    API's no-ops, re-created on the real meter when the globals point at it (callbacks run only at collection)."""
+
+    def __init__(self, pending: PendingProviders, name: str, version: str | None, schema_url: str | None,
+                 attributes: Attributes) -> None:
+        super().__init__(name, version=version, schema_url=schema_url)
+        self._pending = pending
+        self._args = (name, version, schema_url, attributes)
+
+    def _instrument(self, create: str, *args: Any, **kwargs: Any) -> Any:
+        return _PendingInstrument(self._pending, self._args, create, args, kwargs)
+
+    def create_counter(self, name: str, unit: str = "", description: str = "") -> Any:
+        return self._instrument("create_counter", name, unit, description)
+
+    def create_up_down_counter(self, name: str, unit: str = "", description: str = "") -> Any:
+        return self._instrument("create_up_down_counter", name, unit, description)
+
+    def create_histogram(self, name: str, unit: str = "", description: str = "", *,
+                         explicit_bucket_boundaries_advisory: Sequence[float] | None = None) -> Any:
+        return self._instrument("create_histogram", name, unit, description,
+                                explicit_bucket_boundaries_advisory=explicit_bucket_boundaries_advisory)
+
+    def create_gauge(self, name: str, unit: str = "", description: str = "") -> Any:
+        return self._instrument("create_gauge", name, unit, description)
+
+
+class _PendingMeterProvider(MeterProvider):
+    def __init__(self, pending: PendingProviders) -> None:
+        self._pending = pending
+
+    def get_meter(self, name: str, version: str | None = None, schema_url: str | None = None,
+                  attributes: Attributes = None) -> Meter:
+        return _PendingMeter(self._pending, name, version, schema_url, attributes)
+
+
+class _PendingTracerProvider(TracerProvider):
+    """Tracers are resolved at each span (`_SessionTracer`): the first span waits for the SDK's provider."""
+
+    def __init__(self, pending: PendingProviders) -> None:
+        self._pending = pending
+
+    def get_tracer(self, instrumenting_module_name: str, instrumenting_library_version: str | None = None,
+                   schema_url: str | None = None, attributes: Attributes = None) -> Tracer:
+        providers = self._pending.real()
+        if providers is None:
+            return NoOpTracer()
+        return providers[1].get_tracer(instrumenting_module_name, instrumenting_library_version, schema_url,
+                                       attributes)
 
 
 SESSION_METER_PROVIDER = SessionMeterProvider()

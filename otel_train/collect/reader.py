@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from otel_train._internal import sdk
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train._internal.ratelimit import LogOnce
+from otel_train._internal.values import RefusalCounts
 from otel_train.backend import DELTA_TEMPORALITY
 from otel_train.capture.instrument import LogBuffer, SpanBuffer
 from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd, current_step
@@ -84,6 +85,8 @@ class StepAlignedMetricReader(MetricReader):
         channel: Where encoded windows go besides `exporters` (the exporter process's
             `send_window` / `flush` / `close`); None for none.
         phases: Add per-step ``phase/<name>_s`` points computed from the spans of each step.
+        record: Opens the record of what was logged, for the backends of this process (None: none).
+        refusals: Where values refused as they are converted are counted (default: counts of its own).
 
     Example:
         >>> from opentelemetry.sdk.metrics import MeterProvider
@@ -113,6 +116,7 @@ class StepAlignedMetricReader(MetricReader):
         channel: Any = None,
         phases: bool = True,
         record: Callable[[Mapping[str, Any]], Any] | None = None,
+        refusals: RefusalCounts | None = None,
     ) -> None:
         limit = _SERIES_PER_STEP * max(1, export_every) + 1
         super().__init__(**sdk.reader_options(DELTA_TEMPORALITY, limit))
@@ -121,7 +125,7 @@ class StepAlignedMetricReader(MetricReader):
         self.log_buffer = log_buffer if log_buffer is not None else LogBuffer(100_000)
         self.span_buffer = span_buffer if span_buffer is not None else SpanBuffer(100_000)
         self._resource = resource or Resource.create()
-        self._builder = WindowBuilder(export_metrics, phases)
+        self._builder = WindowBuilder(export_metrics, phases, refusals)
         #: Values refused as they were converted (no number, no scalar, a bad key, a step out of range), by cause.
         self.refusals = self._builder.refusals
         #: The backends of this process (exporter objects; every named one without an exporter process).
@@ -146,6 +150,7 @@ class StepAlignedMetricReader(MetricReader):
         self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)
         self._log_items, self._span_items = self.log_buffer._items, self.span_buffer._items  # len() in C
         self._last_step: int | None = None
+        self._backlog = False  # the buffers hold steps ended before this reader was built (`take_over`)
         self._shutdown = False
         self.windows = 0
         self.points = 0
@@ -224,17 +229,18 @@ class StepAlignedMetricReader(MetricReader):
         elif self._steps_since >= self.export_every:
             self._due = True
 
-    def step_end_hook(self) -> Callable[[int, int, int, int, int | None], None]:
+    def step_end_hook(self, steps_since: int = 0) -> Callable[[int, int, int, int, int | None], None]:
         """`on_step_end` plus buffering the step's numbers, as one closure for `otel_train.step`'s hook:
         no `StepEnd` object, no clock read and two calls fewer per step on the training thread (the
-        collector rebuilds the `StepEnd` with `StepEnd.from_times` and the time from `end_ns`)."""
+        collector rebuilds the `StepEnd` with `StepEnd.from_times` and the time from `end_ns`).
+        `steps_since`: steps that ended uncollected before this hook was set (they count toward `export_every`)."""
         append = self._log_items.append
         seq = self.log_buffer._seq
         wake = self._wake.set
         log_items, span_items = self._log_items, self._span_items
         every, records = self.export_every, self._wake_records
         wake_every_ns = int(_WAKE_EVERY_S * 1e9)
-        since = 0
+        since = steps_since
         next_wake_ns = 0
 
         def on_step_end(step: int, start_ns: int, end_ns: int, iterations: int, samples: int | None) -> None:
@@ -251,6 +257,23 @@ class StepAlignedMetricReader(MetricReader):
                 self._due = True
 
         return on_step_end
+
+    def take_over(self, last_step: int | None, step_ends: int,
+                  logged_steps: int) -> Callable[[int, int, int, int, int | None], None]:
+        """Go on from the step ends a session saw before this reader was built (its buffers hold what they
+        buffered): `last_step` the latest of them, `step_ends` `otel_train.step` ends, `logged_steps`
+        `on_step_end` calls (`otel_train.step_ended`). They count toward `export_every` as if this reader had
+        seen them: where that many ended, the collector is woken now. Returns the step-end hook to set
+        (`step_end_hook`)."""
+        due = max(step_ends, logged_steps) >= self.export_every
+        self._backlog = step_ends > self.export_every  # the next collection cuts them into windows as they ended
+        if self._last_step is None:
+            self._last_step = last_step
+        self._steps_since = 0 if due else logged_steps
+        hook = self.step_end_hook(0 if due else step_ends)
+        if due:
+            self._wake.set()
+        return hook
 
     # -- collection (collector thread) ----------------------------------------------------------
     def _set_meter_provider(self, meter_provider: Any) -> None:
@@ -332,6 +355,17 @@ class StepAlignedMetricReader(MetricReader):
         self._drops.report(step, records)
         if not self._channels or (not records and not spans and not has_points(metrics_data)):
             return  # no backend wants anything: draining bounded the memory, converting would waste CPU
+        if self._backlog:
+            self._backlog = False
+            *earlier, (records, spans, _) = _cut_backlog(records, spans, self.export_every)
+            for part_records, part_spans, part_step in earlier:
+                self._send_window(None, part_records, part_spans, part_step)
+            if not records and not spans and not has_points(metrics_data):
+                return
+        self._send_window(metrics_data, records, spans, step)
+
+    def _send_window(self, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
+                     spans: list[tuple[Any, Any]], step: int) -> None:
         window = self._builder.build(self._builder.run_for(self._resource.attributes), metrics_data, records,
                                      spans, step)
         self.windows += 1
@@ -422,3 +456,25 @@ class StepAlignedMetricReader(MetricReader):
     @property
     def failures(self) -> int:
         return sum(self._local.failures().values()) if self._local is not None else 0
+
+
+def _cut_backlog(records: list[tuple[Any, ...]], spans: list[tuple[Any, Any]],
+                 every: int) -> list[tuple[list[tuple[Any, ...]], list[tuple[Any, Any]], int]]:
+    """What the training thread buffered before the reader was built, cut into the windows its step ends would
+    have made (one per `every` steps, `step_end_hook`): each part's records up to its last step end, the spans of
+    its steps, and that step; the last part takes what follows (and the spans of no step)."""
+    parts: list[tuple[list[tuple[Any, ...]], list[tuple[Any, Any]], int]] = []
+    start, ends = 0, 0
+    for i, record in enumerate(records):
+        if type(record[2]) is tuple:  # a step end's numbers (`step_end_hook`)
+            ends += 1
+            if ends % every == 0:
+                parts.append((records[start:i + 1], [], record[1]))
+                start = i + 1
+    rest: list[tuple[Any, Any]] = []
+    for item in spans:
+        step = getattr(item[-1], "step", None)
+        part = next((p for p in parts if type(step) is int and step <= p[2]), None)
+        (part[1] if part is not None else rest).append(item)
+    parts.append((records[start:], rest, parts[-1][2] if parts else 0))
+    return parts

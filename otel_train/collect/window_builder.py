@@ -57,16 +57,17 @@ class WindowBuilder:
     Args:
         export_metrics: Whether this rank exports metrics (else a window holds only its spans).
         phases: Add per-step ``phase/<name>_s`` points computed from the spans of each step.
+        refusals: Where refusals are counted (default: counts of its own).
     """
 
-    def __init__(self, export_metrics: bool = True, phases: bool = True) -> None:
+    def __init__(self, export_metrics: bool = True, phases: bool = True, refusals: RefusalCounts | None = None) -> None:
         self.export_metrics = export_metrics
         self.converter = MetricsConverter()
         self._phases = PhaseTimer() if phases and export_metrics else None
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()  # step ends carry perf_counter times
         self._log = LogOnce(_logger)
         #: What was refused, by cause (`otel_train._internal.values.REFUSAL_CAUSES`); the session's `refusals`.
-        self.refusals = RefusalCounts()
+        self.refusals = refusals if refusals is not None else RefusalCounts()
         self._plain_keys: set[str] = set()
 
     def run_for(self, resource_attributes: Any) -> RunInfo:

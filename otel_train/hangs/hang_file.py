@@ -30,7 +30,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HANG_FOLDER", "STATES", "hang_path", "native_dump_path", "read_hang_files", "write_hang_file"]
+__all__ = ["HANG_FOLDER", "STATES", "file_content", "hang_path", "heartbeat_every_s", "native_dump_path",
+           "read_hang_files", "write_hang_file"]
 
 HANG_FOLDER = "hang"
 STATES = ("running", "stuck", "resumed", "ended")
@@ -46,6 +47,24 @@ def native_dump_path(path: Path) -> Path:
     """Beside ``rank<N>.json``: ``rank<N>.native.txt``, where `faulthandler` dumps every thread's stack when the
     watchdog itself could not run (a C call holding the GIL)."""
     return path.with_name(path.stem + ".native.txt")
+
+
+def heartbeat_every_s(floor_s: float) -> float:
+    """How often a live rank rewrites its file: ``OTEL_TRAIN_HANG_AFTER_S`` (`floor_s`) within 1..30 s."""
+    return min(30.0, max(1.0, floor_s))
+
+
+def file_content(identity: Mapping[str, Any], state: str, step: int | None, heartbeat_s: float,
+                 records: list[dict[str, Any]], now: float) -> dict[str, Any]:
+    """One file as above: `identity` (rank, run, host, pid, ...), the rank's `state` and `step`, and `records`,
+    the current (else the last) hang's, oldest first; `now` the heartbeat's wall time.
+
+    Example:
+        >>> file_content({"rank": 0}, "running", None, 5.0, [], 1.5)["latest"] is None
+        True
+    """
+    return {**identity, "state": state, "step": step, "heartbeat_time": now, "heartbeat_s": heartbeat_s,
+            "latest": records[-1] if records else None, "history": records}
 
 
 def write_hang_file(path: Path, content: Mapping[str, Any]) -> None:

@@ -32,7 +32,13 @@ from typing import Any, NamedTuple
 
 from otel_train.capture.instrument import SpanRecord, open_spans_of
 from otel_train.capture.step import open_step
-from otel_train.hangs.hang_file import MAX_HISTORY, native_dump_path, write_hang_file
+from otel_train.hangs.hang_file import (
+    MAX_HISTORY,
+    file_content,
+    heartbeat_every_s,
+    native_dump_path,
+    write_hang_file,
+)
 from otel_train.hangs.hang_rule import HangRule, Work
 from otel_train.hangs.native_timer import NATIVE_TIMER
 from otel_train.hangs.stacks import ThreadStack, thread_stacks
@@ -120,7 +126,7 @@ class HangWatchdog:
         self.path = path
         self.identity = {**identity, "main_ident": threading.main_thread().ident}
         self.poll_s = min(1.0, max(0.05, floor_s / 10))
-        self.heartbeat_s = min(30.0, max(1.0, floor_s))
+        self.heartbeat_s = heartbeat_every_s(floor_s)
         self._view = view if view is not None else TrainingThreadView()
         self._stacks = stacks
         self._wall = wall
@@ -313,9 +319,7 @@ class HangWatchdog:
 
     # -- output ----------------------------------------------------------------------------------
     def _write(self) -> None:
-        records = self._records
-        content = {**self.identity, "state": self._state, "step": self._step, "heartbeat_time": self._wall(),
-                   "heartbeat_s": self.heartbeat_s, "latest": records[-1] if records else None, "history": records}
+        content = file_content(self.identity, self._state, self._step, self.heartbeat_s, self._records, self._wall())
         self._last_write = self._wall()
         try:
             write_hang_file(self.path, content)

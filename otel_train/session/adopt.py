@@ -37,12 +37,14 @@ def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
     have = ", ".join(f"{k}={getattr(run, k)}" for k in differs)
     want = ", ".join(f"{k}={v}" for k, v in differs.items())
     instances = len(session.exporters) > len(split_backends(session.settings)[0])
-    if session.reader.windows or instances:
+    reader = session.reader  # None where the session's start failed: it exported nothing
+    exported = bool(reader is not None and reader.windows)
+    if exported or instances:
         _logger.error("otel-train: the framework says this process is %s, but the running session (started by "
                       "init() before the framework's launcher set the rank) is %s and %s; its data is labelled "
                       "with the wrong rank and run. Call otel_train.init() after the framework has started its "
                       "processes (e.g. in the LightningModule's setup), or let the integration start it",
-                      want, have, "has exported data already" if session.reader.windows else
+                      want, have, "has exported data already" if exported else
                       "has exporter instances that cannot be rebuilt")
         return None
     _logger.info("otel-train: adopting the framework's place (%s instead of %s): the session started by "
@@ -50,7 +52,7 @@ def adopt_placement(session: Session, rank: int | None, local_rank: int | None,
     settings = session.settings
     session.settings = dataclasses.replace(settings, quiet=True)  # no summary naming a run that never was
     session.shutdown()
-    if not session.reader.windows:  # nothing went out at shutdown either: no folder of a run that never was
+    if reader is None or not reader.windows:  # nothing went out at shutdown either: no folder of a run that never was
         if session.hang_watchdog is not None:
             session.hang_watchdog.remove_file()
         _remove_unused_run_folder(session.run_claim.path)

@@ -91,6 +91,10 @@ def _before_exit_hooks() -> None:
     is last in, first out) and lose what is still to be written (W&B's service teardown). While a thread of the
     user's still runs (the interpreter waits for it next), only flush: the `atexit` hook shuts down after it."""
     try:
+        for session in [s for s in _active if not s.closed]:  # a session still starting (a short script) first
+            wait = getattr(session, "wait_started", None)
+            if wait is not None:
+                wait()
         others = [t for t in threading.enumerate()
                   if t is not threading.current_thread() and not t.daemon and t.is_alive()]
         if others:

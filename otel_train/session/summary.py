@@ -130,11 +130,19 @@ class SummarySource(Protocol):
 
     settings: Settings
     run: RunInfo
-    reader: StepAlignedMetricReader
     exporters: list[Any]
-    export_process: ExportProcess | None
     refusals: RefusalCounts
     verify_verdict: str | None
+
+    @property
+    def unexported(self) -> Mapping[str, int]:
+        """What was never exported because the session's start failed ("records", "spans"); empty otherwise."""
+
+    @property
+    def reader(self) -> StepAlignedMetricReader | None: ...
+
+    @property
+    def export_process(self) -> ExportProcess | None: ...
 
 
 def write_session_summary(session: SummarySource) -> None:
@@ -143,14 +151,17 @@ def write_session_summary(session: SummarySource) -> None:
     from otel_train.vocab.run_paths import run_folder
 
     try:
-        stats = session.reader.stats()
+        reader = session.reader
+        if reader is None:  # the start failed: nothing went out, and what was logged is counted as such
+            _write_unstarted(session)
+            return
+        stats = reader.stats()
         names = [str(getattr(ex, "name", type(ex).__name__)) for ex in session.exporters]
         failures, dropped = dict(stats["failures"]), stats["dropped"]
         in_process = [ex for ex in session.exporters if hasattr(ex, "step_order")]
         backwards = {ex.name: ex.step_order.backwards for ex in in_process}
         order_dropped = {ex.name: ex.step_order.dropped + int(getattr(ex, "steps_dropped", 0)) for ex in in_process}
         spool_failed = 0
-        reader = session.reader
         dropped_by = {"values over the log buffer": int(getattr(reader.log_buffer, "dropped", 0)),
                       "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
                       "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
@@ -179,3 +190,17 @@ def write_session_summary(session: SummarySource) -> None:
                                    refusals=session.refusals.snapshot(), verify=session.verify_verdict))
     except Exception:
         _logger.debug("no shutdown summary", exc_info=True)
+
+
+def _write_unstarted(session: SummarySource) -> None:
+    """The line of a session whose start failed: no points, and what was logged counted as not exported."""
+    from otel_train.vocab.run_paths import run_folder
+
+    left = {f"{what} of a session whose start failed": n for what, n in session.unexported.items()}
+    from otel_train.session.backend_setup import split_backends
+
+    names = [str(getattr(ex, "name", type(ex).__name__)) for ex in session.exporters]
+    names += split_backends(session.settings)[1]  # those the exporter process would have run
+    write_summary(summary_line(0, 0, names, sum(left.values()), {},
+                               str(run_folder(session.settings.dir, session.run.run_name)), dropped_by=left,
+                               refusals=session.refusals.snapshot(), verify=session.verify_verdict))

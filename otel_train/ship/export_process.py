@@ -59,7 +59,7 @@ from otel_train.ship.logged_record import open_record
 from otel_train.ship.replay import replay
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, last_seq, spool_dir
-from otel_train.ship.workers import listen_address, listen_on
+from otel_train.ship.workers import worker_listener
 from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.vocab.run_identity import RunInfo
 
@@ -124,6 +124,8 @@ class ExportProcess:
         lock_fd: The run folder's lock (`otel_train.ship.spool.claim_run`): the child inherits it and holds the
             claim until it has drained (-1: none).
         record_bytes: The cap of the record of what was logged (`otel_train.ship.logged_record`; 0: none).
+        listener: The address child processes connect to and its listening socket (`worker_listener`), when
+            the caller bound it already (so that children started meanwhile find the run); default: bound here.
 
     Raises:
         ConfigError: an unknown name or a missing package (a backend that fails to start in the child is
@@ -132,7 +134,8 @@ class ExportProcess:
 
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
                  drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0,
-                 self_metrics: bool = True, lock_fd: int = -1, record_bytes: int = 0) -> None:
+                 self_metrics: bool = True, lock_fd: int = -1, record_bytes: int = 0,
+                 listener: tuple[str, socket.socket | None] | None = None) -> None:
         from otel_train.config.registry import check_available, get_spec
 
         for spec in [get_spec(n) for n in names]:
@@ -146,14 +149,9 @@ class ExportProcess:
         self._run = run
         self._record_bytes = record_bytes
         #: Where child processes (DataLoader workers) connect to this run (`otel_train.ship.workers`).
-        self.worker_address = listen_address(self.spool_path)
-        # Bound here and handed to each child: a DataLoader worker may connect before the child is up.
-        self._worker_sock: socket.socket | None = None
-        try:
-            self._worker_sock = listen_on(self.worker_address)
-        except OSError as err:
-            _logger.warning("otel-train: child processes cannot reach this run: listening on %s failed: %s",
-                            self.worker_address, err)
+        # Bound here (or by the caller, `listener`) and handed to each child: a DataLoader worker may connect
+        # before the child is up.
+        self.worker_address, self._worker_sock = listener if listener is not None else worker_listener(self.spool_path)
         self._config: dict[str, Any] = {"names": list(names), "options": options, "spool": str(self.spool_path),
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice,
                         "run": run, "workers": self.worker_address if self._worker_sock is not None else None,

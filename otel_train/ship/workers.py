@@ -37,16 +37,15 @@ from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name
-from otel_train.backend import Window
 from otel_train.capture.attributes import clean_attributes, refused_reason
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import StepOutOfRange, coerce_step
 from otel_train.vocab import semconv
-from otel_train.vocab.rows import LogRow, MetricRow, SpanRow, series_tag
+from otel_train.vocab.rows import LogRow, MetricRow, SpanRow, Window, series_tag
 from otel_train.vocab.run_identity import RunInfo
 
-__all__ = ["LOST_BUFFER", "LOST_LOGS", "LOST_RATE_LIMITED", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient", "WorkerListener",
-           "client_from_env", "listen_on", "step_cell_path"]
+__all__ = ["LOST_BUFFER", "LOST_LOGS", "LOST_RATE_LIMITED", "LOST_REFUSED_STEP", "LOST_SPANS", "StepCell", "WorkerClient",
+           "WorkerListener", "client_from_env", "listen_on", "step_cell_path", "worker_listener"]
 
 _logger = logging.getLogger("otel_train")
 _LEN = struct.Struct("<I")
@@ -296,6 +295,17 @@ def listen_address(spool_path: Path) -> str:
     import tempfile
 
     return os.path.join(tempfile.mkdtemp(prefix="otel-train-w"), "workers.sock")
+
+
+def worker_listener(spool_path: Path) -> tuple[str, socket.socket | None]:
+    """Where child processes (DataLoader workers) reach the run whose spool is `spool_path`, and the socket
+    listening there (None, logged, where it cannot listen: the children's values then go nowhere)."""
+    address = listen_address(spool_path)
+    try:
+        return address, listen_on(address)
+    except OSError as err:
+        _logger.warning("otel-train: child processes cannot reach this run: listening on %s failed: %s", address, err)
+        return address, None
 
 
 # -- the child's end ------------------------------------------------------------------------------------
