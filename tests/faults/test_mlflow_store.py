@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faultkit import wait_unlocked
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -109,6 +110,9 @@ def test_kills_during_store_creation_then_a_normal_run_works(tmp_path: Path) -> 
     done = subprocess.run([sys.executable, str(script), str(out), "after"], env=_env(tmp_path),
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0 and done.stdout.splitlines() == ["DONE"], done.stderr[-3000:]
+    # On a loaded machine the trainer may hand off at its shutdown timeout while its exporter process still builds
+    # the store: read it once that process is done, not while it renames the store into place.
+    wait_unlocked(out / "after" / "spool" / "rank0", 120)
     uri = f"sqlite:///{(store / 'mlflow.db').resolve()}"
     assert sorted((p.name, p.step, p.value) for p in readback.mlflow(uri, "after") if p.name == "loss") == [
         ("loss", 0, 1.0), ("loss", 1, 2.0), ("loss", 2, 3.0)], done.stderr[-3000:]
