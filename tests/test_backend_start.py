@@ -32,7 +32,11 @@ def _fake_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, impo
     records."""
     env = fake_wandb_env(tmp_path, mode)
     monkeypatch.syspath_prepend(env["PYTHONPATH"])
-    monkeypatch.delitem(sys.modules, "wandb", raising=False)  # the real one, if a test before imported it
+    # Out of `sys.modules` for the test: the real one, if a test before imported it, comes back at teardown, and
+    # the stand-in goes (with `delitem` alone, a process that had not imported W&B kept the stand-in, and a later
+    # test's `import wandb.proto` there failed).
+    monkeypatch.setitem(sys.modules, "wandb", sys.modules.get("wandb"))
+    monkeypatch.delitem(sys.modules, "wandb")
     monkeypatch.setenv("FAKE_WANDB", mode)
     monkeypatch.setenv("FAKE_WANDB_DIR", env["FAKE_WANDB_DIR"])
     if import_s:
