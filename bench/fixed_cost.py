@@ -7,6 +7,11 @@ round runs each once, in a shuffled order) and each figure is the median over th
 
     python bench/fixed_cost.py               # 5 rounds (~2 min on 2 cores)
     python bench/fixed_cost.py --reps 3 --singles   # also each backend alone (the "slowest single" column)
+    python bench/fixed_cost.py --reps 3 --close --singles --only "after flush"   # shutdown once every backend is up
+
+`--close` adds each setup "after flush": the job calls `ot.flush()` (every backend up and holding every step)
+before it times `shutdown()`, which then costs the hand-over and the backends' close alone, as at the end of a job
+whose loop outlasts the backends' start.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ ALL_SIX = "tensorboard,chrome_trace,wandb,mlflow,clearml,trackio"
 STEPS, VALUES = 20, 20
 
 OURS = textwrap.dedent(f"""
-    import json, time
+    import json, os, time
     import otel_train as ot
     t0 = time.perf_counter()
     ot.init()
@@ -35,6 +40,8 @@ OURS = textwrap.dedent(f"""
     for step in range({STEPS}):
         with ot.step(step):
             ot.log({{f"train/v{{k}}": float(step + k) for k in range({VALUES})}})
+    if os.environ.get("BENCH_FLUSH") == "1":
+        assert ot.flush(600), "flush timed out"
     t2 = time.perf_counter()
     ot.shutdown()
     t3 = time.perf_counter()
@@ -124,6 +131,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=5, help="rounds (each setup once per round)")
     parser.add_argument("--singles", action="store_true", help="also each of the six backends alone")
+    parser.add_argument("--close", action="store_true",
+                        help="also our setups timing shutdown() after ot.flush() (every backend up and written)")
     parser.add_argument("--only", default="", help="comma list of setup names (substrings) to run")
     args = parser.parse_args()
     _compile_otel_train()
@@ -131,6 +140,10 @@ def main() -> None:
     if args.singles:
         for name in ALL_SIX.split(","):
             setups[f"otel-train, {name} alone"] = (OURS, {"OTEL_TRAIN_EXPORTERS": name})
+    if args.close:
+        for name, (code, extra) in list(setups.items()):
+            if code is OURS:
+                setups[f"{name}, after flush"] = (OURS, {**extra, "BENCH_FLUSH": "1"})
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         setups = {k: v for k, v in setups.items() if any(w in k for w in wanted)}
@@ -161,6 +174,12 @@ def main() -> None:
         ratio = f"{wall / slowest_peer:.2f}" if slowest_peer else ""
         print(f"| {name} | {wall:.2f} | {over} | {ratio} | {'' if init is None else f'{init:.3f}'} | "
               f"{'' if shut is None else f'{shut:.3f}'} |")
+    singles = [med(f"otel-train, {name} alone, after flush", "shutdown") for name in ALL_SIX.split(",")]
+    six = med("otel-train, all six, after flush", "shutdown")
+    if six is not None and all(x is not None for x in singles):
+        slowest = max(x for x in singles if x is not None)
+        print(f"shutdown after flush: all six {six:.3f} s = {six / slowest:.2f}x the slowest backend alone "
+              f"({slowest:.3f} s); the sum of the six alone {sum(x for x in singles if x is not None):.3f} s")
 
 
 if __name__ == "__main__":

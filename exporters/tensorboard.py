@@ -17,10 +17,13 @@ A step going backwards in a series without a declared restart is skipped here (c
 series): TensorBoard's data server takes it for a restart and hides the series' later steps already logged
 (its Python reader shows a zig-zag instead), so the series shows what was logged first, in every reader.
 
-Records are framed by TensorBoard's `RecordWriter` and protos come from `tensorboard.compat.proto`.
-We do not use its `EventFileWriter`: without TensorFlow it opens and closes the file for every
-record and hands each one to a thread of its own, which cost more than everything else in the
-sink's path. Each window is appended here in one write instead, on the export thread, after reporting each
+Protos come from `tensorboard.compat.proto`; each record is framed here in TensorFlow's record format (length,
+masked CRC-32C of the length, data, masked CRC-32C of the data; the checksum by google-crc32c's C code), which
+TensorBoard's reader verifies. Importing TensorBoard's own `RecordWriter` imports `tensorboard.summary` and its
+TensorFlow stub (NumPy, fsspec, every summary plugin): 0.7-0.9 s of the backend's start for four lines of framing
+whose checksum is pure Python there. We do not use its `EventFileWriter` either: without TensorFlow it opens and
+closes the file for every record and hands each one to a thread of its own, which cost more than everything else
+in the sink's path. Each window is appended here in one write instead, on the export thread, after reporting each
 event file and its size (`RowExporter.mark_appending`): records a killed process appended but had not recorded
 as written are cut back out (at a record boundary) before delivery writes them again, so each lands once.
 An append that fails (a full disk) is cut back at once and retried whole when there is space; a run folder
@@ -54,30 +57,29 @@ __all__ = ["TensorBoardExporter"]
 _logger = logging.getLogger(__name__)
 
 _FLOAT32 = struct.Struct("<f")
+_LENGTH = struct.Struct("<Q")
+_CRC = struct.Struct("<I")
+# The HParams plugin's names (`tensorboard.plugins.hparams.metadata`, whose import pulls in NumPy and the
+# TensorFlow stub): tests/exporters/test_tensorboard.py checks them against it.
+_HPARAMS_PLUGIN = "hparams"
+_HPARAMS_DATA_VERSION = 0
+_HPARAMS_SESSION_START_TAG = "_hparams_/session_start_info"
 _MAX_TAGS = 100_000  # cached per-tag encodings before the cache is reset
 _file_ids = itertools.count()
 
 
-def _use_fast_crc() -> None:
-    """Swap TensorBoard's pure-Python record checksum for google-crc32c's C one (same values).
+def _masked_crc32c(data: bytes) -> int:
+    """TFRecord's masked CRC-32C of `data` (the values TensorBoard's reader checks)."""
+    import google_crc32c
 
-    The checksum dominated TensorBoard's record framing (the file format is unchanged and
-    TensorBoard's reader verifies it).
-    """
-    try:
-        import google_crc32c
-        from tensorboard.summary.writer import record_writer
-    except ImportError:
-        return
-    if getattr(record_writer.masked_crc32c, "_otel_train_fast", False):
-        return
+    x = int(google_crc32c.value(data))
+    return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
-    def masked_crc32c(data: bytes) -> int:
-        x = int(google_crc32c.value(bytes(data)))
-        return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
-    masked_crc32c._otel_train_fast = True  # type: ignore[attr-defined]
-    record_writer.masked_crc32c = masked_crc32c
+def frame_record(data: bytes) -> bytes:
+    """`data` as one TFRecord: little-endian uint64 length, its masked CRC, the data, the data's masked CRC."""
+    header = _LENGTH.pack(len(data))
+    return header + _CRC.pack(_masked_crc32c(header)) + data + _CRC.pack(_masked_crc32c(data))
 
 
 def _varint(n: int) -> bytes:
@@ -101,12 +103,9 @@ class _EventFile:
     """
 
     def __init__(self, directory: Path, first_event: bytes) -> None:
-        from tensorboard.summary.writer.record_writer import RecordWriter
-
         path = directory / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
                             f"{os.getpid()}.{next(_file_ids):06d}")  # padded: files sort in creation order
         self._records = bytearray()
-        self._framer = RecordWriter(self)  # frames each record and calls our `write`
         self._file = AppendFile(path, keep_open=False)
         self.path = path
         self.add(first_event)
@@ -124,11 +123,8 @@ class _EventFile:
     def unlinked(self) -> bool:
         return self._file.unlinked()
 
-    def write(self, framed: bytes) -> None:  # RecordWriter's file interface
-        self._records += framed
-
     def add(self, event: bytes) -> None:
-        self._framer.write(event)
+        self._records += frame_record(event)
 
     def flush(self) -> None:
         if not self._records:
@@ -173,12 +169,16 @@ class TensorBoardExporter(RowExporter):
     def preload(cls) -> None:
         try:
             from tensorboard.compat.proto import event_pb2, summary_pb2  # noqa: F401
-            from tensorboard.summary.writer import record_writer  # noqa: F401
         except ImportError as err:
             raise ModuleNotFoundError(
                 "TensorBoardExporter needs tensorboard: pip install tensorboard", name="tensorboard"
             ) from err
-        _use_fast_crc()
+        try:
+            import google_crc32c  # noqa: F401
+        except ImportError as err:
+            raise ModuleNotFoundError(
+                "TensorBoardExporter needs google-crc32c: pip install google-crc32c", name="google_crc32c"
+            ) from err
 
     def __init__(self, options: ExporterOptions | None = None, *, log_dir: str | Path | None = None) -> None:
         self.preload()
@@ -347,7 +347,7 @@ class TensorBoardExporter(RowExporter):
 
     def _write_hparams(self, writer: Any, hparams: Mapping[str, Any], run: RunInfo) -> None:
         """Record the run's hyperparameters for TensorBoard's HParams plugin (no TF needed)."""
-        from tensorboard.plugins.hparams import metadata, plugin_data_pb2
+        from tensorboard.plugins.hparams import plugin_data_pb2
 
         info = plugin_data_pb2.SessionStartInfo(group_name=run.run_id)
         for key, value in _flatten(hparams).items():
@@ -357,13 +357,13 @@ class TensorBoardExporter(RowExporter):
                 info.hparams[key].number_value = float(value)
             else:
                 info.hparams[key].string_value = str(value)
-        content = plugin_data_pb2.HParamsPluginData(session_start_info=info, version=metadata.PLUGIN_DATA_VERSION)
+        content = plugin_data_pb2.HParamsPluginData(session_start_info=info, version=_HPARAMS_DATA_VERSION)
         meta = self._summary_pb2.SummaryMetadata(
             plugin_data=self._summary_pb2.SummaryMetadata.PluginData(
-                plugin_name=metadata.PLUGIN_NAME, content=content.SerializeToString()
+                plugin_name=_HPARAMS_PLUGIN, content=content.SerializeToString()
             )
         )
-        value = self._summary_pb2.Summary.Value(tag=metadata.SESSION_START_INFO_TAG, metadata=meta)
+        value = self._summary_pb2.Summary.Value(tag=_HPARAMS_SESSION_START_TAG, metadata=meta)
         writer.add(self._event_pb2.Event(step=0, summary=self._summary_pb2.Summary(value=[value])).SerializeToString())
 
     def flush(self) -> None:

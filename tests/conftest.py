@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,14 @@ import pytest
 
 # importlib mode puts no test folder on sys.path: the shared scaffolding (`backendkit`) is imported from here.
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A suite started in the background by a script (`pytest &`, job control off) has SIGINT ignored, and every
+    # process the tests start inherits that: a training script sent Ctrl-C (SIGINT) would never stop. Tests
+    # expect what a terminal gives: a handled SIGINT here, the default in the processes started from here.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

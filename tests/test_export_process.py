@@ -238,8 +238,8 @@ def test_a_ready_that_comes_before_init_holds_the_connection_is_heard(run_dir: P
         heard.set()
         on_ready(self, conn, last_seq)
 
-    def ready_first(self: ExportProcess) -> Any:
-        out = start(self)
+    def ready_first(self: ExportProcess, *args: Any) -> Any:
+        out = start(self, *args)
         if self.restarts == 0:
             heard.wait(60)  # the child's ready reaches the reply thread before the spawner returns
         return out

@@ -214,10 +214,11 @@ def _raise(*args: object, **kwargs: object) -> None:
     raise _Injected("injected: the OTel SDK refused an argument")
 
 
-@pytest.mark.parametrize("where", ["reader", "meter_provider"])
+@pytest.mark.parametrize("where", ["reader", "meter_provider", "exporter_process"])
 def test_a_failed_start_leaves_nothing_behind(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                               caplog: pytest.LogCaptureFixture, where: str) -> None:
-    """The session's start fails after the exporter process started (an SDK that refuses an argument). It runs
+    """The session's start fails after the exporter process started (an SDK that refuses an argument, or before
+    the exporter process was sent its configuration). It runs
     off the training thread once `init()` has returned, so nothing raises into the loop: the failure is logged
     once, what the loop logs is counted as not exported, and after `shutdown()` no exporter process, thread,
     handler, environment variable or claim on the run folder is left."""
@@ -230,6 +231,10 @@ def test_a_failed_start_leaves_nothing_behind(run_dir: Path, monkeypatch: pytest
     mem = InMemoryRowExporter()
     if where == "reader":
         monkeypatch.setattr(otel_train.collect.reader, "StepAlignedMetricReader", _raise)
+    elif where == "exporter_process":  # started already (`child_boot`), never told its configuration
+        import otel_train.ship.export_process
+
+        monkeypatch.setattr(otel_train.ship.export_process.ExportProcess, "__init__", _raise)
     else:
         monkeypatch.setattr(opentelemetry.sdk.metrics, "MeterProvider", _raise)
     with caplog.at_level(logging.ERROR, logger="otel_train"):

@@ -235,24 +235,35 @@ class Session:
 
     def _build_rest(self, remote: tuple[str, ...], options: ExporterOptions, directory: Path,
                     listener: tuple[str, Any] | None) -> None:
-        from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-
-        from otel_train.collect.reader import StepAlignedMetricReader, ThreadSpanProcessor
-        from otel_train.ship.logged_record import open_record
-
         settings = self.settings
         with contextlib.ExitStack() as undo:
             export_process = None
             if remote:
+                # First, from a module of few imports: the exporter process's interpreter starts and imports while
+                # the SDK and the rest are imported and built here.
+                from otel_train.ship.child_boot import LOG_FILE, boot_child, inherited_fds
+                from otel_train.ship.spool import spool_dir
+
+                booted = boot_child(spool_dir(directory, self.run.run_name, self.run.rank) / LOG_FILE,
+                                    inherited_fds(self.run_claim.fd, listener[1] if listener is not None else None),
+                                    settings.export_cpus, settings.export_nice)
+                undo.callback(_end_unconfigured, booted)
+
                 from otel_train.ship.export_process import ExportProcess
 
                 export_process = ExportProcess(
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
                     nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd,
-                    record_bytes=settings.record_bytes, listener=listener)
+                    record_bytes=settings.record_bytes, listener=listener, booted=booted)
+                undo.pop_all()  # the exporter process has its configuration: ending it is `end`'s
                 undo.callback(_undo, export_process.end, 1.0)
+            from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, MeterProvider
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+
+            from otel_train.collect.reader import StepAlignedMetricReader, ThreadSpanProcessor
+            from otel_train.ship.logged_record import open_record
+
             # Resource.create merges OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME under ours.
             resource = Resource.create(self.run.resource_attributes())
             reader = StepAlignedMetricReader(
@@ -653,6 +664,13 @@ def _undo(part: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         part(*args, **kwargs)
     except Exception:
         _logger.debug("otel-train: undoing a failed init(): %r failed", part, exc_info=True)
+
+
+def _end_unconfigured(booted: Any) -> None:
+    """End an exporter process that was started but never sent its configuration (it waits for it)."""
+    conn, proc = booted
+    _undo(conn.close)  # it reads end-of-file and exits
+    _undo(proc.wait, 5.0)
 
 
 def _start_hang_watchdog(settings: cfg.Settings, run: RunInfo, directory: Path) -> Any:

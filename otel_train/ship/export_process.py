@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
 import pickle
 import select
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +42,7 @@ from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.config.exporter_options import ExporterOptions
+from otel_train.ship.child_boot import LOG_FILE, Booted, boot_child, inherited_fds
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import (
     ID,
@@ -69,10 +68,6 @@ _logger = logging.getLogger("otel_train")
 _START_TIMEOUT_S = 60.0  # a child that has not said ``ready`` by then is killed (then restarted once)
 _BACKLOG = 4096  # windows kept until the child confirms they are spooled (a restart resends them)
 _BACKLOG_BYTES = 64 * 1024 * 1024  # ... and at most this many bytes of them
-#: The exporter process's stdout/stderr, in the rank's spool folder: its messages once the trainer is gone.
-LOG_FILE = "exporter.log"
-_BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
-         "from otel_train.ship.export_child import boot; boot(int(sys.argv[1]))")
 
 
 class Backlog:
@@ -126,6 +121,9 @@ class ExportProcess:
         record_bytes: The cap of the record of what was logged (`otel_train.ship.logged_record`; 0: none).
         listener: The address child processes connect to and its listening socket (`worker_listener`), when
             the caller bound it already (so that children started meanwhile find the run); default: bound here.
+        booted: The exporter process, started already (`otel_train.ship.child_boot.boot_child`, with the log file
+            `LOG_FILE` in this rank's spool folder and `inherited_fds(lock_fd, listener's socket)`); sent its
+            configuration here. Default: started here.
 
     Raises:
         ConfigError: an unknown name or a missing package (a backend that fails to start in the child is
@@ -135,7 +133,7 @@ class ExportProcess:
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
                  drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0,
                  self_metrics: bool = True, lock_fd: int = -1, record_bytes: int = 0,
-                 listener: tuple[str, socket.socket | None] | None = None) -> None:
+                 listener: tuple[str, socket.socket | None] | None = None, booted: Booted | None = None) -> None:
         from otel_train.config.registry import check_available, get_spec
 
         for spec in [get_spec(n) for n in names]:
@@ -184,7 +182,7 @@ class ExportProcess:
         self._held_bytes = 0
         self._sndbuf = 0  # the socket's send buffer: a frame of up to a quarter of it never blocks when writable
         with self._lock:  # the child's `ready` may come before `_conn` is set: `_on_ready` waits for it
-            self._conn, self._proc = self._start()
+            self._conn, self._proc = self._start(booted)
         # The first child told each backend about a resume; a restarted child or the fallback must not
         # tell it again (TensorBoard would purge, W&B rewind, the steps delivered since).
         self._options = dataclasses.replace(options, resume_step=None)
@@ -192,12 +190,10 @@ class ExportProcess:
         after_fork_in_child(self._after_fork)  # held weakly: a closed handle is freed
 
     # -- starting -------------------------------------------------------------------------------
-    def _start(self) -> tuple[Connection, subprocess.Popen[bytes]]:
-        fds = [fd for fd in (self._lock_fd, self._config["workers_fd"]) if fd >= 0]
-        conn, proc = spawn_child(self._config, self.log_path, fds)
+    def _start(self, booted: Booted | None = None) -> Booted:
+        conn, proc = spawn_child(self._config, self.log_path, inherited_fds(self._lock_fd, self._worker_sock), booted)
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             self._sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        _place(proc.pid, self._config["cpus"], self._config["nice"])  # here: pinned before its imports run
         threading.Thread(target=self._receive, args=(conn, proc), name="otel-train-export-replies",
                          daemon=True).start()
         return conn, proc
@@ -499,43 +495,22 @@ class ExportProcess:
         return self.last_progress
 
 
-def _place(pid: int, cpus: Sequence[int], nice: int) -> None:
-    """Pin the exporter process `pid` to `cpus` and add `nice` to its niceness (ours + `nice`)."""
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(pid, set(cpus))
-        except OSError as err:
-            _logger.warning("OTEL_TRAIN_EXPORT_CPUS: cannot pin the exporter process to %s: %s", list(cpus), err)
-    if nice:
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        except OSError as err:
-            _logger.warning("OTEL_TRAIN_EXPORT_NICE: cannot renice the exporter process: %s", err)
-
-
 def spawn_child(config: Mapping[str, Any], log_path: Path, fds: Sequence[int] = (),
-                ) -> tuple[Connection, subprocess.Popen[bytes]]:
-    """Start the exporter process with `fds` open in it and send it `config`, without waiting for it (it
-    answers ``ready`` with the last window seq its spool holds, or ``error``).
+                booted: Booted | None = None) -> Booted:
+    """Start the exporter process with `fds` open in it (or take `booted`, one started already with them) and
+    send it `config`, without waiting for it (it answers ``ready`` with the last window seq its spool holds, or
+    ``error``).
 
     Returns:
         The connection to it and the process.
     """
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    if booted is None:
+        booted = boot_child(log_path, fds, config["cpus"], config["nice"])
+    conn, proc = booted
     try:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        # Never the trainer's stdout/stderr: a `| tee`, a CI step or `subprocess.run(capture_output=True)`
-        # waits for their EOF, which must come when the trainer exits, not after the drain.
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(  # a fresh interpreter (never a fork), in its own session
-                [sys.executable, "-c", _BOOT, str(theirs.fileno()), json.dumps(sys.path)],
-                pass_fds=(theirs.fileno(), *fds), start_new_session=True, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            )
-    except BaseException:
-        ours.close()
+        conn.send(dict(config))
+    except OSError:
+        conn.close()  # it cannot be told what to do: it ends (and the trainer restarts it, as after a crash)
+        proc.kill()
         raise
-    finally:
-        theirs.close()
-    conn = Connection(ours.detach())
-    conn.send(dict(config))
     return conn, proc

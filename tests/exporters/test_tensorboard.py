@@ -132,19 +132,53 @@ def test_a_real_tensorboard_server_serves_the_curve(run_dir: Path, tmp_path: Pat
         log.close()
 
 
-def test_fast_checksum_matches_tensorboards_own() -> None:
+def test_records_are_framed_as_tensorboards_own_writer_frames_them() -> None:
     import os
 
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as reference
-    from tensorboard.summary.writer import record_writer
+    from tensorboard.summary.writer.record_writer import RecordWriter
 
-    from otel_train.exporters.tensorboard import _use_fast_crc
+    from otel_train.exporters.tensorboard import frame_record
 
-    _use_fast_crc()
-    assert getattr(record_writer.masked_crc32c, "_otel_train_fast", False)
-    for size in (0, 1, 7, 64, 1000):
-        data = os.urandom(size)
-        assert record_writer.masked_crc32c(data) == reference(data)
+    class Collect:
+        def __init__(self) -> None:
+            self.data = b""
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+    for size in (0, 1, 7, 64, 1000, 70_000):
+        record = os.urandom(size)
+        theirs = Collect()
+        RecordWriter(theirs).write(record)
+        assert frame_record(record) == theirs.data
+
+
+def test_writing_does_not_import_tensorboards_summary_package(tmp_path: Path) -> None:
+    """Its `tensorboard.summary` (and the TensorFlow stub, NumPy, fsspec) costs most of the backend's start. The
+    HParams names written here are the plugin's own."""
+    import subprocess
+    import sys
+
+    from tensorboard.plugins.hparams import metadata
+
+    from otel_train.exporters import tensorboard
+
+    assert (tensorboard._HPARAMS_PLUGIN, tensorboard._HPARAMS_DATA_VERSION, tensorboard._HPARAMS_SESSION_START_TAG) \
+        == (metadata.PLUGIN_NAME, metadata.PLUGIN_DATA_VERSION, metadata.SESSION_START_INFO_TAG)
+    code = ("import sys\n"
+            "from otel_train.exporters.base import Window\n"
+            "from otel_train.exporters.tensorboard import TensorBoardExporter\n"
+            "from otel_train.config.exporter_options import ExporterOptions\n"
+            "from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow\n"
+            "from otel_train.vocab.run_identity import RunInfo\n"
+            "run = RunInfo('r1', 'demo')\n"
+            "with TensorBoardExporter(ExporterOptions(directory=sys.argv[1], hparams={'lr': 0.1})) as tb:\n"
+            "    assert tb.export_window(Window([MetricRow(run, 0, 'loss', 'loss', 1.5, 'gauge', 0)]))\n"
+            "print(sorted(m for m in ('tensorboard.summary', 'numpy', 'fsspec') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip() == "[]"
+    assert _scalars(tmp_path / "demo", "loss") == [(0, 1.5)]
 
 
 def test_values_beyond_float32_are_infinite_like_protobufs(tmp_path: Path) -> None:
