@@ -429,7 +429,10 @@ def test_config_reported_after_init_reaches_a_backend_in_every_placement(
     isolated_wandb_env(monkeypatch, tmp_path)  # the exporter process inherits this environment
     monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", PLACEMENTS[placement])
     directory = tmp_path / "runs"
-    session = ot.init(exporters=["wandb"], dir=directory, run_id="cfg", run_name="cfg", config={"lr": 0.1})
+    # W&B's start in the training process can outlast the default 10 s hand-off on a loaded machine: the config,
+    # not that deadline, is tested here.
+    session = ot.init(exporters=["wandb"], dir=directory, run_id="cfg", run_name="cfg", config={"lr": 0.1},
+                      shutdown_timeout_s=120.0)
     session.add_config({"batch_size": 32})  # as a framework integration does before training starts
     for step in range(3):
         with ot.step(step):
