@@ -40,9 +40,11 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import google_crc32c
 
 from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters._runs import wanted
@@ -57,6 +59,7 @@ __all__ = ["TensorBoardExporter"]
 _logger = logging.getLogger(__name__)
 
 _FLOAT32 = struct.Struct("<f")
+_crc32c: Callable[[bytes], int] = google_crc32c.value  # its C implementation
 _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 # The HParams plugin's names (`tensorboard.plugins.hparams.metadata`, whose import pulls in NumPy and the
@@ -70,9 +73,7 @@ _file_ids = itertools.count()
 
 def _masked_crc32c(data: bytes) -> int:
     """TFRecord's masked CRC-32C of `data` (the values TensorBoard's reader checks)."""
-    import google_crc32c
-
-    x = int(google_crc32c.value(data))
+    x = _crc32c(data)
     return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
@@ -172,12 +173,6 @@ class TensorBoardExporter(RowExporter):
         except ImportError as err:
             raise ModuleNotFoundError(
                 "TensorBoardExporter needs tensorboard: pip install tensorboard", name="tensorboard"
-            ) from err
-        try:
-            import google_crc32c  # noqa: F401
-        except ImportError as err:
-            raise ModuleNotFoundError(
-                "TensorBoardExporter needs google-crc32c: pip install google-crc32c", name="google_crc32c"
             ) from err
 
     def __init__(self, options: ExporterOptions | None = None, *, log_dir: str | Path | None = None) -> None:
