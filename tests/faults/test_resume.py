@@ -21,8 +21,10 @@ RUN = "job-resume"
 
 
 def attempt(directory: Path, steps: range, offset: float, resume_step: int | None) -> None:
+    # Four backends' clients start in the exporter process; on a slow host that can outlast the default 10 s
+    # hand-off (then the backends are read before the drain ends). What they hold is tested here, not that deadline.
     ot.init(exporters=["tensorboard", "jsonl", "mlflow", "wandb"], dir=directory, run_id=RUN, run_name=RUN,
-            project="resume", resume_step=resume_step)
+            project="resume", resume_step=resume_step, shutdown_timeout_s=120.0)
     for s in ot.steps(steps, start=steps.start):
         ot.log({tag: value(tag, s) + offset for tag in SERIES})
     ot.shutdown()
