@@ -23,6 +23,29 @@ from pathlib import Path
 from typing import Any
 
 
+def post_otlp(port: int, path: str, body: bytes, content_type: str = "application/x-protobuf",
+              statuses: list[int] | None = None, tries: int = 600) -> int:
+    """POST one OTLP/HTTP request to `path` as an OTel sender does: a 503 (a run closing, or still replayed after a
+    restart) is retried after its Retry-After (at most 1 s; 0.05 s without one), any other answer is final. Returns
+    the last status; every answer is appended to `statuses`."""
+    status = 503
+    for _ in range(tries):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers={"Content-Type": content_type})
+        wait = 0.05
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                status = int(resp.status)
+        except urllib.error.HTTPError as err:
+            status = int(err.code)
+            wait = min(1.0, float(err.headers.get("Retry-After") or wait))
+        if statuses is not None:
+            statuses.append(status)
+        if status != 503:
+            return status
+        time.sleep(wait)
+    return status
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,20 +175,12 @@ class SinkProcess:
             return json.loads(resp.read())
 
     def post_metrics(self, body: bytes, tries: int = 100) -> None:
-        """One OTLP/HTTP metrics request, retried on 503 after its Retry-After, as a collector does (a run
-        that is closing just then, e.g. as the replay of its spool ends, refuses with a short hint)."""
-        for _ in range(tries):
-            req = urllib.request.Request(f"http://127.0.0.1:{self.http_port}/v1/metrics", data=body,
-                                         headers={"Content-Type": "application/x-protobuf"})
-            try:
-                with urllib.request.urlopen(req, timeout=10) as resp:
-                    assert resp.status == 200
-                    return
-            except urllib.error.HTTPError as err:
-                if err.code != 503:
-                    raise
-                time.sleep(float(err.headers.get("Retry-After") or 0.2))
-        raise AssertionError(f"the sink refused the request {tries} times")
+        """One OTLP/HTTP metrics request, retried on 503 as a collector does (`post_otlp`): a run that is closing
+        just then, e.g. as the replay of its spool ends, refuses with a short hint."""
+        status = post_otlp(self.http_port, "/v1/metrics", body, tries=tries)
+        if status == 503:
+            raise AssertionError(f"the sink refused the request {tries} times")
+        assert status == 200, status
 
     def settled_health(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """`/health` once nothing is held for reordering and the spools found at start are delivered."""

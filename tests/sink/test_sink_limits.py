@@ -4,12 +4,10 @@ runs than the limit is still taken."""
 
 from __future__ import annotations
 
-import http.client
-import time
 from pathlib import Path
 
 import pytest
-from rotel_proc import SinkProcess
+from rotel_proc import SinkProcess, post_otlp
 from sinkkit import scalars
 
 from otel_train.testing import OtlpPoint, metrics_request
@@ -23,19 +21,8 @@ def _one_point(run_id: str, step: int) -> bytes:
 
 
 def _post_retrying(port: int, body: bytes, statuses: list[int]) -> None:
-    """POST one OTLP/HTTP request as an OTel sender does: 503 is retried (after a short wait here), any other
-    refusal is final. Every answer is recorded in `statuses`."""
-    for _ in range(600):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        try:
-            conn.request("POST", "/v1/metrics", body=body, headers={"Content-Type": "application/x-protobuf"})
-            status = conn.getresponse().status
-        finally:
-            conn.close()
-        statuses.append(status)
-        if status != 503:
-            return
-        time.sleep(0.05)
+    """One OTLP/HTTP metrics request, 503 retried (`post_otlp`); every answer is recorded in `statuses`."""
+    post_otlp(port, "/v1/metrics", body, statuses=statuses)
 
 
 # The derived open-run limit; and one set far beyond what the descriptors allow (the descriptors counted

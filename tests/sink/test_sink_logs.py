@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,18 +104,9 @@ def _request(body: str, step: int | None) -> Any:
 
 
 def _post(sink: Any, data: bytes, content_type: str) -> int:
-    """POST as an OTel sender does: a 503 (a run still being replayed after a restart) is retried."""
-    request = urllib.request.Request(f"http://127.0.0.1:{sink.http_port}/v1/logs", data=data,
-                                     headers={"Content-Type": content_type})
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(request, timeout=5) as resp:
-                return int(resp.status)
-        except urllib.error.HTTPError as error:
-            if error.code != 503:
-                return int(error.code)
-        time.sleep(0.05)
-    return 503
+    from rotel_proc import post_otlp
+
+    return post_otlp(sink.http_port, "/v1/logs", data, content_type)
 
 
 def test_http_protobuf_and_json_requests(sink: Any, tmp_path: Path) -> None:
