@@ -241,12 +241,12 @@ class Session:
             if remote:
                 # First, from a module of few imports: the exporter process's interpreter starts and imports while
                 # the SDK and the rest are imported and built here.
-                from otel_train.ship.child_boot import LOG_FILE, boot_child, inherited_fds
+                from otel_train.ship.child_boot import boot_child
                 from otel_train.ship.spool import spool_dir
 
-                booted = boot_child(spool_dir(directory, self.run.run_name, self.run.rank) / LOG_FILE,
-                                    inherited_fds(self.run_claim.fd, listener[1] if listener is not None else None),
-                                    settings.export_cpus, settings.export_nice)
+                booted = boot_child(spool_dir(directory, self.run.run_name, self.run.rank), self.run_claim.fd,
+                                    listener[1] if listener is not None else None, settings.export_cpus,
+                                    settings.export_nice)
                 undo.callback(_end_unconfigured, booted)
 
                 from otel_train.ship.export_process import ExportProcess

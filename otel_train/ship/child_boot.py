@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-__all__ = ["LOG_FILE", "Booted", "boot_child", "inherited_fds", "place"]
+__all__ = ["LOG_FILE", "Booted", "boot_child", "place"]
 
 _logger = logging.getLogger("otel_train")
 
@@ -31,10 +31,15 @@ _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
 Booted = tuple[Connection, "subprocess.Popen[bytes]"]
 
 
-def boot_child(log_path: Path, fds: Sequence[int] = (), cpus: Sequence[int] = (), nice: int = 0) -> Booted:
-    """Start the exporter process with `fds` open in it, pinned to `cpus` and `nice` added, without waiting for it:
-    it imports what it runs, then waits for its configuration on the returned connection (closing it ends the
-    process)."""
+def boot_child(spool: Path, lock_fd: int = -1, listener: socket.socket | None = None, cpus: Sequence[int] = (),
+               nice: int = 0) -> Booted:
+    """Start the exporter process of the rank whose spool folder is `spool` (its output to `LOG_FILE` there),
+    holding the run folder's lock `lock_fd` (`otel_train.ship.spool.claim_run`; -1: none) and the socket child
+    processes connect to (`otel_train.ship.workers`; None: none), pinned to `cpus` and `nice` added, without waiting
+    for it: it imports what it runs, then waits for its configuration on the returned connection (closing it ends
+    the process)."""
+    fds = [fd for fd in (lock_fd, listener.fileno() if listener is not None else -1) if fd >= 0]
+    log_path = spool / LOG_FILE
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -53,12 +58,6 @@ def boot_child(log_path: Path, fds: Sequence[int] = (), cpus: Sequence[int] = ()
         theirs.close()
     place(proc.pid, cpus, nice)  # pinned before its imports run
     return Connection(ours.detach()), proc
-
-
-def inherited_fds(lock_fd: int, listener: socket.socket | None) -> list[int]:
-    """The descriptors the exporter process inherits: the run folder's lock (`otel_train.ship.spool.claim_run`;
-    -1: none) and the socket child processes connect to (`otel_train.ship.workers`; None: none)."""
-    return [fd for fd in (lock_fd, listener.fileno() if listener is not None else -1) if fd >= 0]
 
 
 def place(pid: int, cpus: Sequence[int], nice: int) -> None:

@@ -37,12 +37,11 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.config.exporter_options import ExporterOptions
-from otel_train.ship.child_boot import LOG_FILE, Booted, boot_child, inherited_fds
+from otel_train.ship.child_boot import LOG_FILE, Booted, boot_child
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import (
     ID,
@@ -121,9 +120,9 @@ class ExportProcess:
         record_bytes: The cap of the record of what was logged (`otel_train.ship.logged_record`; 0: none).
         listener: The address child processes connect to and its listening socket (`worker_listener`), when
             the caller bound it already (so that children started meanwhile find the run); default: bound here.
-        booted: The exporter process, started already (`otel_train.ship.child_boot.boot_child`, with the log file
-            `LOG_FILE` in this rank's spool folder and `inherited_fds(lock_fd, listener's socket)`); sent its
-            configuration here. Default: started here.
+        booted: The exporter process, started already by `otel_train.ship.child_boot.boot_child` with this
+            rank's spool folder, `lock_fd` and `listener`'s socket; sent its configuration here. Default: started
+            here.
 
     Raises:
         ConfigError: an unknown name or a missing package (a backend that fails to start in the child is
@@ -191,7 +190,16 @@ class ExportProcess:
 
     # -- starting -------------------------------------------------------------------------------
     def _start(self, booted: Booted | None = None) -> Booted:
-        conn, proc = spawn_child(self._config, self.log_path, inherited_fds(self._lock_fd, self._worker_sock), booted)
+        """Send the exporter process (`booted`, or one started here) its configuration, without waiting for it (it
+        answers ``ready`` with the last window seq its spool holds, or ``error``)."""
+        conn, proc = booted or boot_child(self.spool_path, self._lock_fd, self._worker_sock, self._config["cpus"],
+                                          self._config["nice"])
+        try:
+            conn.send(dict(self._config))
+        except OSError:
+            conn.close()  # it cannot be told what to do: it ends (and is restarted, as after a crash)
+            proc.kill()
+            raise
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             self._sndbuf = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         threading.Thread(target=self._receive, args=(conn, proc), name="otel-train-export-replies",
@@ -493,24 +501,3 @@ class ExportProcess:
         rid = self._request(b"P")
         self._wait(rid, "progress", time.monotonic() + timeout_s)
         return self.last_progress
-
-
-def spawn_child(config: Mapping[str, Any], log_path: Path, fds: Sequence[int] = (),
-                booted: Booted | None = None) -> Booted:
-    """Start the exporter process with `fds` open in it (or take `booted`, one started already with them) and
-    send it `config`, without waiting for it (it answers ``ready`` with the last window seq its spool holds, or
-    ``error``).
-
-    Returns:
-        The connection to it and the process.
-    """
-    if booted is None:
-        booted = boot_child(log_path, fds, config["cpus"], config["nice"])
-    conn, proc = booted
-    try:
-        conn.send(dict(config))
-    except OSError:
-        conn.close()  # it cannot be told what to do: it ends (and the trainer restarts it, as after a crash)
-        proc.kill()
-        raise
-    return conn, proc
