@@ -29,6 +29,7 @@ from otel_train.config.exporter_options import ExporterOptions, options_to_json
 from otel_train.errors import ConfigError
 from otel_train.ship import store_env
 from otel_train.ship.backend_start import StartingBackend, starting_backends
+from otel_train.ship.child_boot import LOG_FILE
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_resume
 from otel_train.ship.logged_record import open_record
@@ -135,6 +136,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         reply("error", f"OTEL_TRAIN_EXPORT_PROCESS: the exporter process could not start: {type(err).__name__}: {err}")
         return
     _write_meta(spool.path, config)
+    spool.on_recreated += [lambda: _write_meta(spool.path, config), lambda: _reopen_log(spool.path)]
     delivery = Delivery(dict[str, RowExporter](backends), spool)
     delivery.record = open_record(backends, config["run"], options.directory, int(config.get("record_bytes", 0)),
                                   options.resume_step)
@@ -266,6 +268,17 @@ def set_hparams(exporters: Sequence[Any], config: Mapping[str, Any]) -> None:
         options = getattr(exporter, "options", None)
         if isinstance(options, ExporterOptions):
             exporter.options = dataclasses.replace(options, hparams=dict(config))
+
+
+def _reopen_log(folder: Path) -> None:
+    """Our stdout/stderr (`LOG_FILE`) again in the spool folder `folder`, after the folder was deleted and created
+    again: the messages after a trainer is gone go where a user looks for them, not to a deleted file."""
+    fd = os.open(folder / LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        for std in (1, 2):
+            os.dup2(fd, std)
+    finally:
+        os.close(fd)
 
 
 def _write_meta(path: Path, config: dict[str, Any]) -> None:

@@ -19,6 +19,12 @@ and each file's size then); whoever resumes delivery cuts the files back to thos
 was not recorded (`cut_unrecorded_appends`), then delivers from the record as before: every window is written
 once.
 
+A spool folder deleted during the run (``rm -rf`` of the run folder) is noticed at the next append or cursor
+save (one ``fstat``): the folder is created again, with the open segment's records (read back from its still-open
+descriptor), the cursors, the written and intent records, the writer lock and whatever `on_recreated` rewrites, and
+a warning says so once. Windows of older segments (closed before the deletion) that not every backend had made
+durable are counted in `failed_appends`: they are delivered from memory, but no longer written ahead.
+
 A disk full (or any other write error) never stops delivery: the window that could not be written is
 cut back out of its segment, counted in `Spool.failed_appends`, and still handed to the backends from
 memory; the first failure and the recovery are each logged once. Such a window is not written ahead:
@@ -38,7 +44,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from otel_train._internal.at_fork import after_fork_in_child
@@ -214,6 +220,11 @@ class Spool:
         self._log = LogOnce(_logger, interval_s=60.0)  # a disk that keeps flapping cannot flood the log
         self._written_fds: dict[str, int] = {}  # backend -> open fd of its ``written.<backend>``
         self._intents: dict[str, AppendIntent] = {}  # backend -> its intent record (in ``written.<backend>``)
+        self._segment_first = 0  # the first seq of the open segment (its file's name)
+        self._lock_fd = -1  # the writer lock taken again in a folder created again (`_recreate`)
+        self._retired_fds: list[int] = []  # ``written.*`` descriptors of a deleted folder
+        #: Called (with no argument) after a deleted spool folder was created again: rewrite files kept there.
+        self.on_recreated: list[Callable[[], None]] = []
         for seq, step, _ in self.read(0):  # the tail of an earlier writer (restart, replay)
             self.last_seq = seq
             self.last_step = max(self.last_step, step)
@@ -231,6 +242,8 @@ class Spool:
             if seq <= self.last_seq:
                 return False
             try:
+                if self._deleted():
+                    self._recreate()
                 if self._file is None or self._file_bytes >= _SEGMENT_BYTES:
                     self._roll(seq)
                 assert self._file is not None
@@ -273,8 +286,66 @@ class Spool:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None  # if the new segment cannot be opened, the next append tries again
-        self._file = open(self.path / f"{seq:016d}.seg", "ab", buffering=0)  # noqa: SIM115 - kept open across appends
+        # Kept open across appends, readable: a deleted folder's segment is read back through it (`_recreate`).
+        self._file = open(self.path / f"{seq:016d}.seg", "a+b", buffering=0)  # noqa: SIM115
         self._file_bytes = 0
+        self._segment_first = seq
+
+    # -- a deleted spool folder -------------------------------------------------------------------
+    def _deleted(self) -> bool:
+        """Whether the spool folder was deleted since it was opened (the open segment unlinked, or no folder)."""
+        try:
+            if self._file is not None:
+                return os.fstat(self._file.fileno()).st_nlink == 0
+            return not self.path.is_dir()
+        except OSError:
+            return False
+
+    def heal(self) -> bool:
+        """Create the spool folder again if it was deleted (module docstring); whether it was."""
+        with self._file_lock:
+            if not self._deleted():
+                return False
+            self._recreate()
+            return True
+
+    def _recreate(self) -> None:
+        """The spool folder is gone: create it again from what this process still holds. Under `_file_lock`."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        kept = 0
+        if self._file is not None:  # the unlinked segment is still readable through its descriptor
+            old = self._file
+            data = _pread_all(old.fileno(), self._file_bytes)
+            self._file = open(self.path / f"{self._segment_first:016d}.seg", "a+b", buffering=0)  # noqa: SIM115
+            self._file.write(data)
+            self._file_bytes = len(data)
+            kept = sum(1 for _ in _records(data))
+            with contextlib.suppress(OSError):
+                old.close()
+        first = self._segment_first if self._file is not None else self.last_seq + 1
+        with self._cursor_lock:
+            self._save_cursors()
+            for backend, fd in list(self._written_fds.items()):
+                data = _pread_all(fd, os.fstat(fd).st_size)
+                new = os.open(self._written_path(backend), os.O_RDWR | os.O_CREAT, 0o644)
+                os.pwrite(new, data, 0)
+                self._written_fds[backend] = new
+                self._retired_fds.append(fd)  # closed at `close`: a backend's thread may be writing to it now
+            done = min((self.cursors.get(b, 0) for b in self.backends), default=self.last_seq)
+        if self._lock_fd < 0:
+            with contextlib.suppress(OSError):
+                self._lock_fd = try_lock(self.path) or -1
+        lost = max(0, first - 1 - done)  # windows of deleted older segments not every backend had made durable
+        self.failed_appends += lost
+        self._log.warning("spool-recreated", "otel-train: the spool folder %s was deleted during the run; created "
+                          "again with the %d window(s) its open segment held%s", self.path, kept,
+                          f"; {lost} window(s) of older segments are delivered from memory only, not written "
+                          "ahead" if lost else "")
+        for hook in self.on_recreated:
+            try:
+                hook()
+            except Exception as err:  # a file kept beside the spool: the spool itself is whole again
+                _logger.warning("otel-train: rewriting a file of the spool folder %s failed: %s", self.path, err)
 
     def sync(self) -> bool:
         """Make every appended window durable (flush + fsync). Returns whether every window given to `append`
@@ -292,6 +363,10 @@ class Spool:
         self.sync()
         with self._cursor_lock:
             fds, self._written_fds = list(self._written_fds.values()), {}
+            retired, self._retired_fds = self._retired_fds, []
+        for fd in retired:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         for fd in fds:
             try:
                 os.fsync(fd)
@@ -305,6 +380,10 @@ class Spool:
                 except OSError:
                     pass
                 self._file = None
+            lock_fd, self._lock_fd = self._lock_fd, -1
+            if lock_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(lock_fd)
 
     # -- reading ------------------------------------------------------------------------------
     def segments(self) -> list[Path]:
@@ -342,7 +421,10 @@ class Spool:
         One `pwrite` of 12 bytes at offset 0 of an open file: no rename, no fsync (a kill -9 cannot
         lose a write the kernel already has)."""
         record = _WRITTEN.pack(seq, zlib.crc32(struct.pack("<q", seq)))
-        os.pwrite(self._written_fd(backend), record, 0)
+        fd = self._written_fd(backend)
+        os.pwrite(fd, record, 0)
+        if self._written_fds.get(backend, fd) != fd:  # the folder was created again meanwhile: into the new file
+            os.pwrite(self._written_fd(backend), record, 0)
 
     def _written_fd(self, backend: str) -> int:
         """The open ``written.<backend>`` (its written record, then its intent record), kept until `close`."""
@@ -399,11 +481,22 @@ class Spool:
             if seq <= self.cursors.get(backend, 0):
                 return
             self.cursors[backend] = seq
-            tmp = self._cursor_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.cursors))
-            os.replace(tmp, self._cursor_file)  # atomic: a crash leaves the old cursors or the new ones
+            try:
+                self._save_cursors()
+                saved = True
+            except FileNotFoundError:
+                saved = False
+        # The folder was deleted: create it again (which saves the cursors); anything else raises here.
+        if not saved and not self.heal():
+            with self._cursor_lock:
+                self._save_cursors()
         if self.backends:
             self.remove_acknowledged()  # a long run's spool stays as small as the slowest backend
+
+    def _save_cursors(self) -> None:
+        tmp = self._cursor_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.cursors))
+        os.replace(tmp, self._cursor_file)  # atomic: a crash leaves the old cursors or the new ones
 
     def remove_acknowledged(self) -> None:
         """Delete segments every one of `self.backends` has acknowledged entirely (the open one only once closed)."""
@@ -436,15 +529,33 @@ def _read(path: Path, after: int) -> Iterator[tuple[int, int, bytes]]:
             data = seg.read_bytes()
         except OSError:
             continue
-        pos = 0
-        while pos + _HEADER.size <= len(data):
-            seq, step, size, crc = _HEADER.unpack_from(data, pos)
-            body = data[pos + _HEADER.size: pos + _HEADER.size + size]
-            if len(body) < size or zlib.crc32(body) != crc:
-                break  # a torn tail
-            pos += _HEADER.size + size
+        for seq, step, body in _records(data):
             if seq > after:
                 yield seq, step, body
+
+
+def _records(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """The intact records of one segment's bytes, in order, up to a torn tail."""
+    pos = 0
+    while pos + _HEADER.size <= len(data):
+        seq, step, size, crc = _HEADER.unpack_from(data, pos)
+        body = data[pos + _HEADER.size: pos + _HEADER.size + size]
+        if len(body) < size or zlib.crc32(body) != crc:
+            return  # a torn tail
+        pos += _HEADER.size + size
+        yield seq, step, body
+
+
+def _pread_all(fd: int, size: int) -> bytes:
+    """The first `size` bytes of the open file `fd` (fewer if it is shorter)."""
+    parts, pos = [], 0
+    while pos < size:
+        part = os.pread(fd, size - pos, pos)
+        if not part:
+            break
+        parts.append(part)
+        pos += len(part)
+    return b"".join(parts)
 
 
 def _load_cursors(path: Path) -> dict[str, int]:

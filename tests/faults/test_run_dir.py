@@ -287,3 +287,44 @@ def test_verify_after_a_run_folder_was_deleted_checks_what_was_logged_since(tmp_
     checked = {b["backend"]: b for b in report["backends"]}
     assert set(checked) == {"jsonl", "tensorboard", "chrome_trace"}
     assert checked["jsonl"]["status"] == "pass" and checked["jsonl"]["present"] >= 2 * 20  # loss and acc, steps 20-39
+
+
+# The run folder is deleted while a backend (W&B, hanging) has not yet written anything: the spool folder is
+# created again from what the exporter process still holds, so `otel-train replay` delivers every step later.
+DELETED_BEHIND = textwrap.dedent("""
+    import os, shutil, sys, time
+    import otel_train as ot
+    out = sys.argv[1]
+    ot.init(exporters=["wandb", "jsonl"], dir=out, run_id="behind", run_name="behind", export_interval_s=0.02,
+            shutdown_timeout_s=1)
+    for s in ot.steps(range(40)):
+        ot.log({"train/loss": float(s)})
+        time.sleep(0.005)
+        if s == 19:
+            ot.flush(timeout_s=1)  # JSONL has steps 0-19; W&B hangs in its first write
+            shutil.rmtree(os.path.join(out, "behind"))
+    ot.shutdown()
+""")
+
+
+def test_a_deleted_run_folder_keeps_the_windows_a_backend_still_needs_in_a_spool_replay_reads(
+        tmp_path: Path) -> None:
+    script, out = tmp_path / "behind.py", tmp_path / "runs"
+    script.write_text(DELETED_BEHIND)
+    env = _env(tmp_path, **fake_wandb_env(tmp_path, "hang"), OTEL_TRAIN_DRAIN_TIMEOUT_S="2")
+    done = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "spool folder" in line and "was deleted" in line]
+    assert len(said) == 1 and str(spool_dir(out, "behind", 0)) in said[0], done.stderr[-3000:]
+    child = int(done.stderr.split("exporter process (pid ", 1)[1].split(")", 1)[0])
+    assert _wait_gone(child, 60)  # drained 2 s, W&B still hanging: the rest waits in the spool
+    assert "`wandb` behind by" in (spool_dir(out, "behind", 0) / "exporter.log").read_text()  # its log, again there
+    replay = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(out / "behind")],
+                            env=_env(tmp_path, **fake_wandb_env(tmp_path, "record")), capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    logged = [json.loads(x) for x in (tmp_path / "wandb-out" / "logged.jsonl").read_text().splitlines()]
+    assert sorted((e["step"], e["train/loss"]) for e in logged if "train/loss" in e) == [
+        (s, float(s)) for s in range(40)]  # every step once, those logged before the deletion included
+    assert _jsonl(out, "behind", name="train/loss") == [(s, float(s)) for s in range(20, 40)]  # replay added none
