@@ -114,6 +114,24 @@ def test_sigusr1_mid_fit_runs_lightnings_requeue_and_lands_every_step(fitted: di
 def test_handlers_during_and_after_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """During `fit` the requeue signal runs otel-train's flush, then Lightning's requeue handler; after `fit`
     (Lightning restores what it found) otel-train's own handler is back, so a later SIGUSR1 still flushes."""
+    from otel_train.session import exit_hooks
+
+    for key, value in slurm_env(tmp_path, "before").items():
+        if key.startswith("SLURM_"):
+            monkeypatch.setenv(key, value)
+    # SIGUSR1 as a job's process starts with it (the default): Lightning installs its requeue handler only over
+    # that, and a test that ran earlier in this process may have left another one.
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    stale = exit_hooks._previous_handlers.pop(signal.SIGUSR1, None)
+    try:
+        _handlers_during_and_after_fit(tmp_path)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        if stale is not None:
+            exit_hooks._previous_handlers[signal.SIGUSR1] = stale
+
+
+def _handlers_during_and_after_fit(tmp_path: Path) -> None:
     import lightning.pytorch as pl
     from lightning_slurm_driver import Tiny
     from torch.utils.data import DataLoader, TensorDataset
@@ -121,9 +139,6 @@ def test_handlers_during_and_after_fit(tmp_path: Path, monkeypatch: pytest.Monke
     import otel_train as ot
     from otel_train.integrations.lightning import OtelTrainCallback, OtelTrainLogger
 
-    for key, value in slurm_env(tmp_path, "before").items():
-        if key.startswith("SLURM_"):
-            monkeypatch.setenv(key, value)
     ot.init(exporters=["jsonl"], dir=tmp_path / "runs", run_name="slurm")
     ours = signal.getsignal(signal.SIGUSR1)
     seen: list[object] = []

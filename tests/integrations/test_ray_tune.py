@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,13 @@ def _trainable(config: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[None]:
+    # `Tuner.fit` leaves its own SIGINT/SIGUSR1 handlers in the process: tests run after these get theirs back.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGUSR1)}
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 def test_two_trials_write_their_series_and_spans(ray_local: None, tmp_path: Path,

@@ -186,7 +186,7 @@ class SinkProcess:
         """`/health` once nothing is held for reordering and the spools found at start are delivered."""
         def settled() -> bool:
             health = self.get("/health")
-            return bool(health["reorder_held"] == 0 and health["spool_replay"]["runs_left"] == 0)
+            return bool(health["reorder_held"] == 0 and health["spool_replay"]["done"])
 
         assert wait_until(settled, timeout_s), self.get("/health")
         return dict(self.get("/health"))

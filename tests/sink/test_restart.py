@@ -267,7 +267,7 @@ def test_ranks_steps_apart_killed_while_holding_every_step_once(tmp_path: Path) 
     assert health["points"] == after
     assert health["redelivered_skipped"] == {"k": {"tensorboard": again}}
     assert health["steps_order_skipped"] == {} and health["errors"] == 0
-    assert health["spool_replay"] == {"runs_found": 1, "runs_replayed": 1, "runs_left": 0}
+    assert health["spool_replay"] == {"runs_found": 1, "runs_replayed": 1, "runs_left": 0, "done": True}
 
 
 def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Path) -> None:
@@ -294,7 +294,7 @@ def test_a_restarted_sink_delivers_its_spools_with_no_more_traffic(tmp_path: Pat
             assert _tb_points(runs / run_id / f"rank{rank}") == points
             assert _jsonl_points(runs / run_id / f"rank{rank}.jsonl") == points
         health = second.get("/health")
-        assert health["spool_replay"] == {"runs_found": 2, "runs_replayed": 2, "runs_left": 0}
+        assert health["spool_replay"] == {"runs_found": 2, "runs_replayed": 2, "runs_left": 0, "done": True}
         assert health["points"] == 0 and health["runs_open"] == 0 and health["steps_order_skipped"] == {}
         # every backend holds everything: the spool keeps only the run's series state
         assert _state_only(runs / ".sink-spool" / spool_folder("k"))
@@ -454,7 +454,7 @@ def test_the_replay_delivers_each_unfinished_spool_once_within_max_open_runs(tmp
     replay = SpoolReplay(router, spool_dir, threading.Event(), workers=2).start()
     try:
         assert replay.wait(60)
-        assert replay.stats() == {"runs_found": 3, "runs_replayed": 3, "runs_left": 0}
+        assert replay.stats() == {"runs_found": 3, "runs_replayed": 3, "runs_left": 0, "done": True}
         got = sorted((r.run.run_id, r.step) for e in made for r in e.metrics)
         assert got == [(run_id, s) for run_id in ("a", "b", "c") for s in (1, 2)]
         assert open_now[1] == 1 and router.runs_open == 0  # one run at a time; each closed once delivered

@@ -311,7 +311,7 @@ class SinkCore:
             "reorder_held": sum(h.held for h in self.reorder_holds()),
             "redelivered_skipped": self._redelivered_now(),
             "spool_replay": (self.spool_replay.stats() if self.spool_replay is not None
-                             else {"runs_found": 0, "runs_replayed": 0, "runs_left": 0}),
+                             else {"runs_found": 0, "runs_replayed": 0, "runs_left": 0, "done": True}),
             "rejected": dict(self.rejected),
             "unattributed_resources": self.unattributed,
             "unsupported": dict(self.unsupported),

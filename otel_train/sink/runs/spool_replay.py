@@ -115,11 +115,12 @@ class SpoolReplay:
         self._thread.start()
         return self
 
-    def stats(self) -> dict[str, int]:
-        """`/health`'s ``spool_replay``: runs found at start, replayed, and still to replay."""
+    def stats(self) -> dict[str, int | bool]:
+        """`/health`'s ``spool_replay``: runs found at start, replayed, still to replay, and whether it is done
+        (until then ``runs_left`` counts only the runs found so far: the spool folder may still be being read)."""
         with self._lock:
             return {"runs_found": self.found, "runs_replayed": self.replayed,
-                    "runs_left": self.found - self.replayed}
+                    "runs_left": self.found - self.replayed, "done": self.done.is_set()}
 
     def _run(self) -> None:
         try:
