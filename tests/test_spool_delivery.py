@@ -299,3 +299,52 @@ def test_last_seq_reads_what_opening_the_spool_finds_without_writing(tmp_path: P
     files = {p: p.read_bytes() for p in tmp_path.iterdir()}
     assert last_seq(tmp_path) == Spool(tmp_path).last_seq == 7
     assert {p: p.read_bytes() for p in tmp_path.iterdir()} == files
+
+
+def test_windows_the_spool_could_not_hold_reach_a_stalled_backend_from_memory(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk while a backend is behind: the windows the spool could not write ahead are its only copy in
+    memory, never skipped when the stalled backend reads the rest back from the spool."""
+    gate = threading.Event()
+
+    class Stalled(InMemoryRowExporter):
+        def write_metrics(self, rows: Any, histograms: Any) -> None:
+            gate.wait(30)
+            super().write_metrics(rows, histograms)
+
+    options = ExporterOptions(tmp_path)
+    fast, stalled = InMemoryRowExporter(options), Stalled(options)
+    sp = Spool(tmp_path / "spool")
+    delivery = Delivery({"fast": fast, "stalled": stalled}, sp, queue_windows=2)
+    for step in range(10):
+        delivery.submit(step + 1, step, window(step))
+    real_roll = sp._roll
+
+    def full_disk(seq: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sp, "_roll", full_disk)
+    sp._file = None  # the next append opens a segment: the disk is full
+    for step in range(10, 20):
+        delivery.submit(step + 1, step, window(step))
+    monkeypatch.setattr(sp, "_roll", real_roll)  # space again
+    for step in range(20, 30):
+        delivery.submit(step + 1, step, window(step))
+    gate.set()
+    assert delivery.close(time.monotonic() + 30)
+    assert sp.failed_appends == 10
+    assert _steps(stalled) == list(range(30))  # a list: every window once, in order
+    assert _steps(fast) == list(range(30))
+    assert delivery.rows_lost() == {}
+
+
+def test_windows_kept_in_memory_that_a_backend_never_takes_are_counted_as_lost_to_a_full_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    down = InMemoryRowExporter(ExporterOptions(tmp_path), fail_times=10**9)
+    sp = Spool(tmp_path / "spool")
+    monkeypatch.setattr(sp, "_roll", lambda seq: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    delivery = Delivery({"down": down}, sp, queue_windows=2)
+    for step in range(5):
+        delivery.submit(step + 1, step, window(step))
+    assert not delivery.close(time.monotonic() + 3)
+    assert delivery.rows_lost() == {"down": {"disk_full": 5}}  # one row per window, none of them silent

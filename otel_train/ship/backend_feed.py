@@ -29,6 +29,8 @@ from otel_train.ship.spool import Spool
 __all__ = ["MERGE_ROWS", "BackendFeed", "BackendPool", "rows_in"]
 
 _logger = logging.getLogger("otel_train.ship.delivery")
+#: Windows the spool could not hold kept in memory per backend, per window of its queue (`queue_windows`).
+_UNSPOOLED_PER_QUEUED = 64
 MERGE_ROWS = 50_000  # rows one merged write may hold
 FLUSH_EVERY_S = 1.0  # how stale a backend's durable cursor may get while data flows
 _HANDED_KEPT = 4096  # (seq, step) marks kept for a backend whose store lags (`RowExporter.durable_step`)
@@ -106,6 +108,11 @@ class BackendFeed:
         self.rows = 0  # rows (points and spans) handed to the backend
         # Child-process windows (not spooled), each with the seq of the window it follows in the stream.
         self._side: deque[tuple[int, Window]] = deque(maxlen=queue_windows * 4)
+        # Windows the spool could not write ahead (a full disk): memory is their only copy, so they are kept here
+        # until the backend holds them, whatever the queue does (a stalled backend reads the rest from the spool).
+        self._unspooled: dict[int, tuple[int, Window]] = {}
+        self._unspooled_max = queue_windows * _UNSPOOLED_PER_QUEUED
+        self.lost_unspooled_rows = 0  # rows of such windows past that bound, or not taken by the backend's close
         self._handed_max: deque[tuple[int, int]] = deque()  # (seq, highest step handed so far), not yet acked
         self._max_step_handed = -1
         self._thread_name = f"{thread_name}-{name}"
@@ -134,14 +141,18 @@ class BackendFeed:
         self._cv = threading.Condition()
         self._queue.clear()
         self._side.clear()
+        self._unspooled.clear()
         self._reload = self._flush_wanted = self._stop = False
         forget = getattr(self.exporter, "forget_pending_after_fork", None)
         if forget is not None:
             forget()
         self._start()
 
-    def submit(self, seq: int, step: int, window: Window) -> None:
+    def submit(self, seq: int, step: int, window: Window, spooled: bool = True) -> None:
+        """Queue window `seq` for the backend; `spooled`: the spool holds it (else memory keeps it until held)."""
         with self._cv:
+            if not spooled and self.spool is not None:
+                self._keep_unspooled(seq, step, window)
             if self._reload:
                 pass  # the spool holds it; the thread reads it from there
             elif len(self._queue) >= self._queue_windows:
@@ -266,6 +277,8 @@ class BackendFeed:
                 if flushed:
                     self._flushed_handed = self.handed
                 self._cv.notify_all()
+        if self._unspooled:
+            self._forget_held_unspooled()
         if stop:
             with self._cv:
                 if (self._queue or self._side or self._reload) and not self._stuck():
@@ -273,7 +286,11 @@ class BackendFeed:
                 left = list(self._side)
                 self._side.clear()
             self.lost_side_rows += sum(rows_in(w) for _, w in left)  # not spooled: nowhere to keep them
+            counted_before = self._rows_counted_lost()
             self._close()
+            # The backend's close counts what it held and could not write when the disk was full; else the kept
+            # windows it was handed and did not write are counted here with those it never got.
+            self._forget_held_unspooled(closing=True, handed_counted=self._rows_counted_lost() > counted_before)
             with self._cv:
                 self._closed = True
                 self._cv.notify_all()
@@ -294,6 +311,7 @@ class BackendFeed:
         return float(writer.retry_in_s()) if writer is not None else 0.0
 
     def _from_spool(self) -> list[tuple[int, int, Window]]:
+        """The windows after the last one handed: the spool's, and those it could not hold (`_unspooled`)."""
         assert self.spool is not None
         out = []
         for seq, step, payload in self.spool.read(self.handed):
@@ -301,7 +319,36 @@ class BackendFeed:
                 out.append((seq, step, decode_window(payload)))
             except Exception as err:  # a window we cannot read must not stop the rest
                 self._log.error("decode", "spool window %d unreadable for `%s` (%s); skipped", seq, self.name, err)
+        with self._cv:
+            out += [(seq, step, window) for seq, (step, window) in self._unspooled.items() if seq > self.handed]
         return out
+
+    def _keep_unspooled(self, seq: int, step: int, window: Window) -> None:
+        """Keep a window the spool could not write ahead until the backend holds it (its cv held); past the bound
+        the oldest goes, counted as lost to a full disk."""
+        self._unspooled[seq] = (step, window)
+        while len(self._unspooled) > self._unspooled_max:
+            oldest = min(self._unspooled)
+            self.lost_unspooled_rows += rows_in(self._unspooled.pop(oldest)[1])
+            self._log.error("unspooled", "`%s` is behind and the spool cannot be written: windows kept in memory "
+                            "for it past %d are lost (counted as disk full)", self.name, self._unspooled_max)
+
+    def _forget_held_unspooled(self, closing: bool = False, handed_counted: bool = False) -> None:
+        """Drop kept windows once the backend holds them (its cursor); at close, what it does not hold is lost
+        (the spool has no copy for `otel-train replay`) and counted, but for the windows it was handed where
+        `handed_counted` (its close counted them)."""
+        with self._cv:
+            held = [seq for seq in self._unspooled if seq <= self.acked]
+            for seq in held:
+                del self._unspooled[seq]
+            if closing and self._unspooled:
+                self.lost_unspooled_rows += sum(rows_in(w) for seq, (_, w) in self._unspooled.items()
+                                                if seq > self.handed or not handed_counted)
+                self._unspooled.clear()
+
+    def _rows_counted_lost(self) -> int:
+        """Rows the backend itself counted as not written (`RowExporter.rows_lost`), every cause."""
+        return sum(dict(getattr(self.exporter, "rows_lost", {}) or {}).values())
 
     def _export(self, items: list[tuple[int, int, Window]], side: list[tuple[int, Window]] | None = None) -> None:
         # The spool and the queue may both hold a window around a reload: each seq goes out once.

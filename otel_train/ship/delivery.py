@@ -166,8 +166,11 @@ class Delivery:
                 return
             if self.record is not None:  # before the spool: a kill between the two leaves a window recorded twice
                 self._record_payload(seq, payload, window)  # (once by the next writer: verify counts a seq once)
+            spooled = True
             if self.spool is not None:
+                failed = self.spool.failed_appends
                 self.spool.append(seq, max_step, payload)
+                spooled = self.spool.failed_appends == failed  # a full disk: memory is the window's only copy
             self._last_seq = seq
             self._last_step = max(self._last_step, max_step)
         if window is None:
@@ -185,7 +188,7 @@ class Delivery:
                 except Exception as err:  # self-telemetry must never cost a window
                     _logger.debug("self-telemetry failed: %s", err)
         for b in self._backends:
-            b.submit(seq, max_step, window)
+            b.submit(seq, max_step, window, spooled)
         self._queued_seq = seq
 
     def _record_payload(self, seq: int, payload: bytes, window: Window | None) -> None:
@@ -288,6 +291,8 @@ class Delivery:
                 lost["queue_full"] = lost.get("queue_full", 0) + b.dropped_rows
             if b.lost_side_rows:
                 lost["gave_up"] = lost.get("gave_up", 0) + b.lost_side_rows
+            if b.lost_unspooled_rows:
+                lost["disk_full"] = lost.get("disk_full", 0) + b.lost_unspooled_rows
             if lost:
                 out[b.name] = lost
         return out

@@ -27,8 +27,9 @@ durable are counted in `failed_appends`: they are delivered from memory, but no 
 
 A disk full (or any other write error) never stops delivery: the window that could not be written is
 cut back out of its segment, counted in `Spool.failed_appends`, and still handed to the backends from
-memory; the first failure and the recovery are each logged once. Such a window is not written ahead:
-a crash before a backend made it durable loses it, and `otel-train replay` cannot bring it back.
+memory (each backend keeps it until it holds it, `BackendFeed`); the first failure and the recovery are each
+logged once. Such a window is not written ahead: a crash before a backend made it durable loses it, and
+`otel-train replay` cannot bring it back.
 """
 
 from __future__ import annotations

@@ -257,7 +257,8 @@ def test_a_sink_killed_while_holding_points_writes_them_after_a_restart(tmp_path
     try:
         first.post_metrics(_body("k", range(5, 10)))
         first.post_metrics(_body("k", range(5)))  # reordered: still in the hold when the sink dies
-        assert first.get("/health")["reorder_held"] == 10
+        # A request is answered once spooled; its rows reach the hold on the run's delivery thread just after.
+        assert wait_until(lambda: first.get("/health")["reorder_held"] == 10, 60), first.get("/health")
         assert [r["reorder_held"] for r in first.get("/runs")["runs"]] == [10]
     finally:
         first.proc.send_signal(signal.SIGKILL)
