@@ -37,11 +37,13 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
 import posixpath
 import re
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -80,6 +82,7 @@ PREEMPTED_TAG = PREEMPTED
 _MAX_KEY = 250
 _MAX_PARAM_VALUE = 6000
 _METRICS_PER_BATCH = 1000
+_STAMPS_KEPT = 65_536  # recent (run, key, step, value)s whose timestamp a repeat must not take (`_unique_stamp`)
 _PARAMS_PER_BATCH = 100
 _SUFFIX_MAP = str.maketrans({"{": "__", ",": "__", "=": "-", "}": ""})
 _ALLOWED = r"/\w.\- " if os.name == "nt" else r"/\w.\- :"  # MLflow's own rule (no `:` on Windows)
@@ -173,6 +176,9 @@ class MLflowExporter(RowExporter):
         self._floored: set[tuple[str, int]] = set()
         self._last_stored: dict[tuple[str, int], int] = {}  # (MLflow run, rank) -> highest step its tag claims
         self._keys: dict[tuple[str, str, int], str] = {}  # row's series -> MLflow key
+        # (MLflow run, key, step, value's bits) -> the last timestamp written for it (`_unique_stamp`), the latest
+        # `_STAMPS_KEPT` of them.
+        self._stamps: collections.OrderedDict[tuple[str, str, int, bytes], int] = collections.OrderedDict()
         self._end_status = "FINISHED"  # KILLED once the run was preempted
 
     @property
@@ -217,6 +223,7 @@ class MLflowExporter(RowExporter):
                     last[rank] = max(step, last.get(rank, step))
                     key = self._key(row)
                     stamp = row.time_unix_nano // 1_000_000 or int(time.time() * 1000)
+                    stamp = self._unique_stamp(mlflow_id, key, step, row.value, stamp)
                     metrics.append(Metric(key, row.value, stamp, step))
             tags = []
             for rank, step in sorted(last.items()):
@@ -231,6 +238,20 @@ class MLflowExporter(RowExporter):
             for rank, step in last.items():
                 if step > self._last_stored.get((mlflow_id, rank), -1):
                     self._last_stored[(mlflow_id, rank)] = step
+
+    def _unique_stamp(self, mlflow_id: str, key: str, step: int, value: float, stamp: int) -> int:
+        """MLflow keeps one row per (run, key, step, value, millisecond): a value logged again at the same step
+        of a series within the millisecond of the earlier one would be stored once. The later one is stored a
+        millisecond after the earlier (its wall time moves by that much; its step and value are as logged)."""
+        seen = (mlflow_id, key, step, struct.pack("<d", value))
+        last = self._stamps.get(seen)
+        if last is not None and stamp <= last:
+            stamp = last + 1
+        self._stamps[seen] = stamp
+        self._stamps.move_to_end(seen)
+        if len(self._stamps) > _STAMPS_KEPT:
+            self._stamps.popitem(last=False)
+        return stamp
 
     def write_logs(self, rows: Sequence[LogRow]) -> None:
         per_rank = logs_by_rank(self.options, rows)

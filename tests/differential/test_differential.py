@@ -221,6 +221,7 @@ MAPPINGS: dict[str, Mapping] = {
 #: Backends that skip a row whose step went backwards in its series (README "Steps going backwards"): TensorBoard's
 #: data server would take it for a restart and hide the later steps, W&B cannot store it. The others keep it.
 SKIPS_BACKWARDS = {"tensorboard", "wandb"}
+ONCE_PER_VALUE = {"sink"}  # one point per (series, step, value): see `expected`
 
 
 @dataclass(frozen=True)
@@ -259,9 +260,21 @@ def iter_steps_with_kind(program: dict[str, Any]) -> list[tuple[int, dict[str, A
 
 def expected(backend: str, job: dict[str, Any]) -> list[Point]:
     m = MAPPINGS[backend]
-    return [Point(m.name(lg.point.name, rank), lg.point.step if m.has_step else None, m.value(lg.point.value))
+    want = [(rank, Point(m.name(lg.point.name, rank), lg.point.step if m.has_step else None, m.value(lg.point.value)))
             for rank, program in enumerate(job["ranks"]) for lg in logged_in_order(program)
             if m.keeps(lg.point.value) and not (backend in SKIPS_BACKWARDS and lg.series_back)]
+    if backend not in ONCE_PER_VALUE:
+        return [p for _, p in want]
+    # The sink writes a gauge once per (series, step, value) (docs/sink.md), for any sender: a value logged again
+    # at a step of its series (a step revisited) is one point there.
+    seen: set[tuple[int, str, int | None, bytes]] = set()
+    out = []
+    for rank, p in want:
+        key = (rank, p.name, p.step, np.float64(p.value).tobytes())
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 def expected_wandb(job: dict[str, Any], got: list[Point]) -> list[Point]:

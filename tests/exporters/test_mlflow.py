@@ -227,3 +227,22 @@ def test_missing_mlflow_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'otel-train\[mlflow\]'"):
         MLflowExporter(ExporterOptions())
     assert MetricsConverter  # imported for the SDK path above
+
+
+def test_a_value_logged_twice_at_a_step_within_one_millisecond_is_held_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow keeps one row per (key, step, value, millisecond); a loop that logs the same value at the same step
+    of a series twice (a step revisited) within a millisecond must still find both."""
+    from otel_train.exporters.mlflow import MLflowExporter
+
+    isolated_mlflow_env(monkeypatch, tmp_path)
+    run = RunInfo("twice", "twice")
+    exporter = MLflowExporter(ExporterOptions(directory=tmp_path / "runs", project="twice"))
+    same_ms = 1_700_000_000_000_000_000
+    assert exporter.export_window(Window(metrics=[
+        backendkit.row(run, 5, "loss", 0.0, same_ms), backendkit.row(run, 6, "loss", 1.0, same_ms + 1),
+        backendkit.row(run, 5, "loss", 0.0, same_ms + 2)]))
+    assert exporter.export_window(Window(metrics=[backendkit.row(run, 5, "loss", 0.0, same_ms + 3)]))
+    uri, rid = exporter.tracking_uri, exporter.run_ids["twice"]
+    exporter.shutdown()
+    assert sorted(history(uri, rid, "loss")) == [(5, 0.0), (5, 0.0), (5, 0.0), (6, 1.0)]  # a list: 3 at step 5
