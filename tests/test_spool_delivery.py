@@ -70,16 +70,23 @@ def _steps(exporter: InMemoryRowExporter) -> list[int]:
     return [r.step for r in exporter.metrics]
 
 
+class Stalled(InMemoryRowExporter):
+    """Holds every metrics write until `gate` is set (a backend far behind the loop)."""
+
+    def __init__(self, options: ExporterOptions, gate: threading.Event) -> None:
+        super().__init__(options)
+        self.gate = gate
+
+    def write_metrics(self, rows: Any, histograms: Any) -> None:
+        self.gate.wait(30)
+        super().write_metrics(rows, histograms)
+
+
 def test_a_stalled_backend_reads_back_from_the_spool_and_a_failing_one_retries(tmp_path: Path) -> None:
     gate = threading.Event()
-
-    class Stalled(InMemoryRowExporter):
-        def write_metrics(self, rows: Any, histograms: Any) -> None:
-            gate.wait(30)
-            super().write_metrics(rows, histograms)
-
     options = ExporterOptions(tmp_path)
-    fast, stalled, flaky = InMemoryRowExporter(options), Stalled(options), InMemoryRowExporter(options, fail_times=1)
+    fast, stalled = InMemoryRowExporter(options), Stalled(options, gate)
+    flaky = InMemoryRowExporter(options, fail_times=1)
     delivery = Delivery({"fast": fast, "stalled": stalled, "flaky": flaky}, Spool(tmp_path / "spool"),
                         queue_windows=2)
     for step in range(40):
@@ -306,14 +313,8 @@ def test_windows_the_spool_could_not_hold_reach_a_stalled_backend_from_memory(tm
     """A full disk while a backend is behind: the windows the spool could not write ahead are its only copy in
     memory, never skipped when the stalled backend reads the rest back from the spool."""
     gate = threading.Event()
-
-    class Stalled(InMemoryRowExporter):
-        def write_metrics(self, rows: Any, histograms: Any) -> None:
-            gate.wait(30)
-            super().write_metrics(rows, histograms)
-
     options = ExporterOptions(tmp_path)
-    fast, stalled = InMemoryRowExporter(options), Stalled(options)
+    fast, stalled = InMemoryRowExporter(options), Stalled(options, gate)
     sp = Spool(tmp_path / "spool")
     delivery = Delivery({"fast": fast, "stalled": stalled}, sp, queue_windows=2)
     for step in range(10):
