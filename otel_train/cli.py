@@ -58,9 +58,15 @@ def _trace_merge(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from otel_train.ship.export_process import replay
 
+    before = _verify_report(args.run_dir)
+    wanted = None
+    if before is not None:
+        from otel_train.verify.wanted import rows_missing
+
+        logging.getLogger("otel_train").info("replay: each backend verify could check gets only what it lacks")
+        wanted = rows_missing(before)
     results = replay(args.run_dir, timeout_s=args.timeout, stall_s=args.stall, report_every_s=args.report_every,
-                     allow_outside=args.allow_outside, wanted=_missing_rows(args.run_dir),
-                     overrides=_overrides(args.overrides))
+                     allow_outside=args.allow_outside, wanted=wanted, overrides=_overrides(args.overrides))
     if not results:
         sys.stdout.write(f"nothing to replay: no spool under {args.run_dir}\n")
         return 0
@@ -72,7 +78,24 @@ def _replay(args: argparse.Namespace) -> int:
                              "the next `otel-train replay`\n")
         else:
             sys.stdout.write(f"{name}: {progress.summary()}\n")
+    if before is not None and not behind:
+        behind = _still_missing(args.run_dir)
     return 1 if behind else 0
+
+
+def _still_missing(run_dir: Path) -> bool:
+    """After a replay that delivered everything its spools held: whether verify still finds values missing (the
+    spool no longer had them); says which, per rank and backend."""
+    after = _verify_report(run_dir)
+    if after is None:
+        return False
+    missing = [b for b in after.backends if b.status == "fail" and b.missing]
+    for b in missing:
+        points = b.missing_points()
+        shown = ", ".join(f"`{series}` at step {step}" for series, step in points[:5])
+        sys.stdout.write(f"rank {b.rank} {b.backend}: {b.missing} value(s) still missing after the replay, not in "
+                         f"the spool (e.g. {shown}); `otel-train verify {run_dir}` lists them\n")
+    return bool(missing)
 
 
 def _overrides(pairs: list[str]) -> dict[str, str]:
@@ -87,15 +110,15 @@ def _overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
-def _missing_rows(run_dir: Path) -> Any:
-    """Replay's `wanted` from `otel-train verify`'s report when the run kept a record; else None (the cursors).
+def _verify_report(run_dir: Path) -> Any:
+    """`otel-train verify`'s report of the run when it kept a record; else None (replay follows the cursors).
 
     Verify runs in a process of its own: reading a store back imports its client, and one that fixes its store at
     import (Trackio) would then make replay write to the store of this shell, not the run's."""
     import json
     import subprocess
 
-    from otel_train.verify.wanted import report_from_json, rows_missing
+    from otel_train.verify.wanted import report_from_json
 
     if not (run_dir / "verify").is_dir():
         return None
@@ -107,10 +130,7 @@ def _missing_rows(run_dir: Path) -> Any:
         logging.getLogger("otel_train").warning("replay: cannot verify %s (%s: %s); every backend gets what its "
                                                 "cursor says it lacks", run_dir, type(err).__name__, err)
         return None
-    if report.problem:
-        return None
-    logging.getLogger("otel_train").info("replay: each backend verify could check gets only what it lacks")
-    return rows_missing(report)
+    return None if report.problem else report
 
 
 def _verify(args: argparse.Namespace) -> int:

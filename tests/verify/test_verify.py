@@ -142,6 +142,22 @@ def test_points_removed_from_jsonl_are_missing(job: Job, tmp_path: Path, capsys:
     assert _backend(report, "tensorboard")["status"] == "pass"  # the other backends are untouched
 
 
+def test_replay_says_what_is_still_missing_when_the_spool_no_longer_has_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Values lost after every backend had acknowledged them (their spool segments are gone): replay cannot bring
+    them back, and says so, with a non-zero exit, instead of "every backend up to date"."""
+    job = _run_job(tmp_path, "gone", "plain", None, OTEL_TRAIN_EXPORTERS="jsonl,tensorboard")
+    assert not list((job.run_dir / "spool" / "rank0").glob("*.seg"))  # every window acknowledged: none kept
+    _rewrite_jsonl(job.run_dir / "rank0.jsonl", lambda r: [] if r.get("tag") == "train/lr" and r["step"] in (3, 7)
+                   else [r])
+    capsys.readouterr()
+    assert cli_main(["replay", str(job.run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "rank 0 jsonl: 2 value(s) still missing after the replay, not in the spool" in out, out
+    assert "`train/lr` at step 3, `train/lr` at step 7" in out, out
+    assert "tensorboard: " not in out.split("still missing", 1)[1], out  # TensorBoard holds everything
+
+
 def test_a_duplicated_and_a_changed_jsonl_point(job: Job, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _tampered(job, tmp_path)
 
