@@ -21,6 +21,18 @@ def pytest_configure(config: pytest.Config) -> None:
     # expect what a terminal gives: a handled SIGINT here, the default in the processes started from here.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not hasattr(config, "workerinput"):  # the controller (or a serial run): before any worker imports
+        _write_first_import_caches()
+
+
+def _write_first_import_caches() -> None:
+    """Import once, here, what writes a cache file at its first import in a fresh environment: parallel workers
+    importing it at the same moment would read it half-written. yapf (imported by MMEngine) pickles its grammars
+    (`EOFError: Ran out of input` while collecting `tests/integrations/test_mmengine.py`)."""
+    import contextlib
+
+    with contextlib.suppress(Exception):  # not installed, or broken: the tests that need it say so
+        import yapf  # noqa: F401
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
