@@ -138,6 +138,14 @@ def path_not_unique(key: str) -> bool:
     return norm != key or norm == "." or norm.startswith(("..", "/"))
 
 
+def _remember(memory: collections.OrderedDict[Any, int], key: Any, stamp: int) -> None:
+    """`memory[key] = stamp`, newest last, the oldest forgotten past `_STAMPS_KEPT`."""
+    memory[key] = stamp
+    memory.move_to_end(key)
+    if len(memory) > _STAMPS_KEPT:
+        memory.popitem(last=False)
+
+
 def _last_step_tag(rank: int) -> str:
     return LAST_STEP_TAG if rank == 0 else f"{LAST_STEP_TAG}.rank{rank}"
 
@@ -176,9 +184,10 @@ class MLflowExporter(RowExporter):
         self._floored: set[tuple[str, int]] = set()
         self._last_stored: dict[tuple[str, int], int] = {}  # (MLflow run, rank) -> highest step its tag claims
         self._keys: dict[tuple[str, str, int], str] = {}  # row's series -> MLflow key
-        # (MLflow run, key, step, value's bits) -> the last timestamp written for it (`_unique_stamp`), the latest
-        # `_STAMPS_KEPT` of them.
-        self._stamps: collections.OrderedDict[tuple[str, str, int, bytes], int] = collections.OrderedDict()
+        # `_unique_stamp`'s memory, the latest `_STAMPS_KEPT` entries of each: a row (its point and its time in ns)
+        # -> the timestamp it was given; a point (MLflow run, key, step, value's bits) -> the last timestamp given.
+        self._stamp_of_row: collections.OrderedDict[tuple[str, str, int, bytes, int], int] = collections.OrderedDict()
+        self._last_stamp: collections.OrderedDict[tuple[str, str, int, bytes], int] = collections.OrderedDict()
         self._end_status = "FINISHED"  # KILLED once the run was preempted
 
     @property
@@ -222,8 +231,7 @@ class MLflowExporter(RowExporter):
                         continue
                     last[rank] = max(step, last.get(rank, step))
                     key = self._key(row)
-                    stamp = row.time_unix_nano // 1_000_000 or int(time.time() * 1000)
-                    stamp = self._unique_stamp(mlflow_id, key, step, row.value, stamp)
+                    stamp = self._unique_stamp(mlflow_id, key, row)
                     metrics.append(Metric(key, row.value, stamp, step))
             tags = []
             for rank, step in sorted(last.items()):
@@ -239,18 +247,22 @@ class MLflowExporter(RowExporter):
                 if step > self._last_stored.get((mlflow_id, rank), -1):
                     self._last_stored[(mlflow_id, rank)] = step
 
-    def _unique_stamp(self, mlflow_id: str, key: str, step: int, value: float, stamp: int) -> int:
-        """MLflow keeps one row per (run, key, step, value, millisecond): a value logged again at the same step
-        of a series within the millisecond of the earlier one would be stored once. The later one is stored a
-        millisecond after the earlier (its wall time moves by that much; its step and value are as logged)."""
-        seen = (mlflow_id, key, step, struct.pack("<d", value))
-        last = self._stamps.get(seen)
-        if last is not None and stamp <= last:
-            stamp = last + 1
-        self._stamps[seen] = stamp
-        self._stamps.move_to_end(seen)
-        if len(self._stamps) > _STAMPS_KEPT:
-            self._stamps.popitem(last=False)
+    def _unique_stamp(self, mlflow_id: str, key: str, row: MetricRow) -> int:
+        """The row's timestamp in ms. MLflow keeps one row per (run, key, step, value, millisecond): a value logged
+        again at the same step of a series within the millisecond of the earlier one would be stored once, so the
+        later one is stored a millisecond after (its wall time moves by that much; step and value are as logged).
+        A row written again (a retried window) gets the timestamp it got the first time: MLflow's key then keeps
+        one copy, as it does without this."""
+        point = (mlflow_id, key, row.step, struct.pack("<d", row.value))
+        this = (*point, row.time_unix_nano)
+        stamp = self._stamp_of_row.get(this)
+        if stamp is None:
+            stamp = row.time_unix_nano // 1_000_000 or int(time.time() * 1000)
+            last = self._last_stamp.get(point)
+            if last is not None and stamp <= last:
+                stamp = last + 1
+            _remember(self._last_stamp, point, stamp)
+        _remember(self._stamp_of_row, this, stamp)
         return stamp
 
     def write_logs(self, rows: Sequence[LogRow]) -> None:
