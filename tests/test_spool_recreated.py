@@ -4,6 +4,7 @@ still holds: the open segment's windows, the cursors, the written records, the w
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def _steps(path: Path, after: int = 0) -> list[int]:
 def test_a_deleted_spool_folder_is_created_again_with_the_windows_not_yet_everywhere(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     folder = tmp_path / "run" / "spool" / "rank0"
+    claim = try_lock(folder)  # the rank's claim, as `claim_run` takes it before the spool opens
+    assert claim is not None
     sp = Spool(folder)
     sp.backends = ["jsonl", "wandb"]
     for seq in range(1, 6):
@@ -48,6 +51,7 @@ def test_a_deleted_spool_folder_is_created_again_with_the_windows_not_yet_everyw
     assert try_lock(folder) is None  # the writer holds the new folder's lock: a second writer takes another name
     sp.acknowledge("wandb", 4)  # the cursor is saved in the new folder, not refused
     sp.close()
+    os.close(claim)
     # What a restarted exporter process or `otel-train replay` finds: W&B still needs 5-7, JSONL 6-7.
     again = Spool(folder)
     assert again.cursor("wandb") == 4 and again.cursor("jsonl") == 5 and again.last_seq == 7

@@ -326,10 +326,9 @@ class BackendFeed:
     def _keep_unspooled(self, seq: int, step: int, window: Window) -> None:
         """Keep a window the spool could not write ahead until the backend holds it (its cv held); past the bound
         the oldest goes, counted as lost to a full disk."""
-        self._unspooled[seq] = (step, window)
+        self._unspooled[seq] = (step, window)  # windows come in seq order: the first key is the oldest
         while len(self._unspooled) > self._unspooled_max:
-            oldest = min(self._unspooled)
-            self.lost_unspooled_rows += rows_in(self._unspooled.pop(oldest)[1])
+            self.lost_unspooled_rows += rows_in(self._unspooled.pop(next(iter(self._unspooled)))[1])
             self._log.error("unspooled", "`%s` is behind and the spool cannot be written: windows kept in memory "
                             "for it past %d are lost (counted as disk full)", self.name, self._unspooled_max)
 

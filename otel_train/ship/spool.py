@@ -223,6 +223,7 @@ class Spool:
         self._intents: dict[str, AppendIntent] = {}  # backend -> its intent record (in ``written.<backend>``)
         self._segment_first = 0  # the first seq of the open segment (its file's name)
         self._lock_fd = -1  # the writer lock taken again in a folder created again (`_recreate`)
+        self._claimed = (self.path / LOCK_FILE).exists()  # a claimed rank folder (`claim_run`), not a sink's run spool
         self._retired_fds: list[int] = []  # ``written.*`` descriptors of a deleted folder
         #: Called (with no argument) after a deleted spool folder was created again: rewrite files kept there.
         self.on_recreated: list[Callable[[], None]] = []
@@ -333,9 +334,10 @@ class Spool:
                 self._written_fds[backend] = new
                 self._retired_fds.append(fd)  # closed at `close`: a backend's thread may be writing to it now
             done = min((self.cursors.get(b, 0) for b in self.backends), default=self.last_seq)
-        if self._lock_fd < 0:
+        if self._claimed and self._lock_fd < 0:  # another writer starting now must not take this rank too
             with contextlib.suppress(OSError):
-                self._lock_fd = try_lock(self.path) or -1
+                lock = try_lock(self.path)
+                self._lock_fd = -1 if lock is None else lock
         lost = max(0, first - 1 - done)  # windows of deleted older segments not every backend had made durable
         self.failed_appends += lost
         self._log.warning("spool-recreated", "otel-train: the spool folder %s was deleted during the run; created "
