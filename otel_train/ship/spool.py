@@ -319,11 +319,19 @@ class Spool:
             old = self._file
             data = _pread_all(old.fileno(), self._file_bytes)
             self._file = open(self.path / f"{self._segment_first:016d}.seg", "a+b", buffering=0)  # noqa: SIM115
-            self._file.write(data)
-            self._file_bytes = len(data)
-            kept = sum(1 for _ in _records(data))
             with contextlib.suppress(OSError):
                 old.close()
+            kept = sum(1 for _ in _records(data))
+            try:
+                if self._file.write(data) != len(data):
+                    raise OSError("short write (disk full?)")
+                self._file_bytes = len(data)
+            except OSError:  # those windows are delivered from memory, no longer written ahead: said by `sync`
+                with contextlib.suppress(OSError):
+                    self._file.truncate(0)  # shrinking needs no space
+                self._file_bytes = 0
+                self.failed_appends += kept
+                kept = 0
         first = self._segment_first if self._file is not None else self.last_seq + 1
         with self._cursor_lock:
             self._save_cursors()
