@@ -85,3 +85,30 @@ def test_older_segments_lost_with_the_folder_are_counted_as_not_written_ahead(
     assert not sp.sync()  # so the spool does not call itself durable
     sp.close()
     assert _steps(folder, 1) == [4, 5]
+
+
+def test_a_segment_that_cannot_be_written_again_is_not_called_durable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "spool"
+    sp = Spool(folder)
+    sp.backends = ["a"]
+    for seq in range(1, 4):
+        assert sp.append(seq, seq, window(seq))
+    shutil.rmtree(folder)
+    real_open = open
+
+    class FullDisk:  # the rebuilt segment: the disk takes none of the old records
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            self._f = real_open(*args, **kwargs)  # type: ignore[call-overload]
+
+        def write(self, data: bytes) -> int:
+            return 0
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._f, name)
+
+    monkeypatch.setattr(spool_mod, "open", FullDisk, raising=False)
+    sp.append(4, 4, window(4))
+    assert sp.failed_appends >= 3  # windows 1-3 (and 4, on this disk) are in memory only now
+    assert not sp.sync()
+    sp.close()
