@@ -86,7 +86,8 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
 
     The rest is called by delivery (`otel_train.ship.delivery`) or an OTel pipeline, is not overridden, and
     hands its work to `window_writer` (`otel_train.ship.window_writer.WindowWriter`): `export_window`,
-    `resume`, `force_flush`, `shutdown`, `preempt_at_close`, `forget_pending_after_fork`, `unwritten_windows`,
+    `resume`, `force_flush`, `shutdown`, `preempt_at_close`, `keep_failed_windows`, `retry_in_s`,
+    `forget_pending_after_fork`, `unwritten_windows`,
     `watch_appends`, the counters `failures`, `dropped_windows`, `rows_lost`, `step_order`, and the OTel entry point `export`.
 
     Args:
@@ -260,6 +261,15 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         """Have `listener` called (on the writing thread, before the append) with what the backend reports
         through `mark_appending`; None: nobody. Called by delivery."""
         self._append_listener = listener
+
+    def keep_failed_windows(self) -> None:
+        """A spool holds every window handed: one failing past `max_attempts` stays pending and is retried with a
+        growing backoff instead of being dropped (nothing later is written meanwhile). Called by delivery."""
+        self.window_writer.keep_failed = True
+
+    def retry_in_s(self) -> float:
+        """Seconds until a pending window's next try is due (0: none is waiting)."""
+        return float(self.window_writer.retry_in_s())
 
     def forget_pending_after_fork(self) -> None:
         """In a forked child: drop the windows waiting for a retry (the parent's rows: the parent writes

@@ -60,13 +60,11 @@ class BackendFeed:
         self.exporter = exporter
         self.spool = spool
         self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
-        writer = getattr(exporter, "window_writer", None)
         #: A window the backend failed to write stays pending in its writer (and in the spool, the cursor before
         #: it) instead of being dropped after `max_attempts`; nothing later is handed to it meanwhile.
-        self._keeps_failed = spool is not None and writer is not None and hasattr(writer, "keep_failed")
+        self._keeps_failed = spool is not None
         if self._keeps_failed:
-            assert writer is not None
-            writer.keep_failed = True
+            exporter.keep_failed_windows()
         if self._kill_safe:
             assert spool is not None
             # Before the backend opens a file: what a killed writer appended but did not record goes first.
@@ -113,6 +111,7 @@ class BackendFeed:
         self._unspooled: dict[int, tuple[int, Window]] = {}
         self._unspooled_max = queue_windows * _UNSPOOLED_PER_QUEUED
         self.lost_unspooled_rows = 0  # rows of such windows past that bound, or not taken by the backend's close
+        self._stuck_from = 0  # the first seq of the write the backend failed and holds (`_stuck`)
         self._handed_max: deque[tuple[int, int]] = deque()  # (seq, highest step handed so far), not yet acked
         self._max_step_handed = -1
         self._thread_name = f"{thread_name}-{name}"
@@ -286,11 +285,10 @@ class BackendFeed:
                 left = list(self._side)
                 self._side.clear()
             self.lost_side_rows += sum(rows_in(w) for _, w in left)  # not spooled: nowhere to keep them
-            counted_before = self._rows_counted_lost()
             self._close()
-            # The backend's close counts what it held and could not write when the disk was full; else the kept
-            # windows it was handed and did not write are counted here with those it never got.
-            self._forget_held_unspooled(closing=True, handed_counted=self._rows_counted_lost() > counted_before)
+            # Kept windows the backend does not hold are lost (the spool has no copy): those it never got, and the
+            # one it still failed to write at its close (and those merged with it).
+            self._forget_held_unspooled(closing=True, lost_from=self._stuck_from if self._stuck() else self.handed + 1)
             with self._cv:
                 self._closed = True
                 self._cv.notify_all()
@@ -304,11 +302,10 @@ class BackendFeed:
 
     def _stuck(self) -> bool:
         """Whether the backend holds a window it failed to write while a spool holds the rest (`keep_failed`)."""
-        return self._keeps_failed and bool(getattr(self.exporter, "unwritten_windows", 0))
+        return self._keeps_failed and bool(self.exporter.unwritten_windows)
 
     def _retry_in_s(self) -> float:
-        writer = getattr(self.exporter, "window_writer", None)
-        return float(writer.retry_in_s()) if writer is not None else 0.0
+        return self.exporter.retry_in_s()
 
     def _from_spool(self) -> list[tuple[int, int, Window]]:
         """The windows after the last one handed: the spool's, and those it could not hold (`_unspooled`)."""
@@ -332,22 +329,17 @@ class BackendFeed:
             self._log.error("unspooled", "`%s` is behind and the spool cannot be written: windows kept in memory "
                             "for it past %d are lost (counted as disk full)", self.name, self._unspooled_max)
 
-    def _forget_held_unspooled(self, closing: bool = False, handed_counted: bool = False) -> None:
-        """Drop kept windows once the backend holds them (its cursor); at close, what it does not hold is lost
-        (the spool has no copy for `otel-train replay`) and counted, but for the windows it was handed where
-        `handed_counted` (its close counted them)."""
+    def _forget_held_unspooled(self, closing: bool = False, lost_from: int = 0) -> None:
+        """Drop kept windows once the backend holds them (its cursor); at close, those from `lost_from` on (what it
+        does not hold) are lost, the spool having no copy for `otel-train replay`, and counted."""
         with self._cv:
             held = [seq for seq in self._unspooled if seq <= self.acked]
             for seq in held:
                 del self._unspooled[seq]
             if closing and self._unspooled:
                 self.lost_unspooled_rows += sum(rows_in(w) for seq, (_, w) in self._unspooled.items()
-                                                if seq > self.handed or not handed_counted)
+                                                if seq >= lost_from)
                 self._unspooled.clear()
-
-    def _rows_counted_lost(self) -> int:
-        """Rows the backend itself counted as not written (`RowExporter.rows_lost`), every cause."""
-        return sum(dict(getattr(self.exporter, "rows_lost", {}) or {}).values())
 
     def _export(self, items: list[tuple[int, int, Window]], side: list[tuple[int, Window]] | None = None) -> None:
         # The spool and the queue may both hold a window around a reload: each seq goes out once.
@@ -423,6 +415,7 @@ class BackendFeed:
             self._hand(last, step)
             start = end
             if not ok and self._stuck():
+                self._stuck_from = batch[0][0]
                 self._hold_back(items[start:], [])
                 return False
         return True

@@ -60,6 +60,7 @@ class StartingBackend(RowExporter):
         self._error: str | None = None
         self._abandoned = False  # shut down before it was up: the build's result is closed at once
         self._preempted: str | None = None
+        self._keep_failed = False
         self._listener: Callable[[Sequence[tuple[str, int]]], None] | None = None
         self._on_started: list[Callable[[RowExporter], None]] = []
         self._failures = 0
@@ -90,6 +91,8 @@ class StartingBackend(RowExporter):
                                                       resume_step=self._options.resume_step)
             if self._preempted is not None:
                 backend.preempt_at_close(self._preempted)
+            if self._keep_failed:
+                backend.keep_failed_windows()
             if self._listener is not None:
                 backend.watch_appends(self._listener)
             abandoned = self._abandoned
@@ -163,6 +166,17 @@ class StartingBackend(RowExporter):
             backend = self._backend
         if backend is not None:
             backend.preempt_at_close(cause)
+
+    def keep_failed_windows(self) -> None:
+        with self._lock:
+            self._keep_failed = True
+            backend = self._backend
+        if backend is not None:
+            backend.keep_failed_windows()
+
+    def retry_in_s(self) -> float:
+        backend = self._backend
+        return backend.retry_in_s() if backend is not None else 0.0
 
     def watch_appends(self, listener: Callable[[Sequence[tuple[str, int]]], None] | None) -> None:
         with self._lock:

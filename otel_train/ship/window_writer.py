@@ -189,9 +189,12 @@ class WindowWriter:
                 return
             self.drain(force=True)
             if self.pending:
-                _logger.warning("exporter `%s` closed with %d window(s) it could not write%s", backend.name,
-                                len(self.pending), " (disk full)" if self._disk_full else "")
-                if self._disk_full:  # counted: the summary must not read as if they had landed
+                _logger.warning("exporter `%s` closed with %d window(s) it could not write%s%s", backend.name,
+                                len(self.pending), " (disk full)" if self._disk_full else "",
+                                "; the spool keeps them for `otel-train replay`" if self.keep_failed else "")
+                # Counted: the summary must not read as if they had landed. Kept windows are the spool's (delivery
+                # counts those the spool could not write ahead).
+                if self._disk_full and not self.keep_failed:
                     for window in self.pending:
                         self._lose_window(window, "disk_full", self._landed_ids)
             self.closed = True

@@ -18,7 +18,9 @@ from faultkit import SERIES, value
 
 import otel_train as ot
 from otel_train.cli import main as cli_main
+from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.jsonl import jsonl_path
+from otel_train.ship.backend_start import StartingBackend
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_window
 from otel_train.ship.spool import Spool, try_lock
@@ -60,9 +62,22 @@ def test_a_backend_failing_many_times_then_recovering_gets_every_window_once(tmp
     assert Spool(tmp_path).cursor("mem") == WINDOWS
 
 
-def test_a_backend_that_never_recovers_keeps_its_windows_in_the_spool_for_replay(tmp_path: Path) -> None:
+def _delivery(exporter: Flaky, spool: Spool, starting: bool) -> Delivery:
+    """Delivery to the backend itself, or to a `StartingBackend` that builds it on its own thread once delivery
+    holds it, as in the exporter process."""
+    if not starting:
+        return Delivery({"mem": exporter}, spool)
+    held = StartingBackend("mem", lambda options: exporter, ExporterOptions(), spooled=True)
+    delivery = Delivery({"mem": held}, spool)
+    held.start()
+    return delivery
+
+
+@pytest.mark.parametrize("starting", [False, True], ids=["built", "starting"])
+def test_a_backend_that_never_recovers_keeps_its_windows_in_the_spool_for_replay(tmp_path: Path,
+                                                                                 starting: bool) -> None:
     down = Flaky(fail_times=10**9)
-    delivery = Delivery({"mem": down}, Spool(tmp_path))
+    delivery = _delivery(down, Spool(tmp_path), starting)
     _submit_all(delivery)
     time.sleep(0.5)  # many tries past `max_attempts`
     assert not delivery.close(time.monotonic() + 5)
