@@ -8,6 +8,7 @@ round runs each once, in a shuffled order) and each figure is the median over th
     python bench/fixed_cost.py               # 5 rounds (~2 min on 2 cores)
     python bench/fixed_cost.py --reps 3 --singles   # also each backend alone (the "slowest single" column)
     python bench/fixed_cost.py --reps 3 --close --singles --only "after flush"   # shutdown once every backend is up
+    python bench/fixed_cost.py --only "import otel_train,all six,peer,mlflow alone" --singles   # backend processes
 
 `--close` adds each setup "after flush": the job calls `ot.flush()` (every backend up and holding every step)
 before it times `shutdown()`, which then costs the hand-over and the backends' close alone, as at the end of a job
@@ -80,6 +81,8 @@ SETUPS: dict[str, tuple[str, dict[str, str]]] = {
     "otel-train, default backends": (OURS, {}),
     "otel-train, default backends, in process": (OURS, {"OTEL_TRAIN_EXPORT_PROCESS": "off"}),
     "otel-train, all six": (OURS, {"OTEL_TRAIN_EXPORTERS": ALL_SIX}),
+    "otel-train, all six, one exporter process": (OURS, {"OTEL_TRAIN_EXPORTERS": ALL_SIX,
+                                                         "OTEL_TRAIN_BACKEND_PROCESSES": "off"}),
     **{name: (code, {}) for name, code in PEERS.items()},
 }
 
@@ -102,17 +105,30 @@ def run_once(code: str, extra: dict[str, str]) -> dict[str, float]:
     # The wall time is the training process's: an exporter process still draining (after a shutdown timeout)
     # may write on; its folder is then left behind.
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
+        busy = _machine_cpu_s()
         start = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", code], env=_env(Path(tmp), extra), capture_output=True,
                               text=True, timeout=600, check=False)
         wall = time.perf_counter() - start
+        busy = _machine_cpu_s() - busy
     if done.returncode != 0:
         raise RuntimeError(f"setup failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    out = {"wall": wall}
+    out = {"wall": wall, "cpu": busy}
     for line in done.stdout.splitlines():
         if line.startswith("TIMES"):
             out.update(json.loads(line[len("TIMES"):]))
     return out
+
+
+def _machine_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (every process: the backends' own and their services'), from
+    /proc/stat; NaN where there is none. Meaningful on a machine with nothing else running."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _compile_otel_train() -> None:
@@ -165,15 +181,15 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {os.cpu_count()} CPUs, load average {load:.1f}, "
           f"median of {args.reps}, {STEPS} steps x {VALUES} values")
-    print("| setup | wall s | over `import otel_train` s | x slowest peer | init s | shutdown s |")
-    print("|---|---|---|---|---|---|")
+    print("| setup | wall s | over `import otel_train` s | x slowest peer | init s | shutdown s | machine CPU s |")
+    print("|---|---|---|---|---|---|---|")
     for name in setups:
         wall = med(name, "wall") or 0.0
-        init, shut = med(name, "init"), med(name, "shutdown")
+        init, shut, cpu = med(name, "init"), med(name, "shutdown"), med(name, "cpu")
         over = f"{wall - base:.2f}" if name.startswith("otel-train") else ""
         ratio = f"{wall / slowest_peer:.2f}" if slowest_peer else ""
         print(f"| {name} | {wall:.2f} | {over} | {ratio} | {'' if init is None else f'{init:.3f}'} | "
-              f"{'' if shut is None else f'{shut:.3f}'} |")
+              f"{'' if shut is None else f'{shut:.3f}'} | {'' if cpu is None else f'{cpu:.2f}'} |")
     singles = [med(f"otel-train, {name} alone, after flush", "shutdown") for name in ALL_SIX.split(",")]
     six = med("otel-train, all six, after flush", "shutdown")
     if six is not None and all(x is not None for x in singles):

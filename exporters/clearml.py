@@ -108,6 +108,7 @@ class ClearMLExporter(RowExporter):
     """
 
     name = "clearml"
+    heavy_client = True  # seconds to import and start: a process of its own beside another such backend
     display_names = True
     handles_metrics = True
     handles_spans = False

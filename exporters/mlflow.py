@@ -165,6 +165,7 @@ class MLflowExporter(RowExporter):
     """
 
     name = "mlflow"
+    heavy_client = True  # seconds to import and start: a process of its own beside another such backend
     display_names = True
     handles_metrics = True
     handles_spans = False

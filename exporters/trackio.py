@@ -73,6 +73,7 @@ class TrackioExporter(RowExporter):
     """
 
     name = "trackio"
+    heavy_client = True  # seconds to import and start: a process of its own beside another such backend
     display_names = True
     handles_metrics = True
     handles_spans = False

@@ -156,6 +156,7 @@ class WandbExporter(RowExporter):
     """
 
     name = "wandb"
+    heavy_client = True  # seconds to import and start: a process of its own beside another such backend
     stores_older_steps = False  # a run's history cannot go back (module docstring)
     #: Seconds a row is held before it is written (module docstring, "Steps"); 0 writes each window at once.
     hold_s: float = 2.0

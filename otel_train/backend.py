@@ -76,7 +76,7 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     The backend-facing contract (what a backend defines, overrides or calls; nothing else):
 
     - class attributes `name`, `handles_metrics`, `handles_spans`, `handles_logs`, `client_module`, `display_names`,
-      `kill_safe_writes`, and the retry tuning `max_pending_windows`, `max_attempts`, `backoff_s`,
+      `kill_safe_writes`, `heavy_client`, and the retry tuning `max_pending_windows`, `max_attempts`, `backoff_s`,
       `isolate_rows`;
     - `write_metrics`, `write_spans`, `write_logs` (one window's rows), `flush`, `close`, and optionally `row_problem`,
       `durable_step`, `write_resume`, `mark_preempted`, `preload`; `mark_written` to call from a write
@@ -108,6 +108,10 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     #: Every successful `export_window` has appended the window to the backend's own files and handed it to
     #: the OS, so delivery may record it as written at once: a process killed later does not write it again.
     kill_safe_writes: bool = False
+    #: Its client takes seconds to import and start (W&B, MLflow, ClearML, Trackio): in the exporter process, with
+    #: another such backend beside it, each runs in a process of its own (`OTEL_TRAIN_BACKEND_PROCESSES`), so that
+    #: their starts run side by side instead of taking turns on one interpreter. Never with `kill_safe_writes`.
+    heavy_client: bool = False
     #: Whether the backend holds a row whose step went backwards in its series as logged; False (TensorBoard, W&B):
     #: under `OTEL_TRAIN_STEP_ORDER=warn` such a row is skipped and counted here (`otel_train.vocab.step_order`).
     stores_older_steps: bool = True

@@ -253,7 +253,8 @@ class Session:
 
                 export_process = ExportProcess(
                     remote, options, self.run, drain_timeout_s=settings.drain_timeout_s, cpus=settings.export_cpus,
-                    nice=settings.export_nice, self_metrics=settings.self_metrics, lock_fd=self.run_claim.fd,
+                    nice=settings.export_nice, self_metrics=settings.self_metrics,
+                    backend_processes=settings.backend_processes != "off", lock_fd=self.run_claim.fd,
                     record_bytes=settings.record_bytes, listener=listener, booted=booted)
                 undo.pop_all()  # the exporter process has its configuration: ending it is `end`'s
                 undo.callback(_undo, export_process.end, 1.0)

@@ -27,9 +27,13 @@ from otel_train.config.exporter_options import ExporterOptions
 from otel_train.vocab.run_identity import RunInfo
 from otel_train.vocab.step_order import StepOrder
 
-__all__ = ["StartingBackend", "starting_backends"]
+__all__ = ["StartFailed", "StartingBackend", "starting_backends"]
 
 _logger = logging.getLogger("otel_train")
+
+
+class StartFailed(Exception):
+    """A build's failure whose message already says the cause (``Type: message``), e.g. from another process."""
 
 
 class StartingBackend(RowExporter):
@@ -78,7 +82,7 @@ class StartingBackend(RowExporter):
         try:
             backend = self._build(options)
         except BaseException as err:
-            self._error = f"{type(err).__name__}: {err}"
+            self._error = str(err) if isinstance(err, StartFailed) else f"{type(err).__name__}: {err}"
             self._failures += 1
             where = ("its windows stay in the spool; `otel-train replay` delivers them once it can start"
                      if self._spooled else "its data is not written")
@@ -255,8 +259,12 @@ def _call_safely(callback: Callable[[RowExporter], None], backend: RowExporter, 
         _logger.debug("a listener of backend `%s`'s start failed", name, exc_info=True)
 
 
-def starting_backends(names: Sequence[str], options: ExporterOptions, *, spooled: bool) -> dict[str, StartingBackend]:
-    """A `StartingBackend` per name, not started yet (`start()` each once delivery holds them).
+def starting_backends(names: Sequence[str], options: ExporterOptions, *, spooled: bool,
+                      hosted: Callable[[str, str], Callable[[ExporterOptions], RowExporter]] | None = None,
+                      ) -> dict[str, StartingBackend]:
+    """A `StartingBackend` per name, not started yet (`start()` each once delivery holds them). With `spooled`
+    and `hosted`, where two or more have a heavy client (`RowExporter.heavy_client`), each of those is built by
+    ``hosted(name, target)`` (`otel_train.ship.backend_host.hosted`: in a process of its own).
 
     Raises:
         ConfigError: an unknown name or a missing package (before anything is built).
@@ -267,14 +275,26 @@ def starting_backends(names: Sequence[str], options: ExporterOptions, *, spooled
     for spec in specs:
         check_available(spec)
     out = {}
-    for spec in specs:
-        if spooled:  # delivery reads `kill_safe_writes` before the build: the backend's module now, its client later
-            cls = load_class(spec)
-            out[spec.name] = StartingBackend(spec.name, cls, options, spooled=True,
+    if spooled:  # delivery reads `kill_safe_writes` before the build: the backend's module now, its client later
+        classes = {spec.name: load_class(spec) for spec in specs}
+        heavy = {name for name, cls in classes.items() if _is_heavy(cls)}
+        host = heavy if hosted is not None and len(heavy) >= 2 else set()
+        for spec in specs:
+            cls = classes[spec.name]
+            build = hosted(spec.name, spec.target) if hosted is not None and spec.name in host else cls
+            out[spec.name] = StartingBackend(spec.name, build, options, spooled=True,
                                              kill_safe_writes=bool(getattr(cls, "kill_safe_writes", False)))
-        else:  # no spool, nothing kill-safe to know: even the module is imported on the backend's thread
-            out[spec.name] = StartingBackend(spec.name, _builder(spec), options)
+        return out
+    for spec in specs:
+        # no spool, nothing kill-safe to know: even the module is imported on the backend's thread
+        out[spec.name] = StartingBackend(spec.name, _builder(spec), options)
     return out
+
+
+def _is_heavy(cls: Any) -> bool:
+    """A backend class whose client is heavy to start and whose writes are not kill-safe appends."""
+    return (isinstance(cls, type) and issubclass(cls, RowExporter) and cls.heavy_client
+            and not cls.kill_safe_writes)
 
 
 def _builder(spec: Any) -> Callable[[ExporterOptions], RowExporter]:

@@ -28,10 +28,12 @@ from otel_train.backend import RowExporter
 from otel_train.config.exporter_options import ExporterOptions, options_to_json
 from otel_train.errors import ConfigError
 from otel_train.ship import store_env
+from otel_train.ship.backend_host import hosted
 from otel_train.ship.backend_start import StartingBackend, starting_backends
 from otel_train.ship.child_boot import LOG_FILE
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_resume
+from otel_train.ship.log_forward import ForwardLogs
 from otel_train.ship.logged_record import open_record
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, mark_draining
@@ -86,26 +88,6 @@ def boot(fd: int) -> None:
     os._exit(0)
 
 
-class _Forward(logging.Handler):
-    """Sends the exporter process's log records to the training process (its own stderr once that is gone)."""
-
-    def __init__(self, reply: Any) -> None:
-        super().__init__()
-        self._reply = reply
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            text = record.getMessage()
-            if record.exc_info:
-                text += "\n" + logging.Formatter().formatException(record.exc_info)
-            if not self._reply("log", record.levelno, record.name, text):  # stderr is `LOG_FILE` in the spool
-                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-                sys.stderr.write(f"{stamp} otel-train exporter process (pid {os.getpid()}): {record.levelname} {text}\n")
-                sys.stderr.flush()
-        except Exception:
-            self.handleError(record)
-
-
 def child_main(conn: Connection, config: dict[str, Any]) -> None:
     """The exporter process: build the backends, then spool and deliver until the trainer is done."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we drain on its hand-off
@@ -120,13 +102,14 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
             except (OSError, ValueError):
                 return False  # the trainer is gone; we drain anyway
 
-    logging.basicConfig(level=logging.WARNING, handlers=[_Forward(reply)], force=True)
+    logging.basicConfig(level=logging.WARNING, handlers=[ForwardLogs(reply, "exporter process")], force=True)
 
     try:
         spool = Spool(Path(config["spool"]))
         options = config["options"]
         # Each backend starts on a thread of its own once delivery holds it; until then its windows wait in the spool.
-        backends = starting_backends(config["names"], dataclasses.replace(options, resume_step=None), spooled=True)
+        backends = starting_backends(config["names"], dataclasses.replace(options, resume_step=None), spooled=True,
+                                     hosted=hosted if config.get("backend_processes", True) else None)
         if options.resume_step is not None:
             _spool_resume(spool, config["run"], options.resume_step, backends)
     except ConfigError as err:

@@ -115,6 +115,8 @@ class ExportProcess:
         cpus: CPUs the child pins itself to (empty: inherit).
         nice: Niceness the child adds.
         self_metrics: Add otel-train's own health rows to every window (`otel_train.ship.self_metrics`).
+        backend_processes: Backends with a heavy client each in a process of their own where two or more are
+            named (`OTEL_TRAIN_BACKEND_PROCESSES`, `otel_train.ship.backend_host`).
         lock_fd: The run folder's lock (`otel_train.ship.spool.claim_run`): the child inherits it and holds the
             claim until it has drained (-1: none).
         record_bytes: The cap of the record of what was logged (`otel_train.ship.logged_record`; 0: none).
@@ -131,7 +133,7 @@ class ExportProcess:
 
     def __init__(self, names: Sequence[str], options: ExporterOptions, run: RunInfo, *,
                  drain_timeout_s: float = 120.0, cpus: Sequence[int] = (), nice: int = 0,
-                 self_metrics: bool = True, lock_fd: int = -1, record_bytes: int = 0,
+                 self_metrics: bool = True, backend_processes: bool = True, lock_fd: int = -1, record_bytes: int = 0,
                  listener: tuple[str, socket.socket | None] | None = None, booted: Booted | None = None) -> None:
         from otel_train.config.registry import check_available, get_spec
 
@@ -153,7 +155,7 @@ class ExportProcess:
                         "drain_timeout_s": drain_timeout_s, "cpus": list(cpus), "nice": nice,
                         "run": run, "workers": self.worker_address if self._worker_sock is not None else None,
                         "workers_fd": self._worker_sock.fileno() if self._worker_sock is not None else -1,
-                        "self_metrics": self_metrics,
+                        "self_metrics": self_metrics, "backend_processes": backend_processes,
                         "lock_fd": lock_fd, "export_metrics": exports_metrics(run, options),
                         "record_bytes": record_bytes}
         self._lock = threading.RLock()  # one sender at a time; held across restarts

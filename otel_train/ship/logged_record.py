@@ -48,7 +48,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from otel_train.ship.file_append import AppendFile, is_disk_full, warn_recreated
 from otel_train.vocab.rows import extra_attributes
@@ -400,8 +400,17 @@ def backend_header(backends: Mapping[str, Any], run_id: str, run_name: str) -> d
     return {"run_id": run_id, "run_name": run_name, "backends": out, "env": env}
 
 
+@runtime_checkable
+class RecordedElsewhere(Protocol):
+    """A backend that runs in another process (`otel_train.ship.backend_host`): its entry was made there."""
+
+    record_entry: dict[str, Any]
+
+
 def backend_info(name: str, ex: Any) -> dict[str, Any]:
     """One backend's part of the ``h`` entry (a backend still starting: what is known before it is up)."""
+    if isinstance(ex, RecordedElsewhere):  # a backend in a process of its own: as that process saw it
+        return dict(ex.record_entry)
     options = getattr(ex, "options", None)
     route = getattr(getattr(ex, "window_writer", None), "route", None)
     entry: dict[str, Any] = {"kind": str(getattr(ex, "name", name)), "class": type(ex).__module__}

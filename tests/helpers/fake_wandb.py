@@ -11,6 +11,8 @@ from pathlib import Path
 FAKE_WANDB = textwrap.dedent("""
     import json, os, time, types
     Settings = dict
+    with open(os.path.join(os.environ["FAKE_WANDB_DIR"], "pids"), "a") as f:  # the processes that imported it
+        f.write(f"{os.getpid()}\\n")
     if os.environ.get("FAKE_WANDB") == "broken":
         raise RuntimeError("injected: no wandb here")
     if os.environ.get("FAKE_WANDB_IMPORT_S"):  # a client whose import takes that long (a busy machine, a big one)

@@ -1,0 +1,153 @@
+"""Backends with a heavy client each in a process of their own (`otel_train.ship.backend_host`).
+
+Two or more of W&B, MLflow, ClearML and Trackio configured: each runs in a fresh interpreter beside the exporter
+process, so their imports and starts run side by side. Every step still lands once in each; a backend process
+killed mid-run leaves what it did not hold in the spool, said once, for `otel-train replay`; a backend that cannot
+start there is said and counted as in the exporter process. Real Trackio beside W&B's stand-in
+(tests/helpers/fake_wandb.py, which records the pid of each process that imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import readback
+from fake_wandb import fake_wandb_env
+
+import otel_train as ot
+from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+from otel_train.ship.spool import Spool, spool_dir
+
+STEPS = 20
+
+
+def _fake_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> Path:
+    """The stand-in `wandb` first on `sys.path` (this process's, hence the exporter and backend processes');
+    returns where it records."""
+    env = fake_wandb_env(tmp_path, mode)
+    monkeypatch.syspath_prepend(env["PYTHONPATH"])
+    monkeypatch.setitem(sys.modules, "wandb", sys.modules.get("wandb"))
+    monkeypatch.delitem(sys.modules, "wandb")
+    monkeypatch.setenv("FAKE_WANDB", mode)
+    monkeypatch.setenv("FAKE_WANDB_DIR", env["FAKE_WANDB_DIR"])
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "on")
+    return Path(env["FAKE_WANDB_DIR"])
+
+
+def _train(steps: range) -> None:
+    for step in steps:
+        with ot.step(step):
+            ot.log({"train/loss": float(step)})
+
+
+def _wandb_steps(out: Path) -> list[int]:
+    logged = out / "logged.jsonl"
+    lines = logged.read_text().splitlines() if logged.exists() else []
+    return [rec["step"] for rec in map(json.loads, lines) if "train/loss" in rec]
+
+
+def _trackio_steps(tmp_path: Path, run: str) -> list[int]:
+    return [p.step for p in readback.trackio(tmp_path / "trackio", "otel-train", run) if p.name == "train/loss"]
+
+
+def _jsonl_steps(directory: Path, run: str) -> list[int]:
+    return [r["step"] for r in read_jsonl(jsonl_path(directory, run, 0))
+            if r["type"] == "metric" and r["tag"] == "train/loss"]
+
+
+def _pids(out: Path) -> list[int]:
+    return [int(line) for line in (out / "pids").read_text().split()]
+
+
+@pytest.mark.timeout(300)
+def test_two_heavy_backends_run_in_processes_of_their_own_and_each_holds_every_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _fake_wandb(tmp_path, monkeypatch, "record")
+    directory = tmp_path / "runs"
+    session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="hosted",
+                      shutdown_timeout_s=120)
+    _train(range(STEPS))
+    exporter_pid = session.export_process._proc.pid
+    ot.shutdown()
+    (host,) = _pids(out)  # imported once, in neither the training nor the exporter process
+    assert host not in (os.getpid(), exporter_pid)
+    assert _wandb_steps(out) == list(range(STEPS))  # every step, once, in order
+    assert sorted(_trackio_steps(tmp_path, "hosted")) == list(range(STEPS))
+    assert _jsonl_steps(directory, "hosted") == list(range(STEPS))
+    assert session.export_process.last_progress.behind() == {}
+
+
+@pytest.mark.timeout(300)
+def test_with_backend_processes_off_they_run_in_the_exporter_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _fake_wandb(tmp_path, monkeypatch, "record")
+    monkeypatch.setenv("OTEL_TRAIN_BACKEND_PROCESSES", "off")
+    session = ot.init(exporters=["wandb", "trackio"], dir=tmp_path / "runs", run_name="inside",
+                      shutdown_timeout_s=120)
+    _train(range(STEPS))
+    exporter_pid = session.export_process._proc.pid
+    ot.shutdown()
+    assert _pids(out) == [exporter_pid]
+    assert _wandb_steps(out) == list(range(STEPS))
+    assert sorted(_trackio_steps(tmp_path, "inside")) == list(range(STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_a_backend_process_killed_mid_run_leaves_the_rest_in_the_spool_for_replay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    out = _fake_wandb(tmp_path, monkeypatch, "record")
+    directory = tmp_path / "runs"
+    session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="killed",
+                      shutdown_timeout_s=30)
+    half = STEPS // 2
+    _train(range(half))
+    assert ot.flush(120)  # every backend holds the first half
+    (host,) = _pids(out)
+    os.kill(host, signal.SIGKILL)
+    _train(range(half, STEPS))  # the loop never notices
+    ot.shutdown()
+    said = [r.getMessage() for r in caplog.records if "ended with exit code" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("otel-train: backend `wandb`: its process"), said
+    assert "stays in the spool for `otel-train replay`" in said[0]
+    assert _wandb_steps(out) == list(range(half))
+    assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(STEPS))  # the others went on
+    progress = session.export_process.last_progress
+    assert set(progress.behind()) == {"wandb"} and progress.failures["wandb"] >= 1
+    spool = Spool(spool_dir(directory, "killed", 0))
+    assert spool.cursor("wandb") < spool.last_seq == spool.cursor("jsonl") == spool.cursor("trackio")
+    spool.close()
+
+    # Replay hands W&B what it lacks, once; the rest of the run stays as it was.
+    env = {**os.environ, **fake_wandb_env(tmp_path, "record")}
+    done = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / "killed")], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _wandb_steps(out) == list(range(STEPS))
+    assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(STEPS))
+
+
+@pytest.mark.timeout(300)
+def test_a_hosted_backend_that_cannot_start_is_said_once_and_its_windows_wait_in_the_spool(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    _fake_wandb(tmp_path, monkeypatch, "broken")
+    directory = tmp_path / "runs"
+    session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="broken",
+                      shutdown_timeout_s=60)
+    started = time.monotonic()
+    _train(range(STEPS))
+    ot.shutdown()
+    assert time.monotonic() - started < 60  # not a hang: the shutdown did not run into its timeout
+    said = [r.getMessage() for r in caplog.records if "could not start" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("otel-train: backend `wandb` could not start: RuntimeError: injected: no wandb here; ")
+    assert sorted(_trackio_steps(tmp_path, "broken")) == list(range(STEPS))
+    progress = session.export_process.last_progress
+    assert progress.behind() == {"wandb": STEPS} and progress.failures["wandb"] >= 1
