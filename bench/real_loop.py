@@ -41,7 +41,22 @@ CONFIGS = {  # label -> extra environment
 STEP_SIZES = {"4ms": 512, "1ms": 96}
 
 LOOP = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, threading, time
+
+    def thread_cpu():
+        # CPU seconds per thread name (`/proc/self/task`, clock ticks): where the training core's time goes.
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out = {}
+        for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            name = names.get(int(tid), "other")
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return out
+
     t0 = time.perf_counter()
     import torch
     import otel_train as ot
@@ -57,7 +72,7 @@ LOOP = textwrap.dedent("""
     t_init = time.perf_counter() - t_init
     for i in range(20):  # warm-up, not timed
         opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
-    start, cpu = time.perf_counter(), time.process_time()
+    threads, start, cpu = thread_cpu(), time.perf_counter(), time.process_time()
     for step in range(steps):
         with ot.step(step):
             with ot.span("data"):
@@ -73,12 +88,15 @@ LOOP = textwrap.dedent("""
             values["train/loss"] = loss.detach()
             ot.log(values)
     loop, cpu = time.perf_counter() - start, time.process_time() - cpu
+    after = thread_cpu()
+    per_thread = {k: (v - threads.get(k, 0.0)) / steps * 1e6 for k, v in after.items()}
     t_shut = time.perf_counter()
     ot.shutdown()
     t_shut = time.perf_counter() - t_shut
     child = getattr(getattr(session, "export_process", None), "start_s", None)
     print("RESULT" + json.dumps({"step_ms": loop / steps * 1000, "cpu_ms": cpu / steps * 1000, "init_s": t_init, "shutdown_s": t_shut,
-                                 "child_start_s": child}))
+                                 "child_start_s": child, "collector_us": per_thread.get("otel-train-collect", 0.0),
+                                 "training_thread_us": per_thread.get("MainThread", 0.0)}))
 """)
 
 
@@ -151,6 +169,7 @@ def main() -> int:
             results: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
             disabled: list[float] = []
             disabled_cpu: list[float] = []
+            disabled_thread: list[float] = []
             for rep in range(args.reps):
                 for label in labels:
                     hidden = STEP_SIZES[args.step]
@@ -166,19 +185,23 @@ def main() -> int:
                     on["landed"] = _landed(directory, args.steps)  # type: ignore[assignment]
                     disabled.append(off["step_ms"])
                     disabled_cpu.append(off["cpu_ms"])
+                    disabled_thread.append(off["training_thread_us"])
                     ratios[label].append(on["step_ms"] / off["step_ms"])
                     results[label].append(on)
             print(f"\n{mode}: disabled {statistics.median(disabled):.2f} ms/step, "
-                  f"CPU {statistics.median(disabled_cpu):.2f} ms/step")
-            print("| exporters | ms/step | × disabled | training-process CPU ms/step | init s (child start s) | "
-                  "shutdown s | TensorBoard values |")
-            print("|---|---|---|---|---|---|---|")
+                  f"CPU {statistics.median(disabled_cpu):.2f} ms/step, training thread "
+                  f"{statistics.median(disabled_thread):.0f} µs/step")
+            print("| exporters | ms/step | × disabled | training-process CPU ms/step | training thread / collector "
+                  "CPU µs/step | init s (child start s) | shutdown s | TensorBoard values |")
+            print("|---|---|---|---|---|---|---|---|")
             for label in labels:
                 rs = results[label]
                 child = [r["child_start_s"] for r in rs if r["child_start_s"] is not None]
                 child_txt = f" ({statistics.median(child):.2f})" if child else ""
                 print(f"| {label} | {statistics.median(r['step_ms'] for r in rs):.2f} | "
                       f"{statistics.median(ratios[label]):.2f} | {statistics.median(r['cpu_ms'] for r in rs):.2f} | "
+                      f"{statistics.median(r['training_thread_us'] for r in rs):.0f} / "
+                      f"{statistics.median(r['collector_us'] for r in rs):.0f} | "
                       f"{statistics.median(r['init_s'] for r in rs):.2f}"
                       f"{child_txt} | {statistics.median(r['shutdown_s'] for r in rs):.2f} | {rs[-1]['landed']} |")
         if sink is not None:

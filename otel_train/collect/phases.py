@@ -26,8 +26,11 @@ import functools
 import logging
 import re
 from collections.abc import Iterable, Sequence
+from itertools import compress
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
+from otel_train.capture.instrument import SpanRecord, SpanScope
 from otel_train.capture.step import STEP_ATTRIBUTE
 from otel_train.vocab import semconv
 
@@ -60,7 +63,7 @@ class Span(NamedTuple):
 
 def span_of(span: Any) -> Span | None:
     """The `Span` of an `ot.span` record or an OTel SDK `ReadableSpan` (None without step or times)."""
-    if hasattr(span, "start_ns"):  # our SpanRecord
+    if type(span) in _OURS or hasattr(span, "start_ns"):  # ours
         if span.step is None:
             return None
         return Span(span.name, span.span_id, span.parent_id, span.start_ns, span.end_ns, span.thread_id, span.step,
@@ -73,6 +76,13 @@ def span_of(span: Any) -> Span | None:
     parent = span.parent.span_id if span.parent is not None else None
     return Span(span.name, ctx.span_id, parent, span.start_time, span.end_time,
                 int(attrs.get("thread.id", 0) or 0), int(step))
+
+
+_OURS = (SpanScope, SpanRecord)  # an `ot.span` record's exact types
+_new_span = tuple.__new__
+_SPAN_ID = attrgetter("span_id")
+_THREAD = itemgetter(0)
+_KEY = itemgetter(0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -109,19 +119,23 @@ def phase_values(spans: Sequence[Span], start_ns: int, end_ns: int,
         Phase key -> seconds; empty when no span overlaps the step.
     """
     duration = max(0, end_ns - start_ns)
-    ids = {s.span_id for s in spans}
-    top: dict[int, list[tuple[str, int, int]]] = {}  # thread -> (name, start, end) clipped to the step
-    for s in spans:
-        if not s.in_step or (s.parent_id is not None and s.parent_id in ids):
+    ids = set(map(_SPAN_ID, spans))
+    kept: list[tuple[int, str, int, int]] = []  # (thread, name, start, end) of top-level spans, clipped to the step
+    for name, _, parent_id, s_start, s_end, thread_id, _, in_step in spans:
+        if not in_step or (parent_id is not None and parent_id in ids):
             continue  # nested in a span of this step: counted in its parent
-        start, end = max(s.start_ns, start_ns), min(s.end_ns, end_ns)
+        start, end = max(s_start, start_ns), min(s_end, end_ns)
         if end > start:
-            top.setdefault(s.thread_id, []).append((s.name, start, end))
-    if not top:
+            kept.append((thread_id, name, start, end))
+    if not kept:
         return {}
-    # The thread that ran the step: the one whose top-level spans cover most of it.
-    main = next(iter(top.values())) if len(top) == 1 else max(
-        top.values(), key=lambda items: _covered_ns([(a, b) for _, a, b in items]))
+    if len(set(map(_THREAD, kept))) == 1:  # one thread ran the step's spans: the common case
+        main = [(name, start, end) for _, name, start, end in kept]
+    else:  # the thread that ran the step: the one whose top-level spans cover most of it
+        top: dict[int, list[tuple[str, int, int]]] = {}
+        for thread_id, name, start, end in kept:
+            top.setdefault(thread_id, []).append((name, start, end))
+        main = max(top.values(), key=lambda items: _covered_ns([(a, b) for _, a, b in items]))
     values: dict[str, float] = {}
     named: list[tuple[int, int]] = []
     for name, start, end in main:
@@ -161,24 +175,36 @@ class PhaseTimer:
                 ``train.step.duration_s`` ones mark the steps that ended.
         """
         self._window += 1
+        pending_of, first_window = self._pending, self._first_window
+        kept = 0
         for raw in spans:
-            s = span_of(raw)
-            if s is None or s.step is None or not s.in_step:
-                continue
-            pending = self._pending.get(s.step)
+            if type(raw) in _OURS:  # `ot.span`'s, the common case: no `span_of` call, the `Span` built in C
+                step = raw.step
+                if step is None or not raw.in_step:
+                    continue
+                s = _new_span(Span, (raw.name, raw.span_id, raw.parent_id, raw.start_ns, raw.end_ns, raw.thread_id,
+                                     step, True))
+            else:
+                found = span_of(raw)
+                if found is None or found.step is None or not found.in_step:
+                    continue
+                s, step = found, found.step
+            pending = pending_of.get(step)
             if pending is None:
-                pending = self._pending[s.step] = []
-                self._first_window[s.step] = self._window
+                pending = pending_of[step] = []
+                first_window[step] = self._window
             pending.append(s)
-            self._pending_count += 1
+            kept += 1
+        self._pending_count += kept
         out: list[tuple[str, int, float, int]] = []
-        for key, step, value, t in points:
-            if key != DURATION_KEY or step not in self._pending:
+        # The step ends' duration points, picked in C (`compress`): a window holds ~20 other points per step.
+        for _, step, value, t in compress(points, map(DURATION_KEY.__eq__, map(_KEY, points))):
+            if step not in pending_of:
                 continue
             step_spans = self._drop(step)
             # The duration point is recorded right after the step's end: the step spans [t - d, t].
             values = phase_values(step_spans, t - int(value * 1e9), t, self._allowed(step_spans))
-            out.extend((k, step, v, t) for k, v in values.items())
+            out.extend([(k, step, v, t) for k, v in values.items()])
         if self._pending:
             self._bound()
         return out

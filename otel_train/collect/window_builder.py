@@ -91,7 +91,7 @@ class WindowBuilder:
         if spans:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
-            row_spans = [_span_row(run, r) for r in recs] + span_rows(sdk_spans, self.converter)
+            row_spans = _span_rows(run, recs) + span_rows(sdk_spans, self.converter)
         if not self.export_metrics:  # log records, like spans, from every rank
             return WindowParts(run, [], [], [], row_spans, logs)
         return WindowParts(run, points, attributed + sdk_rows if attributed else sdk_rows, hists, row_spans, logs)
@@ -210,18 +210,19 @@ def has_points(md: MetricsData | None) -> bool:
     return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
 
 
-def _span_attributes(rec: SpanRecord) -> dict[str, Any]:
-    attrs: dict[str, Any] = dict(rec.attributes or {})
-    attrs[THREAD_ID] = rec.thread_id
-    attrs[THREAD_NAME] = rec.thread_name
-    if rec.step is not None:
-        attrs[STEP_ATTRIBUTE] = rec.step
-    if rec.error:
-        attrs["error.message"] = rec.error
-    return attrs
-
-
-def _span_row(run: RunInfo, rec: SpanRecord) -> SpanRow:
-    return SpanRow(run, rec.name, rec.trace_id, rec.span_id, rec.parent_id, rec.start_ns, rec.end_ns,
-                   rec.thread_id, rec.thread_name, rec.step, _span_attributes(rec), rec.error is not None,
-                   rec.error or "")
+def _span_rows(run: RunInfo, recs: list[SpanRecord]) -> list[SpanRow]:
+    """The rows of `ot.span` records: their attributes plus the thread, the step and an error message."""
+    out: list[SpanRow] = []
+    append = out.append
+    for rec in recs:
+        attrs: dict[str, Any] = dict(rec.attributes) if rec.attributes else {}
+        thread_id, thread_name, step, error = rec.thread_id, rec.thread_name, rec.step, rec.error
+        attrs[THREAD_ID] = thread_id
+        attrs[THREAD_NAME] = thread_name
+        if step is not None:
+            attrs[STEP_ATTRIBUTE] = step
+        if error:
+            attrs["error.message"] = error
+        append(SpanRow(run, rec.name, rec.trace_id, rec.span_id, rec.parent_id, rec.start_ns, rec.end_ns,
+                       thread_id, thread_name, step, attrs, error is not None, error or ""))
+    return out
