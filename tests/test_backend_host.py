@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import readback
-from fake_wandb import fake_wandb_env
+from fake_wandb import fake_wandb_env, use_fake_wandb
 
 import otel_train as ot
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
@@ -31,15 +31,9 @@ STEPS = 20
 def _fake_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> Path:
     """The stand-in `wandb` first on `sys.path` (this process's, hence the exporter and backend processes');
     returns where it records."""
-    env = fake_wandb_env(tmp_path, mode)
-    monkeypatch.syspath_prepend(env["PYTHONPATH"])
-    monkeypatch.setitem(sys.modules, "wandb", sys.modules.get("wandb"))
-    monkeypatch.delitem(sys.modules, "wandb")
-    monkeypatch.setenv("FAKE_WANDB", mode)
-    monkeypatch.setenv("FAKE_WANDB_DIR", env["FAKE_WANDB_DIR"])
     monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "on")
-    return Path(env["FAKE_WANDB_DIR"])
+    return use_fake_wandb(tmp_path, monkeypatch, mode)
 
 
 def _train(steps: range) -> None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_wandb import fake_wandb_env
+from fake_wandb import fake_wandb_env, use_fake_wandb
 
 import otel_train as ot
 from otel_train.errors import ConfigError
@@ -25,23 +25,6 @@ from otel_train.ship.spool import Spool, spool_dir
 
 PLACEMENTS = {"exporter_process": "on", "in_process": "off"}
 STEPS = 20
-
-
-def _fake_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, import_s: float = 0.0) -> Path:
-    """Put the stand-in `wandb` first on `sys.path` (this process's and the exporter process's); returns where it
-    records."""
-    env = fake_wandb_env(tmp_path, mode)
-    monkeypatch.syspath_prepend(env["PYTHONPATH"])
-    # Out of `sys.modules` for the test: the real one, if a test before imported it, comes back at teardown, and
-    # the stand-in goes (with `delitem` alone, a process that had not imported W&B kept the stand-in, and a later
-    # test's `import wandb.proto` there failed).
-    monkeypatch.setitem(sys.modules, "wandb", sys.modules.get("wandb"))
-    monkeypatch.delitem(sys.modules, "wandb")
-    monkeypatch.setenv("FAKE_WANDB", mode)
-    monkeypatch.setenv("FAKE_WANDB_DIR", env["FAKE_WANDB_DIR"])
-    if import_s:
-        monkeypatch.setenv("FAKE_WANDB_IMPORT_S", str(import_s))
-    return Path(env["FAKE_WANDB_DIR"])
 
 
 def _logged_steps(out: Path) -> list[int]:
@@ -65,7 +48,7 @@ def _train(steps: int = STEPS) -> None:
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_init_returns_before_a_slow_backend_is_up_and_every_step_lands_in_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, placement: str) -> None:
-    out = _fake_wandb(tmp_path, monkeypatch, "record", import_s=5.0)
+    out = use_fake_wandb(tmp_path, monkeypatch, "record", import_s=5.0)
     monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", PLACEMENTS[placement])
     ot.init(exporters=["jsonl", "wandb"], dir=tmp_path / "runs", run_name="slow", shutdown_timeout_s=60)
     # The stand-in leaves `imported` once its 5 s import is over: init() came back before that.
@@ -81,7 +64,7 @@ def test_init_returns_before_a_slow_backend_is_up_and_every_step_lands_in_it(
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_a_backend_that_cannot_start_is_said_once_and_counted_and_the_loop_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, placement: str) -> None:
-    _fake_wandb(tmp_path, monkeypatch, "broken")
+    use_fake_wandb(tmp_path, monkeypatch, "broken")
     monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", PLACEMENTS[placement])
     directory = tmp_path / "runs"
     session = ot.init(exporters=["jsonl", "wandb"], dir=directory, run_name="broken")

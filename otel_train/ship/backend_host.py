@@ -35,7 +35,7 @@ from typing import Any
 from otel_train.backend import RowExporter, Window
 from otel_train.config.exporter_options import ExporterOptions
 from otel_train.ship.backend_start import StartFailed
-from otel_train.ship.log_forward import ForwardLogs, relog
+from otel_train.ship.log_forward import ForwardLogs, relog, sender
 from otel_train.vocab.run_identity import RunInfo
 from otel_train.vocab.step_order import StepOrder
 
@@ -85,7 +85,6 @@ class HostedBackend(RowExporter):
         self._extra_failures = 0
         self._dead: str | None = None  # why the host process is gone
         self._closed = False
-        self._send_lock = threading.Lock()
         self._call_lock = threading.Lock()  # one request at a time; one-way messages do not wait for it
         self._replies: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         #: The backend's part of the run's record (`otel_train.ship.logged_record.backend_info`), as it is up.
@@ -100,6 +99,7 @@ class HostedBackend(RowExporter):
         finally:
             theirs.close()
         self._conn = Connection(ours.detach())
+        self._send = sender(self._conn)  # one-way messages never wait for a request in flight
         threading.Thread(target=self._read, name=f"otel-train-host-{name}", daemon=True).start()
         self._send("start", name, target, options)
         reply = self._replies.get()
@@ -116,14 +116,6 @@ class HostedBackend(RowExporter):
         return self._proc.pid
 
     # -- the connection --------------------------------------------------------------------------------
-    def _send(self, *msg: Any) -> bool:
-        with self._send_lock:
-            try:
-                self._conn.send(msg)
-                return True
-            except (OSError, ValueError):
-                return False
-
     def _read(self) -> None:
         """Log records as they come; every other message is the reply of the request in flight."""
         while True:
@@ -257,16 +249,7 @@ def serve(fd: int) -> None:
     """The host process: build the backend named in the first message, then run each request until the end."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; the exporter process closes us
     conn = Connection(fd)
-    lock = threading.Lock()
-
-    def send(*msg: Any) -> bool:
-        with lock:
-            try:
-                conn.send(msg)
-                return True
-            except (OSError, ValueError):
-                return False
-
+    send = sender(conn)
     logging.basicConfig(level=logging.WARNING, handlers=[ForwardLogs(send, "backend process")], force=True)
     _exit_with_parent()
     try:

@@ -33,7 +33,7 @@ from otel_train.ship.backend_start import StartingBackend, starting_backends
 from otel_train.ship.child_boot import LOG_FILE
 from otel_train.ship.delivery import Delivery
 from otel_train.ship.framing import encode_resume
-from otel_train.ship.log_forward import ForwardLogs
+from otel_train.ship.log_forward import ForwardLogs, sender
 from otel_train.ship.logged_record import open_record
 from otel_train.ship.self_metrics import SelfMetrics
 from otel_train.ship.spool import Spool, mark_draining
@@ -92,16 +92,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     """The exporter process: build the backends, then spool and deliver until the trainer is done."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer; we drain on its hand-off
     drain_s = float(config["drain_timeout_s"])
-    send_lock = threading.Lock()
-
-    def reply(*msg: Any) -> bool:
-        with send_lock:
-            try:
-                conn.send(msg)
-                return True
-            except (OSError, ValueError):
-                return False  # the trainer is gone; we drain anyway
-
+    reply = sender(conn)  # False once the trainer is gone; we drain anyway
     logging.basicConfig(level=logging.WARNING, handlers=[ForwardLogs(reply, "exporter process")], force=True)
 
     try:

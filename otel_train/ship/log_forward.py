@@ -1,15 +1,33 @@
-"""A `logging` handler that hands each record to another process over a connection (`send`), else to stderr."""
+"""Messages to another process over a `multiprocessing` connection: a sender any thread may call (`sender`), and
+a `logging` handler that hands each record over it, else to stderr (`ForwardLogs`)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["ForwardLogs", "relog"]
+__all__ = ["ForwardLogs", "relog", "sender"]
+
+
+def sender(conn: Connection) -> Callable[..., bool]:
+    """``send(*msg)``: one message on `conn` from any thread, one at a time; False once the other end is gone."""
+    lock = threading.Lock()
+
+    def send(*msg: Any) -> bool:
+        with lock:
+            try:
+                conn.send(msg)
+                return True
+            except (OSError, ValueError):
+                return False
+
+    return send
 
 
 class ForwardLogs(logging.Handler):

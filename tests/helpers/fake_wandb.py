@@ -4,8 +4,11 @@ import takes `FAKE_WANDB_IMPORT_S` seconds when set (then it leaves a file ``imp
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 # A stand-in `wandb` the exporter process imports from disk: it records every `log` or hangs in it.
 FAKE_WANDB = textwrap.dedent("""
@@ -50,3 +53,20 @@ def fake_wandb_env(root: Path, mode: str) -> dict[str, str]:
     (fakes / "wandb" / "__init__.py").write_text(FAKE_WANDB)
     (root / "wandb-out").mkdir(exist_ok=True)
     return {"PYTHONPATH": str(fakes), "FAKE_WANDB": mode, "FAKE_WANDB_DIR": str(root / "wandb-out")}
+
+
+def use_fake_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, import_s: float = 0.0) -> Path:
+    """Put the stand-in `wandb` first on `sys.path` (this process's and the processes it starts); returns where it
+    records."""
+    env = fake_wandb_env(tmp_path, mode)
+    monkeypatch.syspath_prepend(env["PYTHONPATH"])
+    # Out of `sys.modules` for the test: the real one, if a test before imported it, comes back at teardown, and
+    # the stand-in goes (with `delitem` alone, a process that had not imported W&B kept the stand-in, and a later
+    # test's `import wandb.proto` there failed).
+    monkeypatch.setitem(sys.modules, "wandb", sys.modules.get("wandb"))
+    monkeypatch.delitem(sys.modules, "wandb")
+    monkeypatch.setenv("FAKE_WANDB", mode)
+    monkeypatch.setenv("FAKE_WANDB_DIR", env["FAKE_WANDB_DIR"])
+    if import_s:
+        monkeypatch.setenv("FAKE_WANDB_IMPORT_S", str(import_s))
+    return Path(env["FAKE_WANDB_DIR"])
