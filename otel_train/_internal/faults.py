@@ -6,6 +6,11 @@ later, before delivery records that write (`otel_train.ship.backend_feed`, `otel
 moment for a ``kill -9``. With a marker file, only the process that creates it is killed (once per test, however
 often the process is restarted). Read once, at import.
 
+``OTEL_TRAIN_TEST_KILL_AFTER_RECORD`` = ``<seq>``: a process that delivers with a spool sends itself SIGKILL right after
+it recorded window ``<seq>`` for verify and before its spool holds it (`otel_train.ship.delivery`), every time: the
+exporter process, its restart and the training process's fallback alike, so the whole job dies with that window.
+Read once, at import.
+
 ``OTEL_TRAIN_TEST_SLOW_READY`` = ``<marker file>``: the exporter process, once its spool is open, waits until that
 file exists before it says ``ready`` and reads what the trainer sent (a machine slow to start it). Read once, at
 import.
@@ -18,11 +23,13 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["ARMED", "KILL_AFTER_WRITE", "SLOW_READY", "after_write", "before_ready"]
+__all__ = ["ARMED", "KILL_AFTER_RECORD", "KILL_AFTER_WRITE", "SLOW_READY", "after_record", "after_write",
+           "before_ready"]
 
 #: The variables (tests only).
 KILL_AFTER_WRITE = "OTEL_TRAIN_TEST_KILL_AFTER_WRITE"
 SLOW_READY = "OTEL_TRAIN_TEST_SLOW_READY"
+KILL_AFTER_RECORD = "OTEL_TRAIN_TEST_KILL_AFTER_RECORD"
 _READY_MARKER = os.environ.get(SLOW_READY, "")
 
 
@@ -53,6 +60,23 @@ def after_write(backend: str, max_step: int) -> None:
         except OSError:
             return  # killed once already
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _seq(spec: str) -> int | None:
+    try:
+        return int(spec) if spec else None
+    except ValueError:
+        return None
+
+
+#: The window after whose record `after_record` kills (None: none).
+KILL_RECORDED_SEQ = _seq(os.environ.get(KILL_AFTER_RECORD, ""))
+
+
+def after_record(seq: int) -> None:
+    """Called right after window `seq` was recorded for verify, before the spool holds it."""
+    if seq == KILL_RECORDED_SEQ:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def before_ready() -> None:

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from otel_train._internal import faults
 from otel_train.backend import RowExporter, Window
 from otel_train.ship.backend_feed import BackendFeed, BackendPool
 from otel_train.ship.framing import Resume, decode_window, is_resume
@@ -164,8 +165,13 @@ class Delivery:
         with self._lock:
             if seq <= self._last_seq:
                 return
-            if self.record is not None:  # before the spool: a kill between the two leaves a window recorded twice
-                self._record_payload(seq, payload, window)  # (once by the next writer: verify counts a seq once)
+            # Recorded before the spool: a kill between the two leaves a window recorded twice when a next writer
+            # gets it again (verify counts a seq once), and, when the whole job died with it, a window no spool
+            # holds, which verify counts as lost to the kill (the record's ``c`` entry tells a writer that ended).
+            if self.record is not None:
+                self._record_payload(seq, payload, window)
+                if faults.KILL_RECORDED_SEQ is not None and self.spool is not None:  # tests only
+                    faults.after_record(seq)
             spooled = True
             if self.spool is not None:
                 failed = self.spool.failed_appends

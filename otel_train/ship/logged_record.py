@@ -25,6 +25,9 @@ record runs no code). Entries, by their ``k``:
   waiting was written after all. An ``f`` without its ``F`` stops verify at that step, like ``x``.
 - ``x``: the record reached its cap (`OTEL_TRAIN_VERIFY_RECORD_MB`) after windows up to ``step``; nothing
   after it is recorded, and verify says "not checked past step S".
+- ``c`` (last): the writer closed its record. A window a writer without it recorded and no spool of the rank holds
+  was recorded right before a kill that took it (the whole job: nobody sent it again): verify counts what a
+  backend lacks of it as lost to the kill ("killed before written ahead") instead of failing.
 
 Beside them, ``rank<R>.session.json``: the values the training process refused at the call (`Session.refusals`),
 written at shutdown.
@@ -248,6 +251,9 @@ class LoggedRecord:
                 if self._waiting:
                     _logger.warning("the run's record of what was logged could not write its last %d entries (the "
                                     "disk is still full): `otel-train verify` finds it incomplete", len(self._waiting))
+            if self._file is not None and not self.stopped and not self._waiting:
+                # The writer ended: a window it recorded and its spool lacks was not lost to a kill (verify).
+                self._write({"k": "c"})
             if self._file is not None:
                 self._file.close()
                 self._file = None

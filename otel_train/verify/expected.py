@@ -15,7 +15,10 @@ from typing import Any
 
 from otel_train.ship.logged_record import FULL_MARK, read_entries, record_files
 
-__all__ = ["BackendPlan", "Expected", "RankPlan", "SeriesKey", "load"]
+__all__ = ["KILLED_IN_FLIGHT", "BackendPlan", "Expected", "RankPlan", "SeriesKey", "load"]
+
+#: The loss cause of values recorded by a writer killed before its spool held their window.
+KILLED_IN_FLIGHT = "killed before written ahead"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,8 @@ class RankPlan:
     stopped_why: str = ""
     #: A record file that could not be read to its end (a torn tail is normal; this is a missing header).
     problems: list[str] = dataclasses.field(default_factory=list)
+    #: The last window seq the rank's spool wrote ahead (`otel_train.ship.spool.last_seq`; None: no spool folder).
+    written_ahead: int | None = None
 
 
 def load(run_dir: Path, ranks: Iterable[int] | None = None) -> dict[int, RankPlan]:
@@ -88,9 +93,11 @@ def load(run_dir: Path, ranks: Iterable[int] | None = None) -> dict[int, RankPla
     seen: dict[int, set[int]] = {}  # per rank: the spooled windows' seqs already read
     for _, path, header in sorted(writers, key=lambda w: (w[0], w[1].name)):
         rank = int(header.get("rank", 0))
-        plan = plans.setdefault(rank, RankPlan(rank, run_dir, str(header.get("run_id", "")),
-                                               str(header.get("run_name", "")), int(header.get("world_size", 1)),
-                                               dict(header.get("env", {}))))
+        plan = plans.get(rank)
+        if plan is None:
+            plan = plans[rank] = RankPlan(rank, run_dir, str(header.get("run_id", "")), str(header.get("run_name", "")),
+                                          int(header.get("world_size", 1)), dict(header.get("env", {})),
+                                          written_ahead=_written_ahead(run_dir, rank))
         _read_writer(plan, path, header, seen.setdefault(rank, set()))
     return plans
 
@@ -104,9 +111,11 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
     mine: list[BackendPlan] = []
     filters: dict[str, RowFilter | None] = {}
     infos = dict(header.get("backends", {}))
+    ended = False  # the writer closed its record (else it was killed, or is still writing)
     for entry in read_entries(path):  # backends that started on their own thread: known once they were up
         if entry.get("k") == "b" and entry.get("name") in infos:
             infos[str(entry["name"])] = dict(entry.get("info") or {})
+        ended = ended or entry.get("k") == "c"
     for name, info in infos.items():
         backend = plan.backends.get(name)
         if backend is None:
@@ -152,8 +161,17 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
                 name, rank = series[int(sid)][1], series[int(sid)][2]
                 run = runs.get(rank) or runs.setdefault(rank, RunInfo(plan.run_id, plan.run_name, rank=rank))
                 spans.append(SpanRow(run, name, 0, int(span_id or 0), None, 0, 0, 0, "", step, {}))
+            # Recorded right before the spool append by a writer killed before it (the whole job: nobody sent it
+            # again): the window died with that process, as one still in the training process's memory would.
+            # Its values stay expected; what a backend lacks of them is counted as lost to the kill, not failed.
+            in_flight = (seq is not None and not ended and plan.written_ahead is not None
+                         and int(seq) > plan.written_ahead)
             for backend in mine:
+                before = _size(backend.expected) if in_flight else 0
                 _expect(backend, filters[backend.name], rows, spans)
+                if in_flight:
+                    lost = backend.lost
+                    lost[KILLED_IN_FLIGHT] = lost.get(KILLED_IN_FLIGHT, 0) + _size(backend.expected) - before
         elif kind == "r":
             for backend in plan.backends.values():
                 _supersede(backend.expected, int(entry["rank"]), int(entry["step"]))
@@ -178,6 +196,18 @@ def _stop(plan: RankPlan, step: int, why: str) -> None:
     """Nothing past `step` is checked for this rank (the earliest such step wins)."""
     if plan.stopped_at is None or step < plan.stopped_at:
         plan.stopped_at, plan.stopped_why = step, why
+
+
+def _written_ahead(run_dir: Path, rank: int) -> int | None:
+    """The last window seq rank `rank`'s spool wrote ahead (None: the run folder has no spool for it)."""
+    from otel_train.ship.spool import last_seq
+
+    folder = run_dir / "spool" / f"rank{rank}"
+    return last_seq(folder) if folder.is_dir() else None
+
+
+def _size(expected: Expected) -> int:
+    return sum(map(len, expected.points.values())) + sum(map(len, expected.spans.values()))
 
 
 def _expect(backend: BackendPlan, rule: Any, rows: list[Any], spans: list[Any]) -> None:
