@@ -494,3 +494,34 @@ def test_replay_says_what_is_left_and_gives_up_on_a_backend_that_always_fails(tm
     for rank in (0, 1):
         spool = Spool(spool_dir(directory, run, rank))
         assert spool.cursor("wandb") == 0 < spool.last_seq and spool.cursor("jsonl") == spool.last_seq
+
+
+def test_short_sessions_one_after_another_leave_no_exporter_process_behind(tmp_path: Path) -> None:
+    """A sweep of short trials in one process: each session's exporter process, done draining, is reaped (its exit
+    status collected) by a later session, not left as a zombie per trial."""
+    import psutil
+
+    pids = []
+    for trial in range(3):
+        session = ot.init(exporters=["jsonl"], dir=tmp_path, run_name=f"trial{trial}")
+        with ot.step(0):
+            ot.log({"loss": 1.0})
+        pids.append(session.export_process.pid)
+        ot.shutdown()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # done draining: it has exited (a zombie until reaped)
+            try:
+                if psutil.Process(pids[-1]).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+    ot.init(exporters=["jsonl"], dir=tmp_path, run_name="last")
+    ot.shutdown()
+    left = []
+    for pid in pids:
+        try:
+            left.append((pid, psutil.Process(pid).status()))
+        except psutil.NoSuchProcess:
+            pass
+    assert left == []

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-__all__ = ["LOG_FILE", "Booted", "boot_child", "place"]
+__all__ = ["LOG_FILE", "Booted", "boot_child", "place", "reap_ended"]
 
 _logger = logging.getLogger("otel_train")
 
@@ -29,6 +29,15 @@ _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
 
 #: A started exporter process that has not been sent its configuration: the connection to it and the process.
 Booted = tuple[Connection, "subprocess.Popen[bytes]"]
+#: The exporter processes started here and not known to have ended (`reap_ended`).
+_BOOTED: list[subprocess.Popen[bytes]] = []
+
+
+def reap_ended() -> None:
+    """Collect the exit status of the exporter processes started here that have ended (each drains on its own after
+    the trainer's hand-off, and nobody waits for it): a process that runs many short sessions (a sweep of trials)
+    keeps no zombie per session."""
+    _BOOTED[:] = [proc for proc in _BOOTED if proc.poll() is None]
 
 
 def boot_child(spool: Path, lock_fd: int = -1, listener: socket.socket | None = None, cpus: Sequence[int] = (),
@@ -38,6 +47,7 @@ def boot_child(spool: Path, lock_fd: int = -1, listener: socket.socket | None = 
     processes connect to (`otel_train.ship.workers`; None: none), pinned to `cpus` and `nice` added, without waiting
     for it: it imports what it runs, then waits for its configuration on the returned connection (closing it ends
     the process)."""
+    reap_ended()
     fds = [fd for fd in (lock_fd, listener.fileno() if listener is not None else -1) if fd >= 0]
     log_path = spool / LOG_FILE
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -56,6 +66,7 @@ def boot_child(spool: Path, lock_fd: int = -1, listener: socket.socket | None = 
         raise
     finally:
         theirs.close()
+    _BOOTED.append(proc)
     place(proc.pid, cpus, nice)  # pinned before its imports run
     return Connection(ours.detach()), proc
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
 from otel_train.config.exporter_options import ExporterOptions
-from otel_train.ship.child_boot import LOG_FILE, Booted, boot_child
+from otel_train.ship.child_boot import LOG_FILE, Booted, boot_child, reap_ended
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import (
     ID,
@@ -479,6 +479,7 @@ class ExportProcess:
             pass
         if self._worker_sock is not None:  # the child holds its own copy of the listening socket
             self._worker_sock.close()
+        reap_ended()  # earlier sessions' exporter processes that are done draining
         return ok
 
     def end(self, timeout_s: float) -> None:
