@@ -281,17 +281,22 @@ def test_in_process_backends_are_recorded_too(tmp_path: Path, capsys: pytest.Cap
         assert b["expected"] >= len(USER_SERIES) * STEPS and b["present"] == b["expected"], b
 
 
+def _killed_job(tmp_path: Path, run: str, **fault: str) -> Path:
+    """The driver's job (JSONL and TensorBoard, recorded) with `fault` set, killed whole by it; its run folder."""
+    out = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, str(DRIVER), str(out), run, str(STEPS), "plain"], check=False,
+                          capture_output=True, text=True, timeout=300,
+                          env=_env(tmp_path / "home", OTEL_TRAIN_EXPORTERS="jsonl,tensorboard", OTEL_TRAIN_VERIFY="record",
+                                   **fault))
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    return out / run
+
+
 def test_a_job_killed_whole_is_complete_after_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Every process of the job killed (the exporter process right after a TensorBoard write at step >= 10, before
     it is recorded; its restart and the training process's fallback likewise): verify finds nothing but missing
     values, and after `otel-train replay` every recorded value is in JSONL and TensorBoard once."""
-    out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, str(DRIVER), str(out), "k", str(STEPS), "plain"], check=False,
-                          capture_output=True, text=True, timeout=300,
-                          env=_env(tmp_path / "home", OTEL_TRAIN_EXPORTERS="jsonl,tensorboard",
-                                   OTEL_TRAIN_VERIFY="record", OTEL_TRAIN_TEST_KILL_AFTER_WRITE="tensorboard@10"))
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    run_dir = out / "k"
+    run_dir = _killed_job(tmp_path, "k", OTEL_TRAIN_TEST_KILL_AFTER_WRITE="tensorboard@10")
     code, report, text = _verify(run_dir, capsys)
     for b in report["backends"]:
         assert b["duplicated"] == b["wrong_value"] == b["unexpected"] == 0, text
@@ -315,13 +320,7 @@ def test_a_window_recorded_by_a_job_killed_before_its_spool_held_it_is_counted_l
     """Every writer killed between recording window 12 and spooling it (the exporter process, its restart, the
     training process's fallback): no spool holds it and nobody can send it again. Verify says so, per backend, and
     counts it as lost to the kill; everything else is there once after `otel-train replay`."""
-    out = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, str(DRIVER), str(out), "r", str(STEPS), "plain"], check=False,
-                          capture_output=True, text=True, timeout=300,
-                          env=_env(tmp_path / "home", OTEL_TRAIN_EXPORTERS="jsonl,tensorboard",
-                                   OTEL_TRAIN_VERIFY="record", OTEL_TRAIN_TEST_KILL_AFTER_RECORD="12"))
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    run_dir = out / "r"
+    run_dir = _killed_job(tmp_path, "r", OTEL_TRAIN_TEST_KILL_AFTER_RECORD="12")
     assert cli_main(["replay", str(run_dir)]) == 0
     code, report, text = _verify(run_dir, capsys)
     assert code == 0, text
