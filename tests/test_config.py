@@ -54,6 +54,8 @@ def test_empty_exporters_means_none() -> None:
         ({"OTEL_TRAIN_EXPORT_INTERVAL_S": "soon"}, "OTEL_TRAIN_EXPORT_INTERVAL_S: 'soon' is not a number"),
         ({"OTEL_TRAIN_SHUTDOWN_TIMEOUT_S": "nan"}, "OTEL_TRAIN_SHUTDOWN_TIMEOUT_S: 'nan' is not allowed"),
         ({"OTEL_TRAIN_RANKS": "1"}, "OTEL_TRAIN_RANKS: '1' is not allowed; use `0`"),
+        ({"OTEL_TRAIN_BACKEND_PROCESSES": "sometimes"},
+         "OTEL_TRAIN_BACKEND_PROCESSES: 'sometimes' is not allowed; use one of auto, off"),
         ({"OTEL_TRAIN_DISABLED": "maybe"}, "OTEL_TRAIN_DISABLED: 'maybe' is not a boolean"),
         ({"OTEL_SDK_DISABLED": "2"}, "OTEL_SDK_DISABLED: '2' is not a boolean"),
         ({"OTEL_TRAIN_CONFIG_JSON": "[1, 2]"}, "OTEL_TRAIN_CONFIG_JSON: '[1, 2]' is not allowed; expected a JSON object"),
