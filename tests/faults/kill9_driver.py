@@ -100,6 +100,13 @@ def _one(out: Path, rep: int, at: int, both: bool) -> dict[str, object]:
                 if both:
                     os.kill(exporter, signal.SIGKILL)
                 break
+        # The loop ran on until the kill landed (on a loaded machine, steps later): what it reported meanwhile
+        # is in the pipe, read to its end (the writer is gone).
+        for line in pipe:
+            kind, num = line.split()
+            last = int(num)
+            if kind == b"flushed":
+                flushed = last
     _, status = os.waitpid(pid, 0)
     drained_s = _wait_exit(exporter, 60.0)  # it drains what reached it, then exits by itself
     spool = Spool(spool_dir(out, name, 0))
