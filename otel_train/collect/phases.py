@@ -63,7 +63,7 @@ class Span(NamedTuple):
 
 def span_of(span: Any) -> Span | None:
     """The `Span` of an `ot.span` record or an OTel SDK `ReadableSpan` (None without step or times)."""
-    if type(span) in _OURS or hasattr(span, "start_ns"):  # ours
+    if hasattr(span, "start_ns"):  # our SpanRecord
         if span.step is None:
             return None
         return Span(span.name, span.span_id, span.parent_id, span.start_ns, span.end_ns, span.thread_id, span.step,
@@ -81,8 +81,7 @@ def span_of(span: Any) -> Span | None:
 _OURS = (SpanScope, SpanRecord)  # an `ot.span` record's exact types
 _new_span = tuple.__new__
 _SPAN_ID = attrgetter("span_id")
-_THREAD = itemgetter(0)
-_KEY = itemgetter(0)
+_FIRST = itemgetter(0)  # a point's key, a kept span's thread
 
 
 @functools.lru_cache(maxsize=1024)
@@ -129,7 +128,7 @@ def phase_values(spans: Sequence[Span], start_ns: int, end_ns: int,
             kept.append((thread_id, name, start, end))
     if not kept:
         return {}
-    if len(set(map(_THREAD, kept))) == 1:  # one thread ran the step's spans: the common case
+    if len(set(map(_FIRST, kept))) == 1:  # one thread ran the step's spans: the common case
         main = [(name, start, end) for _, name, start, end in kept]
     else:  # the thread that ran the step: the one whose top-level spans cover most of it
         top: dict[int, list[tuple[str, int, int]]] = {}
@@ -198,7 +197,7 @@ class PhaseTimer:
         self._pending_count += kept
         out: list[tuple[str, int, float, int]] = []
         # The step ends' duration points, picked in C (`compress`): a window holds ~20 other points per step.
-        for _, step, value, t in compress(points, map(DURATION_KEY.__eq__, map(_KEY, points))):
+        for _, step, value, t in compress(points, map(DURATION_KEY.__eq__, map(_FIRST, points))):
             if step not in pending_of:
                 continue
             step_spans = self._drop(step)

@@ -49,18 +49,25 @@ _PARENT_POLL_S = 0.5
 _GONE = object()  # a request's answer when the host process is gone
 
 
-def _state(backend: RowExporter) -> dict[str, Any]:
-    """What the exporter process reads of the backend between calls (sent with each reply)."""
+#: The requests after which delivery reads `durable_step` (`BackendFeed._acknowledge`): only their replies read it
+#: back (W&B parses its run file, Trackio queries its database), not every write's.
+_DURABLE_AFTER = frozenset({"flush", "shutdown"})
+
+
+def _state(backend: RowExporter, durable: bool = False) -> dict[str, Any]:
+    """What the exporter process reads of the backend between calls (sent with each reply); with `durable`, how
+    far its store is too."""
     state: dict[str, Any] = {
         "failures": backend.failures, "dropped_windows": backend.dropped_windows,
         "rows_lost": dict(backend.rows_lost), "unwritten_windows": backend.unwritten_windows,
         "retry_in_s": backend.retry_in_s(), "backwards": backend.step_order.backwards,
         "order_dropped": backend.step_order.dropped, "steps_dropped": int(getattr(backend, "steps_dropped", 0)),
     }
-    try:
-        state["durable_step"] = backend.durable_step()
-    except Exception as err:
-        state["durable_error"] = f"{type(err).__name__}: {err}"
+    if durable:
+        try:
+            state["durable_step"] = backend.durable_step()
+        except Exception as err:
+            state["durable_error"] = f"{type(err).__name__}: {err}"
     return state
 
 
@@ -139,6 +146,10 @@ class HostedBackend(RowExporter):
         self._replies.put(("dead",))
 
     def _apply(self, state: dict[str, Any]) -> None:
+        if "durable_step" not in state and "durable_error" not in state:  # not read back with this reply: as before
+            for key in ("durable_step", "durable_error"):
+                if key in self._state:
+                    state[key] = self._state[key]
         self._state = state
         self._retry_at = time.monotonic() + float(state.get("retry_in_s", 0.0))
         self._order.backwards = int(state.get("backwards", 0))
@@ -264,7 +275,7 @@ def serve(fd: int) -> None:
         _exit()
     from otel_train.ship.logged_record import backend_info
 
-    send("up", _state(backend), backend.options, backend_info(name, backend))
+    send("up", _state(backend, durable=True), backend.options, backend_info(name, backend))
     while True:
         try:
             op, *args = conn.recv()
@@ -284,9 +295,9 @@ def serve(fd: int) -> None:
             try:
                 result = _run(backend, op, args)
             except Exception as err:
-                send("raised", f"{type(err).__name__}: {err}", _state(backend))
+                send("raised", f"{type(err).__name__}: {err}", _state(backend, op in _DURABLE_AFTER))
             else:
-                send("reply", result, _state(backend))
+                send("reply", result, _state(backend, op in _DURABLE_AFTER))
             if op == "shutdown":
                 _exit()
 

@@ -53,7 +53,7 @@ from otel_train._internal.ratelimit import LogOnce
 from otel_train.ship.append_intent import INTENT_OFFSET, AppendIntent
 from otel_train.vocab.run_paths import run_folder
 
-__all__ = ["RunClaim", "Spool", "backend_file", "claim_run", "holder", "last_seq", "spool_dir", "try_lock"]
+__all__ = ["RunClaim", "Spool", "backend_file", "claim_run", "holder", "last_seq", "rank_spool", "spool_dir", "try_lock"]
 
 _HEADER = struct.Struct("<qqII")  # seq, max step, payload length, crc32 of the payload
 _WRITTEN = struct.Struct("<qI")  # seq, crc32 of the seq's bytes
@@ -63,7 +63,12 @@ _logger = logging.getLogger("otel_train")
 
 def spool_dir(directory: str | os.PathLike[str], run_name: str, rank: int) -> Path:
     """Where rank `rank` of run `run_name` spools its windows."""
-    return run_folder(directory, run_name) / "spool" / f"rank{rank}"
+    return rank_spool(run_folder(directory, run_name), rank)
+
+
+def rank_spool(run_dir: Path, rank: int) -> Path:
+    """Where rank `rank` of the run whose folder is `run_dir` spools its windows."""
+    return run_dir / "spool" / f"rank{rank}"
 
 
 #: The lock file in a rank's spool folder: whoever holds an exclusive `flock` on it is the rank's one writer.

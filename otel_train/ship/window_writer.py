@@ -191,7 +191,8 @@ class WindowWriter:
             if self.pending:
                 _logger.warning("exporter `%s` closed with %d window(s) it could not write%s%s", backend.name,
                                 len(self.pending), " (disk full)" if self._disk_full else "",
-                                "; the spool keeps them for `otel-train replay`" if self.keep_failed else "")
+                                "; those the spool holds stay there for `otel-train replay`" if self.keep_failed
+                                else "")
                 # Counted: the summary must not read as if they had landed. Kept windows are the spool's (delivery
                 # counts those the spool could not write ahead).
                 if self._disk_full and not self.keep_failed:

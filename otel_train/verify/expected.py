@@ -167,11 +167,9 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
             in_flight = (seq is not None and not ended and plan.written_ahead is not None
                          and int(seq) > plan.written_ahead)
             for backend in mine:
-                before = _size(backend.expected) if in_flight else 0
-                _expect(backend, filters[backend.name], rows, spans)
+                added = _expect(backend, filters[backend.name], rows, spans)
                 if in_flight:
-                    lost = backend.lost
-                    lost[KILLED_IN_FLIGHT] = lost.get(KILLED_IN_FLIGHT, 0) + _size(backend.expected) - before
+                    backend.lost[KILLED_IN_FLIGHT] = backend.lost.get(KILLED_IN_FLIGHT, 0) + added
         elif kind == "r":
             for backend in plan.backends.values():
                 _supersede(backend.expected, int(entry["rank"]), int(entry["step"]))
@@ -200,17 +198,14 @@ def _stop(plan: RankPlan, step: int, why: str) -> None:
 
 def _written_ahead(run_dir: Path, rank: int) -> int | None:
     """The last window seq rank `rank`'s spool wrote ahead (None: the run folder has no spool for it)."""
-    from otel_train.ship.spool import last_seq
+    from otel_train.ship.spool import last_seq, rank_spool
 
-    folder = run_dir / "spool" / f"rank{rank}"
+    folder = rank_spool(run_dir, rank)
     return last_seq(folder) if folder.is_dir() else None
 
 
-def _size(expected: Expected) -> int:
-    return sum(map(len, expected.points.values())) + sum(map(len, expected.spans.values()))
-
-
-def _expect(backend: BackendPlan, rule: Any, rows: list[Any], spans: list[Any]) -> None:
+def _expect(backend: BackendPlan, rule: Any, rows: list[Any], spans: list[Any]) -> int:
+    """Add what `backend` should hold of `rows` and `spans` (its routing rule applied); how many points and spans."""
     expected = backend.expected
     kept_rows, kept_spans = rows, spans
     if rule is not None:
@@ -222,6 +217,7 @@ def _expect(backend: BackendPlan, rule: Any, rows: list[Any], spans: list[Any]) 
         points.setdefault(key, []).append((row.step, row.value))
     for span in kept_spans:
         expected.spans.setdefault(span.name, []).append(span.step)
+    return len(kept_rows) + len(kept_spans)
 
 
 def _supersede(expected: Expected, rank: int, step: int) -> None:
