@@ -23,7 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from otel_train.backend import RowExporter, Window
+from otel_train.config import routing
 from otel_train.config.exporter_options import ExporterOptions
+from otel_train.config.routing import RowFilter
 from otel_train.vocab.run_identity import RunInfo
 from otel_train.vocab.step_order import StepOrder
 
@@ -46,15 +48,21 @@ class StartingBackend(RowExporter):
         name: The backend's registry name.
         build: Builds the backend from its options (the registry's class).
         options: What the backend is built with.
-        kill_safe_writes: The backend class's `kill_safe_writes` (delivery reads it before the build).
+        cls: The backend's class, when its module is already imported: its `kill_safe_writes` (delivery reads
+            it before the build) and its routing rule (the run's record says it before the backend is up) are
+            then known at once.
         spooled: Its windows are kept in a spool: a failed start loses nothing, so no row is counted lost.
     """
 
     def __init__(self, name: str, build: Callable[[ExporterOptions], RowExporter], options: ExporterOptions,
-                 *, kill_safe_writes: bool = False, spooled: bool = False) -> None:
+                 *, cls: type[RowExporter] | None = None, spooled: bool = False) -> None:
         # Not `RowExporter.__init__`: this object writes nothing itself; the built backend has the writer.
         self.name = name
-        self.kill_safe_writes = kill_safe_writes
+        self.kill_safe_writes = cls is not None and cls.kill_safe_writes
+        #: The routing rule the backend will be built with (`routing.bind`), known from its class.
+        self._route: RowFilter | None = None
+        if cls is not None:
+            self._route = routing.bind(cls.name, options, cls.display_names)[1]
         self._build = build
         self._options = options
         self._spooled = spooled
@@ -199,6 +207,13 @@ class StartingBackend(RowExporter):
         return backend.export(data, timeout_millis) if backend is not None else None
 
     @property
+    def route(self) -> RowFilter | None:
+        """The backend's row filter (None: every row unchanged); before the build, the one its class implies
+        (None too when the class was not given)."""
+        backend = self._backend
+        return backend.window_writer.route if backend is not None else self._route
+
+    @property
     def options(self) -> ExporterOptions:
         backend = self._backend
         return backend.options if backend is not None else self._options
@@ -282,8 +297,7 @@ def starting_backends(names: Sequence[str], options: ExporterOptions, *, spooled
         for spec in specs:
             cls = classes[spec.name]
             build = hosted(spec.name, spec.target) if hosted is not None and spec.name in host else cls
-            out[spec.name] = StartingBackend(spec.name, build, options, spooled=True,
-                                             kill_safe_writes=bool(getattr(cls, "kill_safe_writes", False)))
+            out[spec.name] = StartingBackend(spec.name, build, options, cls=cls, spooled=True)
         return out
     for spec in specs:
         # no spool, nothing kill-safe to know: even the module is imported on the backend's thread

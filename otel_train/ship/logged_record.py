@@ -417,8 +417,15 @@ def backend_info(name: str, ex: Any) -> dict[str, Any]:
     """One backend's part of the ``h`` entry (a backend still starting: what is known before it is up)."""
     if isinstance(ex, RecordedElsewhere):  # a backend in a process of its own: as that process saw it
         return dict(ex.record_entry)
+    from otel_train.backend import RowExporter
+    from otel_train.ship.backend_start import StartingBackend
+
     options = getattr(ex, "options", None)
-    route = getattr(getattr(ex, "window_writer", None), "route", None)
+    route = None  # its filter: a backend still starting knows it from its class, so windows recorded before
+    if isinstance(ex, StartingBackend):  # it is up (or by a job killed before) are checked by the right names
+        route = ex.route
+    elif isinstance(ex, RowExporter):
+        route = ex.window_writer.route
     entry: dict[str, Any] = {"kind": str(getattr(ex, "name", name)), "class": type(ex).__module__}
     if options is not None:
         entry.update(directory=str(Path(options.directory).resolve()), project=str(options.project),

@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -206,3 +207,33 @@ def test_a_deleted_run_folder_gets_a_new_record_from_the_next_window(
     assert list(plan.backends) == ["jsonl"] and plan.run_id == "r"  # its header again
     assert _steps(tmp_path) == [3, 4, 5]
     assert sum("was deleted while the run wrote to it" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_backend_still_starting_is_recorded_with_its_routing_rule(tmp_path: Path) -> None:
+    """A job killed before a backend came up (its client slow to import) leaves windows recorded under a header
+    written before the build: verify still expects the built-in series by the names that backend shows them under
+    (TensorBoard: display names), as `otel-train replay` will write them."""
+    import threading
+
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.config.registry import get_spec, load_class
+    from otel_train.ship.backend_start import StartingBackend
+    from otel_train.ship.logged_record import open_record
+    from otel_train.vocab.semconv import DISPLAY_NAMES
+
+    held = threading.Event()
+
+    def build(options: ExporterOptions) -> Any:
+        held.wait(30)  # never up while the windows are recorded
+        raise RuntimeError("not built in this test")
+
+    cls = load_class(get_spec("tensorboard"))
+    starting = StartingBackend("tensorboard", build, ExporterOptions(directory=str(tmp_path)), cls=cls, spooled=True)
+    starting.start()
+    record = open_record({"tensorboard": starting}, RUN, tmp_path, 1 << 20)
+    assert record is not None
+    name = "train.step.duration_s"
+    record.add(Window([MetricRow(RUN, s, name, name, 0.5, "gauge", 0) for s in range(3)]), seq=1)
+    held.set()  # the job is "killed": no entry after this window
+    (key,) = load(record.run_dir)[0].backends["tensorboard"].expected.points
+    assert key.tag == DISPLAY_NAMES[name] != name
