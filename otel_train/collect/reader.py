@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from opentelemetry.sdk.metrics.export import MetricReader, MetricsData
 from opentelemetry.sdk.resources import Resource
@@ -30,13 +30,22 @@ from otel_train._internal.values import RefusalCounts
 from otel_train.backend import DELTA_TEMPORALITY
 from otel_train.capture.instrument import LogBuffer, SpanBuffer
 from otel_train.capture.step import STEP_ATTRIBUTE, StepEnd, current_step
-from otel_train.collect.window_builder import DropCounter, WindowBuilder, has_points
+from otel_train.collect.window_builder import DropCounter, WindowBuilder, WindowParts, has_points
 from otel_train.ship.local_delivery import LocalDelivery
 from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME
 
-__all__ = ["StepAlignedMetricReader", "ThreadSpanProcessor"]
+__all__ = ["SpanRowsElsewhere", "StepAlignedMetricReader", "ThreadSpanProcessor"]
 
 _logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class SpanRowsElsewhere(Protocol):
+    """A channel whose receiver makes the rows and phase timings of `ot.span` records itself
+    (`otel_train.ship.export_process.ExportProcess`)."""
+
+    def send_window_with_spans(self, window: WindowParts) -> None: ...
+
 _WAKE_EVERY_S = 0.1  # step ends with only `ot.log` / spans to collect wake the collector at most this often
 _SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
 
@@ -132,6 +141,10 @@ class StepAlignedMetricReader(MetricReader):
         self._local = LocalDelivery(exporters, queue_size, lambda: self._resource, record) if exporters else None
         self._channel = channel
         self._channels: list[Any] = [c for c in (self._local, channel) if c is not None]
+        # Every backend in the exporter process: it makes the span rows and phase timings (`otel_train.ship.span_work`),
+        # which at a fast step were most of this thread's work on the training core.
+        self._defer_spans: SpanRowsElsewhere | None = (
+            channel if self._local is None and isinstance(channel, SpanRowsElsewhere) else None)
         #: Called with every drained batch of finished spans, on the collector thread (the hang watchdog learns
         #: each span name's usual duration from it); None: nobody.
         self.span_listener: Callable[[list[tuple[Any, ...]]], None] | None = None
@@ -366,14 +379,18 @@ class StepAlignedMetricReader(MetricReader):
 
     def _send_window(self, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
                      spans: list[tuple[Any, Any]], step: int) -> None:
+        defer = self._defer_spans
         window = self._builder.build(self._builder.run_for(self._resource.attributes), metrics_data, records,
-                                     spans, step)
+                                     spans, step, defer_spans=defer is not None)
         self.windows += 1
         self.points += len(window.points) + len(window.metrics) + len(window.histograms)
         for channel in self._channels:
             try:
-                channel.send_window(window.run, window.points, window.metrics, window.histograms, window.spans,
-                                    window.logs)
+                if defer is not None and window.span_records is not None:
+                    defer.send_window_with_spans(window)
+                else:
+                    channel.send_window(window.run, window.points, window.metrics, window.histograms, window.spans,
+                                        window.logs)
             except Exception:
                 self._log.warning(f"channel:{type(channel).__name__}", "handing a window to %s failed",
                                   "the exporter process" if channel is self._channel else "the backends",

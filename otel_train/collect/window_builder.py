@@ -26,12 +26,12 @@ from otel_train._internal.values import RefusalCounts, refusal, to_floats, valid
 from otel_train.capture.instrument import AttributedValues, LogBuffer, SpanBuffer, SpanRecord
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import MAX_STEP, STEP_ATTRIBUTE, StepEnd
-from otel_train.collect.phases import PhaseTimer
+from otel_train.collect.phases import PhaseTimer, Span, span_of
 from otel_train.collect.sdk_rows import MetricsConverter, span_rows
 from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow, series_tag
 from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME, RunInfo
 
-__all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points"]
+__all__ = ["DropCounter", "WindowBuilder", "WindowParts", "has_points", "span_record_rows"]
 
 _logger = logging.getLogger("otel_train.collect.reader")
 #: Keys known to be their own tag (valid, without `{`) are remembered, up to this many: the common point's check
@@ -49,6 +49,12 @@ class WindowParts:
     histograms: list[HistogramRow]
     spans: list[SpanRow]
     logs: list[LogRow] = dataclasses.field(default_factory=list)
+    #: `ot.span` records left for the exporter process to make rows of (`WindowBuilder.build`'s `defer_spans`;
+    #: None: `spans` holds their rows).
+    span_records: list[SpanRecord] | None = None
+    #: With `span_records`: the phase fields of the raw OTel spans in `spans`, and whether phases are computed.
+    phase_spans: list[Span] = dataclasses.field(default_factory=list)
+    phases: bool = False
 
 
 class WindowBuilder:
@@ -74,12 +80,16 @@ class WindowBuilder:
         return self.converter.run_for(resource_attributes)
 
     def build(self, run: RunInfo, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
-              spans: list[tuple[Any, Any]], step: int) -> WindowParts:
-        """The window of one collection; `step` is the step that ends it (for SDK points without one)."""
+              spans: list[tuple[Any, Any]], step: int, defer_spans: bool = False) -> WindowParts:
+        """The window of one collection; `step` is the step that ends it (for SDK points without one).
+
+        `defer_spans`: leave the `ot.span` records as they are (`WindowParts.span_records`), with the phase fields
+        of raw OTel spans: the exporter process makes their rows and the phase timings (`otel_train.ship.span_work`).
+        """
         attributed: list[MetricRow] = []
         logs: list[LogRow] = []
         points = self._log_points(records, run, attributed, logs)
-        if self._phases is not None:  # phase timings are plain gauges from here on
+        if self._phases is not None and not defer_spans:  # phase timings are plain gauges from here on
             points.extend(self._phases.points([s for _, s in spans], points))
         sdk_rows: list[MetricRow] = []
         hists: list[HistogramRow] = []
@@ -88,13 +98,22 @@ class WindowBuilder:
             sdk_rows, hists = self.converter.rows(metrics_data, step)  # type: ignore[arg-type]
             sdk_rows, hists = self._in_range(sdk_rows), self._in_range(hists)
         row_spans: list[SpanRow] = []
+        deferred: list[SpanRecord] | None = [] if defer_spans else None
+        phase_spans: list[Span] = []
         if spans:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
-            row_spans = _span_rows(run, recs) + span_rows(sdk_spans, self.converter)
+            row_spans = span_rows(sdk_spans, self.converter) if sdk_spans else []
+            if deferred is None:
+                row_spans = span_record_rows(run, recs) + row_spans
+            else:
+                deferred = recs
+                if self._phases is not None and sdk_spans:
+                    phase_spans = [p for p in map(span_of, sdk_spans) if p is not None]
         if not self.export_metrics:  # log records, like spans, from every rank
-            return WindowParts(run, [], [], [], row_spans, logs)
-        return WindowParts(run, points, attributed + sdk_rows if attributed else sdk_rows, hists, row_spans, logs)
+            return WindowParts(run, [], [], [], row_spans, logs, deferred)
+        return WindowParts(run, points, attributed + sdk_rows if attributed else sdk_rows, hists, row_spans, logs,
+                           deferred, phase_spans, self._phases is not None)
 
     def _log_points(self, records: list[tuple[Any, ...]], run: RunInfo, attributed: list[MetricRow],
                     logs: list[LogRow]) -> list[tuple[str, int, float, int]]:
@@ -210,7 +229,7 @@ def has_points(md: MetricsData | None) -> bool:
     return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
 
 
-def _span_rows(run: RunInfo, recs: list[SpanRecord]) -> list[SpanRow]:
+def span_record_rows(run: RunInfo, recs: list[SpanRecord]) -> list[SpanRow]:
     """The rows of `ot.span` records: their attributes plus the thread, the step and an error message."""
     out: list[SpanRow] = []
     append = out.append

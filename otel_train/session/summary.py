@@ -162,6 +162,7 @@ def write_session_summary(session: SummarySource) -> None:
         backwards = {ex.name: ex.step_order.backwards for ex in in_process}
         order_dropped = {ex.name: ex.step_order.dropped + int(getattr(ex, "steps_dropped", 0)) for ex in in_process}
         spool_failed = 0
+        points = int(stats["points"])
         dropped_by = {"values over the log buffer": int(getattr(reader.log_buffer, "dropped", 0)),
                       "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
                       "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
@@ -171,6 +172,7 @@ def write_session_summary(session: SummarySource) -> None:
         if session.export_process is not None:  # the exporter process's backends: its last progress report
             names += list(session.export_process.names)
             progress = session.export_process.last_progress
+            points += session.export_process.points_added  # the phase timings it made
             failures.update(progress.failures)
             dropped += session.export_process.dropped + sum(progress.dropped.values())
             backwards.update(progress.steps_backwards)
@@ -183,7 +185,7 @@ def write_session_summary(session: SummarySource) -> None:
                         if not cause.startswith(REFUSED_PREFIX)}  # child processes' values; refusals: below
             dropped_by.update(children)
             dropped += sum(children.values())
-        write_summary(summary_line(stats["points"], stats["windows"], names, dropped,
+        write_summary(summary_line(points, stats["windows"], names, dropped,
                                    failures, str(run_folder(session.settings.dir, session.run.run_name)),
                                    steps_backwards=backwards, steps_order_dropped=order_dropped,
                                    spool_failed_appends=spool_failed, dropped_by=dropped_by, rows_lost=lost,

@@ -76,6 +76,8 @@ class Progress:
     rows_lost: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     #: Values child processes lost before sending them (a refused step, a full buffer), by cause (`workers`).
     children_lost: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Points the delivering process added to the windows it was sent (phase timings; the summary counts them).
+    points_added: int = 0
 
     def behind(self) -> dict[str, int]:
         """Backends that lack windows, with how many steps they are behind."""
@@ -148,6 +150,8 @@ class Delivery:
         self._side_lost_lock = threading.Lock()
         #: Where the windows handed to the backends are recorded for `otel-train verify` (None: nowhere).
         self.record: LoggedRecord | None = None
+        #: Points this process added to the windows it was sent (phase timings, `otel_train.ship.span_work`).
+        self.points_added = 0
 
     @property
     def last_step(self) -> int:
@@ -365,7 +369,7 @@ class Delivery:
                         {n: int(s["dropped"]) for n, s in stats.items()},
                         {n: int(s["backwards"]) for n, s in stats.items()},
                         {n: int(s["order_dropped"]) for n, s in stats.items()},
-                        self.spool_failed_appends, self.rows_lost(), self._children_lost_now())
+                        self.spool_failed_appends, self.rows_lost(), self._children_lost_now(), self.points_added)
 
     def count_side_lost(self, cause: str, n: int) -> None:
         """Count `n` values a child process lost before sending (`WorkerListener`'s ``lost``); any thread."""

@@ -40,6 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
+from otel_train.collect.window_builder import WindowParts
 from otel_train.config.exporter_options import ExporterOptions
 from otel_train.ship.child_boot import LOG_FILE, Booted, boot_child, reap_ended
 from otel_train.ship.delivery import Delivery, Progress
@@ -48,14 +49,16 @@ from otel_train.ship.export_child import (
     WINDOW,
     build_backends,
     child_main,
+    complete,
     exports_metrics,
     preempt,
     set_hparams,
 )
-from otel_train.ship.framing import encode_resume, encode_window
+from otel_train.ship.framing import encode_resume, encode_window, pack_span_records
 from otel_train.ship.logged_record import open_record
 from otel_train.ship.replay import replay
 from otel_train.ship.self_metrics import SelfMetrics
+from otel_train.ship.span_work import SpanCompleter
 from otel_train.ship.spool import Spool, last_seq, spool_dir
 from otel_train.ship.workers import worker_listener
 from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
@@ -169,6 +172,8 @@ class ExportProcess:
         self._pid = os.getpid()
         self.restarts = 0
         self.fallback: Delivery | None = None
+        self._spans = SpanCompleter()  # the fallback's: it makes the windows whole as the child does
+        self._points_added_before = 0  # phase points added by exporter processes that ended
         self.last_progress = Progress()
         #: The preemption signal's name when the training process ends on one (set before `close`).
         self.preempted: str | None = None
@@ -277,6 +282,20 @@ class ExportProcess:
         payload, max_step = encode_window(run, points, metrics, histograms, spans, logs)
         self._send_encoded(max_step, payload)
 
+    def send_window_with_spans(self, window: WindowParts) -> None:
+        """Encode one window whose `ot.span` records the child makes rows and phase timings of
+        (`otel_train.ship.span_work`), and hand it over as `send_window` does."""
+        if os.getpid() != self._pid:
+            return
+        records = window.span_records or []
+        if not (window.points or window.metrics or window.histograms or window.spans or window.logs or records):
+            return
+        payload, max_step = encode_window(window.run, window.points, window.metrics, window.histograms, window.spans,
+                                          window.logs)
+        if records or window.phases:  # phase timings also need the step ends of a window without spans
+            payload = pack_span_records(payload, records, window.phase_spans, window.phases)
+        self._send_encoded(max_step, payload)
+
     def send_resume(self, run: RunInfo, step: int) -> None:
         """The run restarts at `step`: sent, spooled and acknowledged like a window, so every backend applies
         it once, in order; the earlier attempt's windows still undelivered lose their rows at steps >= `step`."""
@@ -289,10 +308,23 @@ class ExportProcess:
             self._seq += 1
             seq = self._seq
             if self.fallback is not None:
-                self.fallback.submit(seq, max_step, payload)
+                self._submit_fallback(seq, max_step, payload)
                 return
             self._backlog.add(seq, max_step, payload)
             self._send(b"W" + WINDOW.pack(seq, max_step) + payload)
+
+    def _submit_fallback(self, seq: int, max_step: int, payload: bytes) -> None:
+        """Hand a window to the in-process fallback, made whole first as the child would (lock held)."""
+        assert self.fallback is not None
+        payload, window = complete(seq, payload, self._spans)
+        self.fallback.points_added = self._spans.points_added
+        self.fallback.submit(seq, max_step, payload, window)
+
+    @property
+    def points_added(self) -> int:
+        """Points the exporter processes (and the fallback) added to the windows sent: phase timings."""
+        fallback = self.fallback.points_added if self.fallback is not None else 0
+        return self._points_added_before + self.last_progress.points_added + fallback
 
     def add_config(self, config: Mapping[str, Any]) -> None:
         """Hyperparameters reported after `init()`: every backend of the child gets them (see `Session.add_config`)."""
@@ -383,6 +415,9 @@ class ExportProcess:
         with self._lock:
             if self._closing:
                 return
+            # The phase points it added, as last reported (a restarted child counts from 0).
+            self._points_added_before += self.last_progress.points_added
+            self.last_progress = dataclasses.replace(self.last_progress, points_added=0)
             if self.restarts == 0:
                 self.restarts = 1
                 _logger.warning("otel-train: the exporter process exited (code %s); restarting it once; "
@@ -415,7 +450,7 @@ class ExportProcess:
                 # or close that waited is answered by the fallback (`_ask`).
                 self._held, self._held_bytes = [], 0
                 for seq, step, payload in self._backlog.pending(clear=True):
-                    self.fallback.submit(seq, step, payload)
+                    self._submit_fallback(seq, step, payload)
             except Exception as err:
                 _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
                               "more data; `otel-train replay` delivers what was spooled", err)

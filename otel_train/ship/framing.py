@@ -22,6 +22,11 @@ and come back by `map`/`starmap` over the row classes; 128-bit trace ids travel 
 process) 0.8x the pickle's cost for a 3,000-row window, 1.0x for a 13-row one; decoding (the exporter
 process) 1.06-1.15x, the price of a str object per string where a pickle shares repeated ones.
 
+A window may travel with its `ot.span` records not yet turned into rows (`pack_span_records`): the training
+process hands over each record's fields and the exporter process makes the span rows and phase timings
+(`otel_train.ship.span_work`), adds them to the window (`with_rows`) and spools the result, so a spool only ever
+holds whole windows. Such a payload starts with `_SPANS_MAGIC`; it never reaches a spool or a backend.
+
 A resume (`otel_train.resume`, or `init(resume_step=)` in the exporter process) travels in the same stream
 as a window, spooled and acknowledged like one, so each backend applies it once, in order, across a
 restart of the exporter process or `otel-train replay`. Its payload starts with `_RESUME_MAGIC`, a window's
@@ -34,8 +39,9 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import struct
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from itertools import repeat, starmap
 from operator import and_, attrgetter, itemgetter, lshift, or_, rshift
@@ -52,11 +58,14 @@ from otel_train.backend import Window
 from otel_train.vocab.rows import ExponentialBuckets, HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.vocab.run_identity import RunInfo
 
-__all__ = ["Resume", "cut_window", "decode_window", "encode_resume", "encode_window", "is_resume"]
+__all__ = ["Resume", "cut_window", "decode_window", "encode_resume", "encode_window", "has_span_records", "is_resume",
+           "pack_span_records", "unpack_span_records", "with_rows"]
 
 _VERSION = 4
 _WINDOW_MAGIC = b"otw\x04"
 _RESUME_MAGIC = b"otel-train:resume:"
+_SPANS_MAGIC = b"ots\x01"  # a window whose `ot.span` records travel as fields (`pack_span_records`)
+_LENGTH = struct.Struct("<I")
 _PICKLE = b"\x80"  # how every pickle of protocol 2 and later starts: what earlier versions wrote
 _OTHER_WINDOW = b"otw"  # a window of another format version (the byte after it)
 _BIG_INT = 1  # msgpack extension type: an int beyond 64 bits, as signed little-endian bytes
@@ -207,6 +216,78 @@ def _span_columns(rows: Sequence[SpanRow]) -> tuple[list[int], list[int], list[t
     too (its high part, an extension)."""
     ids = list(map(_TRACE_ID, rows))
     return list(map(rshift, ids, repeat(64))), list(map(and_, ids, repeat(_LOW))), list(map(_SPAN_NO_ID, rows))
+
+
+#: An `ot.span` record's fields but its trace id, in `SpanRecord`'s argument order (the trace id after the name).
+_RECORD_NO_ID = attrgetter("name", "span_id", "parent_id", "start_ns", "end_ns", "thread_id", "thread_name", "step",
+                           "attributes", "error", "in_step")
+
+
+def pack_span_records(payload: bytes, records: Sequence[Any], phase_spans: Sequence[tuple[Any, ...]],
+                      phases: bool) -> bytes:
+    """An encoded window (`payload`, from `encode_window`) with `ot.span` records (`SpanRecord`s) whose rows and
+    phase timings the receiver makes (`unpack_span_records`, `with_rows`); `phase_spans`: the phase fields
+    (`otel_train.collect.phases.Span`) of raw OTel spans whose rows the window holds already; `phases`: whether
+    the receiver computes phase timings."""
+    ids = list(map(_TRACE_ID, records))
+    raw = _packb((list(map(rshift, ids, repeat(64))), list(map(and_, ids, repeat(_LOW))),
+                  list(map(_RECORD_NO_ID, records)), [tuple(s) for s in phase_spans], bool(phases)))
+    return _SPANS_MAGIC + _LENGTH.pack(len(payload)) + payload + raw
+
+
+def has_span_records(payload: bytes) -> bool:
+    """Whether a payload is a window with `ot.span` records to make rows of (`pack_span_records`)."""
+    return payload.startswith(_SPANS_MAGIC)
+
+
+def unpack_span_records(data: bytes) -> tuple[bytes, list[tuple[Any, ...]], list[tuple[Any, ...]], bool]:
+    """What `pack_span_records` packed: the window's payload, each record's `SpanRecord` arguments, the raw OTel
+    spans' phase fields and whether phases are computed.
+
+    Raises:
+        ValueError: a corrupt payload.
+    """
+    at = len(_SPANS_MAGIC)
+    try:
+        (n,) = _LENGTH.unpack_from(data, at)
+    except struct.error:
+        raise ValueError("a corrupt window with span records (its length)") from None
+    payload, raw = data[at + _LENGTH.size:at + _LENGTH.size + n], data[at + _LENGTH.size + n:]
+    try:
+        high, low, fields, phase_spans, phases = _unpack_body(raw)
+        ids = map(or_, map(lshift, high, repeat(64)), low)
+        records = [(f[0], trace_id, *f[1:]) for f, trace_id in zip(fields, ids, strict=True)]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"a corrupt window with span records ({type(err).__name__}: {err})") from None
+    return payload, records, list(phase_spans), bool(phases)
+
+
+def with_rows(payload: bytes, add: Callable[[RunInfo, Sequence[tuple[str, int, float, int]]],
+                                             tuple[Sequence[tuple[str, int, float, int]], Sequence[SpanRow]]],
+              ) -> tuple[bytes, Window]:
+    """The encoded window `payload` with the rows `add(run, points)` makes from its run and its ``(tag, step, value,
+    time)`` points (more such points, and span rows of that run) added; and that window decoded.
+
+    Raises:
+        ValueError: `payload` is not a window of this version, or is corrupt.
+    """
+    if not payload.startswith(_WINDOW_MAGIC):
+        raise ValueError("not an otel-train window (unknown leading bytes)")
+    message = list(_checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), (6, 7), "window"))
+    try:
+        run, points = RunInfo(*message[1][0]), message[2]
+    except (TypeError, IndexError) as err:
+        raise ValueError(f"a corrupt window ({type(err).__name__}: {err})") from None
+    more, spans = add(run, points)
+    if more:
+        message[2] = (*points, *more)
+    if spans:
+        message[5] = (*message[5], (0, *_span_columns(spans)))
+    try:
+        window = _rows(*message[1:])
+    except (TypeError, ValueError, IndexError, AttributeError) as err:
+        raise ValueError(f"a corrupt window ({type(err).__name__}: {err})") from None
+    return _WINDOW_MAGIC + _packb(tuple(message)), window
 
 
 def encode_resume(run: RunInfo, step: int, cut_after: int) -> bytes:
