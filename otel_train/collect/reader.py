@@ -37,6 +37,8 @@ from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME
 __all__ = ["SpanRowsElsewhere", "StepAlignedMetricReader", "ThreadSpanProcessor"]
 
 _logger = logging.getLogger(__name__)
+_WAKE_EVERY_S = 0.1  # step ends with only `ot.log` / spans to collect wake the collector at most this often
+_SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
 
 
 @runtime_checkable
@@ -45,9 +47,6 @@ class SpanRowsElsewhere(Protocol):
     (`otel_train.ship.export_process.ExportProcess`)."""
 
     def send_window_with_spans(self, window: WindowParts) -> None: ...
-
-_WAKE_EVERY_S = 0.1  # step ends with only `ot.log` / spans to collect wake the collector at most this often
-_SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
 
 
 class ThreadSpanProcessor(SpanProcessor):
