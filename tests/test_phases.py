@@ -101,3 +101,27 @@ def test_phases_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     series = tb_scalars(tmp_path / "nophases")
     assert display_name(DURATION_KEY) in series
     assert not [t for t in series if t.startswith("phase/")]
+
+
+def test_the_clock_offset_ignores_reads_split_by_a_preemption(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step ends are converted from `perf_counter_ns` to the spans' wall clock by an offset read once; a thread
+    preempted between the two reads (5 ms here) must not shift every step end, or spans near a step's end fall
+    outside it and lose their phase."""
+    from otel_train.collect import window_builder
+
+    true_offset = 1_000
+    # Three tries of (perf before, wall, perf after): the first preempted between its reads.
+    perf = iter([100, 5_000_110, 5_000_200, 5_000_210, 5_000_300, 5_000_340])
+    walls = iter([5_000_100 + true_offset, 5_000_205 + true_offset, 5_000_320 + true_offset])
+
+    class Clock:
+        @staticmethod
+        def perf_counter_ns() -> int:
+            return next(perf)
+
+        @staticmethod
+        def time_ns() -> int:
+            return next(walls)
+
+    monkeypatch.setattr(window_builder, "time", Clock)
+    assert window_builder.wall_offset_ns(tries=3) == true_offset

@@ -67,7 +67,10 @@ def test_kill_9_of_the_whole_job_then_replay_writes_every_step_to_wandb_once(
         except subprocess.TimeoutExpired:
             pass
         # The whole job, as a scheduler's cancel: the exporter process runs in a session of its own, and W&B's
-        # service process in the exporter process's.
+        # service process in the exporter process's. Both groups are stopped first, so neither sees the other die
+        # (a training process that outlived its exporter process by a moment restarted it, outside both groups).
+        os.killpg(proc.pid, signal.SIGSTOP)
+        os.killpg(exporter, signal.SIGSTOP)
         os.killpg(exporter, signal.SIGKILL)
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
