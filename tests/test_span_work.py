@@ -109,14 +109,13 @@ def encode_and_decode(parts: Any) -> Window:
 
 
 def test_a_window_with_unreadable_span_records_is_said_and_kept_apart(caplog: Any) -> None:
-    """Records cut short (a corrupt frame): the completer raises, the exporter process says so and goes on."""
-    from otel_train.ship.export_child import complete
-
+    """Records cut short (a corrupt frame): said, and the payload goes on as it came (delivery then says it is
+    unreadable) instead of ending the exporter process."""
     payload, _ = encode_window(RUN, [("loss", 1, 0.5, 0)])
     packed = pack_span_records(payload, [SpanRecord("a", 1, 2, None, 0, 1, 5, "M", 1, None, None)], [], True)
-    kept, window = complete(7, packed[:-3], SpanCompleter())
+    kept, window = SpanCompleter().complete(packed[:-3])
     assert window is None and kept == packed[:-3]
-    assert any("window 7" in r.getMessage() for r in caplog.records)
+    assert any("span records could not be read" in r.getMessage() for r in caplog.records)
 
 
 def test_the_summary_counts_the_phase_points_the_exporter_process_made(tmp_path: Path) -> None:
@@ -141,3 +140,25 @@ def test_the_summary_counts_the_phase_points_the_exporter_process_made(tmp_path:
     metrics = [r for r in rows if r["type"] == "metric" and not r["name"].startswith("otel_train.")]
     assert sum(r["name"].startswith("phase/") for r in metrics) == 3 * 30  # data, forward, other
     assert counted == len(metrics)
+
+
+def test_a_window_sent_again_after_a_restart_is_made_and_counted_once(tmp_path: Path) -> None:
+    """A restarted exporter process is sent the windows its predecessor may have spooled: delivery takes a seq
+    once, so its phase points are made (and counted in the summary) once."""
+    from otel_train.ship.delivery import Delivery
+    from otel_train.ship.spool import Spool
+
+    builder = _builder()
+    records, spans = _step(0, 0)
+    parts = builder.build(RUN, None, records, spans, 0, defer_spans=True)
+    payload, max_step = encode_window(RUN, parts.points, parts.metrics, parts.histograms, parts.spans, parts.logs)
+    packed = pack_span_records(payload, parts.span_records or [], parts.phase_spans, parts.phases)
+    delivery = Delivery({}, Spool(tmp_path / "spool"))
+    delivery.spans = SpanCompleter()
+    for _ in range(2):
+        delivery.submit(1, max_step, packed)
+    assert delivery.progress().points_added == 3  # data, forward, other
+    ((seq, _, spooled),) = list(delivery.spool.read(0))  # type: ignore[union-attr]
+    assert seq == 1 and not has_span_records(spooled)
+    assert sorted(m.tag for m in decode_window(spooled).metrics if m.tag.startswith("phase/")) == [
+        "phase/data_s", "phase/forward_s", "phase/other_s"]

@@ -48,6 +48,7 @@ from otel_train.backend import RowExporter, Window
 from otel_train.ship.backend_feed import BackendFeed, BackendPool
 from otel_train.ship.framing import Resume, decode_window, is_resume
 from otel_train.ship.logged_record import LoggedRecord
+from otel_train.ship.span_work import SpanCompleter
 from otel_train.ship.spool import Spool
 
 __all__ = ["BackendPool", "Delivery", "Progress"]
@@ -76,7 +77,7 @@ class Progress:
     rows_lost: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     #: Values child processes lost before sending them (a refused step, a full buffer), by cause (`workers`).
     children_lost: dict[str, int] = dataclasses.field(default_factory=dict)
-    #: Points the delivering process added to the windows it was sent (phase timings; the summary counts them).
+    #: Points the delivering process added to the windows it spooled (phase timings; the summary counts them).
     points_added: int = 0
 
     def behind(self) -> dict[str, int]:
@@ -150,8 +151,9 @@ class Delivery:
         self._side_lost_lock = threading.Lock()
         #: Where the windows handed to the backends are recorded for `otel-train verify` (None: nowhere).
         self.record: LoggedRecord | None = None
-        #: Points this process added to the windows it was sent (phase timings, `otel_train.ship.span_work`).
-        self.points_added = 0
+        #: Makes a window that arrives with its `ot.span` records whole (their rows and phase timings) before it is
+        #: recorded and spooled (`otel_train.ship.span_work`); None: windows arrive whole.
+        self.spans: SpanCompleter | None = None
 
     @property
     def last_step(self) -> int:
@@ -169,6 +171,8 @@ class Delivery:
         with self._lock:
             if seq <= self._last_seq:
                 return
+            if self.spans is not None:  # a seq spooled already (sent again after a restart) is not made again
+                payload, window = self.spans.complete(payload)
             # Recorded before the spool: a kill between the two leaves a window recorded twice when a next writer
             # gets it again (verify counts a seq once), and, when the whole job died with it, a window no spool
             # holds, which verify counts as lost to the kill (the record's ``c`` entry tells a writer that ended).
@@ -369,7 +373,8 @@ class Delivery:
                         {n: int(s["dropped"]) for n, s in stats.items()},
                         {n: int(s["backwards"]) for n, s in stats.items()},
                         {n: int(s["order_dropped"]) for n, s in stats.items()},
-                        self.spool_failed_appends, self.rows_lost(), self._children_lost_now(), self.points_added)
+                        self.spool_failed_appends, self.rows_lost(), self._children_lost_now(),
+                        self.spans.points_added if self.spans is not None else 0)
 
     def count_side_lost(self, cause: str, n: int) -> None:
         """Count `n` values a child process lost before sending (`WorkerListener`'s ``lost``); any thread."""

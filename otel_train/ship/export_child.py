@@ -24,7 +24,7 @@ from typing import Any
 
 from otel_train._internal import faults
 from otel_train._internal.gc_tuning import tune_for_row_churn
-from otel_train.backend import RowExporter, Window
+from otel_train.backend import RowExporter
 from otel_train.config.exporter_options import ExporterOptions, options_to_json
 from otel_train.errors import ConfigError
 from otel_train.ship import store_env
@@ -113,6 +113,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     _write_meta(spool.path, config)
     spool.on_recreated += [lambda: _write_meta(spool.path, config), lambda: _reopen_log(spool.path)]
     delivery = Delivery(dict[str, RowExporter](backends), spool)
+    delivery.spans = SpanCompleter()  # the rows and phase timings of the windows' `ot.span` records
     delivery.record = open_record(backends, config["run"], options.directory, int(config.get("record_bytes", 0)),
                                   options.resume_step)
     for backend in backends.values():
@@ -138,7 +139,6 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         ok = delivery.flush(time.monotonic() + wait_s)
         reply("done", rid, ok, delivery.progress())
 
-    spans = SpanCompleter()  # the rows and phase timings of the windows' `ot.span` records
     close_id = None
     trainer_wait_s = 0.0  # a trainer that died waits for nothing
     last_ack = 0.0
@@ -150,9 +150,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
         kind = frame[:1]
         if kind == b"W":
             seq, step = WINDOW.unpack_from(frame, 1)
-            payload, window = complete(seq, frame[1 + WINDOW.size:], spans)
-            delivery.points_added = spans.points_added
-            delivery.submit(seq, step, payload, window)
+            delivery.submit(seq, step, frame[1 + WINDOW.size:])
             now = time.monotonic()
             if now - last_ack >= _ACK_EVERY_S and not conn.poll(0):  # a few acks a second wake the trainer
                 reply("spooled", seq)
@@ -196,16 +194,6 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def complete(seq: int, payload: bytes, spans: SpanCompleter) -> tuple[bytes, Window | None]:
-    """Window `seq` whole (its `ot.span` records made into rows and phase timings) and decoded, when it needed it.
-    One whose records cannot be read at all goes on as it came (delivery then says it is unreadable)."""
-    try:
-        return spans.complete(payload)
-    except Exception as err:
-        _logger.error("window %d: its spans could not be read (%s)", seq, err)
-        return payload, None
 
 
 def _tune_once_started(backends: Sequence[StartingBackend]) -> None:

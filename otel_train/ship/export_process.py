@@ -49,7 +49,6 @@ from otel_train.ship.export_child import (
     WINDOW,
     build_backends,
     child_main,
-    complete,
     exports_metrics,
     preempt,
     set_hparams,
@@ -172,7 +171,6 @@ class ExportProcess:
         self._pid = os.getpid()
         self.restarts = 0
         self.fallback: Delivery | None = None
-        self._spans = SpanCompleter()  # the fallback's: it makes the windows whole as the child does
         self._points_added_before = 0  # phase points added by exporter processes that ended
         self.last_progress = Progress()
         #: The preemption signal's name when the training process ends on one (set before `close`).
@@ -308,22 +306,15 @@ class ExportProcess:
             self._seq += 1
             seq = self._seq
             if self.fallback is not None:
-                self._submit_fallback(seq, max_step, payload)
+                self.fallback.submit(seq, max_step, payload)
                 return
             self._backlog.add(seq, max_step, payload)
             self._send(b"W" + WINDOW.pack(seq, max_step) + payload)
 
-    def _submit_fallback(self, seq: int, max_step: int, payload: bytes) -> None:
-        """Hand a window to the in-process fallback, made whole first as the child would (lock held)."""
-        assert self.fallback is not None
-        payload, window = complete(seq, payload, self._spans)
-        self.fallback.points_added = self._spans.points_added
-        self.fallback.submit(seq, max_step, payload, window)
-
     @property
     def points_added(self) -> int:
         """Points the exporter processes (and the fallback) added to the windows sent: phase timings."""
-        fallback = self.fallback.points_added if self.fallback is not None else 0
+        fallback = self.fallback.spans.points_added if self.fallback is not None and self.fallback.spans else 0
         return self._points_added_before + self.last_progress.points_added + fallback
 
     def add_config(self, config: Mapping[str, Any]) -> None:
@@ -442,6 +433,7 @@ class ExportProcess:
             try:
                 backends = build_backends(self.names, self._options)
                 fallback = Delivery(backends, Spool(self.spool_path))
+                fallback.spans = SpanCompleter()  # it makes windows whole as the exporter process did
                 fallback.record = open_record(backends, self._run, self._options.directory, self._record_bytes)
                 if self._config["self_metrics"]:
                     fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
@@ -450,7 +442,7 @@ class ExportProcess:
                 # or close that waited is answered by the fallback (`_ask`).
                 self._held, self._held_bytes = [], 0
                 for seq, step, payload in self._backlog.pending(clear=True):
-                    self._submit_fallback(seq, step, payload)
+                    self.fallback.submit(seq, step, payload)
             except Exception as err:
                 _logger.error("otel-train: in-process export failed to start (%s); named backends get no "
                               "more data; `otel-train replay` delivers what was spooled", err)

@@ -9,9 +9,10 @@ before the window is recorded, spooled and delivered: the spool, the backends an
 same whole window as before. The training process's fallback (the exporter process could not be restarted)
 completes windows the same way.
 
-A restarted exporter process starts a new `PhaseTimer`: the spans of a step that began in a window the earlier
-process had already spooled are not known to it, so that one step gets no phase timings (the backlog it is sent
-again is completed in order, so every later step does).
+Delivery completes a window only when it takes it (`Delivery.spans`): one sent again after a restart that the
+spool holds already is neither made nor counted twice. A restarted exporter process starts a new `PhaseTimer`, so
+the spans of a step that began in a window the earlier process had spooled are not known to it: that one step
+gets no phase timings.
 """
 
 from __future__ import annotations
@@ -43,15 +44,16 @@ class SpanCompleter:
         self.points_added = 0
 
     def complete(self, payload: bytes) -> tuple[bytes, Window | None]:
-        """`payload` as the whole window it stands for, and that window decoded (None: `payload` needed nothing,
-        decode it as it is).
-
-        Raises:
-            ValueError: `payload` is corrupt.
-        """
+        """`payload` as the whole window it stands for, and that window decoded (None: decode the payload
+        returned). Never raises: a payload whose records cannot be read goes on as it came (delivery then says it
+        is unreadable); a window whose rows cannot be made goes on without them, said."""
         if not has_span_records(payload):
             return payload, None
-        window_payload, fields, phase_spans, phases = unpack_span_records(payload)
+        try:
+            window_payload, fields, phase_spans, phases = unpack_span_records(payload)
+        except ValueError as err:
+            _logger.error("otel-train: a window's span records could not be read (%s)", err)
+            return payload, None
         records = [SpanRecord(*f) for f in fields]
 
         def add(run: RunInfo, points: Sequence[tuple[str, int, float, int]],
