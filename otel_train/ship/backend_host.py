@@ -5,7 +5,7 @@ those imports share one GIL: several such backends on their own threads still st
 A `HostedBackend` stands in the exporter process for a backend that runs in a fresh interpreter of its own
 (`serve`), so that their clients start side by side on as many cores. Delivery does not change: the exporter
 process keeps the spool, each backend's cursor and feed; `export_window` hands the (merged, filtered) window over
-the connection and returns what the backend's own `export_window` returned, and each reply brings the backend's
+the connection, in the window encoding of the spool (`otel_train.ship.framing`), and returns what the backend's own `export_window` returned, and each reply brings the backend's
 counters back (`failures`, `rows_lost`, `durable_step`, ...).
 
 The host process ends when its connection does: after `shutdown`, or with the exporter process (SIGKILL, the drain
@@ -17,7 +17,6 @@ an intent record needs the writer's own process).
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -34,7 +33,9 @@ from typing import Any
 
 from otel_train.backend import RowExporter, Window
 from otel_train.config.exporter_options import ExporterOptions
+from otel_train.config.registry import ExporterSpec, load_class
 from otel_train.ship.backend_start import StartFailed
+from otel_train.ship.framing import decode_window, encode_window
 from otel_train.ship.log_forward import ForwardLogs, relog, sender
 from otel_train.vocab.run_identity import RunInfo
 from otel_train.vocab.step_order import StepOrder
@@ -47,6 +48,7 @@ _BOOT = ("import sys, json; sys.path[:0] = json.loads(sys.argv[2]); "
 _DEAD_RETRY_S = 60.0  # how often a feed retries a backend whose process ended (each try fails at once)
 _PARENT_POLL_S = 0.5
 _GONE = object()  # a request's answer when the host process is gone
+_NO_RUN = RunInfo("", "")  # the encoding's run of a window without rows
 
 
 #: The requests after which delivery reads `durable_step` (`BackendFeed._acknowledge`): only their replies read it
@@ -173,7 +175,10 @@ class HostedBackend(RowExporter):
 
     # -- what delivery calls ---------------------------------------------------------------------------
     def export_window(self, window: Window) -> bool:
-        return self._call("window", window) is True
+        rows = (window.metrics, window.histograms, window.spans, window.logs)
+        run = next((group[0].run for group in rows if group), _NO_RUN)  # every row names its own run
+        payload, _ = encode_window(run, (), window.metrics, window.histograms, window.spans, window.logs)
+        return self._call("window", payload) is True
 
     def resume(self, run: RunInfo, step: int) -> bool:
         return self._call("resume", run, step) is True
@@ -268,8 +273,7 @@ def serve(fd: int) -> None:
     except (EOFError, OSError):
         os._exit(0)
     try:
-        module, _, attr = target.partition(":")
-        backend: RowExporter = getattr(importlib.import_module(module), attr)(options)
+        backend: RowExporter = load_class(ExporterSpec(name, target))(options)
     except BaseException as err:
         send("error", f"{type(err).__name__}: {err}")
         _exit()
@@ -304,7 +308,7 @@ def serve(fd: int) -> None:
 
 def _run(backend: RowExporter, op: str, args: list[Any]) -> Any:
     if op == "window":
-        return backend.export_window(args[0])
+        return backend.export_window(decode_window(args[0]))
     if op == "resume":
         return backend.resume(args[0], args[1])
     if op == "flush":
