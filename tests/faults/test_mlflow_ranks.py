@@ -40,7 +40,10 @@ def _env(tmp_path: Path, rank: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "OTEL_"))}
     env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), HOME=str(tmp_path / "home"),
                OTEL_TRAIN_DIR=str(tmp_path / "runs"), OTEL_TRAIN_RUN_ID=RUN_ID, OTEL_TRAIN_RANKS="all",
-               OTEL_TRAIN_EXPORTERS="mlflow", OTEL_TRAIN_EXPORT_EVERY="5")
+               OTEL_TRAIN_EXPORTERS="mlflow", OTEL_TRAIN_EXPORT_EVERY="5",
+               # `shutdown()` returns when MLflow has every step: on a loaded machine the exporter process may still
+               # be creating the store at the default 10 s, and this test's client would open it under that build.
+               OTEL_TRAIN_SHUTDOWN_TIMEOUT_S="120")
     return env
 
 
