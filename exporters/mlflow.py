@@ -72,7 +72,8 @@ from otel_train.vocab.run_identity import CONFIG_HASH, PREEMPTED, RUN_ID, RunInf
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
-__all__ = ["LAST_STEP_TAG", "PREEMPTED_TAG", "RESUME_STEP_TAG", "MLflowExporter", "mlflow_key", "mlflow_name"]
+__all__ = ["LAST_STEP_TAG", "PREEMPTED_TAG", "RESUME_STEP_TAG", "MLflowExporter", "mlflow_key", "mlflow_name",
+           "tracking_uri_for"]
 
 _logger = logging.getLogger(__name__)
 
@@ -130,6 +131,15 @@ def mlflow_key(name: str, attributes: Mapping[str, Any] | None = None) -> str:
         digest = key_hash(name + suffix, 8)
         key = f"{key[:_MAX_KEY - 9]}-{digest}"
     return key
+
+
+def tracking_uri_for(directory: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> str:
+    """The store a backend with the otel-train `directory` writes to under the environment `env` (default: this
+    process's): `MLFLOW_TRACKING_URI`, else the local SQLite store under `directory`."""
+    uri = (os.environ if env is None else env).get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return f"sqlite:///{(Path(directory) / 'mlruns').resolve() / 'mlflow.db'}"
 
 
 def path_not_unique(key: str) -> bool:
@@ -204,12 +214,13 @@ class MLflowExporter(RowExporter):
     @property
     def tracking_uri(self) -> str:
         """`MLFLOW_TRACKING_URI`, else the local SQLite store under the otel-train directory."""
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if uri:
-            return uri
-        store = (Path(self.options.directory) / "mlruns").resolve()
-        self._default_store = store
-        return f"sqlite:///{store / 'mlflow.db'}"
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            self._default_store = (Path(self.options.directory) / "mlruns").resolve()
+        return tracking_uri_for(self.options.directory)
+
+    @classmethod
+    def store_fields(cls, options: ExporterOptions) -> dict[str, str]:
+        return {"tracking_uri": tracking_uri_for(options.directory)}
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:

@@ -161,6 +161,13 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
             raise ModuleNotFoundError(f"{cls.__name__} needs {cls.client_module}: "
                                       f"pip install 'otel-train[{cls.client_module}]'", name=cls.client_module) from err
 
+    @classmethod
+    def store_fields(cls, options: ExporterOptions) -> dict[str, str]:
+        """What the run's record keeps so that `otel-train verify` finds this backend's store (MLflow: its
+        ``tracking_uri``), told from `options` and the environment alone: the record has it from the start, even
+        for a job that ends while the backend is still starting. Must not import the client."""
+        return {}
+
     def row_problem(self, row: MetricRow | HistogramRow) -> str | None:
         """Why this backend cannot write `row` (a `LOSS_CAUSES` key), or None. Called for every metric and
         histogram row before a write; a backend that refuses more (a name, a range) extends it."""

@@ -87,6 +87,13 @@ def test_a_backend_that_cannot_start_is_said_once_and_counted_and_the_loop_goes_
     spool = Spool(spool_dir(directory, "broken", 0))
     assert spool.cursor("wandb") == 0 < spool.last_seq == spool.cursor("jsonl")
     spool.close()
+    # While W&B still cannot start, `otel-train replay` says so at once (not after `--stall`) and keeps its windows.
+    still = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / "broken"), "--stall",
+                            "3600"], env={**os.environ, **fake_wandb_env(tmp_path, "broken")}, capture_output=True,
+                           text=True, timeout=240, check=False)
+    assert still.returncode == 1, still.stderr[-3000:]
+    assert "backend `wandb` could not start: RuntimeError: injected: no wandb here" in still.stderr, still.stderr
+    assert f"`wandb` behind by {STEPS} step(s)" in still.stdout and "kept in" in still.stdout, still.stdout
     # Once W&B can start, `otel-train replay` delivers each of its steps once.
     env = {**os.environ, **fake_wandb_env(tmp_path, "record")}
     env.pop("FAKE_WANDB_IMPORT_S", None)

@@ -14,6 +14,9 @@ Read once, at import.
 ``OTEL_TRAIN_TEST_SLOW_READY`` = ``<marker file>``: the exporter process, once its spool is open, waits until that
 file exists before it says ``ready`` and reads what the trainer sent (a machine slow to start it). Read once, at
 import.
+
+``OTEL_TRAIN_TEST_HOLD_START`` = ``<backend>``: that backend's start thread never builds it
+(`otel_train.ship.backend_start`): a client that takes longer to import than the job lives. Read once, at import.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ import signal
 import time
 from pathlib import Path
 
-__all__ = ["ARMED", "KILL_AFTER_RECORD", "KILL_AFTER_WRITE", "SLOW_READY", "after_record", "after_write",
-           "before_ready"]
+__all__ = ["ARMED", "HOLD_START", "KILL_AFTER_RECORD", "KILL_AFTER_WRITE", "SLOW_READY", "after_record",
+           "after_write", "before_ready", "before_start"]
 
 #: The variables (tests only).
 KILL_AFTER_WRITE = "OTEL_TRAIN_TEST_KILL_AFTER_WRITE"
 SLOW_READY = "OTEL_TRAIN_TEST_SLOW_READY"
 KILL_AFTER_RECORD = "OTEL_TRAIN_TEST_KILL_AFTER_RECORD"
+HOLD_START = "OTEL_TRAIN_TEST_HOLD_START"
 _READY_MARKER = os.environ.get(SLOW_READY, "")
+_HELD_BACKEND = os.environ.get(HOLD_START, "")
 
 
 def _parse(spec: str) -> tuple[str, int, str] | None:
@@ -83,3 +88,9 @@ def before_ready() -> None:
     """Called by the exporter process before it says ``ready``: waits for `SLOW_READY`'s file, if set."""
     while _READY_MARKER and not Path(_READY_MARKER).exists():
         time.sleep(0.05)
+
+
+def before_start(backend: str) -> None:
+    """Called on a backend's start thread before it builds: never returns for the backend `HOLD_START` names."""
+    while _HELD_BACKEND and backend == _HELD_BACKEND:
+        time.sleep(3600)

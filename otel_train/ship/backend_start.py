@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from otel_train._internal import faults
 from otel_train.backend import RowExporter, Window
 from otel_train.config import routing
 from otel_train.config.exporter_options import ExporterOptions
@@ -61,6 +62,7 @@ class StartingBackend(RowExporter):
         self.kill_safe_writes = cls is not None and cls.kill_safe_writes
         #: The routing rule the backend will be built with (`routing.bind`), known from its class.
         self._route: RowFilter | None = None
+        self._cls = cls
         if cls is not None:
             self._route = routing.bind(cls.name, options, cls.display_names)[1]
         self._build = build
@@ -86,6 +88,7 @@ class StartingBackend(RowExporter):
         threading.Thread(target=self._start, name=f"otel-train-start-{self.name}", daemon=True).start()
 
     def _start(self) -> None:
+        faults.before_start(self.name)
         options = self._options
         try:
             backend = self._build(options)
@@ -205,6 +208,11 @@ class StartingBackend(RowExporter):
     def export(self, data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> Any:  # type: ignore[override]
         backend = self._up()
         return backend.export(data, timeout_millis) if backend is not None else None
+
+    @property
+    def backend_class(self) -> type[RowExporter] | None:
+        """The backend's class, when it was given (its module already imported)."""
+        return self._cls
 
     @property
     def route(self) -> RowFilter | None:

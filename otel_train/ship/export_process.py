@@ -40,14 +40,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from otel_train._internal.at_fork import after_fork_in_child
+from otel_train.backend import RowExporter
 from otel_train.collect.window_builder import WindowParts
 from otel_train.config.exporter_options import ExporterOptions
+from otel_train.ship.backend_start import starting_backends
 from otel_train.ship.child_boot import LOG_FILE, Booted, boot_child, reap_ended
 from otel_train.ship.delivery import Delivery, Progress
 from otel_train.ship.export_child import (
     ID,
     WINDOW,
-    build_backends,
     child_main,
     exports_metrics,
     preempt,
@@ -63,7 +64,7 @@ from otel_train.ship.workers import worker_listener
 from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, SpanRow
 from otel_train.vocab.run_identity import RunInfo
 
-__all__ = ["ExportProcess", "build_backends", "child_main", "replay"]
+__all__ = ["ExportProcess", "child_main", "replay"]
 
 _logger = logging.getLogger("otel_train")
 _START_TIMEOUT_S = 60.0  # a child that has not said ``ready`` by then is killed (then restarted once)
@@ -431,13 +432,18 @@ class ExportProcess:
             _logger.warning("otel-train: the exporter process exited again (code %s); exporting in the "
                             "training process from now on", code)
             try:
-                backends = build_backends(self.names, self._options)
+                # Each backend starts on a thread of its own, as in the exporter process: this thread and the
+                # backends already up never wait for the slowest client's import; windows wait in the spool.
+                starting = starting_backends(self.names, self._options, spooled=True)
+                backends = dict[str, RowExporter](starting)
                 fallback = Delivery(backends, Spool(self.spool_path))
                 fallback.spans = SpanCompleter()  # it makes windows whole as the exporter process did
                 fallback.record = open_record(backends, self._run, self._options.directory, self._record_bytes)
                 if self._config["self_metrics"]:
                     fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)
                 self.fallback = fallback
+                for backend in starting.values():
+                    backend.start()
                 # Windows that waited here are in the backlog; hyperparameters are in `self._options`; a flush
                 # or close that waited is answered by the fallback (`_ask`).
                 self._held, self._held_bytes = [], 0

@@ -421,12 +421,15 @@ def backend_info(name: str, ex: Any) -> dict[str, Any]:
     from otel_train.ship.backend_start import StartingBackend
 
     options = getattr(ex, "options", None)
-    route = None  # its filter: a backend still starting knows it from its class, so windows recorded before
-    if isinstance(ex, StartingBackend):  # it is up (or by a job killed before) are checked by the right names
-        route = ex.route
+    # Its filter and class: a backend still starting knows them from its class, so windows recorded before it is
+    # up (or by a job killed before) are checked by the right names, in the right store.
+    route = None
+    cls: type[RowExporter] | None = None
+    if isinstance(ex, StartingBackend):
+        route, cls = ex.route, ex.backend_class
     elif isinstance(ex, RowExporter):
-        route = ex.window_writer.route
-    entry: dict[str, Any] = {"kind": str(getattr(ex, "name", name)), "class": type(ex).__module__}
+        route, cls = ex.window_writer.route, type(ex)
+    entry: dict[str, Any] = {"kind": str(getattr(ex, "name", name)), "class": (cls or type(ex)).__module__}
     if options is not None:
         entry.update(directory=str(Path(options.directory).resolve()), project=str(options.project),
                      ranks=str(options.ranks), trace_counters=bool(options.trace_counters),
@@ -435,12 +438,11 @@ def backend_info(name: str, ex: Any) -> dict[str, Any]:
         entry["route"] = {"include": list(route.include), "exclude": list(route.exclude),
                           "every": int(route.every), "rank0_only": bool(route.rank0_only),
                           "display_names": bool(route.display_names)}
-    uri = getattr(type(ex), "tracking_uri", None)
-    if isinstance(uri, property):
-        try:
-            entry["tracking_uri"] = str(ex.tracking_uri)
+    if cls is not None and options is not None:
+        try:  # where its store is (MLflow's tracking URI), known before it is up
+            entry.update(cls.store_fields(options))
         except Exception as err:  # verify then reads the store it finds, or says "not checked"
-            _logger.debug("no tracking URI for `%s`: %s", name, err)
+            _logger.debug("no store fields for `%s`: %s", name, err)
     return entry
 
 

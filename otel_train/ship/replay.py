@@ -11,11 +11,13 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from otel_train.backend import Window
+from otel_train.backend import RowExporter, Window
 from otel_train.config.exporter_options import ExporterOptions, options_from_json
 from otel_train.ship import store_env
+from otel_train.ship.backend_host import hosted
+from otel_train.ship.backend_start import StartingBackend, starting_backends
 from otel_train.ship.delivery import Delivery, Progress
-from otel_train.ship.export_child import META, OLD_META, build_backends
+from otel_train.ship.export_child import META, OLD_META
 from otel_train.ship.spool import Spool, holder, try_lock
 from otel_train.vocab.rows import HistogramRow, MetricRow, SpanRow
 
@@ -83,9 +85,15 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
                 _logger.info("%s: the backends' stores as the run recorded them: %s", rank_dir.name,
                              ", ".join(f"{k}={v}" for k, v in env.items() if v is not None) or "their defaults")
             with store_env.applied(env, cwd) if "env" in meta or overrides else contextlib.nullcontext():  # earlier: the shell's
-                delivery = Delivery(build_backends(names, options), Spool(rank_dir),
+                # As in the exporter process: each backend starts on its own (heavy clients in processes of their
+                # own), so the replay waits for the slowest start, not the sum; windows wait in the spool.
+                backends = starting_backends(names, options, spooled=True, hosted=hosted)
+                delivery = Delivery(dict[str, RowExporter](backends), Spool(rank_dir),
                                     row_filter=None if wanted is None else _keep(rank_dir.name, wanted))
-                results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, timeout_s, stall_s, report_every_s)
+                for backend in backends.values():
+                    backend.start()
+                results[rank_dir.name] = _replay_rank(rank_dir.name, delivery, backends, timeout_s, stall_s,
+                                                      report_every_s)
         finally:
             os.close(fd)
     return results
@@ -117,9 +125,10 @@ def _keep(label: str, wanted: RowWanted) -> Callable[[str, Window], Window]:
     return only_wanted
 
 
-def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: float,
-                 report_every_s: float) -> Progress:
-    """Wait while some backend still makes progress (see `replay`), saying what is left; then close."""
+def _replay_rank(label: str, delivery: Delivery, backends: Mapping[str, StartingBackend], timeout_s: float,
+                 stall_s: float, report_every_s: float) -> Progress:
+    """Wait while some backend still makes progress (see `replay`), saying what is left; then close. A backend
+    that could not start (said as it failed) is given up at once."""
     start = time.monotonic()
     deadline = start + timeout_s
     acked: dict[str, int] = {}
@@ -134,6 +143,11 @@ def _replay_rank(label: str, delivery: Delivery, timeout_s: float, stall_s: floa
         for name, n_left in left.items():
             if acked.get(name) != progress.delivered[name]:
                 acked[name], moved_at[name] = progress.delivered[name], now
+            backend = backends.get(name)
+            if backend is not None and not backend.wait_started(0):
+                moved_at[name] = now  # still starting: not a stall
+            elif backend is not None and backend.start_error is not None:
+                given_up.add(name)  # said as it failed; its windows stay in the spool
             if name not in given_up and now - moved_at[name] >= stall_s:
                 given_up.add(name)
                 _logger.warning("%s: giving up on `%s`: no progress for %.0f s (%d failure(s)); its %d window(s) "

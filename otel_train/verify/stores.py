@@ -108,9 +108,13 @@ def _wandb(plan: RankPlan, backend: BackendPlan) -> Held | str:
 
 def _mlflow(plan: RankPlan, backend: BackendPlan) -> Held | str:
     from otel_train.exporters._runs import RANK_SUFFIX_KEY, series_name
-    from otel_train.exporters.mlflow import mlflow_key
+    from otel_train.exporters.mlflow import mlflow_key, tracking_uri_for
 
-    uri = str(backend.info.get("tracking_uri") or plan.env.get("MLFLOW_TRACKING_URI") or "")
+    uri = str(backend.info.get("tracking_uri") or "")
+    if not uri and backend.info.get("directory"):
+        # Recorded before the backend was up by an earlier version, which left the URI out: where it writes.
+        uri = tracking_uri_for(str(backend.info["directory"]), plan.env)
+    uri = uri or plan.env.get("MLFLOW_TRACKING_URI", "")
     if not uri.startswith(("sqlite:", "file:", "/")):
         return f"MLflow store {uri or '(unknown)'} is not local"
 

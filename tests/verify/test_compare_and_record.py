@@ -237,3 +237,25 @@ def test_a_backend_still_starting_is_recorded_with_its_routing_rule(tmp_path: Pa
     held.set()  # the job is "killed": no entry after this window
     (key,) = load(record.run_dir)[0].backends["tensorboard"].expected.points
     assert key.tag == DISPLAY_NAMES[name] != name
+
+
+@pytest.mark.parametrize("env_uri", [None, "sqlite:////elsewhere/mlflow.db"])
+def test_a_backend_still_starting_is_recorded_with_its_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            env_uri: str | None) -> None:
+    """MLflow still importing its client when the header is written (a job that ends or is killed before): the
+    record names the store it will write to, so verify reads that store after `otel-train replay` filled it."""
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.config.registry import get_spec, load_class
+    from otel_train.ship.backend_start import StartingBackend
+    from otel_train.ship.logged_record import backend_info
+
+    if env_uri is None:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", env_uri)
+    cls = load_class(get_spec("mlflow"))
+    starting = StartingBackend("mlflow", lambda options: None, ExporterOptions(directory=str(tmp_path)),  # type: ignore[arg-type,return-value]
+                               cls=cls, spooled=True)  # never started: its build never runs
+    info = backend_info("mlflow", starting)
+    assert info["tracking_uri"] == (env_uri or f"sqlite:///{tmp_path.resolve() / 'mlruns' / 'mlflow.db'}")
+    assert info["class"] == cls.__module__ == "otel_train.exporters.mlflow"

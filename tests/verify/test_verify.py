@@ -281,12 +281,12 @@ def test_in_process_backends_are_recorded_too(tmp_path: Path, capsys: pytest.Cap
         assert b["expected"] >= len(USER_SERIES) * STEPS and b["present"] == b["expected"], b
 
 
-def _killed_job(tmp_path: Path, run: str, **fault: str) -> Path:
-    """The driver's job (JSONL and TensorBoard, recorded) with `fault` set, killed whole by it; its run folder."""
+def _killed_job(tmp_path: Path, run: str, exporters: str = "jsonl,tensorboard", **fault: str) -> Path:
+    """The driver's job (`exporters`, recorded) with `fault` set, killed whole by it; its run folder."""
     out = tmp_path / "runs"
     proc = subprocess.run([sys.executable, str(DRIVER), str(out), run, str(STEPS), "plain"], check=False,
                           capture_output=True, text=True, timeout=300,
-                          env=_env(tmp_path / "home", OTEL_TRAIN_EXPORTERS="jsonl,tensorboard", OTEL_TRAIN_VERIFY="record",
+                          env=_env(tmp_path / "home", OTEL_TRAIN_EXPORTERS=exporters, OTEL_TRAIN_VERIFY="record",
                                    **fault))
     assert proc.returncode == -9, proc.stderr[-3000:]
     return out / run
@@ -313,6 +313,24 @@ def test_a_job_killed_whole_is_complete_after_replay(tmp_path: Path, capsys: pyt
         # with the job (as one still in its memory would): counted as such, not failed.
         in_flight = b["lost"].get(KILLED_IN_FLIGHT, 0)
         assert b["present"] + b["missing"] == b["expected"] > 0 and b["missing"] <= in_flight, b
+
+
+def test_a_backend_a_killed_job_never_had_up_is_checked_after_replay(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The job killed whole at step 5 while MLflow was still starting (held: a client slower to import than the job
+    lived): the record was written before MLflow was up, yet names its store, so after `otel-train replay` verify
+    reads MLflow back and finds every recorded value there once (not "not checked")."""
+    run_dir = _killed_job(tmp_path, "m", "jsonl,mlflow", OTEL_TRAIN_TEST_KILL_AFTER_WRITE="jsonl@5",
+                          OTEL_TRAIN_TEST_HOLD_START="mlflow")
+    assert not (run_dir.parent / "mlruns").exists()  # MLflow never opened its store before the kill
+    assert cli_main(["replay", str(run_dir)]) == 0
+    code, report, text = _verify(run_dir, capsys)
+    assert code == 0, text
+    b = _backend(report, "mlflow")
+    assert b["status"] == "pass" and b["where"].endswith("mlflow.db"), (b, text)
+    assert b["present"] + b["missing"] == b["expected"] >= len(USER_SERIES) * 5, b
+    assert b["missing"] <= b["lost"].get(KILLED_IN_FLIGHT, 0), b
+    assert b["duplicated"] == b["wrong_value"] == b["unexpected"] == 0, b
 
 
 def test_a_window_recorded_by_a_job_killed_before_its_spool_held_it_is_counted_lost_to_the_kill(
