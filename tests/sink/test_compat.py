@@ -106,10 +106,11 @@ def test_report_step_on_a_backlogged_run_refuses_without_losing(tmp_path: Path) 
     from otel_train.sink.settings import SinkSettings
     from otel_train.testing import InMemoryRowExporter
 
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
 
     class Stuck(InMemoryRowExporter):
         def write_metrics(self, rows: Any, histograms: Any) -> None:
+            entered.set()
             release.wait(30)
             super().write_metrics(rows, histograms)
 
@@ -122,6 +123,8 @@ def test_report_step_on_a_backlogged_run_refuses_without_losing(tmp_path: Path) 
         for step in range(4):
             assert _post(port, "log_metric", {"step": step, "metric_name": "loss", "metric_value": step / 2})[0] == 200
             codes.append(_post(port, "report_step", {"step": step})[0])
+            if step == 0:  # on a loaded machine the backend's thread may take the first window a moment later
+                assert entered.wait(30)
         assert codes[:2] == [200, 200] and 503 in codes  # one in the hung backend, one queued, then refused
         refused = [s for s, c in enumerate(codes) if c == 503]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics/query_metrics", timeout=5) as resp:
