@@ -36,8 +36,9 @@ def replay(run_dir: Path, timeout_s: float = 600.0, stall_s: float = 60.0,
 
     Idempotent: each backend resumes after its durable cursor, so a second replay writes nothing. Every
     `report_every_s` it logs, per rank and backend, how many windows are left; a backend that makes no
-    progress for `stall_s` is given up on (its windows stay in the spool for a later replay), so a backend
-    that cannot deliver costs `stall_s`, not `timeout_s`. A rank whose folder another process is writing
+    progress for `stall_s` once up, or could not start, is given up on (its windows stay in the spool for a later
+    replay), so a backend that cannot deliver costs `stall_s`, not `timeout_s`, and never holds up the others.
+    A rank's backends start side by side, as in the exporter process. A rank whose folder another process is writing
     (a training or draining exporter process holds its lock) is skipped with a warning.
 
     The backends are built as the run recorded them at `init()` (`exporters.json`): its directory, and its
