@@ -10,7 +10,9 @@ ratios of wall time per step. `init` (child start included) and `shutdown` are t
     python bench/real_loop.py --step 1ms --modes pinned --configs 0,2   # the ~0.6 ms step (256-96-96-10)
 
 Pinned: the loop runs under `taskset -c 0` and `OTEL_TRAIN_EXPORT_CPUS=1` (as on a node where the loop
-has its own cores and logging runs on housekeeping cores). Unpinned: both share every core.
+has its own cores and logging runs on housekeeping cores). Unpinned: both share every core. Each run starts once
+the previous run's exporter process has exited (one that outlives its `shutdown()`, still draining, would take
+CPU from the next run).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +97,9 @@ LOOP = textwrap.dedent("""
     ot.shutdown()
     t_shut = time.perf_counter() - t_shut
     child = getattr(getattr(session, "export_process", None), "start_s", None)
+    export_pid = getattr(getattr(session, "export_process", None), "pid", None)
     print("RESULT" + json.dumps({"step_ms": loop / steps * 1000, "cpu_ms": cpu / steps * 1000, "init_s": t_init, "shutdown_s": t_shut,
-                                 "child_start_s": child, "collector_us": per_thread.get("otel-train-collect", 0.0),
+                                 "child_start_s": child, "export_pid": export_pid, "collector_us": per_thread.get("otel-train-collect", 0.0),
                                  "training_thread_us": per_thread.get("MainThread", 0.0)}))
 """)
 
@@ -108,7 +112,23 @@ def _run(script: Path, steps: int, env: dict[str, str], pinned: bool, hidden: in
     if done.returncode != 0:
         raise SystemExit(f"run failed ({done.returncode}): {done.stderr[-2000:]}")
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
-    return json.loads(line[len("RESULT"):])
+    result: dict[str, float] = json.loads(line[len("RESULT"):])
+    _wait_gone(result.get("export_pid"))
+    return result
+
+
+def _wait_gone(pid: float | None, within_s: float = 300.0) -> None:
+    """Wait until the run's exporter process has exited: past `shutdown()`'s timeout it goes on draining (all six
+    backends at a 0.6 ms step: ~10 s more), and the next run must not be measured beside it."""
+    end = time.monotonic() + within_s
+    while pid and time.monotonic() < end:
+        try:
+            with open(f"/proc/{int(pid)}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
+                    return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.1)
 
 
 def _landed(directory: Path, steps: int) -> str:
