@@ -72,7 +72,8 @@ def _rows(window: Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]
 def test_rows_made_in_the_exporter_process_equal_those_made_by_the_collector() -> None:
     """Three windows (the second holds step 1's spans, the third its step end: phases wait across windows),
     with a raw OTel span; built in the training process vs completed by a `SpanCompleter`: the same rows."""
-    here, there, completer = _builder(), _builder(), SpanCompleter()
+    lost: list[tuple[str, int]] = []
+    here, there, completer = _builder(), _builder(), SpanCompleter(lambda cause, n: lost.append((cause, n)))
     r0, s0 = _step(0, 0)
     r1, s1 = _step(1, 100)
     s0 = [*s0, (50, _raw_otel_span(0))]
@@ -108,14 +109,37 @@ def encode_and_decode(parts: Any) -> Window:
     return decode_window(payload)
 
 
-def test_a_window_with_unreadable_span_records_is_said_and_kept_apart(caplog: Any) -> None:
-    """Records cut short (a corrupt frame): said, and the payload goes on as it came (delivery then says it is
-    unreadable) instead of ending the exporter process."""
+def test_a_window_with_unreadable_span_records_is_said_counted_and_kept_apart(caplog: Any, tmp_path: Path) -> None:
+    """Records cut short (a corrupt frame): said, and the payload goes on as it came instead of ending the exporter
+    process; delivery then says it is unreadable and counts it (the shutdown summary's dropped)."""
+    from otel_train.ship.delivery import WINDOWS_UNREADABLE, Delivery
+    from otel_train.ship.spool import Spool
+
     payload, _ = encode_window(RUN, [("loss", 1, 0.5, 0)])
     packed = pack_span_records(payload, [SpanRecord("a", 1, 2, None, 0, 1, 5, "M", 1, None, None)], [], True)
-    kept, window = SpanCompleter().complete(packed[:-3])
+    kept, window = SpanCompleter(lambda cause, n: None).complete(packed[:-3])
     assert window is None and kept == packed[:-3]
     assert any("span records could not be read" in r.getMessage() for r in caplog.records)
+    delivery = Delivery({}, Spool(tmp_path / "spool"))
+    delivery.spans = SpanCompleter(delivery.count_lost)
+    delivery.submit(1, 1, packed[:-3])
+    assert delivery.progress().children_lost == {WINDOWS_UNREADABLE: 1}
+
+
+def test_span_rows_that_cannot_be_made_are_counted_and_the_window_goes_on(caplog: Any) -> None:
+    """A record whose fields break the row maker (attributes that are no mapping): the window's points are
+    delivered without its span rows and phases, and the records are counted as lost."""
+    from otel_train.ship.span_work import SPANS_NOT_MADE
+
+    payload, _ = encode_window(RUN, [("loss", 1, 0.5, 0)])
+    bad = SpanRecord("a", 1, 2, None, 0, 1, 5, "M", 1, 42, None)  # type: ignore[arg-type]
+    lost: list[tuple[str, int]] = []
+    kept, window = SpanCompleter(lambda cause, n: lost.append((cause, n))).complete(
+        pack_span_records(payload, [bad, bad], [], True))
+    assert window is None and kept == payload
+    assert [(p.tag, p.step, p.value) for p in decode_window(kept).metrics] == [("loss", 1, 0.5)]
+    assert lost == [(SPANS_NOT_MADE, 2)]
+    assert any("could not be made" in r.getMessage() for r in caplog.records)
 
 
 def test_the_summary_counts_the_phase_points_the_exporter_process_made(tmp_path: Path) -> None:
@@ -154,7 +178,7 @@ def test_a_window_sent_again_after_a_restart_is_made_and_counted_once(tmp_path: 
     payload, max_step = encode_window(RUN, parts.points, parts.metrics, parts.histograms, parts.spans, parts.logs)
     packed = pack_span_records(payload, parts.span_records or [], parts.phase_spans, parts.phases)
     delivery = Delivery({}, Spool(tmp_path / "spool"))
-    delivery.spans = SpanCompleter()
+    delivery.spans = SpanCompleter(delivery.count_lost)
     for _ in range(2):
         delivery.submit(1, max_step, packed)
     assert delivery.progress().points_added == 3  # data, forward, other

@@ -223,11 +223,18 @@ def test_the_training_process_taking_over_cuts_back_and_leaves_no_intent_for_rep
     and writes it once; once its writes are recorded no intent is left that a later replay would cut."""
     import readback
 
-    from otel_train.ship.export_child import build_backends
+    from otel_train.ship.backend_start import starting_backends
+
+    def started(options: ExporterOptions) -> dict[str, RowExporter]:
+        """The backends as the exporter process and the fallback start them."""
+        backends = starting_backends(["tensorboard"], options, spooled=True)
+        for backend in backends.values():
+            backend.start()
+        return dict(backends)
 
     options = ExporterOptions(directory=tmp_path)
     spool_dir = tmp_path / "spool" / "rank0"
-    killed = Delivery(build_backends(["tensorboard"], options), Spool(spool_dir))
+    killed = Delivery(started(options), Spool(spool_dir))
     for seq in (1, 2, 3):
         killed.submit(seq, seq, _window(seq))
         _settle(killed, seq)
@@ -241,7 +248,7 @@ def test_the_training_process_taking_over_cuts_back_and_leaves_no_intent_for_rep
         return sorted((p.name, p.step) for p in readback.tensorboard(tmp_path / "run"))
 
     assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))
-    fallback = Delivery(build_backends(["tensorboard"], options), Spool(spool_dir))
+    fallback = Delivery(started(options), Spool(spool_dir))
     assert fallback.close(time.monotonic() + 30)
     assert steps() == sorted((tag, s) for s in (1, 2, 3) for tag in ("acc", "loss"))  # window 3 once
     spool = Spool(spool_dir)

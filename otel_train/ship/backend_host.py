@@ -5,8 +5,9 @@ those imports share one GIL: several such backends on their own threads still st
 A `HostedBackend` stands in the exporter process for a backend that runs in a fresh interpreter of its own
 (`serve`), so that their clients start side by side on as many cores. Delivery does not change: the exporter
 process keeps the spool, each backend's cursor and feed; `export_window` hands the (merged, filtered) window over
-the connection, in the window encoding of the spool (`otel_train.ship.framing`), and returns what the backend's own `export_window` returned, and each reply brings the backend's
-counters back (`failures`, `rows_lost`, `durable_step`, ...).
+the connection, in the spool's window encoding (`otel_train.ship.framing`), and returns what the backend's own
+`export_window` returned, and each reply brings the backend's counters back (`failures`, `rows_lost`,
+`durable_step`, ...).
 
 The host process ends when its connection does: after `shutdown`, or with the exporter process (SIGKILL, the drain
 deadline), as a backend inside the exporter process would; what it did not hold then stays in the spool for

@@ -51,9 +51,11 @@ from otel_train.ship.logged_record import LoggedRecord
 from otel_train.ship.span_work import SpanCompleter
 from otel_train.ship.spool import Spool
 
-__all__ = ["BackendPool", "Delivery", "Progress"]
+__all__ = ["WINDOWS_UNREADABLE", "BackendPool", "Delivery", "Progress"]
 
 _logger = logging.getLogger(__name__)
+#: The loss cause (with its unit) of a window that could not be decoded where it was delivered.
+WINDOWS_UNREADABLE = "windows unreadable in the exporter process"
 
 
 @dataclasses.dataclass
@@ -75,7 +77,9 @@ class Progress:
     spool_failed_appends: int = 0
     #: Per backend: rows it did not write, by cause (`otel_train.backend.LOSS_CAUSES`; only non-zero).
     rows_lost: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
-    #: Values child processes lost before sending them (a refused step, a full buffer), by cause (`workers`).
+    #: What was lost before any backend could have it, by cause with its unit: values child processes lost before
+    #: sending them (a refused step, a full buffer: `workers`), windows unreadable here, spans whose rows could
+    #: not be made (`span_work`).
     children_lost: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Points the delivering process added to the windows it spooled (phase timings; the summary counts them).
     points_added: int = 0
@@ -192,6 +196,7 @@ class Delivery:
                 window = decode_window(payload)
             except Exception as err:
                 _logger.error("window %d unreadable (%s); skipped", seq, err)
+                self.count_lost(WINDOWS_UNREADABLE, 1)
                 return
         if isinstance(window, Resume):
             self._cuts.append((window.cut_after, window.step))  # before any backend can be handed it
@@ -376,8 +381,9 @@ class Delivery:
                         self.spool_failed_appends, self.rows_lost(), self._children_lost_now(),
                         self.spans.points_added if self.spans is not None else 0)
 
-    def count_side_lost(self, cause: str, n: int) -> None:
-        """Count `n` values a child process lost before sending (`WorkerListener`'s ``lost``); any thread."""
+    def count_lost(self, cause: str, n: int) -> None:
+        """Count `n` of what was lost before any backend could have it (`Progress.children_lost`): values a child
+        process lost before sending (`WorkerListener`'s ``lost``), spans whose rows could not be made; any thread."""
         with self._side_lost_lock:
             self._side_lost[cause] = self._side_lost.get(cause, 0) + n
 

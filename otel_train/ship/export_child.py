@@ -41,7 +41,7 @@ from otel_train.ship.spool import Spool, mark_draining
 from otel_train.ship.workers import WorkerListener
 from otel_train.vocab.run_identity import RunInfo
 
-__all__ = ["ID", "META", "WINDOW", "boot", "build_backends", "child_main", "exports_metrics", "preempt", "set_hparams"]
+__all__ = ["ID", "META", "WINDOW", "boot", "child_main", "exports_metrics", "preempt", "set_hparams"]
 
 _logger = logging.getLogger("otel_train")
 WINDOW = struct.Struct("<qq")  # a ``W`` frame's seq and max step
@@ -50,31 +50,6 @@ _ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
 #: What `otel-train replay` needs to rebuild a spool's backends, in its folder.
 META = "exporters.json"
 OLD_META = "exporters.pickle"  # an earlier otel-train's: refused, never unpickled
-
-
-def build_backends(names: Sequence[str], options: ExporterOptions) -> dict[str, Any]:
-    """Build the named exporters (the registry's classes); on failure shut the built ones down.
-
-    Raises:
-        ConfigError: one line naming the exporter that could not start.
-    """
-    from otel_train.config.registry import check_available, get_spec, load_class
-
-    specs = [get_spec(name) for name in names]  # unknown names fail before anything is built
-    for spec in specs:
-        check_available(spec)
-    built: dict[str, Any] = {}
-    for spec in specs:
-        try:
-            built[spec.name] = load_class(spec)(options)
-        except Exception as err:
-            for ex in built.values():
-                ex.shutdown()
-            if isinstance(err, (ImportError, ConfigError)):
-                raise
-            raise ConfigError(f"OTEL_TRAIN_EXPORTERS: exporter {spec.name!r} could not start: "
-                              f"{type(err).__name__}: {err}") from err
-    return built
 
 
 # -- the child ------------------------------------------------------------------------------------------
@@ -113,7 +88,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     _write_meta(spool.path, config)
     spool.on_recreated += [lambda: _write_meta(spool.path, config), lambda: _reopen_log(spool.path)]
     delivery = Delivery(dict[str, RowExporter](backends), spool)
-    delivery.spans = SpanCompleter()  # the rows and phase timings of the windows' `ot.span` records
+    delivery.spans = SpanCompleter(delivery.count_lost)  # the rows and phase timings of `ot.span` records
     delivery.record = open_record(backends, config["run"], options.directory, int(config.get("record_bytes", 0)),
                                   options.resume_step)
     for backend in backends.values():
@@ -128,7 +103,7 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
             sock = socket.socket(fileno=fd) if fd >= 0 else None
             listener = WorkerListener(config["workers"], config["run"], delivery.submit_side,
                                       lambda: delivery.last_step, metrics=config.get("export_metrics", True),
-                                      lost=delivery.count_side_lost, sock=sock)
+                                      lost=delivery.count_lost, sock=sock)
         except OSError as err:
             _logger.warning("child processes cannot reach this run: listening on %s failed: %s",
                             config["workers"], err)

@@ -282,18 +282,18 @@ class ExportProcess:
         self._send_encoded(max_step, payload)
 
     def send_window_with_spans(self, window: WindowParts) -> None:
-        """Encode one window whose `ot.span` records the child makes rows and phase timings of
-        (`otel_train.ship.span_work`), and hand it over as `send_window` does."""
-        if os.getpid() != self._pid:
-            return
+        """`send_window`, for a window whose `ot.span` records the child makes rows and phase timings of
+        (`otel_train.ship.span_work`)."""
         records = window.span_records or []
-        if not (window.points or window.metrics or window.histograms or window.spans or window.logs or records):
+        if not (records or window.phases):  # phase timings also need the step ends of a window without spans
+            self.send_window(window.run, window.points, window.metrics, window.histograms, window.spans, window.logs)
+            return
+        if os.getpid() != self._pid or not (records or window.points or window.metrics or window.histograms
+                                            or window.spans or window.logs):
             return
         payload, max_step = encode_window(window.run, window.points, window.metrics, window.histograms, window.spans,
                                           window.logs)
-        if records or window.phases:  # phase timings also need the step ends of a window without spans
-            payload = pack_span_records(payload, records, window.phase_spans, window.phases)
-        self._send_encoded(max_step, payload)
+        self._send_encoded(max_step, pack_span_records(payload, records, window.phase_spans, window.phases))
 
     def send_resume(self, run: RunInfo, step: int) -> None:
         """The run restarts at `step`: sent, spooled and acknowledged like a window, so every backend applies
@@ -437,7 +437,7 @@ class ExportProcess:
                 starting = starting_backends(self.names, self._options, spooled=True)
                 backends = dict[str, RowExporter](starting)
                 fallback = Delivery(backends, Spool(self.spool_path))
-                fallback.spans = SpanCompleter()  # it makes windows whole as the exporter process did
+                fallback.spans = SpanCompleter(fallback.count_lost)  # windows made whole, as in the exporter process
                 fallback.record = open_record(backends, self._run, self._options.directory, self._record_bytes)
                 if self._config["self_metrics"]:
                     fallback.annotate = SelfMetrics(fallback.backend_stats, lambda: fallback.spool_failed_appends)

@@ -18,7 +18,7 @@ gets no phase timings.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from otel_train.backend import Window
@@ -29,24 +29,31 @@ from otel_train.ship.framing import has_span_records, unpack_span_records, with_
 from otel_train.vocab.rows import SpanRow
 from otel_train.vocab.run_identity import RunInfo
 
-__all__ = ["SpanCompleter"]
+__all__ = ["SPANS_NOT_MADE", "SpanCompleter"]
 
 _logger = logging.getLogger("otel_train")
+#: The loss cause (with its unit) of `ot.span` records whose rows could not be made.
+SPANS_NOT_MADE = "spans whose rows could not be made"
 
 
 class SpanCompleter:
     """Turns a window's `ot.span` records into span rows and phase points (`complete`); one per delivering process,
-    as its phase timings keep the spans of steps that have not ended yet."""
+    as its phase timings keep the spans of steps that have not ended yet.
 
-    def __init__(self) -> None:
+    Args:
+        lost: Counts what could not be made, ``(cause, n)`` (`Delivery.count_lost`).
+    """
+
+    def __init__(self, lost: Callable[[str, int], None]) -> None:
+        self._lost = lost
         self._phases: PhaseTimer | None = None
         #: Phase points added so far (the shutdown summary counts them with the training process's points).
         self.points_added = 0
 
     def complete(self, payload: bytes) -> tuple[bytes, Window | None]:
         """`payload` as the whole window it stands for, and that window decoded (None: decode the payload
-        returned). Never raises: a payload whose records cannot be read goes on as it came (delivery then says it
-        is unreadable); a window whose rows cannot be made goes on without them, said."""
+        returned). Never raises: a payload whose records cannot be read goes on as it came (delivery then says and
+        counts it unreadable); a window whose rows cannot be made goes on without them, said and counted."""
         if not has_span_records(payload):
             return payload, None
         try:
@@ -74,4 +81,5 @@ class SpanCompleter:
         except Exception as err:  # a fault here must not cost the window's other rows: it goes on without these
             _logger.error("otel-train: the rows of %d span(s) could not be made (%s: %s); their window is delivered "
                           "without them", len(records), type(err).__name__, err)
+            self._lost(SPANS_NOT_MADE, len(records))
             return window_payload, None

@@ -156,7 +156,7 @@ class WorkerListener:
             can connect before the exporter process is up); None: bind it here.
         run: The run every child row belongs to (the trainer's rank and pid track).
         submit: Takes a `Window` of child rows (`Delivery.submit_side`).
-        lost: Takes ``(cause, count)`` of values a child lost before sending (`Delivery.count_side_lost`).
+        lost: Takes ``(cause, count)`` of values a child lost before sending (`Delivery.count_lost`).
         last_step: The run's latest step, for values logged without one.
         metrics: Whether this rank exports metrics (`OTEL_TRAIN_RANKS`); if not, children's values are dropped
             here like the trainer's own (their spans are kept).
