@@ -112,6 +112,16 @@ def test_log_does_not_keep_the_callers_dict(mem: InMemoryRowExporter) -> None:
     assert mem.values("x") == [(0, 1.0)]
 
 
+def test_span_does_not_keep_the_callers_attributes(mem: InMemoryRowExporter) -> None:
+    """The attributes a span was opened with, not what the caller's dict holds when the span is exported."""
+    attributes = {"batch": 1}
+    with ot.step(0), ot.span("load", attributes):
+        pass
+    attributes["batch"] = 2
+    ot.flush()
+    assert [(s.name, s.attributes["batch"]) for s in mem.spans] == [("load", 1)]
+
+
 def test_auto_step_metrics(mem: InMemoryRowExporter) -> None:
     for i in range(3):
         with ot.step(i, samples=64):

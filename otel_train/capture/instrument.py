@@ -309,7 +309,8 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
                  record_context: bool = True) -> None:
         self._buffer = buffer
         self.name = name
-        self.attributes = attributes
+        # A copy: the rows are made after the span ends, from what the caller's dict held at the call.
+        self.attributes = dict(attributes) if attributes else None
         self._record_context = record_context
         self._token: Token[Any] | None = None
         self._span_context: otel_trace.SpanContext | None = None
