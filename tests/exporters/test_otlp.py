@@ -123,14 +123,13 @@ def test_collector_down_nothing_dropped_and_all_sent_after_recovery(tmp_path: Pa
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     exp = OTLPExporter()
+    exp.backoff_s = (600.0,)  # no retry during the loop below, however slow the machine (a flush forces one)
     t0 = time.monotonic()
     exp.export(metrics_data("down", 0, 1, range(2)))
-    assert time.monotonic() - t0 < 3.0  # bounded by our 2 s default timeout
+    assert time.monotonic() - t0 < 30.0  # a hang guard, not a speed check: our 2 s timeout bounds the try
     assert exp.failures == 1 and exp.pending == 1
-    t0 = time.monotonic()
-    for start in range(2, 100, 2):  # in backoff: kept without blocking, none dropped however many
+    for start in range(2, 100, 2):  # in backoff: kept without a try (nothing to block on), none dropped
         exp.export(metrics_data("down", 0, 1, range(start, start + 2)))
-    assert time.monotonic() - t0 < 1.0
     assert exp.pending == 50 and exp.dropped_windows == 0 and exp.failures == 1
     # One line of ours, with the SDK's reason in it; none of the SDK's own per-attempt lines.
     failed = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
