@@ -159,10 +159,11 @@ def test_shutdown_with_collector_down_is_bounded(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     exp = OTLPExporter()
     exp.export(metrics_data("down", 0, 1, range(3)))
+    assert exp.failures == 1
     t0 = time.monotonic()
     exp.shutdown(timeout_millis=1000)  # a whole 2 s attempt does not fit: no last try
-    assert time.monotonic() - t0 < 1.0
-    assert exp.dropped_windows == 1
+    assert time.monotonic() - t0 < 30.0  # a hang guard, not a speed check
+    assert exp.failures == 1 and exp.dropped_windows == 1  # no try made, the window counted as dropped
     assert exp.export(metrics_data("down", 0, 1, range(1))).name == "FAILURE"  # after shutdown
 
 
