@@ -94,6 +94,13 @@ class Sink(SinkCore):
         from otel_train.sink.receive.http_server import start_http
 
         s = self.settings
+        if s.spool_dir is not None and s.spool_run_mb > 0:
+            # What a killed sink left in runs' spools goes out now, not when (if ever) each run sends again. Made
+            # before the receivers answer: `/health` must never say a replay is done before it has begun.
+            from otel_train.sink.runs.spool_replay import SpoolReplay
+
+            self.spool_replay = SpoolReplay(self.router, s.spool_dir, self._stop,
+                                            workers=min(2, max(1, self.router.max_open_runs // 4)))
         cert = Path(s.tls_cert).read_bytes() if s.tls_cert else None
         key = Path(s.tls_key).read_bytes() if s.tls_key else None
         self._loop = LoopThread()  # both receivers on one event loop
@@ -110,12 +117,8 @@ class Sink(SinkCore):
         self._housekeeper = threading.Thread(target=self._housekeep, name="otel-train-sink-housekeeping",
                                              daemon=True)
         self._housekeeper.start()
-        if s.spool_dir is not None and s.spool_run_mb > 0:
-            # What a killed sink left in runs' spools goes out now, not when (if ever) each run sends again.
-            from otel_train.sink.runs.spool_replay import SpoolReplay
-
-            self.spool_replay = SpoolReplay(self.router, s.spool_dir, self._stop,
-                                            workers=min(2, max(1, self.router.max_open_runs // 4))).start()
+        if self.spool_replay is not None:
+            self.spool_replay.start()
         _logger.info("otel-train sink listening: OTLP/gRPC %s, OTLP/HTTP %s%s", self._addr(s.grpc, self.grpc_port),
                      self._addr(s.http, self.http_port), " (token required)" if self.token else "")
         _logger.info("at most %d run(s) open (%s) and %d HTTP connection(s) (%s); file-descriptor limit %d",
@@ -203,7 +206,8 @@ class Sink(SinkCore):
         if spool_dir is None or self.settings.spool_run_mb <= 0:
             return
         try:
-            left = sorted(p.name for p in spool_dir.iterdir() if p.is_dir())
+            # A closed run keeps its folder (its series state); only one still holding windows is unwritten.
+            left = sorted(p.name for p in spool_dir.iterdir() if p.is_dir() and any(p.glob("*.seg")))
         except OSError:
             return
         if left:

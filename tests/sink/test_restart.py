@@ -464,3 +464,39 @@ def test_the_replay_delivers_each_unfinished_spool_once_within_max_open_runs(tmp
             assert _state_only(spool_dir / spool_folder(run_id))
     finally:
         router.close(10)
+
+
+def test_health_never_says_the_replay_is_done_before_it_began(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stops the sink once `/health` says the spools are delivered (a launcher, a test) must not
+    be told so in the moment between the receivers answering and the replay's start: it stopped the sink
+    with the spool not written."""
+    from sinkkit import make_sink
+
+    from otel_train.ship.framing import encode_window
+    from otel_train.ship.spool import Spool
+    from otel_train.sink.receive import http_server
+
+    runs = tmp_path / "runs"
+    spool = Spool(runs / ".sink-spool" / spool_folder("left"))
+    spool.append(1, 0, encode_window(RunInfo("", ""), (), _rows(RunInfo("left", "left"), [0]), (), ())[0])
+    spool.close()
+    first_answer: list[dict[str, Any]] = []
+    real_start = http_server.start_http
+
+    def start_and_ask(sink: Any, *args: Any) -> Any:
+        started = real_start(sink, *args)
+        first_answer.append(sink.health()["spool_replay"])  # what the first GET /health can get
+        return started
+
+    monkeypatch.setattr(http_server, "start_http", start_and_ask)
+    sink = make_sink(tmp_path, ("jsonl",), spool_dir=runs / ".sink-spool")
+    try:
+        assert first_answer and first_answer[0]["done"] is False
+        assert sink.spool_replay.wait(60)
+        assert sink.health()["spool_replay"] == {"runs_found": 1, "runs_replayed": 1, "runs_left": 0, "done": True}
+    finally:
+        sink.stop()
+    from otel_train.exporters.jsonl import read_jsonl
+
+    assert [(r["step"], r["value"]) for r in read_jsonl(runs / "left" / "rank0.jsonl") if r["type"] == "metric"] \
+        == [(0, 0.0)]
