@@ -10,6 +10,10 @@ round runs each once, in a shuffled order) and each figure is the median over th
     python bench/fixed_cost.py --reps 3 --close --singles --only "after flush"   # shutdown once every backend is up
     python bench/fixed_cost.py --only "import otel_train,all six,peer,mlflow alone" --singles   # backend processes
 
+A new MLflow store starts from a template of an empty one, kept in the user's cache folder by the first store
+built on the machine (`otel_train.exporters._mlflow_store`): the first round's setups with MLflow may build it;
+"first MLflow store on this machine" is the cost without it, every time.
+
 `--close` adds each setup "after flush": the job calls `ot.flush()` (every backend up and holding every step)
 before it times `shutdown()`, which then costs the hand-over and the backends' close alone, as at the end of a job
 whose loop outlasts the backends' start.
@@ -81,6 +85,9 @@ SETUPS: dict[str, tuple[str, dict[str, str]]] = {
     "otel-train, default backends": (OURS, {}),
     "otel-train, default backends, in process": (OURS, {"OTEL_TRAIN_EXPORT_PROCESS": "off"}),
     "otel-train, all six": (OURS, {"OTEL_TRAIN_EXPORTERS": ALL_SIX}),
+    # MLflow's store from its migrations, as on a machine's first store per MLflow version (no store template)
+    "otel-train, all six, first MLflow store on this machine": (OURS, {"OTEL_TRAIN_EXPORTERS": ALL_SIX,
+                                                                       "BENCH_NO_TEMPLATE": "1"}),
     "otel-train, all six, one exporter process": (OURS, {"OTEL_TRAIN_EXPORTERS": ALL_SIX,
                                                          "OTEL_TRAIN_BACKEND_PROCESSES": "off"}),
     **{name: (code, {}) for name, code in PEERS.items()},
@@ -97,6 +104,8 @@ def _env(root: Path, extra: dict[str, str]) -> dict[str, str]:
                CLEARML_CACHE_DIR=str(root / "clearml"), TRACKIO_DIR=str(root / "trackio"), HF_HOME=str(root / "hf"),
                GIT_PYTHON_REFRESH="quiet")
     env.update(extra)
+    if env.pop("BENCH_NO_TEMPLATE", None):
+        env["XDG_CACHE_HOME"] = str(root / "cache")  # empty: MLflow's store template is not there yet
     return env
 
 

@@ -14,6 +14,13 @@ lost its MLflow data. Here:
 
 Processes opening the store at once take turns (an exclusive lock on ``mlflow.db.lock``), as MLflow has no lock
 of its own for its creation and migrations.
+
+Creating a store runs all of MLflow's migrations, ~1.5 s of CPU on every new directory. The first store this machine
+builds with an MLflow version is kept, without its default experiment (whose artifact location depends on the
+working directory), as a template in ``<XDG_CACHE_HOME or ~/.cache>/otel-train/mlflow-<version>.db``; a later new
+store starts as a copy of it, which MLflow then opens like any store of its schema (it checks the schema revision
+and adds the default experiment). A template that is missing, unwritable or that MLflow refuses is not used: the
+store is built as before (and a refused template is replaced).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -103,17 +112,78 @@ def _open(uri: str) -> MlflowClient:
 
 
 def _build_aside(path: Path) -> None:
-    """Have MLflow create the store in a temp file beside `path`, then rename it to `path`."""
+    """Have MLflow create the store in a temp file beside `path` (from the template when there is one), then
+    rename it to `path`."""
     for stale in path.parent.glob(f"{path.name}.creating-*"):  # left by a kill during an earlier build
         with contextlib.suppress(OSError):
             stale.unlink()
     temp = path.with_name(f"{path.name}.creating-{os.getpid()}")
     uri = f"sqlite:///{temp}"
+    template = _template_path()
+    if template is not None and _copy(template, temp):
+        try:
+            _open(uri)
+        except Exception as err:  # another schema (an MLflow built from source), a damaged file: build it whole
+            _logger.info("mlflow: the store template %s was not used (%s); the store is built in full", template,
+                         str(err).splitlines()[0] if str(err) else type(err).__name__)
+            _forget_engine(uri)
+            temp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                template.unlink()
+        else:
+            _forget_engine(uri)
+            os.replace(temp, path)
+            return
     try:
         _open(uri)
     finally:
         _forget_engine(uri)  # closes its connections: nothing holds the file when it is renamed
+    if template is not None:
+        _keep_template(temp, template)
     os.replace(temp, path)
+
+
+def _template_path() -> Path | None:
+    """Where this MLflow version's empty-store template is (or goes); None where there is no cache folder."""
+    try:
+        import mlflow
+
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    except (ImportError, RuntimeError):  # no home folder
+        return None
+    version = re.sub(r"[^A-Za-z0-9._+-]", "_", str(getattr(mlflow, "__version__", "unknown")))
+    return Path(cache) / "otel-train" / f"mlflow-{version}.db"
+
+
+def _copy(src: Path, dst: Path) -> bool:
+    """Copy `src` to `dst`; whether it was copied (False when `src` is missing or either side fails)."""
+    try:
+        shutil.copyfile(src, dst)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            dst.unlink()
+        return False
+
+
+def _keep_template(store: Path, template: Path) -> None:
+    """Keep a copy of the new, empty `store` as `template`, without its default experiment; best effort."""
+    temp = template.with_name(f"{template.name}.{os.getpid()}.tmp")
+    try:
+        template.parent.mkdir(parents=True, exist_ok=True)
+        for stale in template.parent.glob(f"{template.name}.*.tmp"):  # a process killed while keeping one
+            with contextlib.suppress(OSError):
+                if time.time() - stale.stat().st_mtime > 3600:
+                    stale.unlink()
+        shutil.copyfile(store, temp)
+        with contextlib.closing(sqlite3.connect(temp, timeout=5.0)) as db, db:
+            db.execute("DELETE FROM experiment_tags")
+            db.execute("DELETE FROM experiments")
+        os.replace(temp, template)  # whole or not at all, for the processes copying it meanwhile
+    except (OSError, sqlite3.Error) as err:
+        _logger.debug("mlflow: no store template kept in %s: %s", template.parent, err)
+        with contextlib.suppress(OSError):
+            temp.unlink()
 
 
 def _forget_engine(uri: str) -> None:

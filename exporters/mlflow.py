@@ -25,6 +25,8 @@
   MLflow creates or migrates it and the experiment is found or created. A new local store is built aside and
   renamed into place, so a kill during its creation cannot leave a half-built store; one a kill left so
   (by an older version) is set aside as ``mlflow.db.broken-<time>`` when it holds no run, and built again.
+  A new local store starts as a copy of an empty one kept in the user's cache folder (MLflow's migrations run
+  once per machine and MLflow version: `otel_train.exporters._mlflow_store`).
 - Preemption: a run that ended on SIGTERM, SIGUSR1 or SIGHUP gets the tag ``otel_train.preempted`` = the signal's
   name and ends with status KILLED (else FINISHED).
 - Hyperparameters: params, nested keys flattened with ``/``; `train.config.hash` also as a tag.

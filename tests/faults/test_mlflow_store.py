@@ -33,7 +33,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "OTEL_"))}
+    # HOME (and no XDG_CACHE_HOME) of its own: no store template, every store is built by MLflow's migrations
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "OTEL_", "XDG_CACHE_HOME"))}
     env.update(HOME=str(tmp_path / "home"))
     return env
 

@@ -138,6 +138,7 @@ def isolated_mlflow_env(mp: pytest.MonkeyPatch, root: Path) -> None:
         if key.startswith("MLFLOW_"):
             mp.delenv(key)
     mp.setenv("HOME", str(root / "home"))
+    mp.delenv("XDG_CACHE_HOME", raising=False)  # MLflow's store template too (`otel_train.exporters._mlflow_store`)
 
 
 def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
