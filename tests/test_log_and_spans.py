@@ -114,12 +114,23 @@ def test_log_does_not_keep_the_callers_dict(mem: InMemoryRowExporter) -> None:
 
 def test_span_does_not_keep_the_callers_attributes(mem: InMemoryRowExporter) -> None:
     """The attributes a span was opened with, not what the caller's dict holds when the span is exported."""
-    attributes = {"batch": 1}
-    with ot.step(0), ot.span("load", attributes):
-        pass
+    import numpy as np
+    import torch
+
+    scale, ids, sizes, extra = torch.tensor(1.5), np.array([1.0, 2.0]), [3, 4], [7]
+    attributes = {"batch": 1, "scale": scale, "ids": ids, "sizes": sizes}
+    with ot.step(0), ot.span("load", attributes) as span:
+        span.set_attribute("extra", extra)
     attributes["batch"] = 2
+    scale.add_(100)  # in place, after the span ended
+    ids += 100
+    sizes.append(5)
+    extra.append(8)
     ot.flush()
-    assert [(s.name, s.attributes["batch"]) for s in mem.spans] == [("load", 1)]
+    assert [s.name for s in mem.spans] == ["load"]
+    got = mem.spans[0].attributes
+    assert (got["batch"], float(got["scale"]), list(got["ids"]), list(got["sizes"]), list(got["extra"])) == (
+        1, 1.5, [1.0, 2.0], [3, 4], [7])
 
 
 def test_auto_step_metrics(mem: InMemoryRowExporter) -> None:

@@ -35,8 +35,10 @@ SCRIPT = textwrap.dedent("""
             return 8
 
         def __getitem__(self, i):
-            with ot.span("load_item", {"item": i}):
+            sizes = [i]
+            with ot.span("load_item", {"item": i, "sizes": sizes}):
                 ot.log({"data/pid": float(os.getpid()), "data/item": float(i)}, step=i)
+            sizes.append(99)  # after the span ended, before it is sent: the span keeps what it was given
             if i % 4 == 3:
                 ot.flush()  # in a worker: sends what it holds now
             return torch.tensor([float(i)])
@@ -94,6 +96,7 @@ def test_dataloader_workers_reach_the_run(loaders: Started, method: str) -> None
     events = load_trace(trace_path(directory, method, 0))
     loads = [e for e in events if e.get("ph") == "X" and e["name"] == "load_item"]
     assert sorted(e["args"]["item"] for e in loads) == list(range(8))
+    assert sorted(tuple(e["args"]["sizes"]) for e in loads) == [(i,) for i in range(8)]
     worker_tids = {e["tid"] for e in loads}
     assert len(worker_tids) == 2 and main_pid not in worker_tids  # one track per worker process
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}

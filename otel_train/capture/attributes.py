@@ -6,6 +6,9 @@ it is left out and the measurement is still recorded; so are ``train.step`` and 
 otel-train sets itself (the step comes from `step=` or the step context, the rank from the run). What was left out
 is returned, for the caller to count and warn about: nothing here raises.
 
+`held_attributes`: a span's attributes as they are at the call (its rows are made after it ends, off the training
+thread), so that a list, tensor or array the caller changes in place later does not reach the backends changed.
+
 Example:
     >>> clean_attributes({"trial_id": "a1", "sizes": [1, 2], "": 3, "bad": {"x": 1}})
     ({'trial_id': 'a1', 'sizes': (1, 2)}, ['', 'bad'])
@@ -13,12 +16,13 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
-__all__ = ["clean_attributes", "refused_reason"]
+__all__ = ["clean_attributes", "held_attributes", "held_value", "refused_reason"]
 
 _SCALARS = (str, bool, int, float)
 _SET_BY_US = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
@@ -75,3 +79,32 @@ def refused_reason(attributes: Any, key: Any) -> str:
     value = attributes.get(key)
     return (f"attribute {key!r} has a {type(value).__name__} value; allowed: str, bool, int, float or a sequence "
             f"of one of those types")
+
+
+_IMMUTABLE = frozenset((str, int, float, bool, type(None)))
+
+
+def held_value(value: Any) -> Any:
+    """A span attribute's value as it is now (the span's rows are made after it ends): a value that can change in
+    place is copied: a sequence as a tuple, a mapping as a dict, a tensor cloned on its device (no sync), a NumPy
+    array copied. Anything else is kept (written as its text later)."""
+    if type(value) in _IMMUTABLE:
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return tuple(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+            return value.copy()
+        return value
+    except Exception:  # never into the training loop: an exotic tensor (meta, a subclass) is kept as given
+        return value
+
+
+def held_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """`attributes` as they are at the call (`held_value` for each)."""
+    return {key: held_value(value) for key, value in attributes.items()}

@@ -25,6 +25,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.context.context import Context as _Context
 
 from otel_train._internal.sdk import SPAN_KEY as _SPAN_KEY
+from otel_train.capture.attributes import held_attributes, held_value
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import _current, current_step
 
@@ -310,7 +311,7 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
         self._buffer = buffer
         self.name = name
         # A copy: the rows are made after the span ends, from what the caller's dict held at the call.
-        self.attributes = dict(attributes) if attributes else None
+        self.attributes = held_attributes(attributes) if attributes else None
         self._record_context = record_context
         self._token: Token[Any] | None = None
         self._span_context: otel_trace.SpanContext | None = None
@@ -367,11 +368,11 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
     def set_attribute(self, key: str, value: Any) -> None:
         """Add an attribute to the span while it runs."""
         attrs = dict(self.attributes or {})
-        attrs[key] = value
+        attrs[key] = held_value(value)
         self.attributes = attrs
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        self.attributes = {**(self.attributes or {}), **attributes}
+        self.attributes = {**(self.attributes or {}), **held_attributes(attributes)}
 
     def __repr__(self) -> str:
         return f"SpanScope({self.name!r}, span_id={getattr(self, 'span_id', 0):016x})"

@@ -37,7 +37,7 @@ from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
 from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name
-from otel_train.capture.attributes import clean_attributes, refused_reason
+from otel_train.capture.attributes import clean_attributes, held_attributes, held_value, refused_reason
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import StepOutOfRange, coerce_step
 from otel_train.vocab import semconv
@@ -315,7 +315,7 @@ class _WorkerSpan:
     def __init__(self, client: WorkerClient, name: str, attributes: Mapping[str, Any] | None, step: Any) -> None:
         self._client = client
         self._name = name
-        self._attributes = dict(attributes or {})
+        self._attributes = held_attributes(attributes or {})  # as at the call: sent after the span ends
         self._step = step
         self._start = 0
         self._parent: int | None = None
@@ -335,10 +335,10 @@ class _WorkerSpan:
                                self._step, self._attributes, error, message))
 
     def set_attribute(self, key: str, value: Any) -> None:
-        self._attributes[key] = value
+        self._attributes[key] = held_value(value)
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
-        self._attributes.update(attributes)
+        self._attributes.update(held_attributes(attributes))
 
 
 class WorkerClient:
