@@ -15,7 +15,7 @@ lost its MLflow data. Here:
 Processes opening the store at once take turns (an exclusive lock on ``mlflow.db.lock``), as MLflow has no lock
 of its own for its creation and migrations.
 
-Creating a store runs all of MLflow's migrations, ~1.5 s of CPU on every new directory. The first store this machine
+Creating a store runs all of MLflow's ~70 migrations, about a second of CPU in every new directory. The first store this machine
 builds with an MLflow version is kept, without its default experiment (whose artifact location depends on the
 working directory), as a template in ``<XDG_CACHE_HOME or ~/.cache>/otel-train/mlflow-<version>.db``; a later new
 store starts as a copy of it, which MLflow then opens like any store of its schema (it checks the schema revision

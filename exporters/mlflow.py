@@ -137,11 +137,14 @@ def mlflow_key(name: str, attributes: Mapping[str, Any] | None = None) -> str:
 
 def tracking_uri_for(directory: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> str:
     """The store a backend with the otel-train `directory` writes to under the environment `env` (default: this
-    process's): `MLFLOW_TRACKING_URI`, else the local SQLite store under `directory`."""
+    process's): `MLFLOW_TRACKING_URI`, else the local SQLite store under `directory` (`_local_store`)."""
     uri = (os.environ if env is None else env).get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    return f"sqlite:///{(Path(directory) / 'mlruns').resolve() / 'mlflow.db'}"
+    return uri or f"sqlite:///{_local_store(directory) / 'mlflow.db'}"
+
+
+def _local_store(directory: str | os.PathLike[str]) -> Path:
+    """The folder of the default store (and its artifacts) under the otel-train `directory`."""
+    return (Path(directory) / "mlruns").resolve()
 
 
 def path_not_unique(key: str) -> bool:
@@ -216,8 +219,6 @@ class MLflowExporter(RowExporter):
     @property
     def tracking_uri(self) -> str:
         """`MLFLOW_TRACKING_URI`, else the local SQLite store under the otel-train directory."""
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            self._default_store = (Path(self.options.directory) / "mlruns").resolve()
         return tracking_uri_for(self.options.directory)
 
     @classmethod
@@ -327,7 +328,8 @@ class MLflowExporter(RowExporter):
         if self._client is None:
 
             uri = self._uri = self.tracking_uri
-            if self._default_store is not None:
+            if not os.environ.get("MLFLOW_TRACKING_URI"):  # the default store, with its artifacts beside it
+                self._default_store = _local_store(self.options.directory)
                 self._default_store.mkdir(parents=True, exist_ok=True)
             client = open_store(uri)  # a local store: built aside, or rebuilt when a kill left it half-built
             with store_lock(uri):  # one process at a time finds or creates the experiment

@@ -205,9 +205,11 @@ class Sink(SinkCore):
         spool_dir = self.settings.spool_dir
         if spool_dir is None or self.settings.spool_run_mb <= 0:
             return
+        from otel_train.sink.runs.spool_replay import unfinished_spools
+
         try:
-            # A closed run keeps its folder (its series state); only one still holding windows is unwritten.
-            left = sorted(p.name for p in spool_dir.iterdir() if p.is_dir() and any(p.glob("*.seg")))
+            # What the next start will write (a closed run keeps its folder, with its series state, and is not).
+            left = sorted(folder.name for _, folder in unfinished_spools(spool_dir))
         except OSError:
             return
         if left:

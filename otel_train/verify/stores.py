@@ -111,10 +111,9 @@ def _mlflow(plan: RankPlan, backend: BackendPlan) -> Held | str:
     from otel_train.exporters.mlflow import mlflow_key, tracking_uri_for
 
     uri = str(backend.info.get("tracking_uri") or "")
-    if not uri and backend.info.get("directory"):
-        # Recorded before the backend was up by an earlier version, which left the URI out: where it writes.
-        uri = tracking_uri_for(str(backend.info["directory"]), plan.env)
-    uri = uri or plan.env.get("MLFLOW_TRACKING_URI", "")
+    if not uri:  # recorded before the backend was up, by an earlier version that left the URI out: where it writes
+        directory = backend.info.get("directory")
+        uri = tracking_uri_for(str(directory), plan.env) if directory else plan.env.get("MLFLOW_TRACKING_URI", "")
     if not uri.startswith(("sqlite:", "file:", "/")):
         return f"MLflow store {uri or '(unknown)'} is not local"
 
