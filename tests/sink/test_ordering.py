@@ -77,8 +77,20 @@ def test_two_senders_on_one_series_add_up_and_are_reported() -> None:
     mem, router = _run(bodies)
     tokens = _series(mem, "tokens")
     assert tokens[-1] == (0, 10.0) and len(tokens) == 10
-    assert router.collisions() == {"r": 5}
+    assert router.collisions() == {"r": 8}  # b's first point may be a restart; from a's second on, a collision
     assert router.summary()["runs"][0]["collided_series"] == ["tokens"]
+
+
+def test_a_process_that_takes_over_a_series_is_a_restart_not_a_collision() -> None:
+    """A cumulative process sends, exits; a new one (another `service.instance.id`, counting from 0 again) goes
+    on: its values add to the total, and nothing is reported as two senders at once (before: every point of the
+    new process was counted as a collision, and the sink warned of two senders)."""
+    bodies = [_counter(float(i), i, "proc-a") for i in range(1, 4)]
+    bodies += [_counter(float(i), 10 + i, "proc-b", start=_START + 10) for i in range(1, 4)]
+    mem, router = _run(bodies)
+    assert _series(mem, "tokens") == [(0, 1.0), (0, 2.0), (0, 3.0), (0, 4.0), (0, 5.0), (0, 6.0)]
+    assert router.collisions() == {}
+    assert router.summary()["runs"][0]["collided_series"] == []
 
 
 def test_a_nan_increment_is_counted_and_skipped_not_summed() -> None:
@@ -115,3 +127,35 @@ def test_late_delta_steps_of_two_ranks_are_kept_apart() -> None:
     got = [(r.run.rank, r.step, r.value) for r in mem.metrics if r.name == "tokens"]
     assert got == [(0, 0, 1.0), (1, 1, 1.0), (1, 0, 1.0), (1, 1, 2.0), (0, 1, 2.0)]
     assert router.late_deltas() == {"r": {"points": 1, "stale_totals": 1}}
+
+
+def _gauge(name: str, value: float, t: int, step: int | None) -> bytes:
+    return metrics_request(_resource(), [OtlpPoint(name, value, step=step, time_unix_nano=t)])
+
+
+def test_a_late_gauge_point_does_not_overwrite_a_newer_value_of_its_step() -> None:
+    """A gauge set again at one step by three exports (t1, t2, t4); the t3 export arrives last (a collector's
+    retry): the step keeps t4's value, and the late point is counted."""
+    bodies = [_gauge("lr", 0.1, 1, 0), _gauge("lr", 0.2, 2, 0), _gauge("lr", 0.4, 4, 0), _gauge("lr", 0.3, 3, 0)]
+    mem, router = _run(bodies)
+    assert _series(mem, "lr") == [(0, 0.1), (0, 0.2), (0, 0.4)]
+    assert router.summary()["runs"][0]["late_points"] == 1
+
+
+def test_a_late_gauge_point_at_a_step_without_a_value_is_written() -> None:
+    """Reordered requests of a gauge logged once per step: the late one is the only value of its step."""
+    mem, router = _run([_gauge("loss", 1.0, 1, 1), _gauge("loss", 3.0, 3, 3), _gauge("loss", 2.0, 2, 2)])
+    assert _series(mem, "loss") == [(1, 1.0), (3, 3.0), (2, 2.0)]
+    assert router.summary()["runs"][0]["late_points"] == 0
+
+
+def test_a_late_stepless_gauge_point_is_not_written_as_the_current_value() -> None:
+    """A gauge without `train.step` takes the run's current step: a late (older) value would show at the newest
+    step as if it were current."""
+    def export(k: int, mem_value: float) -> bytes:
+        return metrics_request(_resource(), [OtlpPoint("loss", float(k), step=k, time_unix_nano=k),
+                                             OtlpPoint("gpu_mem", mem_value, time_unix_nano=k)])
+
+    mem, router = _run([export(0, 100.0), export(1, 101.0), export(3, 103.0), export(2, 102.0)])
+    assert _series(mem, "gpu_mem") == [(0, 100.0), (1, 101.0), (3, 103.0)]
+    assert router.summary()["runs"][0]["late_points"] == 1

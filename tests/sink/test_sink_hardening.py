@@ -106,6 +106,70 @@ def test_run_ids_with_nul_or_over_255_bytes_are_refused_at_the_door(tmp_path: Pa
     assert [f.parent for f in (tmp_path / "runs").glob("*/rank0.jsonl")] == [run_folder(tmp_path / "runs", "r" * 255)]
 
 
+def test_one_jobs_bad_resource_does_not_cost_the_other_jobs_of_a_collectors_batch(tmp_path: Path) -> None:
+    """A collector batches the Resources of many jobs into one request: a job whose Resource or metric the sink
+    cannot take (a run id over 255 bytes, a metric without a name, a histogram whose counts do not match its
+    bounds) is refused alone, counted; the other jobs' points are written and the sender gets 200 (before: 400
+    for the whole batch, which collectors do not retry)."""
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    good = _request("good-job", [("loss", 1.0, 1), ("loss", 2.0, 2)])
+    long_id = _request("r" * 300, [("loss", 9.0, 1), ("acc", 9.0, 1)])
+    unnamed = ExportMetricsServiceRequest.FromString(_request("unnamed-job", [("", 5.0, 1), ("ok", 5.0, 1)]))
+    buckets = ExportMetricsServiceRequest.FromString(_request("hist-job", [("loss", 3.0, 1)]))
+    hist = buckets.resource_metrics[0].scope_metrics.add().metrics.add(name="grad")
+    hist.histogram.aggregation_temporality = 1  # DELTA
+    hist.histogram.data_points.add(count=2, sum=1.0, explicit_bounds=[1.0], bucket_counts=[1, 1], time_unix_nano=1)
+    hist.histogram.data_points.add(count=2, sum=1.0, explicit_bounds=[1.0, 2.0], bucket_counts=[2], time_unix_nano=1)
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        # Protobuf messages concatenated are merged: one request of four Resources.
+        batch = long_id + good + unnamed.SerializeToString() + buckets.SerializeToString()
+        assert _post(sink.http_port, batch) == 200
+        assert _post(sink.http_port, long_id) == 400  # a request of that Resource alone is refused whole, as before
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    runs = tmp_path / "runs"
+    assert _gauges(runs / "good-job" / "rank0.jsonl") == [("loss", 1, 1.0), ("loss", 2, 2.0)]
+    assert not (runs / "unnamed-job" / "rank0.jsonl").exists()  # its Resource is refused whole: nothing written
+    hist_rows = _gauges(runs / "hist-job" / "rank0.jsonl")
+    assert ("loss", 1, 3.0) in hist_rows and ("grad/count", 1, 2.0) in hist_rows
+    assert [r for r in hist_rows if r[0] == "grad/count"] == [("grad/count", 1, 2.0)]  # the bad point alone refused
+    assert sorted(f.parent.name for f in runs.glob("*/rank0.jsonl")) == ["good-job", "hist-job"]
+    assert health["points_refused"] == {"bad_resource": 4, "bad_buckets": 1}
+    assert health["rejected"]["invalid"] == 1
+
+
+def test_one_jobs_bad_spans_or_log_records_do_not_cost_the_other_jobs(tmp_path: Path) -> None:
+    """The same for traces and logs: a Resource with a span id or trace id of the wrong length is refused alone."""
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    spans, logs = ExportTraceServiceRequest(), ExportLogsServiceRequest()
+    for run_id, span_id in (("good-job", b"\x01" * 8), ("bad-job", b"\x01" * 3)):
+        rs = spans.resource_spans.add()
+        rs.resource.attributes.add(key="train.run.id").value.string_value = run_id
+        rs.scope_spans.add().spans.add(name="fwd", trace_id=b"\x02" * 16, span_id=span_id, start_time_unix_nano=1,
+                                       end_time_unix_nano=2)
+        rl = logs.resource_logs.add()
+        rl.resource.attributes.add(key="train.run.id").value.string_value = run_id
+        record = rl.scope_logs.add().log_records.add(time_unix_nano=1, span_id=span_id)
+        record.body.string_value = f"hello from {run_id}"
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        assert _post(sink.http_port, spans.SerializeToString(), path="/v1/traces") == 200
+        assert _post(sink.http_port, logs.SerializeToString(), path="/v1/logs") == 200
+        health = _health(sink.http_port)
+    finally:
+        sink.stop()
+    rows = list(read_jsonl(tmp_path / "runs" / "good-job" / "rank0.jsonl"))
+    assert [r["name"] for r in rows if r.get("type") == "span"] == ["fwd"]
+    assert [r["body"] for r in rows if r.get("type") == "log"] == ["hello from good-job"]
+    assert not (tmp_path / "runs" / "bad-job" / "rank0.jsonl").exists()
+    assert health["points_refused"] == {"bad_resource": 2}
+
+
 def test_a_point_whose_step_is_no_step_is_refused_alone(tmp_path: Path) -> None:
     bad = [1e19, float("inf"), float("-inf"), float("nan"), 2.5, "ten", "1e30"]
     points = [("loss", 1.0, 1)] + [("loss", 9.0, s) for s in bad] + [("loss", 3.0, 3.0), ("loss", 4.0, "4")]

@@ -210,3 +210,26 @@ def test_a_logs_request_sent_again_after_the_sink_was_killed_is_written_once(tmp
     finally:
         assert sink.terminate() == 0
     assert [(r["step"], r["body"]) for r in _records(tmp_path)] == [(4, "stuck in allreduce"), (5, "resumed")]
+
+
+def test_a_record_without_a_step_takes_the_runs_latest_step_also_after_a_restart(tmp_path: Path) -> None:
+    """Before: the latest step was known only to the process that saw it, so after a restart a record without
+    a step had none (while a step-less metric point sent with it landed at the run's current step), and `/runs`
+    had no `last_step` for the run."""
+    from rotel_proc import SinkProcess, post_otlp
+
+    from otel_train.testing import OtlpPoint, metrics_request
+
+    args = ("--exporters", "jsonl", "--dir", str(tmp_path / "runs"))
+    steps = metrics_request(RESOURCE, [OtlpPoint("loss", float(s), step=s, time_unix_nano=s + 1) for s in range(10)])
+    for i, body in enumerate(("before the restart", "after the restart")):
+        sink = SinkProcess(tmp_path / f"sink{i}", *args).wait_ready()
+        try:
+            if i == 0:
+                assert post_otlp(sink.http_port, "/v1/metrics", steps, "application/x-protobuf") == 200
+            assert _post(sink, _request(body, None).SerializeToString(), "application/x-protobuf") == 200
+            sink.settled_health()
+            assert [r["last_step"] for r in sink.get("/runs")["runs"]] == [9]  # before: None after the restart
+        finally:
+            assert sink.terminate() == 0
+    assert [(r["step"], r["body"]) for r in _records(tmp_path)] == [(9, "before the restart"), (9, "after the restart")]

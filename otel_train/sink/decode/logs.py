@@ -46,18 +46,23 @@ def decode_logs(request: Any, runs: DecodeCache) -> Decoded:
     """Log rows of an `ExportLogsServiceRequest`."""
     out = Decoded()
     for rl in request.resource_logs:
-        run = resource_run(attributes(rl.resource.attributes), bool(rl.scope_logs), runs, out)
-        for sl in rl.scope_logs:
-            scope = sl.scope.name
-            for record in sl.log_records:
-                attrs = attributes(record.attributes)
-                step = _step(attrs.pop(STEP_ATTRIBUTE, None))
-                if record.event_name:
-                    attrs.setdefault("event.name", record.event_name)
-                out.logs.append(LogRow(
-                    run=run, step=step, time_unix_nano=record.time_unix_nano or record.observed_time_unix_nano,
-                    severity_number=int(record.severity_number), severity_text=record.severity_text,
-                    body=_body(record.body), logger=scope, attributes=attrs,
-                    trace_id=_id(record.trace_id, 16, "trace_id"), span_id=_id(record.span_id, 8, "span_id"),
-                ))
+        mark = out.mark()
+        try:
+            run = resource_run(attributes(rl.resource.attributes), bool(rl.scope_logs), runs, out)
+            for sl in rl.scope_logs:
+                scope = sl.scope.name
+                for record in sl.log_records:
+                    attrs = attributes(record.attributes)
+                    step = _step(attrs.pop(STEP_ATTRIBUTE, None))
+                    if record.event_name:
+                        attrs.setdefault("event.name", record.event_name)
+                    out.logs.append(LogRow(
+                        run=run, step=step, time_unix_nano=record.time_unix_nano or record.observed_time_unix_nano,
+                        severity_number=int(record.severity_number), severity_text=record.severity_text,
+                        body=_body(record.body), logger=scope, attributes=attrs,
+                        trace_id=_id(record.trace_id, 16, "trace_id"), span_id=_id(record.span_id, 8, "span_id"),
+                    ))
+        except DecodeError as err:  # this Resource alone: the other jobs of a collector's batch are written
+            out.refuse_resource(mark, err, sum(len(s.log_records) for s in rl.scope_logs))
+    out.raise_if_all_refused()
     return out

@@ -78,11 +78,13 @@ class Decoded:
         tags: The series tags of each training run (`train.run.id`).
         unattributed: Resources without `train.run.id`, by the run name they were given.
         unsupported: Metrics that were not written, by OTLP data type.
-        refused: Points refused alone (a step that is no step, too many buckets), by ``(why, metric)``.
+        refused: Points refused alone (a step that is no step, too many buckets), by ``(why, metric)``; the
+            items of a Resource refused alone (``why`` ``bad_resource``: a run id no backend can name, a metric
+            without a name, a malformed point), by ``("bad_resource", reason)``.
     """
 
-    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "logs", "metrics", "refused", "runs", "sender", "spans",
-                 "tags", "unattributed", "unsupported")
+    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "logs", "metrics", "refused", "refused_resources",
+                 "resources", "runs", "sender", "spans", "tags", "unattributed", "unsupported")
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
@@ -102,11 +104,39 @@ class Decoded:
         self.unattributed: dict[str, int] = {}
         self.unsupported: dict[str, int] = {}
         self.refused: dict[tuple[str, str], int] = {}
+        self.resources = 0  # Resources of the request (counted by `mark`)
+        self.refused_resources: list[DecodeError] = []
 
-    def refuse(self, why: str, name: str) -> None:
-        """Count one point of metric `name` that is not written (the rest of the request is)."""
+    def refuse(self, why: str, name: str, count: int = 1) -> None:
+        """Count `count` points of metric `name` that are not written (the rest of the request is)."""
         key = (why, name)
-        self.refused[key] = self.refused.get(key, 0) + 1
+        self.refused[key] = self.refused.get(key, 0) + count
+
+    def mark(self) -> tuple[Any, ...]:
+        """Where the rows stand now, as a Resource begins: `refuse_resource` takes back what it added after it."""
+        self.resources += 1
+        return (len(self.metrics), len(self.histograms), len(self.spans), len(self.logs), len(self._gauges),
+                len(self._numbers), len(self._hists), dict(self.runs))
+
+    def refuse_resource(self, mark: tuple[Any, ...], err: DecodeError, items: int) -> None:
+        """Take back every row a malformed Resource added since `mark` and count its `items` as refused: one
+        job's bad data (a collector batches many jobs into one request) never costs the other jobs theirs."""
+        *lengths, runs = mark
+        parts: tuple[list[Any], ...] = (self.metrics, self.histograms, self.spans, self.logs, self._gauges,
+                                        self._numbers, self._hists)
+        for rows, n in zip(parts, lengths, strict=True):
+            del rows[n:]
+        self.runs = runs
+        self.refuse("bad_resource", str(err)[:200], items)
+        self.refused_resources.append(err)
+
+    def raise_if_all_refused(self) -> None:
+        """Raise the first Resource's error when every Resource of the request was refused: nothing of it is
+        written, and the sender is told why (400 / INVALID_ARGUMENT), as for any malformed request."""
+        if self.refused_resources and len(self.refused_resources) == self.resources:
+            for key in [k for k in self.refused if k[0] == "bad_resource"]:
+                del self.refused[key]  # counted as a rejected request instead
+            raise self.refused_resources[0]
 
     @classmethod
     def of_rows(cls, metrics: Sequence[MetricRow] = (), spans: Sequence[SpanRow] = ()) -> Decoded:
@@ -270,7 +300,7 @@ def _by_step(item: tuple[MetricRow, int, int, str]) -> int:
 
 
 def _named_metrics(scope_metrics: Any) -> Iterator[tuple[str, str | None, Any]]:
-    """(name, data kind, metric) of every metric of a Resource; an empty name fails the request."""
+    """(name, data kind, metric) of every metric of a Resource; an empty name fails the Resource."""
     for sm in scope_metrics:
         for metric in sm.metrics:
             name = metric.name
@@ -425,8 +455,8 @@ def _other_metric(metric: Any, kind: str | None, name: str, run: RunInfo, out: D
         cumulative = h.aggregation_temporality != _DELTA
         for p in h.data_points:
             if len(p.bucket_counts) not in (0, len(p.explicit_bounds) + 1):
-                raise DecodeError(f"histogram `{name}`: {len(p.bucket_counts)} bucket counts for "
-                                  f"{len(p.explicit_bounds)} bounds")
+                out.refuse("bad_buckets", name)  # no histogram can be made of it
+                continue
             if len(p.explicit_bounds) >= MAX_BUCKETS:
                 out.refuse("too_many_buckets", name)
                 continue
@@ -510,17 +540,42 @@ def decode_metrics(request: Any, runs: DecodeCache) -> Decoded:
     if walked is not None and isinstance(request, (walked, lean_points_request())):
         walk = isinstance(request, walked)
         for rm in request.resource_metrics:
-            run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
-            _lean_resource(rm.scope_metrics, run, out, runs.points, runs.headers, walk)
+            mark = out.mark()
+            try:
+                run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
+                _lean_resource(rm.scope_metrics, run, out, runs.points, runs.headers, walk)
+            except DecodeError as err:
+                out.refuse_resource(mark, err, _metric_points(rm.scope_metrics))
+        out.raise_if_all_refused()
         return out
     for rm in request.resource_metrics:
-        run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
-        for name, kind, metric in _named_metrics(rm.scope_metrics):
-            if kind == "gauge":
-                _numbers(metric.gauge.data_points, name, "gauge", GAUGE, run, out, metric)
-            elif kind == "sum":
-                s = metric.sum
-                _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", _sum_mode(s), run, out, metric)
-            else:
-                _other_metric(metric, kind, name, run, out)
+        mark = out.mark()
+        try:
+            run = resource_run(attributes(rm.resource.attributes), bool(rm.scope_metrics), runs, out)
+            for name, kind, metric in _named_metrics(rm.scope_metrics):
+                if kind == "gauge":
+                    _numbers(metric.gauge.data_points, name, "gauge", GAUGE, run, out, metric)
+                elif kind == "sum":
+                    s = metric.sum
+                    _numbers(s.data_points, name, "counter" if s.is_monotonic else "sum", _sum_mode(s), run, out,
+                             metric)
+                else:
+                    _other_metric(metric, kind, name, run, out)
+        except DecodeError as err:
+            out.refuse_resource(mark, err, _metric_points(rm.scope_metrics))
+    out.raise_if_all_refused()
     return out
+
+
+def _metric_points(scope_metrics: Any) -> int:
+    """The data points of a Resource's metrics (a metric that cannot be read counts as one)."""
+    count = 0
+    for sm in scope_metrics:
+        for m in sm.metrics:
+            try:
+                metric = lean_metric(m) if isinstance(m, bytes) else m
+                kind = metric.WhichOneof("data")
+                count += max(1, len(getattr(metric, kind).data_points)) if kind else 1
+            except (DecodeError, AttributeError):
+                count += 1
+    return count

@@ -281,8 +281,15 @@ class SinkCore:
         for (why, name), count in refused.items():
             with self._lock:
                 self.points_refused[why] = self.points_refused.get(why, 0) + count
-            what = ("a `train.step` that is no step (not an integer in int64 range)" if why == "bad_step"
-                    else "more buckets than the sink takes")
+            if why == "bad_resource":  # `name` is what is wrong with the Resource
+                self._log.warning(f"refused:{why}:{name}"[:200], "refused the data of one Resource (%d point(s), "
+                                  "span(s) or log record(s)): %s; the other Resources of the request are written "
+                                  "(counted in /health `points_refused`; logged once a minute per reason)", count,
+                                  name)
+                continue
+            what = {"bad_step": "a `train.step` that is no step (not an integer in int64 range)",
+                    "bad_buckets": "bucket counts that do not match its bounds (one more count than bounds)",
+                    }.get(why, "more buckets than the sink takes")
             self._log.warning(f"refused:{why}:{name}"[:200], "refused %d point(s) of metric %r: %s; the rest of the "
                               "request is written (counted in /health `points_refused`; logged once a minute per "
                               "metric)", count, name[:200], what)

@@ -244,7 +244,8 @@ class RunFeed:
             "run_name": self.run_name,
             "world_size": self.world_size,
             "ranks": {str(r): {"last_step": s} for r, s in sorted(self.last_step.items())},
-            "last_step": max(self.last_step.values()) if self.last_step else None,
+            # the run's highest step, kept with its state: also what the sink saw before a restart
+            "last_step": _step_or_none(max(self.last_step.values(), default=-1), self.converter.current_step),
             "series": len(self.series),
             "points": self.points,
             "spans": self.spans,
@@ -270,6 +271,11 @@ class RunFeed:
             "idle_s": round(time.monotonic() - self.last_seen, 1),
             "aggregates_pending": self.aggregator.pending_steps if self.aggregator else 0,
         }
+
+
+def _step_or_none(*steps: int) -> int | None:
+    top = max(steps)
+    return top if top >= 0 else None
 
 
 def spool_folder(run_id: str) -> str:

@@ -318,9 +318,12 @@ class Router:
             part.spans = ledger.new_spans(part.spans)
         if part.logs:
             part.logs = ledger.new_logs(part.logs)
-        for record in part.logs:  # a record without a step: its rank's latest step (a foreign sender's)
+        # A record without a step (a foreign sender's): its rank's latest step; where this process has seen none of
+        # that rank yet (the sink restarted, the run reopened), the run's current step, which the ledger keeps.
+        run_step = ledger.current_step if ledger.current_step >= 0 else None
+        for record in part.logs:
             if record.step is None:
-                record.step = state.last_step.get(record.run.rank)
+                record.step = state.last_step.get(record.run.rank, run_step)
         if state.aggregator is not None and part.metrics:
             agg = state.aggregator.add(part.metrics)
             if agg:

@@ -15,16 +15,21 @@ steps again), each sum as its total since the series' start time. otel-train its
   CUMULATIVE point adds its increase since the previous point of the same OTel series (name +
   attributes, ``train.step`` included) from the same sender (`service.instance.id`, else host and pid);
   a later start time, or a lower value at a later time, is a reset (a restarted process), so the whole
-  value is new. Points are ordered by their own times, not by arrival: a point older than the one
-  already applied (an earlier time, or an earlier start time) is late and changes nothing. A point that
-  adds nothing to an already-written series is a repeat and is not written again. Two senders on one
-  series are counted as a collision (`collisions`, shown in `/health`): their increases add up.
+  value is new; a new sender takes the series over where the previous one stopped. Points are ordered by
+  their own times, not by arrival: a point older than the one already applied (an earlier time, or an
+  earlier start time) is late and changes nothing. A point that adds nothing to an already-written series
+  is a repeat and is not written again. Two senders sending one series at once (an earlier sender's point
+  after another's) are counted as a collision (`collisions`, shown in `/health`: a point each time the
+  sender changes back): their increases add up.
 * **Up-down counters** (non-monotonic sums) are running totals in both temporalities, like counters
   (a CUMULATIVE point adds its change since the previous point, which may be negative; only a new
   start time is a reset), so one program gives the same rows either way. A NaN or ±inf sum point is
   counted (`nan_points`) and skipped, never added.
 * **Gauges** (and up-down values, summary quantiles): written once per (series, step, value); a
-  re-sent unchanged point is not written again (a NaN is the same value as a NaN of the same bits).
+  re-sent unchanged point is not written again (a NaN is the same value as a NaN of the same bits). A point
+  older than the newest point of its series applied (an earlier time: a collector's retry arriving after a later
+  export) is late: it changes no value already written (a step that has one, or a step-less point) and is
+  counted in `late_points`; at a step that has no value yet it is written.
 * **Histograms** (explicit and exponential) and **summaries**: CUMULATIVE points become the
   increase since the previous point (count, sum and buckets), the shape DELTA points already have;
   an unchanged point is a repeat. ``/count`` and ``/sum`` are per collection window either way;
@@ -100,7 +105,8 @@ _MAX_SPANS = 100_000
 _MAX_LOGS = 100_000
 _MISSING: Any = object()
 _LOW_64 = (1 << 64) - 1
-_NO_FLOOR = -(1 << 64)  # below every step: a series with nothing out of its window
+_NO_FLOOR = -(1 << 64)
+_SENDERS_KEPT = 4  # senders remembered per cumulative series (the latest): enough to tell a collision  # below every step: a series with nothing out of its window
 
 
 def exponential_buckets(scale: int, zero_count: int, positive: tuple[int, Sequence[int]],
@@ -162,12 +168,14 @@ class SeriesLedger(MetricsConverter):
         self._spans: dict[tuple[int, int, int], int] = {}  # (trace id high, low, span id) of spans taken: retries
         self._logs: dict[int, int] = {}  # keys of log records taken (`log_key`): retries
         self._written: dict[tuple[int, str], float] = {}  # last value of step-less gauge series
-        self._senders: dict[tuple[int, str], str] = {}  # (rank, tag) -> first sender of a cumulative series
+        self._gauge_times: dict[tuple[int, str], int] = {}  # the newest time of a gauge point applied, per series
+        # (rank, tag) -> the senders of a cumulative series, the latest last (a few)
+        self._senders: dict[tuple[int, str], tuple[str, ...]] = {}
         self._sequence: dict[tuple[int, str], int] = {}
         self._tables: dict[str, dict[Any, Any]] = {
             "T": self._sums, "P": self._tops, "C": self._cumulative, "H": self._hists,
             "X": self._extremes, "L": self._deltas, "D": self._delta_seen, "S": self._spans, "W": self._written,
-            "N": self._senders, "Q": self._sequence, "O": self._logs,
+            "N": self._senders, "Q": self._sequence, "O": self._logs, "M": self._gauge_times,
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
         # Gauge rows written since `begin`, in order, and where each run of them of one series starts (an index
@@ -184,7 +192,7 @@ class SeriesLedger(MetricsConverter):
         self.collisions = 0
         #: The first few series with two senders, for the log and `/runs`.
         self.collided: list[str] = []
-        #: Cumulative points older than the one already applied (reordered by the network): not applied.
+        #: Cumulative and gauge points older than the one already applied (reordered by the network): not applied.
         self.late_points = 0
         #: Sum points whose value was NaN: not added to the running total.
         self.nan_points = 0
@@ -495,8 +503,12 @@ class SeriesLedger(MetricsConverter):
         recorded: Any = None  # the series `new_at` last began a run of rows for
         floor = _NO_FLOOR
         added = 0
+        times = self._gauge_times
+        newest = newest_before = 0  # the series' newest point time applied (0: none, or no time given)
         for row in rows:
             if row.tag is not tag or row.run is not run:
+                if newest != newest_before:
+                    self._remember("M", times, (rank, tag), newest)
                 if row.run is not run:
                     run = row.run
                     rank = run.rank
@@ -510,8 +522,10 @@ class SeriesLedger(MetricsConverter):
                     series = by_tag[tag] = {}
                 steps = series
                 floor = floors.get((rank, tag), _NO_FLOOR) if floors else _NO_FLOOR
+                newest = newest_before = times.get((rank, tag), 0)
             step = row.step
             value = row.value
+            t = row.time_unix_nano
             old = steps.get(step, _MISSING)
             if old is _MISSING:
                 if step <= floor:
@@ -519,9 +533,16 @@ class SeriesLedger(MetricsConverter):
                     continue
                 added += 1
             elif old == value or _same_value(old, value):
+                if t > newest:  # noqa: PLR1730 - cheaper than a max() call per point
+                    newest = t
                 continue  # re-sent unchanged
+            elif t < newest:
+                self.late_points += 1  # an older value of a step that has a newer one (a retry arriving late)
+                continue
             elif record:
                 self._changed_gauges.append((len(new_rows), steps, step, old))
+            if t > newest:  # noqa: PLR1730
+                newest = t
             steps[step] = value
             append(row)
             if record:
@@ -529,17 +550,25 @@ class SeriesLedger(MetricsConverter):
                     recorded = steps
                     new_at.append(len(new_rows))
                 new_rows.append(row)
+        if newest != newest_before:
+            self._remember("M", times, (rank, tag), newest)
         self._gauge_entries += added
 
     def _sender(self, rank: int, tag: str, sender: str) -> None:
+        """Note the sender of a cumulative point. A sender new to the series takes it over (a restarted process
+        goes on where the previous one stopped); a point from an earlier sender after another sender's is a
+        collision: two processes send the series at once."""
         key = (rank, tag)
-        first = self._senders.get(key)
-        if first is None:
-            self._remember("N", self._senders, key, sender)
-        elif first != sender:
-            self.collisions += 1
-            if len(self.collided) < 10 and tag not in self.collided:
-                self.collided.append(tag)
+        senders = self._senders.get(key)
+        if senders is None:
+            self._remember("N", self._senders, key, (sender,))
+        elif senders[-1] != sender:
+            if sender in senders:
+                self.collisions += 1
+                if len(self.collided) < 10 and tag not in self.collided:
+                    self.collided.append(tag)
+            kept = tuple(s for s in senders if s != sender)[-(_SENDERS_KEPT - 1):]
+            self._remember("N", self._senders, key, (*kept, sender))
 
     def _late(self, prev: tuple[int, float, int] | None, start: int, t: int) -> bool:
         """Whether a cumulative point is older than the one applied before it (by start time, then time)."""
@@ -592,6 +621,9 @@ class SeriesLedger(MetricsConverter):
             return True
         # GAUGE: the value itself, once per (series, step, value)
         if stepless:
+            if row.time_unix_nano < self._gauge_times.get((rank, row.tag), 0):
+                self.late_points += 1  # older than the value already written: it would show an old value as new
+                return False
             last = self._written.get((rank, row.tag))
             if _same_value(last, row.value) and self.current_step < 0:
                 return False  # an unchanged step-less value re-sent with no step to tell it apart
@@ -688,6 +720,10 @@ def _same(value: Any) -> Any:
     return value
 
 
+def _senders_of(v: Any) -> tuple[str, ...]:
+    return (v,) if isinstance(v, str) else tuple(v)  # the previous format kept the first sender alone
+
+
 def _hist_prev(v: list[Any]) -> tuple[int, int, float, tuple[float, ...], tuple[int, ...], int]:
     return (v[0], v[1], v[2], tuple(v[3]), tuple(v[4]), v[5])
 
@@ -695,5 +731,5 @@ def _hist_prev(v: list[Any]) -> tuple[int, int, float, tuple[float, ...], tuple[
 #: How each table's values come back from msgpack (lists to tuples where the table holds tuples).
 _VALUE_OF: dict[str, Callable[[Any], Any]] = {
     "T": _same, "P": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
-    "S": _same, "W": _same, "N": _same, "Q": _same, "O": _same,
+    "S": _same, "W": _same, "N": _senders_of, "Q": _same, "O": _same, "M": _same,
 }
