@@ -92,7 +92,7 @@ class Progress:
     def summary(self) -> str:
         behind = self.behind()
         if not behind:
-            return f"{self.spooled} window(s), every backend up to date"
+            return f"{self.spooled} window(s), every one delivered to every backend"
         return ", ".join(f"`{name}` behind by {steps} step(s) ({self.spooled - self.delivered[name]} window(s) "
                          f"after step {self.delivered_step.get(name, -1)} not held)" for name, steps in behind.items())
 

@@ -17,10 +17,10 @@ as the backend shows them. Heavy imports (TensorBoard, W&B, MLflow, Trackio) hap
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -106,7 +106,7 @@ def trace_events(path: Path) -> list[dict[str, Any]]:
         return []
     raw = path.read_bytes()
     if path.suffix == ".gz":
-        raw = gzip.GzipFile(fileobj=__import__("io").BytesIO(raw)).read() if raw else b""
+        raw = _gunzip_what_is_there(raw)
     text = raw.decode("utf-8", "replace")
     try:
         data = json.loads(text, parse_constant=_not_json)
@@ -116,6 +116,23 @@ def trace_events(path: Path) -> list[dict[str, Any]]:
         data = _unterminated(text)
     events: list[dict[str, Any]] = data["traceEvents"] if isinstance(data, dict) else data
     return [e for e in events if isinstance(e, dict)]
+
+
+def _gunzip_what_is_there(raw: bytes) -> bytes:
+    """What a gzip file holds, also when a crash cut it off: the writer flushes whole events (a sync flush), so the
+    stream up to the cut is readable though it has no end marker (`gzip` refuses such a file with EOFError).
+    Members written one after another (a trace appended to by a later process) are read in turn."""
+    out = []
+    while raw:
+        unzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            out.append(unzip.decompress(raw))
+        except zlib.error:
+            break  # a torn tail: what came before it is kept
+        if not unzip.eof:
+            break  # cut off: no end marker
+        raw = unzip.unused_data
+    return b"".join(out)
 
 
 def _unterminated(text: str) -> list[Any]:
@@ -198,6 +215,8 @@ def wandb_records(path: Path) -> Iterator[Any]:
         if kind == 0 and length == 0:  # zero padding up to the block end
             off += left
             continue
+        if off + _HEADER + length > len(data):
+            return  # a record cut off by a crash or a full disk: the file's readable part ends here (W&B's rule)
         chunk = data[off + _HEADER:off + _HEADER + length]
         off += _HEADER + length
         if kind in (1, 4):  # FULL, LAST

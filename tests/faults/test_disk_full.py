@@ -98,7 +98,7 @@ def test_disk_full_on_the_spool_delivers_from_memory(tmp_path: Path, fail: str, 
     points = jsonl_points(out, "full")
     assert len(points) == len(set(points)) and set(points) == expected(range(STEPS))  # every step, once
     assert sorted(tb_points(out / "full")) == sorted(expected(range(STEPS), as_f32=True))
-    assert "every backend up to date" in _replay(out / "full")  # replay finds nothing left, adds nothing
+    assert "every one delivered to every backend" in _replay(out / "full")  # replay finds nothing left, adds nothing
     assert len(jsonl_points(out, "full")) == len(points)
 
 

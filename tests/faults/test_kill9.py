@@ -43,7 +43,7 @@ def test_kill_9_at_any_step_then_replay_lands_each_step_once(tmp_path: Path) -> 
         # Everything the exporter process spooled is durable in both backends...
         assert r["cursors"] == {"jsonl": spooled, "tensorboard": spooled}, r
         # ... so replay finds nothing to deliver, twice.
-        assert r["replays"] == [[0, f"rank0: {spooled} window(s), every backend up to date\n"]] * 2, r
+        assert r["replays"] == [[0, f"rank0: {spooled} window(s), every one delivered to every backend\n"]] * 2, r
         steps = sorted({p[1] for p in r["jsonl"]})
         last = steps[-1]
         assert steps == list(range(last + 1)), r["rep"]  # no hole
@@ -62,7 +62,7 @@ def test_kill_9_of_the_whole_job_then_replay_lands_every_spooled_step(tmp_path: 
         assert r["killed_by"] == 9, r
         last = r["spooled_step"]  # the spool's last intact record: what reached the exporter process
         assert r["last_flushed"] <= last <= r["last_reported"] + 1, r
-        assert r["replays"][1] == [0, f"rank0: {r['spooled_seq']} window(s), every backend up to date\n"], r
+        assert r["replays"][1] == [0, f"rank0: {r['spooled_seq']} window(s), every one delivered to every backend\n"], r
         assert {tuple(p) for p in r["jsonl"]} == expected(range(last + 1)), r["rep"]
         assert {tuple(p) for p in r["tb"]} == expected(range(last + 1), as_f32=True), r["rep"]
         assert len(r["jsonl"]) == len(set(map(tuple, r["jsonl"]))), r["rep"]  # each point once, in the file

@@ -159,6 +159,19 @@ def test_replay_says_what_is_still_missing_when_the_spool_no_longer_has_it(
     assert "tensorboard: " not in out.split("still missing", 1)[1], out  # TensorBoard holds everything
 
 
+def test_replay_says_a_backend_verify_still_fails_on_without_missing_values(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Spans lost from the trace after it had acknowledged them: no value is missing, but verify fails; replay
+    said nothing and exited 0 (its check looked only at missing values)."""
+    job = _run_job(tmp_path, "spans", "plain", None, OTEL_TRAIN_EXPORTERS="jsonl,chrome_trace")
+    for trace in (job.run_dir / "trace").glob("rank0*.trace.json"):
+        trace.write_text("[\n")  # every span gone, as a disk or a user could leave it
+    capsys.readouterr()
+    assert cli_main(["replay", str(job.run_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "rank 0 chrome_trace: verify still fails after the replay" in out, out
+
+
 def test_a_duplicated_and_a_changed_jsonl_point(job: Job, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run_dir = _tampered(job, tmp_path)
 
@@ -228,6 +241,45 @@ def test_a_span_removed_from_the_trace(job: Job, tmp_path: Path, capsys: pytest.
     b = _backend(report, "chrome_trace")
     assert b["spans_missing"] == 1 and b["span_problems"] == {"step": [[12], []]}
     assert "span `step`: missing at steps 12" in text
+
+
+def test_a_trace_gzip_cut_off_by_a_crash_is_read_up_to_the_cut(job: Job, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`OTEL_TRAIN_TRACE_GZIP=1` flushes whole events as it goes; a crash leaves the stream without its end marker,
+    which `gzip` refuses (EOFError): verify read nothing and failed the trace, and replay then had nothing to go
+    on. Read up to the cut, the trace's spans are all there."""
+    import zlib
+
+    run_dir = _tampered(job, tmp_path)
+    (trace,) = (run_dir / "trace").glob("rank0*.trace.json")
+    data = json.loads(trace.read_text())
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    packer = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    cut = packer.compress(("[\n" + ",\n".join(json.dumps(e) for e in events) + ",\n").encode())
+    cut += packer.flush(zlib.Z_SYNC_FLUSH)  # as the writer flushes; no `flush()`: no end marker
+    trace.unlink()
+    trace.with_name(trace.name + ".gz").write_bytes(cut)
+    code, report, _ = _verify(run_dir, capsys)
+    b = _backend(report, "chrome_trace")
+    assert (b["status"], b["spans_missing"], b["reason"]) == ("pass", 0, ""), b
+    assert code == 0
+
+
+def test_a_wandb_run_file_cut_off_mid_record_is_read_up_to_the_cut(job: Job, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A full disk or a kill tears W&B's last record: verify read past the file's end (a protobuf DecodeError) and
+    said only "cannot read it back", so replay could not tell what W&B lacked. Read as W&B reads it (up to the torn
+    record), the values of the records before the cut are there and those after it are named missing."""
+    run_dir = _tampered(job, tmp_path)
+    for run_file in (run_dir / "wandb").rglob("*.wandb"):  # the run's folder and `latest-run` (copied, not linked)
+        data = run_file.read_bytes()
+        run_file.write_bytes(data[:len(data) * 2 // 3])  # mid-record, most likely; never past a whole file
+    code, report, text = _verify(run_dir, capsys)
+    b = _backend(report, "wandb")
+    assert "cannot read it back" not in b["reason"], b
+    assert code == 1 and b["status"] == "fail" and b["missing"] > 0, b
+    assert 0 < b["missing"] < STEPS * len(USER_SERIES), b  # the part before the cut was read
+    assert "wandb" in text
 
 
 def test_no_record_is_not_a_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
