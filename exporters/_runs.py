@@ -148,6 +148,7 @@ class StepGate:
         self._monotonic = monotonic
         self._last: dict[Any, int] = {}
         self._floor: dict[Any, int] = {}
+        self._series_floors: dict[Any, dict[str, int]] = {}
         self._log = LogOnce(_logger)
         self.dropped = 0
 
@@ -155,16 +156,27 @@ class StepGate:
         if step is not None and step >= 0:
             self._floor[key] = max(step, self._floor.get(key, -1))
 
+    def set_series_floors(self, key: Any, floors: Mapping[str, int]) -> None:
+        """The last step the backend holds of each series of `key` (a resumed run whose store says so per series):
+        a row given its series (`admit`'s `series`) is then dropped only at or below its own series' last step. The
+        highest step of any series (`set_floor`) would cost a series that lags the others (another series logged
+        ahead with ``step=``) the steps between them."""
+        self._series_floors[key] = dict(floors)
+
     def floor(self, key: Any) -> int:
         return self._floor.get(key, -1)
 
     def last(self, key: Any) -> int:
         return self._last.get(key, -1)
 
-    def admit(self, key: Any, step: int, rows: int = 1) -> bool:
-        """True when `step` may be written for `key`; records it as written. A refused step counts `rows`
-        (the rows it held) in `dropped`."""
+    def admit(self, key: Any, step: int, rows: int = 1, series: str | None = None) -> bool:
+        """True when `step` may be written for `key` (of `series`, where the rows are of one series); records it as
+        written. A refused step counts `rows` (the rows it held) in `dropped`."""
         floor = self._floor.get(key, -1)
+        if series is not None:
+            floors = self._series_floors.get(key)
+            if floors is not None:
+                floor = floors.get(series, -1)
         if step <= floor:
             self.dropped += rows
             self._log.warning(

@@ -199,6 +199,7 @@ class MLflowExporter(RowExporter):
         self._gate = StepGate("mlflow", monotonic=False)
         self._floored: set[tuple[str, int]] = set()
         self._last_stored: dict[tuple[str, int], int] = {}  # (MLflow run, rank) -> highest step its tag claims
+        self._held_steps: dict[str, dict[str, int]] = {}  # MLflow run id -> metric key -> its last step when found
         self._keys: dict[tuple[str, str, int], str] = {}  # row's series -> MLflow key
         # `_unique_stamp`'s memory, the latest `_STAMPS_KEPT` entries of each: a row (its point and its time in ns)
         # -> the timestamp it was given; a point (MLflow run, key, step, value's bits) -> the last timestamp given.
@@ -242,10 +243,10 @@ class MLflowExporter(RowExporter):
                 for row in step_rows:
                     rank = row.run.rank
                     self._ensure_floor(mlflow_id, rank)
-                    if not self._gate.admit((mlflow_id, rank), step):
+                    key = self._key(row)
+                    if not self._gate.admit((mlflow_id, rank), step, series=key):
                         continue
                     last[rank] = max(step, last.get(rank, step))
-                    key = self._key(row)
                     stamp = self._unique_stamp(mlflow_id, key, row)
                     metrics.append(Metric(key, row.value, stamp, step))
             tags = []
@@ -395,6 +396,12 @@ class MLflowExporter(RowExporter):
         mlflow_id = str(run.info.run_id)
         self._runs[info.run_id] = mlflow_id
         self._tags[mlflow_id] = dict(run.data.tags)
+        # The last step stored of each metric (MLflow's latest metric of a key is its highest step): a resumed run's
+        # floor per series, so a series that lags another (logged ahead with `step=`) loses none of its steps.
+        held: dict[str, int] = {}
+        for metric in run.data.to_proto().metrics:
+            held[metric.key] = max(int(metric.step), held.get(metric.key, -1))
+        self._held_steps[mlflow_id] = held
         if self.options.resume_step is not None:
             # MLflow cannot delete points: record where the run restarted (its steps >= N before this
             # are the earlier attempt's; the ones it already holds are not written again).
@@ -421,6 +428,7 @@ class MLflowExporter(RowExporter):
                 return
             self._gate.set_floor((mlflow_id, rank), step)
             self._last_stored[(mlflow_id, rank)] = step
+            self._gate.set_series_floors((mlflow_id, rank), self._held_steps.get(mlflow_id, {}))
 
     def _log_params(self, client: MlflowClient, mlflow_id: str, params: dict[str, Any], held: dict[str, str]) -> None:
         from mlflow.entities import Param

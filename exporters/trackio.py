@@ -109,9 +109,9 @@ class TrackioExporter(RowExporter):
                 # for its second value, as Trackio keeps records, not one value per step.
                 records: list[dict[str, Any]] = []
                 for row in step_rows:
-                    if not self._gate.admit((run_id, row.run.rank), step):
-                        continue
                     key = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
+                    if not self._gate.admit((run_id, row.run.rank), step, series=key):
+                        continue
                     held = self._held_last.get((run_id, row.run.rank))
                     if held is not None and held[0] == step and key in held[1]:
                         self._held_dropped += 1  # the earlier attempt stored this series at this step
@@ -230,7 +230,8 @@ class TrackioExporter(RowExporter):
         # At the last stored step itself only the series it holds there are dropped: the rest of a step split
         # over two windows by a kill is still written.
         if resumed:
-            last = _last_steps_by_rank(self.options.project, name)
+            stored = _stored_steps(self.options.project, name)
+            last = None if stored is None else stored[0]
             for rank in range(max(1, info.world_size)):
                 held = None if last is None else last.get(rank)
                 if held is None:
@@ -240,6 +241,9 @@ class TrackioExporter(RowExporter):
                 step, keys = held
                 self._gate.set_floor((info.run_id, rank), step - 1)
                 self._held_last[(info.run_id, rank)] = (step, keys)
+            if stored is not None:  # each series below its own last step (one logged ahead costs the others none)
+                for rank in range(max(1, info.world_size)):
+                    self._gate.set_series_floors((info.run_id, rank), stored[1])
         return run
 
 
@@ -259,10 +263,10 @@ def shared_run_id(project: str, name: str, train_run_id: str) -> str:
 _RANK_IN_KEY = re.compile(r"[{,]rank=(\d+)[,}]")
 
 
-def _last_steps_by_rank(project: str, name: str) -> dict[int, tuple[int, set[str]]] | None:
-    """The last stored step of each rank's series in run `name` (rank N > 0: keys with ``rank=N``) and the keys
-    stored at it; None when the store cannot be read (then the run's last step counts for every rank, as
-    Trackio resumes)."""
+def _stored_steps(project: str, name: str) -> tuple[dict[int, tuple[int, set[str]]], dict[str, int]] | None:
+    """What run `name` holds: the last stored step of each rank's series (rank N > 0: keys with ``rank=N``) with the
+    keys stored at it, and the last stored step of each series (key); None when the store cannot be read (then the
+    run's last step counts for every rank, as Trackio resumes)."""
     try:
         from trackio.sqlite_storage import SQLiteStorage
 
@@ -270,6 +274,7 @@ def _last_steps_by_rank(project: str, name: str) -> dict[int, tuple[int, set[str
     except Exception:
         return None
     out: dict[int, tuple[int, set[str]]] = {}
+    series: dict[str, int] = {}
     for entry in logs:
         step = entry.get("step")
         if not isinstance(step, int):
@@ -282,9 +287,12 @@ def _last_steps_by_rank(project: str, name: str) -> dict[int, tuple[int, set[str
             last = out.get(rank)
             if last is None or step > last[0]:
                 out[rank] = (step, set())
+            names = {key, key.removeprefix("__")}  # a reserved key is stored as __key
             if out[rank][0] == step:
-                out[rank][1].update({key, key.removeprefix("__")})  # a reserved key is stored as __key
-    return out
+                out[rank][1].update(names)
+            for k in names:
+                series[k] = max(step, series.get(k, -1))
+    return out, series
 
 
 def _holds(stored: Any, key: str) -> bool:

@@ -159,6 +159,33 @@ def test_last_step_tag_never_goes_backwards_and_a_restart_writes_no_step_twice(
     assert MlflowClient(uri).get_run(rid).data.tags["otel_train.last_step"] == "12"
 
 
+def test_a_restart_drops_each_series_only_below_its_own_last_step(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A series logged ahead of the loop (`step=i+5`) made the run's last step 5 ahead of the loop's series; after
+    the exporter process restarted, the loop's steps in between were dropped as "already held" (and counted as
+    such, so verify passed). Each series now keeps its own last step."""
+    from otel_train.exporters.mlflow import MLflowExporter
+
+    isolated_mlflow_env(monkeypatch, tmp_path)
+    options = ExporterOptions(directory=tmp_path / "runs", project="ahead")
+    run = RunInfo("ahead-run", "ahead")
+
+    def window(steps: range) -> Window:
+        return Window(metrics=[r for s in steps for r in (row(run, s, "train/loss", float(s)),
+                                                          row(run, s + 5, "wk/val", 100.0 + s + 5))])
+
+    first = MLflowExporter(options)
+    assert first.export_window(window(range(6)))  # train/loss to step 5, wk/val to step 10
+    uri, rid = first.tracking_uri, first.run_ids["ahead-run"]
+    first.shutdown()
+    restarted = MLflowExporter(options)  # handed again from step 4 (its cursor lagged), then on
+    assert restarted.export_window(window(range(4, 9)))
+    restarted.shutdown()
+    assert history(uri, rid, "train/loss") == [(s, float(s)) for s in range(9)]
+    assert history(uri, rid, "wk/val") == [(s, 100.0 + s) for s in range(5, 14)]
+    assert restarted.steps_dropped == 2 + 2  # train/loss 4, 5 and wk/val 9, 10: held already
+
+
 def test_otel_sdk_path_with_counter_totals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain OTel: MeterProvider + reader -> `exporter.export(MetricsData)`; counters as running totals."""
     from mlflow.tracking import MlflowClient

@@ -125,6 +125,41 @@ def test_resume_continues_without_duplicate_steps(phases: dict[str, dict[str, An
     assert loss == [(0, 1.0), (1, 0.5), (2, 0.25), (3, 13.0), (4, 14.0)]
 
 
+AHEAD = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from trackio.sqlite_storage import SQLiteStorage
+    from otel_train.exporters.base import Window
+    from otel_train.exporters.trackio import TrackioExporter
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
+
+    phase, directory = sys.argv[1], Path(sys.argv[2])
+    run = RunInfo("ahead-run", "ahead")
+    steps = range(0, 3) if phase == "first" else range(3, 6)
+    exp = TrackioExporter(ExporterOptions(directory=directory, project="otel-trackio-ahead"))
+    ok = exp.export_window(Window(metrics=[r for s in steps for r in (
+        MetricRow(run, s, "train/loss", "train/loss", float(s), "gauge", 0),
+        MetricRow(run, s + 5, "wk/val", "wk/val", 100.0 + s + 5, "gauge", 0))]))
+    exp.shutdown()
+    print("RESULT" + json.dumps({"ok": ok, "dropped": exp.steps_dropped,
+                                 "logs": SQLiteStorage.get_logs("otel-trackio-ahead", "ahead")}, default=str))
+""")
+
+
+def test_a_restart_drops_each_series_only_below_its_own_last_step(tmp_path: Path) -> None:
+    """A series logged ahead of the loop (`step=i+5`) set the run's last step 5 ahead of the loop's series: after a
+    restart, the loop's steps in between were dropped as "already held". Each series now keeps its own last step."""
+    script = tmp_path / "ahead.py"
+    script.write_text(AHEAD)
+    run_phase("first", tmp_path, script)
+    resumed = run_phase("resume", tmp_path, script)
+    assert resumed["ok"] and resumed["dropped"] == 0
+    assert series(resumed["logs"], "train/loss") == [(s, float(s)) for s in range(6)]
+    assert series(resumed["logs"], "wk/val") == [(s, 100.0 + s) for s in range(5, 11)]
+
+
 def test_the_users_own_trackio_run_is_untouched(phases: dict[str, dict[str, Any]]) -> None:
     assert phases["first"]["user_alive"] and phases["resume"]["user_alive"]
 
