@@ -56,6 +56,8 @@ DIED_GRACE_S = 2 * _SEND_EVERY_S
 _CONNECT_TIMEOUT_S = 2.0
 _SEND_TIMEOUT_S = 5.0  # a stalled exporter process: give up and drop, never block the worker's exit for long
 _MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropped (counted)
+#: New connections a child makes after the exporter process went away: the trainer restarts it once.
+_MAX_RECONNECTS = 3
 #: What a child lost, as the trainer's shutdown summary words it (`WorkerListener.lost`).
 LOST_REFUSED_STEP = REFUSED_PREFIX + "bad_step"  # refusals: the trainer's summary counts them with its own
 LOST_BUFFER = "values over a child process's buffer"
@@ -360,6 +362,7 @@ class WorkerClient:
         self._sock: socket.socket | None = None
         self._state = "new"  # new -> open | dead
         self._warned = False
+        self._reconnects = 0  # new connections after the exporter process went away (`_send_again`)
         self._stack = threading.local()
         self.dropped = 0
         #: Lost here and not yet told to the exporter process (which tells the trainer's summary): cause -> count.
@@ -525,12 +528,34 @@ class WorkerClient:
             sock = self._sock
             if not (points or spans or lost or logs) or sock is None or self._state != "open":
                 return
+            frame = (points, spans, lost, logs) if logs else (points, spans, lost)
             try:  # log records as a fourth element, only when there are some: the frame earlier versions read
-                _send(sock, (points, spans, lost, logs) if logs else (points, spans, lost))
+                _send(sock, frame)
             except OSError as err:
                 self._sock = None
                 sock.close()
-                self._die(f"sending to the run's exporter process failed ({err})")
+                self._send_again(frame, err)
+
+    def _send_again(self, frame: tuple[Any, ...], err: OSError) -> None:
+        """The exporter process went away as this frame was sent (the lock held): a frame whose sending failed was
+        never taken whole, so it goes again, on a new connection to the same address, where the trainer's
+        restarted exporter process listens (the trainer holds the listening socket). Without one: dropped, warned
+        once."""
+        if self._reconnects < _MAX_RECONNECTS:
+            self._reconnects += 1
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(_CONNECT_TIMEOUT_S)
+            try:
+                sock.connect(self._address)  # type: ignore[arg-type]  # open: an address was given
+                sock.settimeout(_SEND_TIMEOUT_S)
+                _send(sock, ("hello", _worker_id(), os.getpid()))
+                _send(sock, frame)
+            except OSError:
+                sock.close()
+            else:
+                self._sock = sock
+                return
+        self._die(f"sending to the run's exporter process failed ({err})")
 
     def close(self) -> None:
         """Send the rest and close (at the child's exit; idempotent)."""
