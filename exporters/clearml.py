@@ -25,23 +25,28 @@
   line ``[step S rank R] LEVEL logger: message`` with the traceback after it; ClearML's console has no
   iteration, so the step is in the line. Ranks as for metrics (`OTEL_TRAIN_RANKS`).
 - One Task per process: rows of a second run id in the same exporter are dropped with a warning.
+- Offline, a process that opens a new Task for a run that earlier sessions hold (the exporter process restarted,
+  a replay, a job restarted) skips each series' rows at or below the last iteration those sessions hold of it,
+  as the other run-based backends skip steps they hold (counted in `steps_dropped`).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from otel_train.config.exporter_options import ExporterOptions
-from otel_train.exporters._runs import by_step, hparams_for, rank_tag, series_name, wanted
+from otel_train.exporters._runs import StepGate, by_step, hparams_for, rank_tag, series_name, wanted
 from otel_train.exporters.base import RowExporter
 from otel_train.vocab.rows import HistogramRow, LogRow, MetricRow, series_tag
 from otel_train.vocab.run_identity import CONFIG_HASH, PREEMPTED, RunInfo
 
-__all__ = ["PREEMPTED_TAG", "ClearMLExporter", "title_series"]
+__all__ = ["PREEMPTED_TAG", "ClearMLExporter", "offline_scalars", "offline_sessions_of", "title_series"]
 
 _logger = logging.getLogger(__name__)
 
@@ -80,6 +85,39 @@ def title_series(name: str, tag: str) -> tuple[str, str]:
     if not sep or not title or not series:
         return base, base + suffix
     return title, series + suffix
+
+
+def offline_scalars(folder: Path) -> Iterator[tuple[str, int, float]]:
+    """``(title/series, iteration, value)`` of each scalar an offline session folder holds (its ``metrics.jsonl``)."""
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        return
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            events = json.loads(line)
+        except ValueError:
+            continue  # a line a kill cut off
+        for ev in events:
+            if isinstance(ev, dict) and ev.get("type") == "training_stats_scalar":
+                yield f"{ev['metric']}/{ev['variant']}", ev["iter"], ev["value"]
+
+
+def offline_sessions_of(offline_dir: Path, run_id: str) -> list[Path]:
+    """The offline session folders under `offline_dir` of the run `run_id` (tagged ``train.run.id:<id>``)."""
+    mark = f"train.run.id:{run_id}"
+    return [folder for folder in sorted(p for p in offline_dir.glob("*") if p.is_dir()) if _mentions(folder, mark)]
+
+
+def _mentions(folder: Path, text: str) -> bool:
+    for path in folder.rglob("*.json*"):
+        try:
+            if text in path.read_text(errors="replace"):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _server_configured() -> bool:
@@ -122,6 +160,12 @@ class ClearMLExporter(RowExporter):
         self._own_task = False
         self._run_id: str | None = None
         self.rows_dropped = 0
+        self._gate = StepGate("clearml", monotonic=False)
+
+    @property
+    def steps_dropped(self) -> int:
+        """Rows not written because an earlier session of the run holds their series at that step or later."""
+        return int(self._gate.dropped)
 
     @property
     def task(self) -> Any:
@@ -140,6 +184,9 @@ class ClearMLExporter(RowExporter):
             for row in step_rows:
                 tag = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
                 title, series = title_series(row.name, tag)
+                if not self._gate.admit(row.run.run_id, step, series=f"{title}/{series}"):
+                    self.mark_written((row,))  # held by an earlier session: handled
+                    continue
                 if isinstance(row, MetricRow):
                     logger.report_scalar(title, series, value=row.value, iteration=step)
                 elif row.count:
@@ -238,7 +285,28 @@ class ClearMLExporter(RowExporter):
                 task.set_initial_iteration(0)
         task.add_tags(tags)
         task.connect(params)
+        if self._own_task:
+            self._floor_from_earlier_sessions(task, info.run_id)
         return task
+
+    def _floor_from_earlier_sessions(self, task: Any, run_id: str) -> None:
+        """Offline: each series' last iteration in the run's earlier sessions (the Task is new per process, so a
+        restarted exporter process handed windows its previous session had written would write them twice)."""
+        try:
+            folder = task.get_offline_mode_folder() if task.is_offline() else None
+        except Exception:  # another ClearML version: without the floor, as before
+            folder = None
+        if folder is None:
+            return
+        own = Path(folder)
+        held: dict[str, int] = {}
+        for session in offline_sessions_of(own.parent, run_id):
+            if session == own:
+                continue
+            for name, iteration, _ in offline_scalars(session):
+                held[name] = max(int(iteration), held.get(name, -1))
+        if held:
+            self._gate.set_series_floors(run_id, held)
 
 
 def _logging_level(severity_number: int) -> int:

@@ -271,15 +271,9 @@ def clearml_folders(cache_dir: Path) -> list[Path]:
 
 def clearml(folder: Path) -> list[Point]:
     """Scalars of one offline Task as ``title/series`` names, the iteration as step."""
-    out: list[Point] = []
-    path = folder / "metrics.jsonl"
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        if line.strip():
-            out.extend(Point(f"{ev['metric']}/{ev['variant']}", ev["iter"], ev["value"]) for ev in json.loads(line)
-                       if ev.get("type") == "training_stats_scalar")
-    return out
+    from otel_train.exporters.clearml import offline_scalars
+
+    return [Point(name, step, value) for name, step, value in offline_scalars(folder)]
 
 
 def finite_only(points: Iterable[Point]) -> list[Point]:

@@ -146,8 +146,10 @@ def _clearml(plan: RankPlan, backend: BackendPlan) -> Held | str:
 
     if plan.env.get("CLEARML_API_HOST"):
         return "ClearML with a server: its store is on the server"
+    from otel_train.exporters.clearml import offline_sessions_of
+
     cache = Path(plan.env.get("CLEARML_CACHE_DIR") or Path.home() / ".clearml" / "cache")
-    folders = [f for f in readers.clearml_folders(cache) if _mentions(f, f"train.run.id:{plan.run_id}")]
+    folders = offline_sessions_of(cache / "offline", plan.run_id)
     if not folders:
         return f"no ClearML offline session of this run under {cache}"
 
@@ -157,16 +159,6 @@ def _clearml(plan: RankPlan, backend: BackendPlan) -> Held | str:
 
     return Held([p for f in folders for p in readers.clearml(f)], name_of,
                 where=", ".join(map(str, folders)))
-
-
-def _mentions(folder: Path, text: str) -> bool:
-    for path in folder.rglob("*.json*"):
-        try:
-            if text in path.read_text(errors="replace"):
-                return True
-        except OSError:
-            continue
-    return False
 
 
 _READERS: dict[str, Callable[[RankPlan, BackendPlan], Any]] = {

@@ -234,3 +234,50 @@ def test_no_server_means_offline(fake_clearml: type[_FakeTask], tmp_path: Path) 
     with ClearMLExporter(ExporterOptions(directory=tmp_path)) as exp:
         exp.export_window(Window(metrics=[row(RunInfo("r", "n"), 0, "a", 1.0)]))
     assert fake_clearml.offline_calls == [True]
+
+
+RESTART = """
+import json, sys
+from pathlib import Path
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.exporters.base import Window
+from otel_train.exporters.clearml import ClearMLExporter
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
+
+first, last = int(sys.argv[1]), int(sys.argv[2])
+run = RunInfo("cml-restart", "restart")
+exporter = ClearMLExporter(ExporterOptions(directory=Path(sys.argv[3]), project="otel-clearml-restart"))
+ok = exporter.export_window(Window(metrics=[MetricRow(run, s, "train/loss", "train/loss", float(s), "gauge", 0)
+                                            for s in range(first, last + 1)]))
+ok = ok and exporter.force_flush()
+exporter.shutdown()
+print("RESULT" + json.dumps({"ok": ok, "dropped": exporter.steps_dropped}))
+"""
+
+
+def test_a_restarted_exporter_writes_no_step_an_earlier_session_holds(tmp_path: Path) -> None:
+    """Each process opens a new offline Task; the restarted exporter process is handed again the windows after its
+    cursor, which lags what the previous session wrote: those steps were written twice (every restart). Now a
+    series' rows at or below its last iteration in the run's earlier sessions are skipped, counted."""
+    import subprocess
+
+    from readback import clearml_folders
+
+    script = tmp_path / "restart.py"
+    script.write_text(RESTART)
+    with pytest.MonkeyPatch.context() as mp:
+        isolated_clearml_env(mp, tmp_path)
+        env = dict(os.environ)
+    results = []
+    for first, last in ((0, 5), (3, 8)):  # the second process is handed steps 3..5 again
+        done = subprocess.run([sys.executable, str(script), str(first), str(last), str(tmp_path / "runs")], env=env,
+                              capture_output=True, text=True, timeout=180, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        results.append(json.loads(done.stdout.split("RESULT", 1)[1]))
+    assert [r["ok"] for r in results] == [True, True]
+    assert [r["dropped"] for r in results] == [0, 3]
+    sessions = clearml_folders(tmp_path / "cache")
+    assert len(sessions) == 2
+    steps = sorted(p.step for f in sessions for p in clearml_points(f) if p.name == "train/loss")
+    assert steps == list(range(9))
