@@ -25,6 +25,9 @@
   line ``[step S rank R] LEVEL logger: message`` with the traceback after it; ClearML's console has no
   iteration, so the step is in the line. Ranks as for metrics (`OTEL_TRAIN_RANKS`).
 - One Task per process: rows of a second run id in the same exporter are dropped with a warning.
+- Offline, what the session folder holds is read back (`durable_step`): ClearML's reporter logs a failed write
+  (a full disk, a read-only file) and goes on, so a step is claimed only once its ``metrics.jsonl`` holds it, and
+  the windows after it stay in the spool for `otel-train replay`.
 - Offline, a process that opens a new Task for a run that earlier sessions hold (the exporter process restarted,
   a replay, a job restarted) skips each series' rows at or below the last iteration those sessions hold of it,
   as the other run-based backends skip steps they hold (counted in `steps_dropped`).
@@ -90,16 +93,20 @@ def title_series(name: str, tag: str) -> tuple[str, str]:
 def offline_scalars(folder: Path) -> Iterator[tuple[str, int, float]]:
     """``(title/series, iteration, value)`` of each scalar an offline session folder holds (its ``metrics.jsonl``)."""
     path = folder / "metrics.jsonl"
-    if not path.exists():
-        return
-    for line in path.read_text(errors="replace").splitlines():
+    if path.exists():
+        yield from _scalars_in(path.read_bytes())
+
+
+def _scalars_in(data: bytes) -> Iterator[tuple[str, int, float]]:
+    """The scalars of whole ``metrics.jsonl`` lines (a line a kill cut off is skipped)."""
+    for line in data.decode("utf-8", "replace").splitlines():
         if not line.strip():
             continue
         try:
             events = json.loads(line)
         except ValueError:
-            continue  # a line a kill cut off
-        for ev in events:
+            continue
+        for ev in events if isinstance(events, list) else ():
             if isinstance(ev, dict) and ev.get("type") == "training_stats_scalar":
                 yield f"{ev['metric']}/{ev['variant']}", ev["iter"], ev["value"]
 
@@ -161,6 +168,9 @@ class ClearMLExporter(RowExporter):
         self._run_id: str | None = None
         self.rows_dropped = 0
         self._gate = StepGate("clearml", monotonic=False)
+        self._folder: Path | None = None  # our offline session's folder (read back), else None
+        self._unseen: dict[int, str] = {}  # step -> a scalar reported at it that the folder was not seen to hold
+        self._read_to = 0  # bytes of the session's metrics.jsonl read back so far (whole lines)
 
     @property
     def steps_dropped(self) -> int:
@@ -189,6 +199,8 @@ class ClearMLExporter(RowExporter):
                     continue
                 if isinstance(row, MetricRow):
                     logger.report_scalar(title, series, value=row.value, iteration=step)
+                    if self._folder is not None and step not in self._unseen:
+                        self._unseen[step] = f"{title}/{series}"
                 elif row.count:
                     logger.report_histogram(title, series, values=list(row.bucket_counts), iteration=step,
                                             xlabels=_bucket_labels(row.explicit_bounds), xaxis=row.name,
@@ -213,6 +225,29 @@ class ClearMLExporter(RowExporter):
     def flush(self) -> None:
         if self._task is not None:
             self._task.get_logger().flush(wait=True)
+
+    def durable_step(self) -> int | None:
+        """Offline: None when the session's ``metrics.jsonl`` holds a scalar of every step reported, else the step
+        below the first it lacks (read back, also after `close`: ClearML only logs a write it could not make)."""
+        if not self._unseen or self._folder is None:
+            return None
+        path = self._folder / "metrics.jsonl"
+        try:
+            with path.open("rb") as f:
+                f.seek(self._read_to)
+                data = f.read()
+        except FileNotFoundError:  # nothing written yet
+            data = b""
+        except OSError as err:
+            self._log.warning("read-back", "clearml: cannot read its session back (%s); the steps since are kept for "
+                              "replay until it can", err)
+            data = b""
+        whole = data[:data.rfind(b"\n") + 1]  # a line being written is read with the next look
+        self._read_to += len(whole)
+        for name, step, _ in _scalars_in(whole):
+            if self._unseen.get(step) == name:
+                del self._unseen[step]
+        return min(self._unseen) - 1 if self._unseen else None
 
     def mark_preempted(self, cause: str) -> None:
         """Tag the Task ``otel_train.preempted:<cause>`` and add a line to its comment."""
@@ -289,16 +324,20 @@ class ClearMLExporter(RowExporter):
             self._floor_from_earlier_sessions(task, info.run_id)
         return task
 
+    def _session_folder(self, task: Any) -> Path | None:
+        """Our offline session's folder (None: online, or a ClearML without the call)."""
+        try:
+            folder = task.get_offline_mode_folder() if task.is_offline() else None
+        except Exception:
+            return None
+        return None if folder is None else Path(folder)
+
     def _floor_from_earlier_sessions(self, task: Any, run_id: str) -> None:
         """Offline: each series' last iteration in the run's earlier sessions (the Task is new per process, so a
         restarted exporter process handed windows its previous session had written would write them twice)."""
-        try:
-            folder = task.get_offline_mode_folder() if task.is_offline() else None
-        except Exception:  # another ClearML version: without the floor, as before
-            folder = None
-        if folder is None:
+        own = self._folder = self._session_folder(task)
+        if own is None:  # online, or another ClearML version: without the floor and the read-back, as before
             return
-        own = Path(folder)
         held: dict[str, int] = {}
         for session in offline_sessions_of(own.parent, run_id):
             if session == own:

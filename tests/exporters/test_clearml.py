@@ -281,3 +281,49 @@ def test_a_restarted_exporter_writes_no_step_an_earlier_session_holds(tmp_path: 
     assert len(sessions) == 2
     steps = sorted(p.step for f in sessions for p in clearml_points(f) if p.name == "train/loss")
     assert steps == list(range(9))
+
+
+UNWRITABLE = """
+import json, shutil, sys
+from pathlib import Path
+from otel_train.config.exporter_options import ExporterOptions
+from otel_train.exporters.base import Window
+from otel_train.exporters.clearml import ClearMLExporter
+from otel_train.vocab.rows import MetricRow
+from otel_train.vocab.run_identity import RunInfo
+
+run = RunInfo("cml-unwritable", "unwritable")
+exporter = ClearMLExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-clearml-unwritable"))
+
+def window(steps):
+    return Window(metrics=[MetricRow(run, s, "train/loss", "train/loss", float(s), "gauge", 0) for s in steps])
+
+out = {"ok": [exporter.export_window(window(range(3))) and exporter.force_flush()]}
+out["durable"] = [exporter.durable_step()]
+metrics = exporter._folder / "metrics.jsonl"
+shutil.move(metrics, metrics.with_suffix(".kept"))
+metrics.mkdir()  # ClearML's reporter cannot append: it logs the error and goes on
+out["ok"].append(exporter.export_window(window(range(3, 6))) and exporter.force_flush())
+out["durable"].append(exporter.durable_step())
+exporter.shutdown()
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_writes_clearml_could_not_make_are_not_claimed(tmp_path: Path) -> None:
+    """ClearML's offline reporter logs a write it cannot make (a full disk, a read-only file) and goes on: the rows
+    were marked written and their windows left the spool, lost for good with "0 dropped". Now a step is claimed only
+    once the session's `metrics.jsonl` holds it (`durable_step`): delivery keeps the rest in the spool."""
+    import subprocess
+
+    script = tmp_path / "unwritable.py"
+    script.write_text(UNWRITABLE)
+    with pytest.MonkeyPatch.context() as mp:
+        isolated_clearml_env(mp, tmp_path)
+        env = dict(os.environ)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT", 1)[1])
+    assert result["ok"] == [True, True]  # ClearML said nothing
+    assert result["durable"] == [None, 2]  # steps 3..5 are not in its store: not claimed
