@@ -284,3 +284,62 @@ def test_disabled_session_is_a_no_op(run_dir: Path, monkeypatch: pytest.MonkeyPa
     assert ot.flush() is True
     ot.shutdown()
     assert not run_dir.exists()
+
+
+def test_text_that_is_not_valid_unicode_or_no_text_costs_nothing_else(run_dir: Path) -> None:
+    """Through the exporter process into JSONL and TensorBoard: a key holding a lone surrogate (a file name decoded
+    with `os.fsdecode`) stopped every backend's writes for the rest of the run (the exporter process died twice,
+    the fallback too) while the summary said "0 dropped"; an attribute whose `str()` raises lost its whole window;
+    `ot.span(attributes=[("k", 1)])` raised into the loop. Now the key is written with the byte escaped, the
+    attribute as a placeholder, the pairs as a mapping, and every step of `train/loss` lands."""
+    import os
+
+    from backendkit import tb_scalars
+
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    class Opaque:
+        def __str__(self) -> str:
+            raise RuntimeError("no str")
+
+        __repr__ = __str__
+
+    bad = "per_file/" + os.fsdecode(b"img_\xff.png")
+    ot.init(exporters=["jsonl", "tensorboard"], dir=run_dir, run_name="odd-text")
+    for i in range(5):
+        with ot.step(i):
+            ot.log({"train/loss": float(i)})
+            if i == 2:
+                ot.log({bad: 1.0})
+                with ot.span(os.fsdecode(b"load_\xfe"), attributes={"file": bad, "obj": Opaque()}):
+                    pass
+            if i == 3:
+                with ot.span("fwd", attributes=[("k", 1)]):  # type: ignore[arg-type]
+                    pass
+    ot.shutdown()
+    rows = list(read_jsonl(jsonl_path(run_dir, "odd-text", 0)))
+    assert [(r["step"], r["value"]) for r in rows if r.get("tag") == "train/loss"] == [(i, float(i)) for i in range(5)]
+    assert [(r["step"], r["value"]) for r in rows if r.get("tag") == "per_file/img_\\xff.png"] == [(2, 1.0)]
+    spans = {r["name"]: r["attributes"] for r in rows if r["type"] == "span"}
+    assert spans["load_\\xfe"]["file"] == "per_file/img_\\xff.png"
+    assert spans["load_\\xfe"]["obj"] == "<Opaque: str() failed>"
+    assert spans["fwd"]["k"] == 1
+    scalars = tb_scalars(run_dir / "odd-text")
+    assert scalars["train/loss"] == [(i, float(i)) for i in range(5)]
+    assert scalars["per_file/img_\\xff.png"] == [(2, 1.0)]
+
+
+def test_a_disabled_run_refuses_a_step_as_quietly_as_an_enabled_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that runs with otel-train on must not crash when a launcher turns it off: after `init()` a step that is
+    no step is ignored (enabled: warned and counted); disabled, `ot.step("3")` raised ValueError."""
+    monkeypatch.setenv("OTEL_TRAIN_DISABLED", "1")
+    ot.init(exporters=[])
+    for bad in ("3", 2.5, -1, True, float("nan")):
+        with ot.step(bad):  # type: ignore[arg-type]
+            ot.log({"x": 1.0}, step=bad)  # type: ignore[arg-type]
+        ot.resume(bad)  # type: ignore[arg-type]
+    ot.shutdown()
+    # before `init()` (and after shutdown): raised, as ever
+    with pytest.raises(ValueError, match="is not a step"), ot.step("3"):  # type: ignore[arg-type]
+        pass
+

@@ -69,6 +69,27 @@ def valid_name(key: Any) -> bool:
     return isinstance(key, str) and key != ""
 
 
+def valid_text(text: str) -> str:
+    """`text` where it is valid Unicode, which every backend stores (as UTF-8); else with each lone surrogate written
+    as the byte it stands for, escaped: a file name decoded with `os.fsdecode` (``'img_\\udcff.png'``) becomes
+    ``'img_\\\\xff.png'``. Before, such a key stopped the run's delivery at the first backend that encoded it.
+
+    Example:
+        >>> valid_text("img_\\udcff.png"), valid_text("épochs/loss")
+        ('img_\\\\xff.png', 'épochs/loss')
+    """
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        try:
+            return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a surrogate that stands for no byte
+            return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def to_float(value: Any) -> float | None:
     """The float of a logged value, or None when it cannot be a number."""
     t = type(value)

@@ -16,14 +16,17 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from otel_train._internal.ratelimit import LogOnce
 from otel_train.capture.step import RANK_ATTRIBUTE, STEP_ATTRIBUTE
 
 __all__ = ["clean_attributes", "held_attributes", "held_value", "refused_reason"]
 
+_warn_once = LogOnce(logging.getLogger("otel_train"))
 _SCALARS = (str, bool, int, float)
 _SET_BY_US = frozenset({STEP_ATTRIBUTE, RANK_ATTRIBUTE})
 _REFUSED = object()
@@ -105,6 +108,14 @@ def held_value(value: Any) -> Any:
         return value
 
 
-def held_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
-    """`attributes` as they are at the call (`held_value` for each)."""
+def held_attributes(attributes: Any) -> dict[str, Any]:
+    """`attributes` as they are at the call (`held_value` for each). Not a mapping: pairs are taken as `dict` takes
+    them (``[("k", 1)]``), anything else gives none, warned once; never an error into the training loop."""
+    if not isinstance(attributes, Mapping):
+        try:
+            attributes = dict(attributes)
+        except Exception:
+            _warn_once.warning("not-a-mapping", "otel_train.span: `attributes` must be a mapping of str -> value, "
+                               "got %s; the span is kept without them (warned once)", type(attributes).__name__)
+            return {}
     return {key: held_value(value) for key, value in attributes.items()}

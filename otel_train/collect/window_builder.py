@@ -22,7 +22,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricsData
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train._internal.values import RefusalCounts, refusal, to_floats, valid_name
+from otel_train._internal.values import RefusalCounts, refusal, to_floats, valid_name, valid_text
 from otel_train.capture.instrument import AttributedValues, LogBuffer, SpanBuffer, SpanRecord
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import MAX_STEP, STEP_ATTRIBUTE, StepEnd
@@ -102,6 +102,8 @@ class WindowBuilder:
         phase_spans: list[Span] = []
         if spans:
             recs = [s for _, s in spans if isinstance(s, SpanRecord)]
+            for rec in recs:
+                _valid_span_text(rec)
             sdk_spans = [s for _, s in spans if not isinstance(s, SpanRecord)]
             row_spans = span_rows(sdk_spans, self.converter) if sdk_spans else []
             if deferred is None:
@@ -147,6 +149,8 @@ class WindowBuilder:
             return out
         floats = to_floats([s[3] for s in slow])
         for (idx, key, step, raw, t), value in zip(slow, floats):
+            if type(key) is str:
+                key = valid_text(key)  # a lone surrogate would stop every backend's writes
             if self._usable(key, raw, value) and value is not None:
                 if "{" in key:  # its tag is escaped (`series_tag`): a row, so the key stays its name
                     attributed.append(MetricRow(run, step, key, series_tag(key, None), value, "gauge", t))
@@ -156,8 +160,8 @@ class WindowBuilder:
 
     def _attributed_rows(self, run: RunInfo, step: int, record: AttributedValues, t: int,
                          rows: list[MetricRow]) -> None:
-        attrs = record.attributes
-        items = list(record.values.items())
+        attrs = {k: valid_text(v) if type(v) is str else v for k, v in record.attributes.items()}
+        items = [(valid_text(k) if type(k) is str else k, v) for k, v in record.values.items()]
         if not 0 <= step <= MAX_STEP:
             self.refusals.add("step_out_of_range", len(items))
             return
@@ -241,6 +245,15 @@ def wall_offset_ns(tries: int = 8) -> int:
 def has_points(md: MetricsData | None) -> bool:
     """Whether `md` holds any metric."""
     return md is not None and any(sm.metrics for rm in md.resource_metrics for sm in rm.scope_metrics)
+
+
+def _valid_span_text(rec: SpanRecord) -> None:
+    """A span's name and text attributes as valid Unicode (`valid_text`), set in place (off the training thread)."""
+    if not rec.name.isascii():
+        rec.name = valid_text(rec.name)
+    attrs = rec.attributes
+    if attrs and any(type(v) is str and not v.isascii() for v in attrs.values()):
+        rec.attributes = {k: valid_text(v) if type(v) is str else v for k, v in attrs.items()}
 
 
 def span_record_rows(run: RunInfo, recs: list[SpanRecord]) -> list[SpanRow]:

@@ -738,6 +738,12 @@ class DisabledSession:
     def __init__(self, settings: cfg.Settings) -> None:
         self.settings = settings
         self.refusals = RefusalCounts()  # nothing is checked, so nothing is refused
+        # A step the enabled session would refuse without raising (`ot.step("3")`) must not raise here either: a
+        # job that runs with telemetry on must not crash when a launcher turns it off.
+        set_refused_step_hook(self.refuse_step)
+
+    def refuse_step(self, err: ValueError) -> None:
+        return None
 
     def export_progress(self, timeout_s: float = 5.0) -> None:
         return None
@@ -759,7 +765,10 @@ class DisabledSession:
         return True
 
     def shutdown(self) -> None:
+        if not self.closed:
+            set_refused_step_hook(None)
         self.closed = True
+
 
 def start(settings: cfg.Settings, env: Mapping[str, str] | None = None,
           instances: Sequence[Any] = ()) -> Session | DisabledSession:

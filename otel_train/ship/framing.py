@@ -137,7 +137,10 @@ def _plain(obj: Any) -> Any:
         return int(obj)
     if isinstance(obj, numbers.Real):
         return float(obj)
-    return str(obj)
+    try:
+        return str(obj)
+    except Exception:  # an object whose str() fails must not cost the window it is in
+        return f"<{type(obj).__name__}: str() failed>"
 
 
 def _ext(code: int, data: bytes) -> Any:

@@ -466,5 +466,8 @@ FULL_MARK = FullMark()
 def _pack(entry: Mapping[str, Any]) -> bytes:
     import msgpack
 
-    out: bytes = msgpack.packb(entry, use_bin_type=True, default=str)
+    try:
+        out: bytes = msgpack.packb(entry, use_bin_type=True, default=str)
+    except UnicodeEncodeError:  # a lone surrogate in a name: kept as the window carries it
+        out = msgpack.packb(entry, use_bin_type=True, default=str, unicode_errors="surrogatepass")
     return out

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train._internal.ratelimit import LogOnce
-from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name
+from otel_train._internal.values import REFUSED_PREFIX, refusal, to_float, valid_name, valid_text
 from otel_train.capture.attributes import clean_attributes, held_attributes, held_value, refused_reason
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import StepOutOfRange, coerce_step
@@ -316,7 +316,7 @@ class _WorkerSpan:
 
     def __init__(self, client: WorkerClient, name: str, attributes: Mapping[str, Any] | None, step: Any) -> None:
         self._client = client
-        self._name = name
+        self._name = valid_text(name) if isinstance(name, str) else str(name)
         self._attributes = held_attributes(attributes or {})  # as at the call: sent after the span ends
         self._step = step
         self._start = 0
@@ -410,6 +410,7 @@ class WorkerClient:
                 _warn_once.warning(f"value:{key!r}", "otel_train.log in a child process: %r is not a non-empty "
                                    "string key with a number; skipped (warned once per key)", key)
                 continue
+            key = valid_text(key)  # a lone surrogate would stop every backend's writes
             points.append((key, s, v, t, extra) if extra else (key, s, v, t))
         with self._lock:
             for cause in refusals:  # counted where the sender takes them (under the lock)
