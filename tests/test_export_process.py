@@ -525,3 +525,24 @@ def test_short_sessions_one_after_another_leave_no_exporter_process_behind(tmp_p
         except psutil.NoSuchProcess:
             pass
     assert left == []
+
+
+def test_windows_forgotten_unconfirmed_count_as_dropped_only_when_a_restart_needed_them() -> None:
+    """The resend backlog keeps windows sent but not yet confirmed spooled, for a restarted child. A fast loop fills
+    it and the oldest are forgotten: they were counted as dropped ("N dropped (windows the exporter process could
+    not take ...)") though the child spooled them all. Only those a restart needs and cannot have are lost."""
+    from otel_train.ship import export_process
+
+    backlog = export_process.Backlog()
+    extra = 5
+    for seq in range(export_process._BACKLOG + extra):
+        backlog.add(seq, seq, b"w")
+    backlog.confirm(export_process._BACKLOG + extra - 1)  # the child spooled every one
+    assert backlog.pending() == [] and backlog.dropped == 0
+
+    lost = export_process.Backlog()
+    for seq in range(export_process._BACKLOG + extra):
+        lost.add(seq, seq, b"w")
+    lost.confirm(1)  # the child spooled 0 and 1, then died: a restart needs 2.. and 2..4 were forgotten
+    pending = lost.pending()
+    assert pending[0][0] == extra and lost.dropped == extra - 2

@@ -343,3 +343,35 @@ def test_a_disabled_run_refuses_a_step_as_quietly_as_an_enabled_one(monkeypatch:
     with pytest.raises(ValueError, match="is not a step"), ot.step("3"):  # type: ignore[arg-type]
         pass
 
+
+def test_what_shutdowns_deadline_leaves_unexported_is_counted_and_said(
+        run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fast loop's last collection that cannot finish by shutdown's deadline: what it drained and the buffers held
+    was abandoned without a count ("0 dropped", verify passing on the part that arrived). Now every record is
+    either delivered or counted, and the summary says how many were left."""
+    from otel_train.exporters.jsonl import jsonl_path, read_jsonl
+
+    session = ot.init(exporters=["jsonl"], dir=run_dir, run_name="deadline")
+    reader = session.reader
+    build = reader._builder.build
+
+    def slow_build(*args: object, **kwargs: object) -> object:
+        import time
+
+        time.sleep(0.6)  # longer than the deadline below
+        return build(*args, **kwargs)
+
+    for i in range(70):
+        with ot.step(i):
+            ot.log({"train/loss": float(i)})
+        if i == 49:
+            assert ot.flush()  # steps 0..49 written; every collection of 50..69 outlasts the deadline
+            monkeypatch.setattr(reader._builder, "build", slow_build)
+    reader.shutdown(200)  # ms
+    ot.shutdown()
+    session.export_process._proc.wait(60)  # it delivers what it was handed, then exits
+    delivered = [r["step"] for r in read_jsonl(jsonl_path(run_dir, "deadline", 0)) if r.get("tag") == "train/loss"]
+    left = reader.unexported["records"]  # each step: its `ot.log` record and its step end
+    assert len(delivered) + left // 2 == 70 and left > 0, (delivered, left)
+    err = capsys.readouterr().err
+    assert f"{left} records left unexported at shutdown's deadline" in err, err

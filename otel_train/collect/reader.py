@@ -166,6 +166,12 @@ class StepAlignedMetricReader(MetricReader):
         self._shutdown = False
         self.windows = 0
         self.points = 0
+        #: What shutdown's deadline left unexported: records (values, step ends, log records) and spans not yet
+        #: collected, or collected after the hand-off to the backends (the summary counts them as dropped).
+        self.unexported = {"records": 0, "spans": 0}
+        self._handed_off = False
+        self._in_flight = [0, 0]  # records and spans the collection under way drained and has not sent yet
+        self._send_lock = threading.Lock()  # a window's send and the hand-off's count never overlap
         #: Whether a forked child keeps exporting (its own data only) or exports nothing (a session's child).
         self.export_in_forked_child = True
         self._start_collector()
@@ -358,6 +364,14 @@ class StepAlignedMetricReader(MetricReader):
             step = current_step() or 0
         records = self.log_buffer.drain()
         spans = self.span_buffer.drain()
+        self._in_flight = [len(records), len(spans)]
+        try:
+            self._deliver(metrics_data, records, spans, step)
+        finally:
+            self._in_flight = [0, 0]
+
+    def _deliver(self, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
+                 spans: list[tuple[Any, Any]], step: int) -> None:
         listener = self.span_listener
         if listener is not None and spans:
             try:
@@ -378,22 +392,29 @@ class StepAlignedMetricReader(MetricReader):
 
     def _send_window(self, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
                      spans: list[tuple[Any, Any]], step: int) -> None:
+        if self._handed_off:  # shutdown handed off to the backends: what is left is counted there
+            return
         defer = self._defer_spans
         window = self._builder.build(self._builder.run_for(self._resource.attributes), metrics_data, records,
                                      spans, step, defer_spans=defer is not None)
-        self.windows += 1
-        self.points += len(window.points) + len(window.metrics) + len(window.histograms)
-        for channel in self._channels:
-            try:
-                if defer is not None and window.span_records is not None:
-                    defer.send_window_with_spans(window)
-                else:
-                    channel.send_window(window.run, window.points, window.metrics, window.histograms, window.spans,
-                                        window.logs)
-            except Exception:
-                self._log.warning(f"channel:{type(channel).__name__}", "handing a window to %s failed",
-                                  "the exporter process" if channel is self._channel else "the backends",
-                                  exc_info=True)
+        with self._send_lock:
+            if self._handed_off:  # the hand-off came during the build: counted there
+                return
+            self.windows += 1
+            self.points += len(window.points) + len(window.metrics) + len(window.histograms)
+            for channel in self._channels:
+                try:
+                    if defer is not None and window.span_records is not None:
+                        defer.send_window_with_spans(window)
+                    else:
+                        channel.send_window(window.run, window.points, window.metrics, window.histograms,
+                                            window.spans, window.logs)
+                except Exception:
+                    self._log.warning(f"channel:{type(channel).__name__}", "handing a window to %s failed",
+                                      "the exporter process" if channel is self._channel else "the backends",
+                                      exc_info=True)
+            self._in_flight[0] -= len(records)
+            self._in_flight[1] -= len(spans)
 
     def resume(self, step: int) -> None:
         """The run restarts at `step` (`otel_train.resume`): collect what was recorded before (on the calling
@@ -441,16 +462,38 @@ class StepAlignedMetricReader(MetricReader):
         if self._shutdown:
             return
         deadline = time.monotonic() + timeout_millis / 1000
-        self._collect_now(deadline)
+        collected = self._collect_now(deadline)
         self._shutdown = True
         self._stop = True
         self._wake.set()
+        if not collected:  # the deadline passed with a collection under way (a fast loop's backlog): what it and
+            self._hand_off()  # the buffers still hold is counted, never sent after the hand-off
         if self._local is not None:
             self._local.stop()  # delivers while the exporter process does
         if self._channel is not None:
             self._channel.close(deadline)  # waits for the exporter process's backends up to `deadline`
         if self._local is not None:
             self._local.close(deadline)
+        if not collected:
+            self.unexported["records"] += len(self.log_buffer.drain())
+            self.unexported["spans"] += len(self.span_buffer.drain())
+            if any(self.unexported.values()):
+                _logger.warning("otel-train: shutdown's deadline (OTEL_TRAIN_SHUTDOWN_TIMEOUT_S) passed before the "
+                                "last collection: %d records (values, step ends, log records) and %d spans logged "
+                                "before it were not exported", self.unexported["records"], self.unexported["spans"])
+
+    def _hand_off(self) -> None:
+        """No window goes out from now on; what the collection under way drained and has not sent is counted in
+        `unexported` (a send under way finishes first, briefly: it is only handed to the channel)."""
+        got = self._send_lock.acquire(timeout=1.0)
+        try:
+            self._handed_off = True
+            records, spans = self._in_flight
+            self.unexported["records"] += max(0, records)
+            self.unexported["spans"] += max(0, spans)
+        finally:
+            if got:
+                self._send_lock.release()
 
     @property
     def exporters(self) -> list[Any]:

@@ -167,6 +167,9 @@ def write_session_summary(session: SummarySource) -> None:
                       "spans over the span buffer": int(getattr(reader.span_buffer, "dropped", 0)),
                       "windows over an export queue": int(stats["dropped"]) - int(reader.log_buffer.dropped)
                       - int(reader.span_buffer.dropped)}
+        for what, n in reader.unexported.items():
+            dropped_by[f"{what} left unexported at shutdown's deadline"] = int(n)
+            dropped += int(n)
         lost = {ex.name: {k: v for k, v in ex.rows_lost.items() if v}
                 for ex in in_process if getattr(ex, "rows_lost", None)}
         if session.export_process is not None:  # the exporter process's backends: its last progress report

@@ -81,25 +81,32 @@ class Backlog:
         self._items: deque[tuple[int, int, bytes]] = deque()
         self._bytes = 0
         self._lock = threading.Lock()
-        self.dropped = 0  # windows forgotten unconfirmed: only a restart would have needed them
+        self._forgotten: deque[int] = deque()  # seqs forgotten unconfirmed: lost only if the child dies before it
+        self.dropped = 0  # windows a restart needed that were forgotten: lost
 
     def add(self, seq: int, max_step: int, payload: bytes) -> None:
         with self._lock:
             self._items.append((seq, max_step, payload))
             self._bytes += len(payload)
             while len(self._items) > _BACKLOG or self._bytes > _BACKLOG_BYTES:
-                self._bytes -= len(self._items.popleft()[2])
-                self.dropped += 1
+                forgotten, _, data = self._items.popleft()
+                self._bytes -= len(data)
+                self._forgotten.append(forgotten)
 
     def confirm(self, spooled: int) -> None:
         """The child spooled every window up to `spooled`."""
         with self._lock:
             while self._items and self._items[0][0] <= spooled:
                 self._bytes -= len(self._items.popleft()[2])
+            while self._forgotten and self._forgotten[0] <= spooled:  # spooled after all: nothing lost
+                self._forgotten.popleft()
 
     def pending(self, clear: bool = False) -> list[tuple[int, int, bytes]]:
-        """The unconfirmed windows, oldest first (and forgotten, with `clear`)."""
+        """The unconfirmed windows, oldest first (and forgotten, with `clear`), for a restarted child or the
+        fallback: the windows forgotten unconfirmed before them are lost now, and counted in `dropped`."""
         with self._lock:
+            self.dropped += len(self._forgotten)
+            self._forgotten.clear()
             items = list(self._items)
             if clear:
                 self._items.clear()
@@ -264,7 +271,7 @@ class ExportProcess:
 
     @property
     def dropped(self) -> int:
-        """Windows forgotten before the child confirmed them (only a restart would have needed them)."""
+        """Windows a restarted child (or the fallback) needed that were forgotten before the child confirmed them."""
         return self._backlog.dropped
 
     @property
