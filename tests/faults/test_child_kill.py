@@ -58,24 +58,31 @@ def test_exporter_process_killed_twice_writes_every_point_and_span_once(tmp_path
     assert sorted(spans) == list(range(STEPS))
 
 
-def _child_logs(steps: int, started: object, go_on: object) -> None:
-    """A spawned child of the run (a DataLoader worker's situation): logs `child/x` at steps 0..steps-1 through its
-    connection to the exporter process, the second half after the parent killed that process."""
-    import otel_train as child_ot
 
-    for step in range(steps):
-        if step == steps // 2:
-            started.set()  # type: ignore[attr-defined]
-            go_on.wait(60)  # type: ignore[attr-defined]
-        child_ot.log({"child/x": float(step)}, step=step)
-        time.sleep(0.01)
+#: A spawned child of the run (a DataLoader worker's situation), as its own program: `ot.log` at steps 0..39 through
+#: its connection to the exporter process; after step 19 it says so (a file) and waits for the parent's go-ahead.
+CHILD = """
+import sys, time
+from pathlib import Path
+import otel_train as ot
+
+half, go_on = Path(sys.argv[1]), Path(sys.argv[2])
+for step in range(40):
+    if step == 20:
+        half.write_text("")
+        while not go_on.exists():
+            time.sleep(0.01)
+    ot.log({"child/x": float(step)}, step=step)
+    time.sleep(0.01)
+"""
 
 
 def test_a_child_goes_on_sending_after_the_exporter_process_is_restarted(tmp_path: Path) -> None:
     """Before: the child's first send to the killed exporter process failed and the child dropped the rest of its
     telemetry for good (one warning; nothing counted). The trainer restarts the exporter process on the same
     listening socket: the child connects again and every value it logs after the restart lands."""
-    import multiprocessing
+    import subprocess
+    import sys
 
     from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 
@@ -83,17 +90,17 @@ def test_a_child_goes_on_sending_after_the_exporter_process_is_restarted(tmp_pat
     session = ot.init(exporters=["jsonl"], dir=tmp_path, run_name=run)
     proc = session.export_process
     assert proc is not None
-    ctx = multiprocessing.get_context("spawn")
-    started, go_on = ctx.Event(), ctx.Event()
-    child = ctx.Process(target=_child_logs, args=(40, started, go_on))
-    with ot.step(0):
-        child.start()
-        assert started.wait(60)
+    half, go_on = tmp_path / "half", tmp_path / "go-on"
+    with ot.step(0):  # the child inherits the run's worker address from this process's environment
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(half), str(go_on)])
+        deadline = time.monotonic() + 60
+        while not half.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert half.exists(), child.poll()
         time.sleep(0.5)  # the child's first half sent (it sends every 0.2 s)
         _kill_child(proc)
-        go_on.set()
-        child.join(60)
-    assert child.exitcode == 0
+        go_on.write_text("")
+        assert child.wait(60) == 0
     assert ot.flush(timeout_s=60)
     ot.shutdown()
     assert proc.restarts == 1
