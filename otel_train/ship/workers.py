@@ -58,6 +58,11 @@ _SEND_TIMEOUT_S = 5.0  # a stalled exporter process: give up and drop, never blo
 _MAX_BUFFERED = 100_000  # values + spans held between two sends; more are dropped (counted)
 #: New connections a child makes after the exporter process went away: the trainer restarts it once.
 _MAX_RECONNECTS = 3
+#: At the trainer's hand-off, how long the exporter process waits for connected children to send what they hold
+#: (asked with one byte on their connection; a child answers with its buffer and a ``flushed`` frame).
+FLUSH_WAIT_S = 0.05
+_FLUSH = b"F"
+_FLUSHED = ("flushed",)
 #: What a child lost, as the trainer's shutdown summary words it (`WorkerListener.lost`).
 LOST_REFUSED_STEP = REFUSED_PREFIX + "bad_step"  # refusals: the trainer's summary counts them with its own
 LOST_BUFFER = "values over a child process's buffer"
@@ -175,6 +180,7 @@ class WorkerListener:
         self._sock = sock if sock is not None else listen_on(address)
         self._serving: list[threading.Thread] = []
         self._conns: list[socket.socket] = []  # the children's connections (ended at `close`)
+        self._flushed: dict[socket.socket, threading.Event] = {}  # set when a child answered the flush request
         self._serving_lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept, name="otel-train-workers", daemon=True)
         self._acceptor.start()
@@ -190,17 +196,24 @@ class WorkerListener:
     def _start_serving(self, conn: socket.socket) -> None:
         conn.setblocking(True)
         thread = threading.Thread(target=self._serve, args=(conn,), name="otel-train-worker-conn", daemon=True)
-        thread.start()
         with self._serving_lock:
+            self._flushed = {c: e for c, e in self._flushed.items() if c.fileno() >= 0}
+            self._flushed[conn] = threading.Event()
             self._serving = [t for t in self._serving if t.is_alive()] + [thread]
             self._conns = [c for c in self._conns if c.fileno() >= 0] + [conn]
+        thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
                 _, worker, pid = _recv(conn)
+                flushed = self._flushed.get(conn)
                 while True:
                     frame = _recv(conn)
+                    if frame == _FLUSHED:  # the child sent all it held when asked (`close`)
+                        if flushed is not None:
+                            flushed.set()
+                        continue
                     points, spans = frame[0], frame[1]
                     logs = frame[3] if len(frame) > 3 else ()
                     if len(frame) > 2 and self._lost is not None:
@@ -241,8 +254,16 @@ class WorkerListener:
                 self._start_serving(conn)
         with self._serving_lock:
             connected = bool(self._conns)
+            asked = [(c, e) for c, e in self._flushed.items() if c.fileno() >= 0]
         if trainer_died and connected:
             time.sleep(min(DIED_GRACE_S, max(0.0, deadline - time.monotonic())))
+        elif asked:  # live children (a persistent DataLoader's workers) send what they hold now, not in 0.2 s
+            for conn, _ in asked:
+                with contextlib.suppress(OSError):
+                    conn.send(_FLUSH, socket.MSG_DONTWAIT)
+            answer_by = min(deadline, time.monotonic() + FLUSH_WAIT_S)
+            for _, answered in asked:  # a child that exited or never answers costs at most FLUSH_WAIT_S in all
+                answered.wait(max(0.0, answer_by - time.monotonic()))
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not on Linux)
         with contextlib.suppress(OSError):
@@ -498,6 +519,7 @@ class WorkerClient:
         self._sock = sock
         self._step_cell = open_step_cell(step_cell_path(self._address))
         self._state = "open"
+        self._listen_for_flush(sock)
         threading.Thread(target=self._sender, name="otel-train-worker-send", daemon=True).start()
         # multiprocessing children (DataLoader workers) leave through its finalizers, not atexit.
         import multiprocessing.util
@@ -517,8 +539,9 @@ class WorkerClient:
             self._wake.clear()
             self.send_now()
 
-    def send_now(self) -> None:
-        """Ship what is buffered (drops it with one warning when the exporter process is unreachable)."""
+    def send_now(self, answer: bool = False) -> None:
+        """Ship what is buffered (drops it with one warning when the exporter process is unreachable); with `answer`,
+        then say so (``flushed``): the exporter process asked, at the trainer's hand-off."""
         with self._lock:
             points, spans, lost, logs = self._points, self._spans, self._lost, self._logs
             self._points, self._spans, self._lost, self._logs = [], [], {}, []
@@ -527,15 +550,20 @@ class WorkerClient:
                 self._rate_limited_sent += rate_limited
                 lost[LOST_RATE_LIMITED] = lost.get(LOST_RATE_LIMITED, 0) + rate_limited
             sock = self._sock
-            if not (points or spans or lost or logs) or sock is None or self._state != "open":
+            if sock is None or self._state != "open":
                 return
-            frame = (points, spans, lost, logs) if logs else (points, spans, lost)
-            try:  # log records as a fourth element, only when there are some: the frame earlier versions read
-                _send(sock, frame)
-            except OSError as err:
-                self._sock = None
-                sock.close()
-                self._send_again(frame, err)
+            if points or spans or lost or logs:
+                frame = (points, spans, lost, logs) if logs else (points, spans, lost)
+                try:  # log records as a fourth element, only when there are some: the frame earlier versions read
+                    _send(sock, frame)
+                except OSError as err:
+                    self._sock = None
+                    sock.close()
+                    self._send_again(frame, err)
+                    return
+            if answer:
+                with contextlib.suppress(OSError):
+                    _send(sock, _FLUSHED)
 
     def _send_again(self, frame: tuple[Any, ...], err: OSError) -> None:
         """The exporter process went away as this frame was sent (the lock held): a frame whose sending failed was
@@ -555,8 +583,24 @@ class WorkerClient:
                 sock.close()
             else:
                 self._sock = sock
+                self._listen_for_flush(sock)
                 return
         self._die(f"sending to the run's exporter process failed ({err})")
+
+    def _listen_for_flush(self, sock: socket.socket) -> None:
+        """A thread that waits (blocked, no CPU) for the exporter process to ask for what this child holds, at the
+        trainer's hand-off: without it, up to one send interval of values would be lost there."""
+        def wait_for_asks() -> None:
+            while True:
+                try:
+                    asked = sock.recv(64)
+                except OSError:
+                    return
+                if not asked:
+                    return  # the exporter process closed the connection
+                self.send_now(answer=True)
+
+        threading.Thread(target=wait_for_asks, name="otel-train-worker-flush", daemon=True).start()
 
     def close(self) -> None:
         """Send the rest and close (at the child's exit; idempotent)."""
