@@ -157,6 +157,8 @@ def _check_backend(plan: Any, backend: Any) -> BackendReport:
         if stop is not None:
             points = [p for p in points if p[0] <= stop]
         name = held.name_of(key)
+        if held.stored is not None:  # as the backend stores them (MLflow's ±inf, ClearML's NaN)
+            points = [(step, held.stored(value)) for step, value in points]
         result = compare(name, key.rank, points, present.pop(name, []), held.float32)
         out.expected += result.expected
         out.present += result.present

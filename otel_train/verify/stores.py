@@ -8,6 +8,8 @@ OTLP, the console, a third-party backend) is "not checked", never "pass".
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,18 @@ class Held:
     spans: list[readers.SpanPoint] | None = None
     float32: bool = False
     where: str = ""
+    #: The value the backend stores for a logged one, where it maps some (NaN and ±inf; docs/backends.md).
+    stored: Callable[[float], float] | None = None
+
+
+def _mlflow_stored(value: float) -> float:
+    """MLflow stores ±inf as ±1.8e308 (the largest float)."""
+    return math.copysign(sys.float_info.max, value) if math.isinf(value) else value
+
+
+def _clearml_stored(value: float) -> float:
+    """ClearML stores NaN and ±inf as 0."""
+    return value if math.isfinite(value) else 0.0
 
 
 def read_backend(plan: RankPlan, backend: BackendPlan) -> Held | str:
@@ -123,7 +137,7 @@ def _mlflow(plan: RankPlan, backend: BackendPlan) -> Held | str:
             attributes[RANK_SUFFIX_KEY] = key.rank
         return mlflow_key(series_name(key.tag, key.name), attributes)
 
-    return Held(readers.mlflow(uri, plan.run_id), name_of, where=uri)
+    return Held(readers.mlflow(uri, plan.run_id), name_of, where=uri, stored=_mlflow_stored)
 
 
 def _trackio(plan: RankPlan, backend: BackendPlan) -> Held | str:
@@ -158,7 +172,7 @@ def _clearml(plan: RankPlan, backend: BackendPlan) -> Held | str:
         return f"{title}/{series}"
 
     return Held([p for f in folders for p in readers.clearml(f)], name_of,
-                where=", ".join(map(str, folders)))
+                where=", ".join(map(str, folders)), stored=_clearml_stored)
 
 
 _READERS: dict[str, Callable[[RankPlan, BackendPlan], Any]] = {

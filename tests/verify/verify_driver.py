@@ -3,11 +3,13 @@
 Logs three plain series, one with an attribute (its own series), a counter through a raw OTel instrument and
 a span per step, with every backend named in `OTEL_TRAIN_EXPORTERS`. MODE ``plain`` logs in step order;
 ``backwards`` also logs `train/loss` once at a step below its last (TensorBoard and W&B skip it, counted);
-``fork`` forks a child at steps 5 and 15 that logs `data/x` at that step (its own connection to the run).
+``fork`` forks a child at steps 5 and 15 that logs `data/x` at that step (its own connection to the run);
+``nonfinite`` also logs `train/odd`: NaN, +inf and -inf in turn (backends that store them otherwise: backends.md).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -24,6 +26,8 @@ def main() -> None:
         ot.log({"train/loss": 1.0 / (s + 1), "train/lr": 0.1 * 0.9**s, "train/acc": s / steps})
         ot.log({"eval/acc": 0.5 + s / 1000}, attributes={"split": "val"})
         counter.add(8)
+        if mode == "nonfinite":
+            ot.log({"train/odd": (math.nan, math.inf, -math.inf)[s % 3]})
         if mode == "fork" and s in (5, 15):
             ot.flush(timeout_s=30)
             pid = os.fork()
