@@ -144,7 +144,7 @@ def init(
         placement = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world_size}
         if any(v is not None for v in placement.values()):
             env = dict(os.environ)
-            env.update({k: str(int(v)) for k, v in placement.items() if v is not None})
+            env.update({k: str(_place(k.lower(), v)) for k, v in placement.items() if v is not None})
         previous = getattr(_session, "run", None)
         if previous is not None and previous.pid == os.getpid():
             # A new run after `shutdown()` in this process (a notebook, an in-process sweep): steps from 0.
@@ -154,6 +154,19 @@ def init(
         session: Session = runtime.start(settings, env=env, instances=instances)
         _session = session
         return session
+
+
+def _place(keyword: str, value: Any) -> int:
+    """`rank=`, `local_rank=`, `world_size=` as an integer >= 0 (one line naming the keyword otherwise)."""
+    import operator
+
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = -1
+    if isinstance(value, bool) or number < 0:
+        raise ConfigError(f"{keyword}: {value!r} is not allowed; expected an integer >= 0")
+    return number
 
 
 def log(mapping: Mapping[str, Any], step: int | None = None, attributes: Mapping[str, Any] | None = None) -> None:

@@ -98,3 +98,23 @@ def test_sink_settings() -> None:
         load_sink_settings({}, grpc="localhost")
     with pytest.raises(ConfigError, match="OTEL_TRAIN_SINK_SPOOL_DIR: '~no-such-user-x9' names no user's home"):
         load_sink_settings({"OTEL_TRAIN_SINK_SPOOL_DIR": "~no-such-user-x9"})
+
+
+@pytest.mark.parametrize(("keyword", "value", "message"), [
+    ("step_order", 1, "step_order: '1' is not allowed"),  # was accepted; the exporter process failed on it twice
+    ("ranks", 1, "ranks: '1'"),
+    ("strict_sync", 5, "strict_sync: 5 is not allowed; expected True or False"),
+    ("run_name", 123, "run_name: 123 is not allowed; expected a string"),  # was AttributeError: 'int' ... 'strip'
+])
+def test_a_keyword_of_the_wrong_type_fails_init_in_one_line(keyword: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings({}, **{keyword: value})
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("keyword", "value"), [("rank", "x"), ("world_size", -2), ("local_rank", True)])
+def test_a_place_that_is_no_integer_fails_init_in_one_line(keyword: str, value: object) -> None:
+    import otel_train as ot
+
+    with pytest.raises(ConfigError, match=rf"^{keyword}: {value!r} is not allowed; expected an integer >= 0$"):
+        ot.init(exporters=[], **{keyword: value})  # type: ignore[arg-type]

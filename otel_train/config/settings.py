@@ -574,6 +574,15 @@ def _validate_kwarg(field: str, value: Any) -> Any:
         return parse_nice(field, str(value))
     if field == "export_cpus":
         return parse_cpus(field, ",".join(str(c) for c in value))
+    parser = _ENV[field][1] if field in _ENV else None
+    if parser is parse_bool:  # `strict_sync=5`: a flag is True or False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{field}: {value!r} is not allowed; expected True or False")
+    if parser is parse_text:  # `run_name=123`
+        raise ConfigError(f"{field}: {value!r} is not allowed; expected a string")
+    if field in ("ranks", "step_order", "export_process", "backend_processes"):  # a choice: named by its word
+        return parser(field, str(value))  # type: ignore[misc]
     return value
 
 
