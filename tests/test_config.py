@@ -118,3 +118,19 @@ def test_a_place_that_is_no_integer_fails_init_in_one_line(keyword: str, value: 
 
     with pytest.raises(ConfigError, match=rf"^{keyword}: {value!r} is not allowed; expected an integer >= 0$"):
         ot.init(exporters=[], **{keyword: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"OTEL_TRAIN_EXPORT_INTERVAL_S": "1e10"},  # the collector thread died on it (OverflowError), nothing exported
+     "OTEL_TRAIN_EXPORT_INTERVAL_S: '1e10' is not allowed; expected a number of seconds > 0 and at most 1e+09"),
+    ({"OTEL_TRAIN_DRAIN_TIMEOUT_S": "inf"}, "OTEL_TRAIN_DRAIN_TIMEOUT_S: 'inf' is not allowed"),
+    ({"OTEL_TRAIN_BUFFER_SIZE": str(10**23)},  # a raw OverflowError naming no setting
+     "OTEL_TRAIN_BUFFER_SIZE: 100000000000000000000000 is too large; expected an integer from 1 to 2147483647"),
+    ({"OTEL_TRAIN_RESUME_STEP": str(2**63)}, "expected an integer from 0 to 9223372036854775807"),  # TensorBoard failed
+    ({"OTEL_TRAIN_EXPORT_CPUS": "0-"}, "OTEL_TRAIN_EXPORT_CPUS: '0-' is not a CPU list"),  # was taken as `0`
+    ({"OTEL_TRAIN_LOG_RATE": "x"}, "OTEL_TRAIN_LOG_RATE: 'x' is not a number; expected log records per second > 0"),
+])
+def test_values_that_would_break_at_run_time_fail_init_in_one_line(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(env)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -431,11 +431,11 @@ _ENV: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "quiet": (OTEL_TRAIN_QUIET, parse_bool),
     "self_metrics": (OTEL_TRAIN_SELF_METRICS, parse_bool),
     "step_order": (OTEL_TRAIN_STEP_ORDER, _parse_step_order),
-    "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: parse_int(n, r, 0)),
+    "resume_step": (OTEL_TRAIN_RESUME_STEP, lambda n, r: parse_int(n, r, 0, 2**63 - 1)),  # a step: int64
     "verify": (OTEL_TRAIN_VERIFY, lambda n, r: _parse_verify(n, r)),
     "verify_record_mb": (OTEL_TRAIN_VERIFY_RECORD_MB, parse_non_negative_float),
     "log_level": (OTEL_TRAIN_LOG_LEVEL, lambda n, r: parse_log_level(n, r)),
-    "log_rate": (OTEL_TRAIN_LOG_RATE, parse_positive_float),
+    "log_rate": (OTEL_TRAIN_LOG_RATE, lambda n, r: parse_positive_float(n, r, "log records per second")),
     "capture_output": (OTEL_TRAIN_CAPTURE_OUTPUT, parse_bool),
     "hang_after_s": (OTEL_TRAIN_HANG_AFTER_S, parse_non_negative_float),
     "hang_factor": (OTEL_TRAIN_HANG_FACTOR, _parse_hang_factor),
@@ -551,7 +551,7 @@ def _validate_kwarg(field: str, value: Any) -> Any:
     if field in ("export_every", "queue_size", "buffer_size"):
         return parse_int(field, str(value), 1)
     if field == "log_rate":
-        return parse_positive_float(field, str(value))
+        return parse_positive_float(field, str(value), "log records per second")
     if field == "log_level":
         return parse_log_level(field, str(value))
     if field == "capture_output":

@@ -31,23 +31,31 @@ def parse_bool(name: str, raw: str) -> bool:
     raise ConfigError(f"{name}: {raw!r} is not a boolean; use one of 1, true, yes, on, 0, false, no, off")
 
 
-def parse_int(name: str, raw: str, minimum: int) -> int:
+#: The largest size or count a setting takes (a deque's length, a socket's buffer: beyond it they overflow at run time).
+MOST_INT = 2**31 - 1
+#: The longest time a setting takes, in seconds (~31 years: "never" in practice; Python's waits refuse far more).
+MOST_SECONDS = 1e9
+
+
+def parse_int(name: str, raw: str, minimum: int, most: int = MOST_INT) -> int:
     try:
         value = int(raw.strip())
     except ValueError:
         raise ConfigError(f"{name}: {raw!r} is not an integer; expected an integer >= {minimum}") from None
     if value < minimum:
         raise ConfigError(f"{name}: {value} is too small; expected an integer >= {minimum}")
+    if value > most:
+        raise ConfigError(f"{name}: {value} is too large; expected an integer from {minimum} to {most}")
     return value
 
 
-def parse_positive_float(name: str, raw: str) -> float:
+def parse_positive_float(name: str, raw: str, unit: str = "seconds", most: float = MOST_SECONDS) -> float:
     try:
         value = float(raw.strip())
     except ValueError:
-        raise ConfigError(f"{name}: {raw!r} is not a number; expected seconds > 0") from None
-    if not value > 0 or math.isinf(value):
-        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a finite number of seconds > 0")
+        raise ConfigError(f"{name}: {raw!r} is not a number; expected {unit} > 0") from None
+    if not 0 < value <= most:
+        raise ConfigError(f"{name}: {raw!r} is not allowed; expected a number of {unit} > 0 and at most {most:g}")
     return value
 
 
@@ -96,8 +104,8 @@ def parse_cpus(name: str, raw: str) -> tuple[int, ...]:
     cpus: set[int] = set()
     try:
         for part in raw.replace(" ", "").split(","):
-            first, _, last = part.partition("-")
-            lo, hi = int(first), int(last or first)
+            first, dash, last = part.partition("-")
+            lo, hi = int(first), int(last if dash else first)  # `0-` is no range
             if lo < 0 or hi < lo:
                 raise ValueError(part)
             cpus.update(range(lo, hi + 1))
