@@ -602,6 +602,13 @@ def last_seq(path: Path) -> int:
     return max(found, _acknowledged(path, _load_cursors(path / CURSORS)))
 
 
+def acknowledged_by(path: Path, backend: str) -> int:
+    """The last seq `backend` holds in the spool folder `path` (`Spool.cursor`), without opening the spool."""
+    path = Path(path)
+    return max(_load_cursors(path / CURSORS).get(backend, 0),
+               Spool._read_written(path / backend_file("written", backend)))
+
+
 def backend_file(prefix: str, backend: str) -> str:
     """The name of `backend`'s file `prefix` in a spool folder (the backend's name made file-safe).
 

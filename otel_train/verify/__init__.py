@@ -130,6 +130,15 @@ def check(run_dir: Path, ranks: list[int] | None = None) -> VerifyReport:
     return report
 
 
+def _unacknowledged(plan: Any, backend: str) -> int:
+    """Windows rank `plan.rank`'s spool wrote ahead that `backend` never acknowledged (0: none, or no spool)."""
+    from otel_train.ship.spool import acknowledged_by, rank_spool
+
+    if plan.written_ahead is None:
+        return 0
+    return max(0, int(plan.written_ahead) - acknowledged_by(rank_spool(plan.run_dir, plan.rank), backend))
+
+
 def _check_backend(plan: Any, backend: Any) -> BackendReport:
     from otel_train.verify.compare import compare
     from otel_train.verify.stores import read_backend
@@ -144,6 +153,11 @@ def _check_backend(plan: Any, backend: Any) -> BackendReport:
         return out
     if isinstance(held, str):
         out.status, out.reason = "not checked", held
+        behind = _unacknowledged(plan, backend.name)
+        if behind:  # its store cannot be read here, but the spool knows it never took these windows
+            out.status = "fail"
+            out.reason = (f"{held}; but it never acknowledged {behind} window(s) the spool holds: "
+                          "`otel-train replay` delivers them")
         return out
     out.where = held.where
     out.scalars_checked = held.points is not None

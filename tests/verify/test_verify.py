@@ -294,6 +294,35 @@ def test_nan_and_infinity_pass_where_a_backend_stores_them_otherwise(
     assert code == 0
 
 
+UNREACHABLE = """
+import sys
+import otel_train as ot
+ot.init(exporters=["jsonl", "otlp"], dir=sys.argv[1], run_name="unreachable", shutdown_timeout_s=1.0)
+for s in ot.steps(range(10)):
+    ot.log({"train/loss": float(s)})
+ot.shutdown()
+"""
+
+
+def test_a_backend_that_cannot_be_read_back_fails_when_the_spool_knows_it_lacks_windows(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A backend verify cannot read (a collector, a server: W&B online, MLflow or ClearML with a server) was "not
+    checked" and the run passed, while the spool knew it had acknowledged none of the run's windows. Now it fails,
+    naming the windows and `otel-train replay`. Here: `otlp` to an endpoint where nothing listens."""
+    script = tmp_path / "unreachable.py"
+    script.write_text(UNREACHABLE)
+    env = _env(tmp_path / "home", OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9",
+               OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf", OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    code, report, _ = _verify(tmp_path / "runs" / "unreachable", capsys)
+    assert _backend(report, "jsonl")["status"] == "pass"
+    otlp = _backend(report, "otlp")
+    assert otlp["status"] == "fail" and "never acknowledged 10 window(s)" in otlp["reason"], otlp
+    assert code == 1
+
+
 def test_no_record_is_not_a_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, report, _ = _verify(tmp_path, capsys)
     assert code == 2 and not report["ok"] and "no record" in report["problem"]
