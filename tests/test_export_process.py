@@ -546,3 +546,24 @@ def test_windows_forgotten_unconfirmed_count_as_dropped_only_when_a_restart_need
     lost.confirm(1)  # the child spooled 0 and 1, then died: a restart needs 2.. and 2..4 were forgotten
     pending = lost.pending()
     assert pending[0][0] == extra and lost.dropped == extra - 2
+
+
+def test_the_shutdown_timeout_warning_says_how_far_each_backend_is_then(tmp_path: Path) -> None:
+    """The warning printed the progress of the moment the close began (before delivery), so a backend that had
+    written everything since was named as behind by every step. Here JSONL writes all 10 steps at once and `otlp`,
+    sending where nothing listens, none: only `otlp` is behind."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nimport otel_train as ot\n"
+                      "ot.init(exporters=['jsonl', 'otlp'], dir=sys.argv[1], run_name='late', shutdown_timeout_s=1.0)\n"
+                      "for s in ot.steps(range(10)):\n    ot.log({'train/loss': float(s)})\not.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:9", OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+               OTEL_TRAIN_DRAIN_TIMEOUT_S="1")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (warning,) = [line for line in done.stderr.splitlines() if "shutdown timed out" in line]
+    assert "`otlp` behind by 10 step(s)" in warning and "`jsonl` behind" not in warning, warning

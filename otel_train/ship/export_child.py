@@ -47,6 +47,7 @@ _logger = logging.getLogger("otel_train")
 WINDOW = struct.Struct("<qq")  # a ``W`` frame's seq and max step
 ID = struct.Struct("<q")  # a request's id
 _ACK_EVERY_S = 0.1  # how often the child confirms what it spooled
+_PROGRESS_EVERY_S = 0.1  # how often a waiting trainer hears how far the backends are
 #: What `otel-train replay` needs to rebuild a spool's backends, in its folder.
 META = "exporters.json"
 OLD_META = "exporters.pickle"  # an earlier otel-train's: refused, never unpickled
@@ -110,8 +111,17 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     faults.before_ready()
     reply("ready", spool.last_seq)
 
+    def report_progress(rid: int, done: threading.Event) -> None:
+        """While the trainer waits on request `rid`: the progress every 0.1 s, so that what it says when its wait
+        ends (a timeout) is how far the backends are then, not as they were when the request came."""
+        while not done.wait(_PROGRESS_EVERY_S):
+            reply("progress", rid, delivery.progress())
+
     def flush_later(rid: int, wait_s: float) -> None:
+        done = threading.Event()
+        threading.Thread(target=report_progress, args=(rid, done), daemon=True).start()
         ok = delivery.flush(time.monotonic() + wait_s)
+        done.set()
         reply("done", rid, ok, delivery.progress())
 
     close_id = None
@@ -160,7 +170,11 @@ def child_main(conn: Connection, config: dict[str, Any]) -> None:
     watchdog.start()
     if delivery.sync() and close_id is not None:  # said only when true: every window written ahead and synced
         reply("durable", close_id, delivery.progress())
+    draining = threading.Event()
+    if close_id is not None:
+        threading.Thread(target=report_progress, args=(close_id, draining), daemon=True).start()
     ok = delivery.close(deadline)
+    draining.set()
     if close_id is not None:
         reply("done", close_id, ok, delivery.progress())
     if not ok:
