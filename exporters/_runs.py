@@ -151,6 +151,8 @@ class StepGate:
         self._series_floors: dict[Any, dict[str, int]] = {}
         self._log = LogOnce(_logger)
         self.dropped = 0
+        #: Rows skipped because the backend holds their series at that step already (a series floor): not a loss.
+        self.held = 0
 
     def set_floor(self, key: Any, step: int | None) -> None:
         if step is not None and step >= 0:
@@ -171,12 +173,21 @@ class StepGate:
 
     def admit(self, key: Any, step: int, rows: int = 1, series: str | None = None) -> bool:
         """True when `step` may be written for `key` (of `series`, where the rows are of one series); records it as
-        written. A refused step counts `rows` (the rows it held) in `dropped`."""
+        written. A refused step counts `rows` (the rows it held) in `held` when the series' own floor refused it
+        (the backend holds it), else in `dropped` (the highest step of any series: a lagging series' row is lost)."""
         floor = self._floor.get(key, -1)
-        if series is not None:
-            floors = self._series_floors.get(key)
-            if floors is not None:
-                floor = floors.get(series, -1)
+        floors = self._series_floors.get(key) if series is not None else None
+        if floors is not None:
+            floor = floors.get(series, -1)  # type: ignore[arg-type]  # with `floors`, a series was given
+        if step <= floor and floors is not None:
+            self.held += rows
+            self._log.warning(
+                f"held-{key}",
+                "%s: skipping rows a resumed run already holds (series at or below their last stored step, here "
+                "%d); counted in `steps_held`, warned once",
+                self._backend, floor,
+            )
+            return False
         if step <= floor:
             self.dropped += rows
             self._log.warning(

@@ -30,7 +30,7 @@
   the windows after it stay in the spool for `otel-train replay`.
 - Offline, a process that opens a new Task for a run that earlier sessions hold (the exporter process restarted,
   a replay, a job restarted) skips each series' rows at or below the last iteration those sessions hold of it,
-  as the other run-based backends skip steps they hold (counted in `steps_dropped`).
+  as the other run-based backends skip steps they hold (counted in `steps_held`).
 """
 
 from __future__ import annotations
@@ -173,9 +173,10 @@ class ClearMLExporter(RowExporter):
         self._read_to = 0  # bytes of the session's metrics.jsonl read back so far (whole lines)
 
     @property
-    def steps_dropped(self) -> int:
-        """Rows not written because an earlier session of the run holds their series at that step or later."""
-        return int(self._gate.dropped)
+    def steps_held(self) -> int:
+        """Rows skipped because an earlier session of the run holds their series at that step or later (not a
+        loss)."""
+        return int(self._gate.held)
 
     @property
     def task(self) -> Any:

@@ -209,8 +209,13 @@ class MLflowExporter(RowExporter):
 
     @property
     def steps_dropped(self) -> int:
-        """Rows dropped because the resumed run already held their step."""
+        """Rows not written at or below the highest step a resumed run holds (its series not known per series)."""
         return int(self._gate.dropped)
+
+    @property
+    def steps_held(self) -> int:
+        """Rows skipped because the resumed run holds their series at that step already (not a loss)."""
+        return int(self._gate.held)
 
     @property
     def run_ids(self) -> dict[str, str]:

@@ -92,8 +92,13 @@ class TrackioExporter(RowExporter):
 
     @property
     def steps_dropped(self) -> int:
-        """Rows dropped because the resumed run already held their step."""
-        return int(self._gate.dropped) + self._held_dropped
+        """Rows not written at or below the last step a resumed run holds (its store not readable per series)."""
+        return int(self._gate.dropped)
+
+    @property
+    def steps_held(self) -> int:
+        """Rows skipped because the resumed run holds their series at that step already (not a loss)."""
+        return int(self._gate.held) + self._held_dropped
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:

@@ -252,7 +252,7 @@ ok = exporter.export_window(Window(metrics=[MetricRow(run, s, "train/loss", "tra
                                             for s in range(first, last + 1)]))
 ok = ok and exporter.force_flush()
 exporter.shutdown()
-print("RESULT" + json.dumps({"ok": ok, "dropped": exporter.steps_dropped}))
+print("RESULT" + json.dumps({"ok": ok, "held": exporter.steps_held}))
 """
 
 
@@ -276,7 +276,7 @@ def test_a_restarted_exporter_writes_no_step_an_earlier_session_holds(tmp_path: 
         assert done.returncode == 0, done.stderr[-3000:]
         results.append(json.loads(done.stdout.split("RESULT", 1)[1]))
     assert [r["ok"] for r in results] == [True, True]
-    assert [r["dropped"] for r in results] == [0, 3]
+    assert [r["held"] for r in results] == [0, 3]
     sessions = clearml_folders(tmp_path / "cache")
     assert len(sessions) == 2
     steps = sorted(p.step for f in sessions for p in clearml_points(f) if p.name == "train/loss")

@@ -118,7 +118,7 @@ RESUME_SCRIPT = textwrap.dedent("""
     rows = [MetricRow(run, s, "train/loss", "train/loss", 10.0 + s, "gauge", 0) for s in range(2, 6)]
     assert exp.export_window(Window(metrics=rows))
     exp.shutdown()
-    print("dropped", exp.steps_dropped, "run", exp.run_ids[sys.argv[2]])
+    print("held", exp.steps_held, "dropped", exp.steps_dropped, "run", exp.run_ids[sys.argv[2]])
 """)
 
 
@@ -128,7 +128,7 @@ def test_resumed_job_continues_the_same_run(store: dict[str, Any], tmp_path: Pat
     done = subprocess.run([sys.executable, str(script), str(store["root"] / "runs"), RUN_ID],
                           env=store["env"], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"dropped 2 run {store['id']}" in done.stdout  # steps 2, 3 were already there
+    assert f"held 2 dropped 0 run {store['id']}" in done.stdout  # steps 2, 3 were already there: not a loss
     assert history(store["uri"], store["id"], "train/loss") == [
         (0, 1.0), (1, 0.5), (2, 0.25), (3, 0.125), (4, 14.0), (5, 15.0)]
 
@@ -154,7 +154,7 @@ def test_last_step_tag_never_goes_backwards_and_a_restart_writes_no_step_twice(
     restarted = MLflowExporter(options)  # the job restarts from a checkpoint at step 4
     assert restarted.export_window(Window(metrics=[row(run, s, "train/loss", 100.0 + s) for s in range(4, 13)]))
     restarted.shutdown()
-    assert restarted.steps_dropped == 6  # steps 4..9 are held already
+    assert (restarted.steps_held, restarted.steps_dropped) == (6, 0)  # steps 4..9 are held already
     assert history(uri, rid, "train/loss") == [(s, float(s)) for s in range(10)] + [(s, 100.0 + s) for s in (10, 11, 12)]
     assert MlflowClient(uri).get_run(rid).data.tags["otel_train.last_step"] == "12"
 
@@ -183,7 +183,7 @@ def test_a_restart_drops_each_series_only_below_its_own_last_step(tmp_path: Path
     restarted.shutdown()
     assert history(uri, rid, "train/loss") == [(s, float(s)) for s in range(9)]
     assert history(uri, rid, "wk/val") == [(s, 100.0 + s) for s in range(5, 14)]
-    assert restarted.steps_dropped == 2 + 2  # train/loss 4, 5 and wk/val 9, 10: held already
+    assert (restarted.steps_held, restarted.steps_dropped) == (2 + 2, 0)  # train/loss 4, 5, wk/val 9, 10
 
 
 def test_otel_sdk_path_with_counter_totals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent("""
     user.finish()
     logs = SQLiteStorage.get_logs("otel-trackio-test", "trk")
     config = SQLiteStorage.get_run_config("otel-trackio-test", "trk")
-    print("RESULT" + json.dumps({"ok": ok, "dropped": exp.steps_dropped, "user_alive": user_alive,
+    print("RESULT" + json.dumps({"ok": ok, "dropped": exp.steps_dropped, "held": exp.steps_held, "user_alive": user_alive,
                                  "logs": logs, "config": config, "runs": SQLiteStorage.get_runs("otel-trackio-test"),
                                  "files": sorted(p.name for p in Path(sys.argv[4]).iterdir())}, default=str))
 """)
@@ -118,7 +118,7 @@ def test_config_has_hparams_hash_and_group(phases: dict[str, dict[str, Any]]) ->
 
 def test_resume_continues_without_duplicate_steps(phases: dict[str, dict[str, Any]]) -> None:
     resumed = phases["resume"]
-    assert resumed["ok"] and resumed["dropped"] == 2
+    assert resumed["ok"] and (resumed["held"], resumed["dropped"]) == (2, 0)  # held: not a loss
     assert resumed["runs"] == ["trk", "trk-trk-run-2"]  # same name, other run id: a run of its own
     assert [(e["step"], e["train/loss"]) for e in resumed["other"]] == [(0, 5.0)]
     loss = [(e["step"], e["train/loss"]) for e in resumed["logs"] if "train/loss" in e]
@@ -143,7 +143,7 @@ AHEAD = textwrap.dedent("""
         MetricRow(run, s, "train/loss", "train/loss", float(s), "gauge", 0),
         MetricRow(run, s + 5, "wk/val", "wk/val", 100.0 + s + 5, "gauge", 0))]))
     exp.shutdown()
-    print("RESULT" + json.dumps({"ok": ok, "dropped": exp.steps_dropped,
+    print("RESULT" + json.dumps({"ok": ok, "dropped": exp.steps_dropped, "held": exp.steps_held,
                                  "logs": SQLiteStorage.get_logs("otel-trackio-ahead", "ahead")}, default=str))
 """)
 
@@ -155,7 +155,7 @@ def test_a_restart_drops_each_series_only_below_its_own_last_step(tmp_path: Path
     script.write_text(AHEAD)
     run_phase("first", tmp_path, script)
     resumed = run_phase("resume", tmp_path, script)
-    assert resumed["ok"] and resumed["dropped"] == 0
+    assert resumed["ok"] and (resumed["held"], resumed["dropped"]) == (0, 0)
     assert series(resumed["logs"], "train/loss") == [(s, float(s)) for s in range(6)]
     assert series(resumed["logs"], "wk/val") == [(s, 100.0 + s) for s in range(5, 11)]
 
