@@ -102,7 +102,9 @@ class VerifyReport:
         extra = f"; {unchecked} not checked" if unchecked else ""
         if failed:
             return f"verify: FAIL in {', '.join(failed)} (`otel-train verify {self.run_dir}`){extra}"
-        return f"verify: pass ({checked} backend{'s' if checked != 1 else ''}{extra})"
+        stops = [b.not_checked_past for b in self.backends if b.not_checked_past is not None]
+        until = f" up to step {min(stops)}, not past it" if stops else ""  # the record stopped there (cap, disk)
+        return f"verify: pass{until} ({checked} backend{'s' if checked != 1 else ''}{extra})"
 
     def to_json(self) -> dict[str, Any]:
         return {"run_dir": str(self.run_dir), "ok": self.ok, "problem": self.problem, "refusals": self.refusals,

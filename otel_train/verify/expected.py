@@ -15,10 +15,12 @@ from typing import Any
 
 from otel_train.ship.logged_record import FULL_MARK, read_entries, record_files
 
-__all__ = ["KILLED_IN_FLIGHT", "BackendPlan", "Expected", "RankPlan", "SeriesKey", "load"]
+__all__ = ["DISK_FULL_IN_FLIGHT", "KILLED_IN_FLIGHT", "BackendPlan", "Expected", "RankPlan", "SeriesKey", "load"]
 
 #: The loss cause of values recorded by a writer killed before its spool held their window.
 KILLED_IN_FLIGHT = "killed before written ahead"
+#: The same for a writer that was not killed: the disk was full (its record says so), so the spool never held them.
+DISK_FULL_IN_FLIGHT = "not written ahead: the disk was full"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +181,11 @@ def _read_writer(plan: RankPlan, path: Path, header: dict[str, Any], seen: set[i
             _stop(plan, int(entry.get("step", -1)), "the record reached its cap")
     for step in waits.values():
         _stop(plan, step, "the record could not be written: the disk was full")
+    if waits:  # windows past what the spool wrote ahead were lost to the full disk, not to a kill
+        for backend in plan.backends.values():
+            n = backend.lost.pop(KILLED_IN_FLIGHT, 0)
+            if n:
+                backend.lost[DISK_FULL_IN_FLIGHT] = backend.lost.get(DISK_FULL_IN_FLIGHT, 0) + n
     for name, causes in dict(losses.get("lost", {})).items():
         if name in plan.backends:
             lost = plan.backends[name].lost

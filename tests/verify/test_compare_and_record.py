@@ -259,3 +259,29 @@ def test_a_backend_still_starting_is_recorded_with_its_store(tmp_path: Path, mon
     info = backend_info("mlflow", starting)
     assert info["tracking_uri"] == (env_uri or f"sqlite:///{tmp_path.resolve() / 'mlruns' / 'mlflow.db'}")
     assert info["class"] == cls.__module__ == "otel_train.exporters.mlflow"
+
+
+def test_a_disk_that_stayed_full_is_named_as_the_cause_and_the_verdict_says_where_checking_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows recorded past what the spool could write ahead, in a run whose disk stayed full: they were counted as
+    "killed before written ahead" (nothing was killed), and the verdict said "pass" although the check stopped at
+    the step where the record did."""
+    from otel_train.ship.spool import rank_spool
+    from otel_train.verify import BackendReport, VerifyReport
+    from otel_train.verify.expected import DISK_FULL_IN_FLIGHT, KILLED_IN_FLIGHT
+
+    disk = _Disk(monkeypatch)
+    record = _record(tmp_path)
+    record.add(_window(range(3)), seq=1)
+    record.add(_window(range(3, 6)), seq=2)  # recorded, then the spool append failed: the disk is full
+    disk.full = True
+    record.add(_window(range(6, 9)), seq=3)
+    spool = rank_spool(tmp_path, 0)
+    spool.mkdir(parents=True)
+    (spool / "cursors.json").write_text('{"jsonl": 1}')  # the spool wrote window 1 ahead, no more
+    lost = load(tmp_path)[0].backends["jsonl"].lost
+    assert lost.get(DISK_FULL_IN_FLIGHT) == 6 and KILLED_IN_FLIGHT not in lost, lost  # windows 2 and 3
+
+    report = VerifyReport(tmp_path, [BackendReport(0, "jsonl", "pass", not_checked_past=5,
+                                                   not_checked_why="the record could not be written")])
+    assert report.verdict() == "verify: pass up to step 5, not past it (1 backend)"
