@@ -104,3 +104,35 @@ def test_summary_counts_the_rows_a_backend_refused(tmp_path: Path) -> None:
     # 12 failed writes: per window, the window, then the refused row alone, twice
     warned = [x for x in proc.stderr.splitlines() if "`odd`" in x and "skipped a row" in x]
     assert len(warned) == 1, proc.stderr  # once for the series, not per row
+
+
+_DOWN = textwrap.dedent(
+    """
+    import sys
+    import otel_train as ot
+    from otel_train.testing import InMemoryRowExporter
+
+    class Down(InMemoryRowExporter):
+        name = "down"
+
+        def write_metrics(self, rows, histograms):
+            raise ConnectionError("the server is down")
+
+    ot.init(exporters=[Down()], dir=sys.argv[1], run_name="down", shutdown_timeout_s=2.0)
+    for i in ot.steps(range(3)):
+        ot.log({"train/loss": 1.0 / (i + 1)})
+    ot.shutdown()
+    """
+)
+
+
+def test_rows_an_in_process_backend_still_fails_at_shutdown_are_counted(tmp_path: Path) -> None:
+    """In the training process (no spool behind the backend) a backend still failing at shutdown loses what it
+    holds: it was said ("closed with N window(s) it could not write") but the summary read "0 dropped"."""
+    script = tmp_path / "train.py"
+    script.write_text(_DOWN)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=clean, capture_output=True,
+                          text=True, timeout=120, check=True)
+    line = next(x for x in proc.stderr.splitlines() if x.startswith("otel-train: ") and " points in " in x)
+    assert "down: " in line and "rows not written (" in line and "still failing at shutdown)" in line, line

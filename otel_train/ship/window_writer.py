@@ -194,10 +194,10 @@ class WindowWriter:
                                 "; those the spool holds stay there for `otel-train replay`" if self.keep_failed
                                 else "")
                 # Counted: the summary must not read as if they had landed. Kept windows are the spool's (delivery
-                # counts those the spool could not write ahead).
-                if self._disk_full and not self.keep_failed:
+                # counts those the spool could not write ahead); without a spool (in-process) they are lost here.
+                if not self.keep_failed:
                     for window in self.pending:
-                        self._lose_window(window, "disk_full", self._landed_ids)
+                        self._lose_window(window, "disk_full" if self._disk_full else "at_close", self._landed_ids)
             self.closed = True
             if self.route is not None:
                 self.route.report()  # "pattern ... matched no metric", once

@@ -176,6 +176,7 @@ LOSS_CAUSES: dict[str, str] = {
     "gave_up": "given up after retries",
     "disk_full": "disk full",
     "not_started": "the backend did not start",
+    "at_close": "still failing at shutdown",
 }
 
 
