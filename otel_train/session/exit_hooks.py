@@ -130,14 +130,35 @@ _handled = threading.Event()
 _deferred: set[int] = set()  # signals waiting for the loop's next line
 
 
+#: The same signal again within this long of the first is the first one twice, not a second one (which ends the
+#: process at once): a launcher that forwards SIGTERM to the rank and signals its process group sends two.
+_DUPLICATE_S = 1.0
+_ending = False  # the hand-off is done: the next delivery of the signal is ours, and ends the process
+
+
+def _ends_at_once_after(first_at: float) -> Any:
+    """The handler of a signal whose hand-off is under way: a repeat within `_DUPLICATE_S` is ignored; anything
+    later (a user pressing again), or the hand-off's own ending, gets the default action at once."""
+    def repeat(signum: int, frame: Any) -> None:
+        if not _ending and time.monotonic() - first_at < _DUPLICATE_S:
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return repeat
+
+
 def _end_process(signum: int, scopes: list[Any]) -> None:
     """Hand off (open spans recorded as truncated, every session shut down) and end the process by `signum`,
-    whose disposition is the default again: same exit status as without us."""
+    whose disposition is the default again (the main thread sets it, as the signal arrives): same exit status as
+    without us."""
+    global _ending
     try:
         _record_truncated(scopes)
         _shutdown_active()
     except Exception:
         _logger.warning("otel-train: hand-off on signal %d failed", signum, exc_info=True)
+    _ending = True
     os.kill(os.getpid(), signum)
     time.sleep(1.0)  # the signal is blocked in this thread (e.g. by the user's `pthread_sigmask`): end anyway
     os._exit(128 + signum)
@@ -262,14 +283,16 @@ def _on_signal(signum: int, frame: Any) -> None:
     _deferred.discard(signum)
     _handled.set()
     if previous in (signal.SIG_DFL, None):
-        # The default action ends the process: a second signal meanwhile ends it at once. Open spans are
-        # recorded as truncated; the process ends by the same signal, from this handler: no step runs after it.
-        signal.signal(signum, signal.SIG_DFL)
+        # The default action ends the process: a second signal meanwhile ends it at once, but the same signal again
+        # within `_DUPLICATE_S` is the first one twice (a launcher that signals the rank and its process group).
+        # Open spans are recorded as truncated; the process ends by the same signal: no step runs after it.
+        signal.signal(signum, _ends_at_once_after(time.monotonic()))
         budget_s = _shutdown_budget_s()  # before the hand-off closes the sessions it is computed from
         _handoff = threading.Thread(target=_end_process, args=(signum, open_span_scopes()), name="otel-train-signal",
                                     daemon=True)
         _handoff.start()
         _handoff.join(budget_s + 1.0)
+        signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # the hand-off overran its deadline: end now
         return
     # A handler of the user's (a SLURM requeue handler, a checkpoint hook) or SIGINT's `KeyboardInterrupt`

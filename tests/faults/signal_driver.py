@@ -12,6 +12,8 @@ TensorBoard back. MODE:
   after otel-train flushed; the loop then stops by itself.
 - ``composed``: a framework installed its handler after `init` and calls ours (Lightning composes
   handlers so): ours must only flush, and the framework's handler decides (the loop stops by itself).
+- ``twice``: as ``default``, the signal sent twice back to back (a launcher that signals the rank and its
+  process group).
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ def _one(out: Path, rep: int, signum: int, mode: str, at: int) -> dict[str, obje
                 sent = time.monotonic()
                 at_signal = reported[-1]
                 os.kill(pid, signum)
+                if mode == "twice":
+                    os.kill(pid, signum)
         _, status = os.waitpid(pid, 0)
     exit_s = time.monotonic() - sent if sent else None
     last = reported[-1] if reported else -1

@@ -62,6 +62,18 @@ def test_signal_at_any_step_lands_every_step_logged_before_it(tmp_path: Path, si
             assert r["killed_by"] == signum
 
 
+def test_the_same_signal_twice_at_once_is_one_signal(tmp_path: Path) -> None:
+    """A launcher that forwards SIGTERM to the rank and also signals its process group sends two at once: the second
+    was taken as "a second signal ends it at once" and killed the hand-off (no summary line; the last steps lost
+    in about 1 run of 8). A repeat within a second is now the same signal: every finished step lands."""
+    for r in drive(tmp_path, "SIGTERM", SIGNAL_STEPS, "twice"):
+        last = landed_prefix(r["jsonl"])
+        assert r["last_reported"] <= last <= r["last_reported"] + 1, r
+        assert {tuple(p) for p in r["jsonl"]} == expected(range(last + 1)), r["rep"]
+        assert {tuple(p) for p in r["tb"]} == expected(range(last + 1), as_f32=True), r["rep"]
+        assert r["killed_by"] == signal.SIGTERM
+
+
 @pytest.mark.parametrize("mode", ["chained", "composed"])
 def test_sigusr1_keeps_the_users_or_frameworks_handler_working(tmp_path: Path, mode: str) -> None:
     """A SLURM requeue handler installed before `init` (chained) or a framework's installed after it
