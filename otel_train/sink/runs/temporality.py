@@ -23,7 +23,8 @@ steps again), each sum as its total since the series' start time. otel-train its
   sender changes back): their increases add up.
 * **Up-down counters** (non-monotonic sums) are running totals in both temporalities, like counters
   (a CUMULATIVE point adds its change since the previous point, which may be negative; only a new
-  start time is a reset), so one program gives the same rows either way. A NaN or ±inf sum point is
+  start time is a reset), so one program gives the same rows either way (but for a collection whose net change
+  is 0: a DELTA row of 0; CUMULATIVE cannot tell it from a re-send, so no row). A NaN or ±inf sum point is
   counted (`nan_points`) and skipped, never added.
 * **Gauges** (and up-down values, summary quantiles): written once per (series, step, value); a
   re-sent unchanged point is not written again (a NaN is the same value as a NaN of the same bits). A point
