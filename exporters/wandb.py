@@ -450,8 +450,18 @@ class WandbExporter(RowExporter):
     def _file_step(self, key: tuple[str, int]) -> int | None:
         """The highest step run `key` holds durably (its file, or the earlier attempts); None: unknown."""
         store = self._files.get(key)
-        if store is None or not store.path.exists():  # no transaction log (disabled mode, W&B's own setting)
+        if store is None:
             return None
+        if not store.path.exists():
+            if not store.seen:  # no transaction log (disabled mode, W&B's own setting)
+                return None
+            # It was there: deleted under the run (its folder removed). W&B goes on writing into the deleted file,
+            # so nothing written from now on is held: the windows stay in the spool for `otel-train replay`.
+            self._log.warning(f"deleted-{key}", "wandb: the run file %s was deleted while the run wrote to it; "
+                              "what the run logs from now on stays in the spool for `otel-train replay` (warned "
+                              "once)", store.path)
+            return -1
+        store.seen = True
         return max(store.last_step(), self._floor.get(key, -1))
 
     @staticmethod
@@ -529,6 +539,7 @@ class _RunFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.seen = False  # the file was found once (a file gone after that was deleted)
         self._offset = 0
         self._pending = b""
         self._last = -1

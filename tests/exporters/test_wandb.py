@@ -155,6 +155,49 @@ def test_resumed_job_continues_without_duplicate_steps(offline: dict[str, Any], 
     assert not set(first["history"]) & set(second["history"])
 
 
+DELETED_SCRIPT = textwrap.dedent("""
+    import shutil, sys
+    from pathlib import Path
+    from otel_train.exporters.base import Window
+    from otel_train.exporters.wandb import WandbExporter
+    from otel_train.config.exporter_options import ExporterOptions
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
+
+    run = RunInfo("deleted-run", "deleted")
+    exp = WandbExporter(ExporterOptions(directory=Path(sys.argv[1]), project="otel-wandb-test"))
+    exp.hold_s = 0.0
+
+    def window(steps):
+        return Window(metrics=[MetricRow(run, s, "train/loss", "train/loss", float(s), "gauge", s) for s in steps])
+
+    assert exp.export_window(window(range(3))) and exp.force_flush()
+    import time
+    deadline = time.monotonic() + 60
+    while (exp.durable_step() or 0) < 1 and time.monotonic() < deadline:  # W&B's service writes on its own time
+        time.sleep(0.1)
+    print("before", exp.durable_step())  # the last step stays open until the run closes: 1
+    shutil.rmtree(Path(sys.argv[1]) / "deleted")  # the run folder removed under the running job
+    assert exp.export_window(window(range(3, 6))) and exp.force_flush()
+    print("after", exp.durable_step())
+    exp.shutdown()
+""")
+
+
+def test_a_run_file_deleted_under_the_run_claims_nothing_more(offline: dict[str, Any], tmp_path: Path) -> None:
+    """W&B goes on writing into a run file deleted under it (the run folder removed): its read-back found no file
+    and claimed everything, so the windows left the spool, lost with "0 dropped". It now claims nothing more: the
+    windows stay in the spool for `otel-train replay`."""
+    script = tmp_path / "deleted.py"
+    script.write_text(DELETED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "runs")], env=offline["env"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "before 1" in done.stdout, done.stdout  # steps 0 and 1 held (W&B holds the last one open)
+    assert "after -1" in done.stdout, done.stdout
+    assert "was deleted while the run wrote to it" in done.stderr
+
+
 # -- fakes: rank policy, one `log` per step, and the missing package ---------------------------------
 class FakeRun:
     def __init__(self, kwargs: dict[str, Any], root: Path) -> None:
