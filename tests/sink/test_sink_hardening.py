@@ -33,6 +33,15 @@ def _post(port: int, body: bytes, headers: dict[str, str] | None = None, path: s
     return status
 
 
+def _post_answer(port: int, body: bytes, path: str = "/v1/metrics") -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/x-protobuf"})
+    resp = conn.getresponse()
+    out = resp.status, resp.read()
+    conn.close()
+    return out
+
+
 def _health(port: int) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
         return json.loads(resp.read())  # type: ignore[no-any-return]
@@ -111,7 +120,10 @@ def test_one_jobs_bad_resource_does_not_cost_the_other_jobs_of_a_collectors_batc
     cannot take (a run id over 255 bytes, a metric without a name, a histogram whose counts do not match its
     bounds) is refused alone, counted; the other jobs' points are written and the sender gets 200 (before: 400
     for the whole batch, which collectors do not retry)."""
-    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+        ExportMetricsServiceRequest,
+        ExportMetricsServiceResponse,
+    )
 
     good = _request("good-job", [("loss", 1.0, 1), ("loss", 2.0, 2)])
     long_id = _request("r" * 300, [("loss", 9.0, 1), ("acc", 9.0, 1)])
@@ -125,7 +137,10 @@ def test_one_jobs_bad_resource_does_not_cost_the_other_jobs_of_a_collectors_batc
     try:
         # Protobuf messages concatenated are merged: one request of four Resources.
         batch = long_id + good + unnamed.SerializeToString() + buckets.SerializeToString()
-        assert _post(sink.http_port, batch) == 200
+        status, answer = _post_answer(sink.http_port, batch)
+        assert status == 200
+        partial = ExportMetricsServiceResponse.FromString(answer).partial_success  # OTLP: the sender is told
+        assert partial.rejected_data_points == 5 and "train.run.id" in partial.error_message, partial
         assert _post(sink.http_port, long_id) == 400  # a request of that Resource alone is refused whole, as before
         health = _health(sink.http_port)
     finally:
@@ -144,7 +159,10 @@ def test_one_jobs_bad_resource_does_not_cost_the_other_jobs_of_a_collectors_batc
 def test_one_jobs_bad_spans_or_log_records_do_not_cost_the_other_jobs(tmp_path: Path) -> None:
     """The same for traces and logs: a Resource with a span id or trace id of the wrong length is refused alone."""
     from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+        ExportTraceServiceResponse,
+    )
 
     spans, logs = ExportTraceServiceRequest(), ExportLogsServiceRequest()
     for run_id, span_id in (("good-job", b"\x01" * 8), ("bad-job", b"\x01" * 3)):
@@ -158,7 +176,8 @@ def test_one_jobs_bad_spans_or_log_records_do_not_cost_the_other_jobs(tmp_path: 
         record.body.string_value = f"hello from {run_id}"
     sink = make_sink(tmp_path, ("jsonl",))
     try:
-        assert _post(sink.http_port, spans.SerializeToString(), path="/v1/traces") == 200
+        status, answer = _post_answer(sink.http_port, spans.SerializeToString(), path="/v1/traces")
+        assert status == 200 and ExportTraceServiceResponse.FromString(answer).partial_success.rejected_spans == 1
         assert _post(sink.http_port, logs.SerializeToString(), path="/v1/logs") == 200
         health = _health(sink.http_port)
     finally:
@@ -168,6 +187,32 @@ def test_one_jobs_bad_spans_or_log_records_do_not_cost_the_other_jobs(tmp_path: 
     assert [r["body"] for r in rows if r.get("type") == "log"] == ["hello from good-job"]
     assert not (tmp_path / "runs" / "bad-job" / "rank0.jsonl").exists()
     assert health["points_refused"] == {"bad_resource": 2}
+
+
+def test_points_refused_alone_are_named_in_the_grpc_answers_partial_success(tmp_path: Path) -> None:
+    """OTLP's partial success over gRPC and HTTP/JSON too: a sender learns how many of its points were refused, and
+    why, from the answer (the Python SDK's exporters log it); before, the answer was empty."""
+    import grpc
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2_grpc import MetricsServiceStub
+
+    body = _request("partial", [("loss", 1.0, 1), ("loss", 2.0, 2.5), ("acc", 3.0, "ten")])
+    sink = make_sink(tmp_path, ("jsonl",))
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{sink.grpc_port}") as channel:
+            answer = MetricsServiceStub(channel).Export(ExportMetricsServiceRequest.FromString(body), timeout=10)
+        doc = json_format.MessageToJson(ExportMetricsServiceRequest.FromString(body))
+        conn = http.client.HTTPConnection("127.0.0.1", sink.http_port, timeout=10)
+        conn.request("POST", "/v1/metrics", body=doc, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        as_json = json.loads(resp.read())
+        conn.close()
+    finally:
+        sink.stop()
+    assert answer.partial_success.rejected_data_points == 2, answer
+    assert "a `train.step` that is no step" in answer.partial_success.error_message
+    assert resp.status == 200 and as_json["partialSuccess"]["rejectedDataPoints"] in (2, "2"), as_json
 
 
 def test_a_point_whose_step_is_no_step_is_refused_alone(tmp_path: Path) -> None:

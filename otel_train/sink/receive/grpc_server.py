@@ -47,6 +47,7 @@ def _handler(sink: Sink, signal: str, large: ThreadPoolExecutor) -> Any:
     import grpc
 
     from otel_train.sink.decode.otlp import rpc_status
+    from otel_train.sink.receive.answer import success_body
     from otel_train.sink.receive.ingest import DecodeError, Overloaded
 
     async def export(body: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
@@ -66,10 +67,11 @@ def _handler(sink: Sink, signal: str, large: ThreadPoolExecutor) -> Any:
                                 f"limit of {limit} bytes")
         try:
             if len(body) <= INLINE_BYTES:
-                sink.ingest(signal, body, _PROTOBUF, None)
+                answer = sink.ingest(signal, body, _PROTOBUF, None)
             else:
-                await asyncio.get_running_loop().run_in_executor(large, sink.ingest, signal, body, _PROTOBUF, None)
-            return b""
+                answer = await asyncio.get_running_loop().run_in_executor(large, sink.ingest, signal, body, _PROTOBUF,
+                                                                          None)
+            return success_body(signal, answer, protobuf=True)
         except DecodeError as err:
             sink.count_rejected("invalid", str(err))
             code, message = grpc.StatusCode.INVALID_ARGUMENT, str(err)

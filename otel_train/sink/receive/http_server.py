@@ -23,6 +23,8 @@ import math
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+from otel_train.sink.receive.answer import success_body
+
 if TYPE_CHECKING:
     from aiohttp import web
 
@@ -315,7 +317,7 @@ class HttpReceiver:
         if signal is None:
             return self._compat("POST", request, body)
         try:
-            await sink.ingest_async(signal, body, ctype, request.headers.get("Content-Encoding"))
+            answer = await sink.ingest_async(signal, body, ctype, request.headers.get("Content-Encoding"))
         except DecodeError as err:
             sink.count_rejected("invalid", str(err))
             return _otlp_error(400, str(err), protobuf)
@@ -329,9 +331,8 @@ class HttpReceiver:
             sink.count_rejected("internal", repr(err))
             _logger.exception("HTTP %s export failed", signal)
             return _otlp_error(500, f"{type(err).__name__}: {err}", protobuf)
-        if protobuf:
-            return web.Response(status=200, body=b"", content_type="application/x-protobuf")
-        return web.Response(status=200, body=b"{}", content_type="application/json")
+        return web.Response(status=200, body=success_body(signal, answer, protobuf),
+                            content_type="application/x-protobuf" if protobuf else "application/json")
 
 
 def start_http(sink: Sink, loop: LoopThread, address: str, tls_cert: str | None = None,

@@ -34,6 +34,7 @@ from otel_train.sink.decode.requests import (
 from otel_train.sink.decode.run_names import RunNames
 from otel_train.sink.decode.traces import decode_traces
 from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs, fds_in_use
+from otel_train.sink.receive.answer import Taken, taken
 from otel_train.sink.receive.compat import CompatAPI
 from otel_train.sink.runs.live_hangs import LiveHangs
 from otel_train.sink.runs.reorder import ReorderHold, needs_hold
@@ -171,7 +172,7 @@ class SinkCore:
         self._log.warning(f"rejected:{reason}", "refused a request (%s, %d so far)%s%s (logged at most once a "
                           "minute per reason)", reason, total, ": " if detail else "", detail[:300])
 
-    async def ingest_async(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
+    async def ingest_async(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> Taken:
         """`ingest` for the receivers' event loop: a body over `INLINE_BYTES` on a thread of its own. It never
         waits: a run whose backends are behind is held in its spool or refused at once (`Overloaded`), so one
         run never holds up another."""
@@ -191,8 +192,9 @@ class SinkCore:
         if large is not None:
             large.shutdown(wait=False, cancel_futures=True)
 
-    def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> int:
-        """Decode a whole request into rows, then hand them to the router. Returns rows taken.
+    def ingest(self, signal: str, body: bytes, content_type: str | None, encoding: str | None) -> Taken:
+        """Decode a whole request into rows, then hand them to the router. Returns the rows taken and what was
+        refused alone (for OTLP's partial success).
 
         Raises:
             DecodeError: malformed payload (nothing of it is written).
@@ -241,7 +243,7 @@ class SinkCore:
                 # this; nothing of the request was taken (a run that cannot open takes nothing).
                 raise Overloaded(f"out of file descriptors ({err.strerror}); retry shortly",
                                  self.settings.retry_after_s) from None
-        return n
+        return taken(n, decoded.refused)
 
     def _route(self, signal: str, body: bytes, decoded: Decoded) -> None:
         """Hand a request to the router: whole (all its runs admitted, or none), or, when it has more runs than
