@@ -159,3 +159,39 @@ def test_a_late_stepless_gauge_point_is_not_written_as_the_current_value() -> No
     mem, router = _run([export(0, 100.0), export(1, 101.0), export(3, 103.0), export(2, 102.0)])
     assert _series(mem, "gpu_mem") == [(0, 100.0), (1, 101.0), (3, 103.0)]
     assert router.summary()["runs"][0]["late_points"] == 1
+
+
+def test_the_newest_gauge_time_is_kept_with_the_runs_state_and_undone_with_a_refused_request() -> None:
+    """What a restarted sink knows: a late point after the restart is still late (the journal's gauge rows carry
+    their times; a snapshot its `m` table). A request that could not be made durable (rolled back) leaves the
+    newest time as it was."""
+    from otel_train.sink.runs.temporality import SeriesLedger
+    from otel_train.vocab.rows import MetricRow
+    from otel_train.vocab.run_identity import RunInfo
+
+    run = RunInfo("r", "r")
+
+    def lr(value: float, t: int) -> list[MetricRow]:
+        return [MetricRow(run, 0, "lr", "lr", value, "gauge", t)]
+
+    ledger = SeriesLedger(persistent=True)
+    ledger.begin()
+    ledger.gauges(lr(0.4, 40), lambda r: None)
+    journal = [ledger.changes()]
+    ledger.commit()
+    for restored in (SeriesLedger(persistent=True), SeriesLedger(persistent=True)):
+        if not journal[1:]:  # from the journal
+            restored.load(None, journal)
+            journal.append([])
+        else:  # from a snapshot
+            restored.load(ledger.dump(), [])
+        written: list[MetricRow] = []
+        restored.gauges(lr(0.3, 30), written.append)  # older than the value held: late
+        assert (written, restored.late_points) == ([], 1)
+
+    ledger.begin()
+    ledger.gauges(lr(0.9, 90), lambda r: None)
+    ledger.rollback()  # refused: as if it never came
+    written = []
+    ledger.gauges(lr(0.5, 50), written.append)  # newer than 40: taken
+    assert [r.value for r in written] == [0.5]

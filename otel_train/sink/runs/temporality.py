@@ -169,14 +169,18 @@ class SeriesLedger(MetricsConverter):
         self._spans: dict[tuple[int, int, int], int] = {}  # (trace id high, low, span id) of spans taken: retries
         self._logs: dict[int, int] = {}  # keys of log records taken (`log_key`): retries
         self._written: dict[tuple[int, str], float] = {}  # last value of step-less gauge series
-        self._gauge_times: dict[tuple[int, str], int] = {}  # the newest time of a gauge point applied, per series
+        # The newest time of a gauge point applied, per series: rank -> tag -> time (as `_gauges`: no key tuple on the
+        # hot path). Kept durable with the gauge rows written (their times, a column of the gauge block) and in the
+        # snapshot (``m``); a rollback restores it from `_time_undo`.
+        self._gauge_times: dict[int, dict[str, int]] = {}
+        self._time_undo: list[tuple[dict[str, int], str, int | None]] = []
         # (rank, tag) -> the senders of a cumulative series, the latest last (a few)
         self._senders: dict[tuple[int, str], tuple[str, ...]] = {}
         self._sequence: dict[tuple[int, str], int] = {}
         self._tables: dict[str, dict[Any, Any]] = {
             "T": self._sums, "P": self._tops, "C": self._cumulative, "H": self._hists,
             "X": self._extremes, "L": self._deltas, "D": self._delta_seen, "S": self._spans, "W": self._written,
-            "N": self._senders, "Q": self._sequence, "O": self._logs, "M": self._gauge_times,
+            "N": self._senders, "Q": self._sequence, "O": self._logs,
         }
         self._undo: list[tuple[str, Any, Any]] | None = None  # (table, key, old value) since `begin`
         # Gauge rows written since `begin`, in order, and where each run of them of one series starts (an index
@@ -240,13 +244,14 @@ class SeriesLedger(MetricsConverter):
         at = self._new_at
         firsts = [rows[i] for i in at]
         block = [[r.run.rank for r in firsts], [r.tag for r in firsts], at, [r.step for r in rows],
-                 [r.value for r in rows]]
+                 [r.value for r in rows], [r.time_unix_nano for r in rows]]
         return [[*(getattr(self, n) for n in self._COUNTS), self.collided], out, block]
 
     def _clear_new(self) -> None:
         self._new_rows = []
         self._new_at = []
         self._changed_gauges = []
+        self._time_undo = []
 
     def commit(self) -> None:
         """Keep the changes since `begin` (they are durable); drop entries that fell out of the window."""
@@ -283,6 +288,11 @@ class SeriesLedger(MetricsConverter):
                 self._gauge_entries -= 1
                 if not steps:
                     by_tag.pop(row.tag, None)  # a series this request began
+        for times, tag, before in reversed(self._time_undo):
+            if before is None:
+                times.pop(tag, None)
+            else:
+                times[tag] = before
         self._corrections.clear()
         self._clear_new()
         *counts, collided = self._counts_before
@@ -296,6 +306,8 @@ class SeriesLedger(MetricsConverter):
         tables: dict[str, Any] = {tid: [list(table), list(table.values())] for tid, table in self._tables.items()}
         series = [(rank, tag, steps) for rank, by_tag in self._gauges.items() for tag, steps in by_tag.items()
                   if steps]
+        newest = [(rank, tag, t) for rank, by_tag in self._gauge_times.items() for tag, t in by_tag.items()]
+        tables["m"] = [[n[0] for n in newest], [n[1] for n in newest], [n[2] for n in newest]]
         tables["g"] = [[s[0] for s in series], [s[1] for s in series],
                        list(itertools.accumulate((len(s[2]) for s in series[:-1]), initial=0)) if series else [],
                        list(itertools.chain.from_iterable(s[2] for s in series)),
@@ -314,7 +326,15 @@ class SeriesLedger(MetricsConverter):
                 if tid == "g":
                     self._load_gauge_block(data)
                     continue
+                if tid == "m":  # the newest gauge point time of each series
+                    for rank, tag, t in zip(*data, strict=True):
+                        self._gauge_times.setdefault(int(rank), {})[str(tag)] = int(t)
+                    continue
                 keys, values = data
+                if tid == "M":  # an earlier format of the same: (rank, tag) keys
+                    for (rank, tag), t in zip(keys, values, strict=True):
+                        self._gauge_times.setdefault(int(rank), {})[str(tag)] = int(t)
+                    continue
                 if tid == "G":  # the previous format
                     self._load_gauges(keys, values)
                     continue
@@ -327,6 +347,8 @@ class SeriesLedger(MetricsConverter):
             for tid, key, value in entries:
                 if tid == "G":  # the previous format: a changed gauge value
                     self._load_gauges([key], [value])
+                elif tid == "M":  # an earlier format of the newest gauge times: (rank, tag) -> time
+                    self._gauge_times.setdefault(int(key[0]), {})[str(key[1])] = int(value)
                 else:
                     self._tables[tid][_key(key)] = _VALUE_OF[tid](value)
             if len(gauges) == 2:  # the previous format: gauge keys first written, their values
@@ -342,14 +364,19 @@ class SeriesLedger(MetricsConverter):
 
     def _load_gauge_block(self, block: list[Any]) -> None:
         """Gauge values from a gauge block (`changes`), set in order (a later value of a step replaces an earlier
-        one)."""
-        ranks, tags, starts, steps, values = block
+        one); with its times column (the previous format had none), each series' newest point time."""
+        ranks, tags, starts, steps, values, *rest = block
+        times = rest[0] if rest else None
         ends = [*starts[1:], len(steps)] if starts else []
         if not len(ranks) == len(tags) == len(starts) or len(steps) != len(values) or \
+                (times is not None and len(times) != len(steps)) or \
                 (starts[0] if starts else len(steps)) != 0 or any(a > b for a, b in zip(starts, ends, strict=True)):
             raise ValueError("a gauge block whose columns do not match")
         for rank, tag, a, b in zip(ranks, tags, starts, ends, strict=True):
             self._steps_of(rank, tag).update(zip(steps[a:b], values[a:b], strict=True))
+            if times is not None and b > a:
+                by_tag = self._gauge_times.setdefault(rank, {})
+                by_tag[tag] = max(by_tag.get(tag, 0), *times[a:b])
         self._count_gauges()
 
     def _steps_of(self, rank: int, tag: str) -> dict[int, float]:
@@ -504,12 +531,16 @@ class SeriesLedger(MetricsConverter):
         recorded: Any = None  # the series `new_at` last began a run of rows for
         floor = _NO_FLOOR
         added = 0
-        times = self._gauge_times
+        all_times = self._gauge_times
+        times: dict[str, int] = {}
+        time_undo = self._time_undo if record else None
         newest = newest_before = 0  # the series' newest point time applied (0: none, or no time given)
         for row in rows:
             if row.tag is not tag or row.run is not run:
-                if newest != newest_before:
-                    self._remember("M", times, (rank, tag), newest)
+                if newest != newest_before:  # once per series, on the hot path
+                    if time_undo is not None:
+                        time_undo.append((times, tag, newest_before or None))
+                    times[tag] = newest
                 if row.run is not run:
                     run = row.run
                     rank = run.rank
@@ -517,13 +548,17 @@ class SeriesLedger(MetricsConverter):
                     if found is None:
                         found = gauges[rank] = {}
                     by_tag = found
+                    found_times = all_times.get(rank)
+                    if found_times is None:
+                        found_times = all_times[rank] = {}
+                    times = found_times
                 tag = row.tag
                 series = by_tag.get(tag)
                 if series is None:
                     series = by_tag[tag] = {}
                 steps = series
                 floor = floors.get((rank, tag), _NO_FLOOR) if floors else _NO_FLOOR
-                newest = newest_before = times.get((rank, tag), 0)
+                newest = newest_before = times.get(tag, 0)
             step = row.step
             value = row.value
             t = row.time_unix_nano
@@ -552,7 +587,9 @@ class SeriesLedger(MetricsConverter):
                     new_at.append(len(new_rows))
                 new_rows.append(row)
         if newest != newest_before:
-            self._remember("M", times, (rank, tag), newest)
+            if time_undo is not None:
+                time_undo.append((times, tag, newest_before or None))
+            times[tag] = newest
         self._gauge_entries += added
 
     def _sender(self, rank: int, tag: str, sender: str) -> None:
@@ -622,7 +659,7 @@ class SeriesLedger(MetricsConverter):
             return True
         # GAUGE: the value itself, once per (series, step, value)
         if stepless:
-            if row.time_unix_nano < self._gauge_times.get((rank, row.tag), 0):
+            if row.time_unix_nano < self._gauge_times.get(rank, {}).get(row.tag, 0):
                 self.late_points += 1  # older than the value already written: it would show an old value as new
                 return False
             last = self._written.get((rank, row.tag))
@@ -732,5 +769,5 @@ def _hist_prev(v: list[Any]) -> tuple[int, int, float, tuple[float, ...], tuple[
 #: How each table's values come back from msgpack (lists to tuples where the table holds tuples).
 _VALUE_OF: dict[str, Callable[[Any], Any]] = {
     "T": _same, "P": _same, "C": tuple, "H": _hist_prev, "X": tuple, "L": _same, "D": _same,
-    "S": _same, "W": _same, "N": _senders_of, "Q": _same, "O": _same, "M": _same,
+    "S": _same, "W": _same, "N": _senders_of, "Q": _same, "O": _same,
 }
