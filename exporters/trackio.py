@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
-import re
 import sqlite3
 import uuid
 from collections.abc import Sequence
@@ -86,9 +85,6 @@ class TrackioExporter(RowExporter):
         self._gate = StepGate("trackio", monotonic=False)
         # Steps logged to a local run and not yet seen in its database: Trackio run id -> step -> a key logged.
         self._unseen: dict[str, dict[int, str]] = {}
-        # A resumed run's last stored step per (train.run.id, rank), with the keys it holds there.
-        self._held_last: dict[tuple[str, int], tuple[int, set[str]]] = {}
-        self._held_dropped = 0  # rows of a series the resumed run already holds at its last step
 
     @property
     def steps_dropped(self) -> int:
@@ -98,7 +94,7 @@ class TrackioExporter(RowExporter):
     @property
     def steps_held(self) -> int:
         """Rows skipped because the resumed run holds their series at that step already (not a loss)."""
-        return int(self._gate.held) + self._held_dropped
+        return int(self._gate.held)
 
     # -- hooks -------------------------------------------------------------------------------
     def write_metrics(self, rows: Sequence[MetricRow], histograms: Sequence[HistogramRow]) -> None:
@@ -116,10 +112,6 @@ class TrackioExporter(RowExporter):
                 for row in step_rows:
                     key = rank_tag(row.tag, row.name, row.attributes, row.run.rank)
                     if not self._gate.admit((run_id, row.run.rank), step, series=key):
-                        continue
-                    held = self._held_last.get((run_id, row.run.rank))
-                    if held is not None and held[0] == step and key in held[1]:
-                        self._held_dropped += 1  # the earlier attempt stored this series at this step
                         continue
                     if isinstance(row, MetricRow):
                         value: Any = row.value
@@ -229,26 +221,17 @@ class TrackioExporter(RowExporter):
         resumed = isinstance(next_step, int) and next_step > 0  # Trackio found a record of this name
         if not resumed and isinstance(getattr(run, "id", None), str):
             run.id = shared_run_id(self.options.project, name, info.run_id)  # before the first write
-        # Trackio continues a resumed run after its last step; below that nothing is written again. Each rank's
-        # floor is the last step of its own series: another rank of the same job writing into the run (its
-        # `{rank=N}` series) is not an earlier attempt of this one.
-        # At the last stored step itself only the series it holds there are dropped: the rest of a step split
-        # over two windows by a kill is still written.
+        # Trackio continues a resumed run after its last step; what it holds is not written again: each series at or
+        # below its own last stored step (a series logged ahead costs the others none; another rank's `{rank=N}`
+        # series are its own; at the last step of a window split by a kill, only the series stored there). A store
+        # that cannot be read: below the run's next step, as Trackio resumes.
         if resumed:
             stored = _stored_steps(self.options.project, name)
-            last = None if stored is None else stored[0]
             for rank in range(max(1, info.world_size)):
-                held = None if last is None else last.get(rank)
-                if held is None:
-                    if last is None:
-                        self._gate.set_floor((info.run_id, rank), next_step - 1)
-                    continue
-                step, keys = held
-                self._gate.set_floor((info.run_id, rank), step - 1)
-                self._held_last[(info.run_id, rank)] = (step, keys)
-            if stored is not None:  # each series below its own last step (one logged ahead costs the others none)
-                for rank in range(max(1, info.world_size)):
-                    self._gate.set_series_floors((info.run_id, rank), stored[1])
+                if stored is None:
+                    self._gate.set_floor((info.run_id, rank), next_step - 1)
+                else:
+                    self._gate.set_series_floors((info.run_id, rank), stored)
         return run
 
 
@@ -265,20 +248,14 @@ def shared_run_id(project: str, name: str, train_run_id: str) -> str:
     return uuid.uuid5(_RUN_IDS, f"{project}\0{name}\0{train_run_id}").hex
 
 
-_RANK_IN_KEY = re.compile(r"[{,]rank=(\d+)[,}]")
-
-
-def _stored_steps(project: str, name: str) -> tuple[dict[int, tuple[int, set[str]]], dict[str, int]] | None:
-    """What run `name` holds: the last stored step of each rank's series (rank N > 0: keys with ``rank=N``) with the
-    keys stored at it, and the last stored step of each series (key); None when the store cannot be read (then the
-    run's last step counts for every rank, as Trackio resumes)."""
+def _stored_steps(project: str, name: str) -> dict[str, int] | None:
+    """The last stored step of each series (key) of run `name`; None when the store cannot be read."""
     try:
         from trackio.sqlite_storage import SQLiteStorage
 
         logs = SQLiteStorage.get_logs(project, name)
     except Exception:
         return None
-    out: dict[int, tuple[int, set[str]]] = {}
     series: dict[str, int] = {}
     for entry in logs:
         step = entry.get("step")
@@ -287,17 +264,9 @@ def _stored_steps(project: str, name: str) -> tuple[dict[int, tuple[int, set[str
         for key in entry:
             if key in ("step", "timestamp"):
                 continue
-            found = _RANK_IN_KEY.search(key)
-            rank = int(found.group(1)) if found else 0
-            last = out.get(rank)
-            if last is None or step > last[0]:
-                out[rank] = (step, set())
-            names = {key, key.removeprefix("__")}  # a reserved key is stored as __key
-            if out[rank][0] == step:
-                out[rank][1].update(names)
-            for k in names:
+            for k in {key, key.removeprefix("__")}:  # a reserved key is stored as __key
                 series[k] = max(step, series.get(k, -1))
-    return out, series
+    return series
 
 
 def _holds(stored: Any, key: str) -> bool:

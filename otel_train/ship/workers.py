@@ -74,6 +74,25 @@ LOST_RATE_LIMITED = REFUSED_PREFIX + "log_rate_limited"  # with the trainer's ow
 _warn_once = LogOnce(_logger)  # per child process: the first refused step, attribute set and key of each kind
 
 
+def _connect(address: str, *frames: Any) -> socket.socket:
+    """A child's connection to the exporter process at `address`, introduced (``hello``), then `frames` sent.
+
+    Raises:
+        OSError: it cannot be reached (nothing is left open).
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(_CONNECT_TIMEOUT_S)
+    try:
+        sock.connect(address)
+        sock.settimeout(_SEND_TIMEOUT_S)
+        for frame in (("hello", _worker_id(), os.getpid()), *frames):
+            _send(sock, frame)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _send(sock: socket.socket, obj: Any) -> None:
     payload = pickle.dumps(obj, protocol=5)
     sock.sendall(_LEN.pack(len(payload)) + payload)
@@ -179,8 +198,9 @@ class WorkerListener:
         self._last_step = last_step
         self._sock = sock if sock is not None else listen_on(address)
         self._serving: list[threading.Thread] = []
-        self._conns: list[socket.socket] = []  # the children's connections (ended at `close`)
-        self._flushed: dict[socket.socket, threading.Event] = {}  # set when a child answered the flush request
+        # The children's connections (ended at `close`), each with the event its child sets when it has answered
+        # the flush request (`close`).
+        self._conns: dict[socket.socket, threading.Event] = {}
         self._serving_lock = threading.Lock()
         self._acceptor = threading.Thread(target=self._accept, name="otel-train-workers", daemon=True)
         self._acceptor.start()
@@ -197,17 +217,16 @@ class WorkerListener:
         conn.setblocking(True)
         thread = threading.Thread(target=self._serve, args=(conn,), name="otel-train-worker-conn", daemon=True)
         with self._serving_lock:
-            self._flushed = {c: e for c, e in self._flushed.items() if c.fileno() >= 0}
-            self._flushed[conn] = threading.Event()
             self._serving = [t for t in self._serving if t.is_alive()] + [thread]
-            self._conns = [c for c in self._conns if c.fileno() >= 0] + [conn]
+            self._conns = {c: e for c, e in self._conns.items() if c.fileno() >= 0}
+            self._conns[conn] = threading.Event()
         thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
                 _, worker, pid = _recv(conn)
-                flushed = self._flushed.get(conn)
+                flushed = self._conns.get(conn)
                 while True:
                     frame = _recv(conn)
                     if frame == _FLUSHED:  # the child sent all it held when asked (`close`)
@@ -253,8 +272,8 @@ class WorkerListener:
                 conn, _ = self._sock.accept()
                 self._start_serving(conn)
         with self._serving_lock:
-            connected = bool(self._conns)
-            asked = [(c, e) for c, e in self._flushed.items() if c.fileno() >= 0]
+            asked = [(c, e) for c, e in self._conns.items() if c.fileno() >= 0]
+        connected = bool(asked)
         if trainer_died and connected:
             time.sleep(min(DIED_GRACE_S, max(0.0, deadline - time.monotonic())))
         elif asked:  # live children (a persistent DataLoader's workers) send what they hold now, not in 0.2 s
@@ -506,14 +525,9 @@ class WorkerClient:
         if self._address is None:
             self._die("the run has no exporter process (OTEL_TRAIN_EXPORT_PROCESS=off, or it stopped)")
             return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(_CONNECT_TIMEOUT_S)
         try:
-            sock.connect(self._address)
-            sock.settimeout(_SEND_TIMEOUT_S)
-            _send(sock, ("hello", _worker_id(), os.getpid()))
+            sock = _connect(self._address)
         except OSError as err:
-            sock.close()
             self._die(f"cannot reach the run's exporter process at {self._address} ({err})")
             return
         self._sock = sock
@@ -570,17 +584,12 @@ class WorkerClient:
         never taken whole, so it goes again, on a new connection to the same address, where the trainer's
         restarted exporter process listens (the trainer holds the listening socket). Without one: dropped, warned
         once."""
-        if self._reconnects < _MAX_RECONNECTS:
+        if self._reconnects < _MAX_RECONNECTS and self._address is not None:
             self._reconnects += 1
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(_CONNECT_TIMEOUT_S)
             try:
-                sock.connect(self._address)  # type: ignore[arg-type]  # open: an address was given
-                sock.settimeout(_SEND_TIMEOUT_S)
-                _send(sock, ("hello", _worker_id(), os.getpid()))
-                _send(sock, frame)
+                sock = _connect(self._address, frame)
             except OSError:
-                sock.close()
+                pass
             else:
                 self._sock = sock
                 self._listen_for_flush(sock)

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Taken", "success_body"]
+__all__ = ["Taken", "refusal_reason", "success_body"]
 
 _WHY = {
     "bad_step": "a `train.step` that is no step (not an integer in int64 range)",
     "too_many_buckets": "more buckets than the sink takes",
-    "bad_buckets": "bucket counts that do not match its bounds",
+    "bad_buckets": "bucket counts that do not match its bounds (one more count than bounds)",
 }
+
+
+def refusal_reason(why: str, name: str) -> str:
+    """What was wrong with what a `Decoded.refused` entry ``(why, name)`` counts, in words (the log line, the answer):
+    for ``bad_resource`` `name` is the reason itself; else the metric and its cause."""
+    return name if why == "bad_resource" else f"metric `{name}`: {_WHY.get(why, why)}"
 
 
 class Taken(NamedTuple):
@@ -31,8 +37,7 @@ def taken(rows: int, refused: dict[tuple[str, str], int]) -> Taken:
     """The `Taken` of a request with `refused` ``(why, metric or reason) -> count`` (`Decoded.refused`)."""
     if not refused:
         return Taken(rows)
-    (why, name), _ = next(iter(refused.items()))
-    first = name if why == "bad_resource" else f"metric `{name}`: {_WHY.get(why, why)}"
+    first = refusal_reason(*next(iter(refused)))
     n = sum(refused.values())
     return Taken(rows, n, f"{n} refused (counted in the sink's /health `points_refused`); first: {first}")
 

@@ -34,7 +34,7 @@ from otel_train.sink.decode.requests import (
 from otel_train.sink.decode.run_names import RunNames
 from otel_train.sink.decode.traces import decode_traces
 from otel_train.sink.fd_limits import FdBudget, default_max_connections, default_max_open_runs, fds_in_use
-from otel_train.sink.receive.answer import Taken, taken
+from otel_train.sink.receive.answer import Taken, refusal_reason, taken
 from otel_train.sink.receive.compat import CompatAPI
 from otel_train.sink.runs.live_hangs import LiveHangs
 from otel_train.sink.runs.reorder import ReorderHold, needs_hold
@@ -289,12 +289,9 @@ class SinkCore:
                                   "(counted in /health `points_refused`; logged once a minute per reason)", count,
                                   name)
                 continue
-            what = {"bad_step": "a `train.step` that is no step (not an integer in int64 range)",
-                    "bad_buckets": "bucket counts that do not match its bounds (one more count than bounds)",
-                    }.get(why, "more buckets than the sink takes")
-            self._log.warning(f"refused:{why}:{name}"[:200], "refused %d point(s) of metric %r: %s; the rest of the "
-                              "request is written (counted in /health `points_refused`; logged once a minute per "
-                              "metric)", count, name[:200], what)
+            self._log.warning(f"refused:{why}:{name}"[:200], "refused %d point(s) of %s; the rest of the request is "
+                              "written (counted in /health `points_refused`; logged once a minute per metric)", count,
+                              refusal_reason(why, name[:200]))
 
     def health(self) -> dict[str, Any]:
         return {
