@@ -13,6 +13,7 @@ protobuf's objects, with the same rows; traces in `otel_train.sink.decode.traces
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
@@ -116,7 +117,7 @@ class Decoded:
         """Where the rows stand now, as a Resource begins: `refuse_resource` takes back what it added after it."""
         self.resources += 1
         return (len(self.metrics), len(self.histograms), len(self.spans), len(self.logs), len(self._gauges),
-                len(self._numbers), len(self._hists), dict(self.runs))
+                len(self._numbers), len(self._hists), len(self.runs))
 
     def refuse_resource(self, mark: tuple[Any, ...], err: DecodeError, items: int) -> None:
         """Take back every row a malformed Resource added since `mark` and count its `items` as refused: one
@@ -126,7 +127,10 @@ class Decoded:
                                         self._numbers, self._hists)
         for rows, n in zip(parts, lengths, strict=True):
             del rows[n:]
-        self.runs = runs
+        # Runs it added go (they come last: a dict keeps its order; not a copy per Resource, which a collector's
+        # batch of thousands of runs would make quadratic). A run another Resource also named keeps its step.
+        for run in list(itertools.islice(self.runs, runs, None)):
+            del self.runs[run]
         self.refuse("bad_resource", str(err)[:200], items)
         self.refused_resources.append(err)
 
