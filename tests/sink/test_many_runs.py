@@ -63,31 +63,35 @@ def test_thousands_of_runs_on_bounded_threads_and_files(tmp_path: Path) -> None:
     cache = DecodeCache()
     threads0, fds0 = threading.active_count(), _fds()
     most_threads = most_fds = most_open = 0
-    fds_at: list[tuple[int, int]] = []  # (runs sent, open fds)
     reopened = list(range(0, _RUNS, 100))
     try:
         for i in range(_RUNS):
             _send(router, cache, _request(f"run-{i}", 0))
             if i % 50 == 0:
                 most_threads = max(most_threads, threading.active_count())
-                fds_at.append((i, _fds()))
-                most_fds = max(most_fds, fds_at[-1][1])
+                most_fds = max(most_fds, _fds())
                 most_open = max(most_open, router.runs_open)
         for i in reopened:  # long closed by the LRU: reopened, their totals continue
             _send(router, cache, _request(f"run-{i}", 1))
         assert router.runs_opened == _RUNS + len(reopened)
+        router.idle_s = 0.0  # every run closes at the next tick once its data is written
+        deadline = time.monotonic() + 60
+        while (router.runs_open or router.runs_closing) and time.monotonic() < deadline:
+            router.tick()
+            time.sleep(0.02)
+        fds_idle = _fds()
     finally:
         router.close(60)
+    fds_after = _fds()
     # 2 pool threads, 4 closers, 1 watchdog; one run's files (JSONL + spool segment and cursor + the ledger's
     # journal, kept open while the run is) are ~4 fds.
     assert most_threads - threads0 <= 7, (threads0, most_threads)
     assert most_open <= _MAX_OPEN
     assert most_fds - fds0 <= _MAX_OPEN * 5, (fds0, most_fds)
-    # No growth once the LRU is full: the last 500 runs peak where runs 500-1,000 did (measured: within 5 fds). A
-    # file kept by one closed run in 80 adds 12 over the 1,000 runs between them (the bound above, at 10,000
-    # runs, caught one in 40; injected one in 40 here: +27).
-    second, last = (max(f for i, f in fds_at if lo <= i < lo + 500) for lo in (500, _RUNS - 500))
-    assert last - second < 12, fds_at
+    # Every closed run gave its files back, with the router still up (every run closed) and after its close (a
+    # file kept by one closed run in 80 would hold 25 here). Peaks sampled while sending vary with how far the
+    # closers lag, so they bound the open runs above but cannot tell a leak.
+    assert fds_idle - fds0 <= 2 and fds_after - fds0 <= 2, (fds0, fds_idle, fds_after)
     got = _series(tmp_path / "runs")
     assert len(got) == _RUNS
     for i in range(_RUNS):
