@@ -103,6 +103,24 @@ def test_a_backend_that_cannot_start_is_said_once_and_counted_and_the_loop_goes_
     assert _logged_steps(tmp_path / "wandb-out") == list(range(STEPS))
 
 
+def test_a_backend_still_starting_when_shutdowns_time_runs_out_in_process_counts_what_it_never_got(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # In the training process there is no spool: what a backend still starting holds at shutdown's deadline is
+    # lost, and the summary says how much (it said "0 dropped").
+    out = use_fake_wandb(tmp_path, monkeypatch, "record", import_s=30.0)
+    monkeypatch.setenv("OTEL_TRAIN_EXPORT_PROCESS", "off")
+    directory = tmp_path / "runs"
+    ot.init(exporters=["jsonl", "wandb"], dir=directory, run_name="late", shutdown_timeout_s=1)
+    _train()
+    ot.shutdown()
+    assert not (out / "imported").exists()  # still starting when shutdown gave up on it
+    assert _jsonl_steps(directory, "late") == list(range(STEPS))
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    written = sum(1 for r in read_jsonl(jsonl_path(directory, "late", 0)) if r["type"] in ("metric", "span"))
+    assert f"wandb: {written:,} rows not written ({written:,} not written when shutdown's time ran out)" in line, (
+        written, line)
+
+
 def test_a_bad_setting_of_a_backend_started_elsewhere_still_fails_init(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpcx")

@@ -505,7 +505,8 @@ class StepAlignedMetricReader(MetricReader):
         local = self._local
         dropped = self.log_buffer.dropped + self.span_buffer.dropped + (local.dropped_windows if local else 0)
         return {"points": self.points, "windows": self.windows, "dropped": dropped,
-                "failures": local.failures() if local is not None else {}}
+                "failures": local.failures() if local is not None else {},
+                "rows_lost": local.rows_lost() if local is not None else {}}
 
     @property
     def dropped_windows(self) -> int:

@@ -172,6 +172,8 @@ def write_session_summary(session: SummarySource) -> None:
             dropped += int(n)
         lost = {ex.name: {k: v for k, v in ex.rows_lost.items() if v}
                 for ex in in_process if getattr(ex, "rows_lost", None)}
+        for name, causes in dict(stats.get("rows_lost") or {}).items():  # delivery's causes beside the backends'
+            lost.setdefault(name, {}).update(causes)
         if session.export_process is not None:  # the exporter process's backends: its last progress report
             names += list(session.export_process.names)
             progress = session.export_process.last_progress

@@ -111,6 +111,8 @@ class BackendFeed:
         self._unspooled: dict[int, tuple[int, Window]] = {}
         self._unspooled_max = queue_windows * _UNSPOOLED_PER_QUEUED
         self.lost_unspooled_rows = 0  # rows of such windows past that bound, or not taken by the backend's close
+        self.abandoned_rows = 0  # rows it still had when its close ran out of time (no spool: nowhere to keep them)
+        self._writing_rows = 0  # rows of the write under way
         self._stuck_from = 0  # the first seq of the write the backend failed and holds (`_stuck`)
         self._handed_max: deque[tuple[int, int]] = deque()  # (seq, highest step handed so far), not yet acked
         self._max_step_handed = -1
@@ -214,6 +216,15 @@ class BackendFeed:
             self._stop = True
             self._flush_wanted = True
             self._notify()
+
+    def abandon(self) -> None:
+        """Its close ran out of time (its thread hangs in a call: a start or a write): without a spool, the rows it
+        still has (queued, the children's, the write under way) are lost, and counted."""
+        if self.spool is not None:
+            return  # the spool keeps them for `otel-train replay`
+        with self._cv:
+            self.abandoned_rows = (sum(rows_in(w) for _, _, w in self._queue) + sum(rows_in(w) for _, w in self._side)
+                                   + self._writing_rows)
 
     def wait_acked(self, seq: int, deadline: float) -> bool:
         """Wait until `seq` is durable, or the backend has shut down without it (it cannot get there then)."""
@@ -478,11 +489,13 @@ class BackendFeed:
         if self._row_filter is not None:
             window = self._row_filter(self.name, window)
         started = time.perf_counter()
+        self._writing_rows = rows_in(window)
         try:
             ok = self.exporter.export_window(window)  # isolates and retries on its own (`window_writer`)
         except Exception as err:
             self._log.error("export", "exporter `%s` raised %s: %s", self.name, type(err).__name__, err)
             ok = False
+        self._writing_rows = 0
         if ok is False and self._on_error is not None:
             self._on_error(self.name)
         if ok is False:

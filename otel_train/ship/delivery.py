@@ -312,6 +312,8 @@ class Delivery:
                 lost["gave_up"] = lost.get("gave_up", 0) + b.lost_side_rows
             if b.lost_unspooled_rows:
                 lost["disk_full"] = lost.get("disk_full", 0) + b.lost_unspooled_rows
+            if b.abandoned_rows:
+                lost["abandoned"] = lost.get("abandoned", 0) + b.abandoned_rows
             if lost:
                 out[b.name] = lost
         return out
@@ -353,6 +355,9 @@ class Delivery:
         done = all([b.wait_acked(target, deadline) for b in self._backends])
         for b in self._backends:
             b.done.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for b in self._backends:
+            if not b.done.is_set():
+                b.abandon()
         self._note_losses()
         if self.record is not None:
             self.record.close()

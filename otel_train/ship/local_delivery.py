@@ -97,6 +97,10 @@ class LocalDelivery:
         """Windows dropped from a full queue, over every backend, and by backends after their retries."""
         return sum(int(s["dropped"]) for s in self.delivery.backend_stats().values())
 
+    def rows_lost(self) -> dict[str, dict[str, int]]:
+        """Per backend: rows it did not write, by cause (`Delivery.rows_lost`: its own causes and delivery's)."""
+        return self.delivery.rows_lost()
+
     def failures(self) -> dict[str, int]:
         """Per backend: failed writes."""
         return {name: int(s["failures"]) for name, s in self.delivery.backend_stats().items()}

@@ -177,6 +177,7 @@ LOSS_CAUSES: dict[str, str] = {
     "disk_full": "disk full",
     "not_started": "the backend did not start",
     "at_close": "still failing at shutdown",
+    "abandoned": "not written when shutdown's time ran out",
 }
 
 
