@@ -85,6 +85,14 @@ class StepOrder:
         """The counters, for a shutdown summary or self-telemetry."""
         return {"backwards": self.backwards, "dropped": self.dropped}
 
+    def skip(self, run_id: str, rank: int, tag: str, step: int, prev: int) -> None:
+        """Count and warn about a row a backend that cannot store an older step leaves out before it reaches
+        `filter`: a second value at step `step` of a series that had reached `prev` (the sink's reorder hold
+        holding both; `otel_train.sink.runs.reorder`)."""
+        self.backwards += 1
+        self.dropped += 1
+        self._warn((run_id, rank, tag), step, prev)
+
     def filter(self, rows: Sequence[_RowT]) -> Sequence[_RowT]:
         """`rows` less those the policy drops; remembers each series' latest step.
 

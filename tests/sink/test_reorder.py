@@ -94,6 +94,22 @@ def test_a_point_later_than_the_hold_is_skipped_and_counted() -> None:
     assert inner.step_order.counts() == {"backwards": 1, "dropped": 1}  # /health `steps_order_skipped`
 
 
+def test_a_second_value_at_a_held_step_after_a_higher_one_is_skipped_as_if_the_first_were_written() -> None:
+    hold, inner, now = _hold()
+    hold.export_window(Window(_rows(R0, range(10))))  # the first attempt: steps 0-9
+    now[0] = 1.0
+    again = [MetricRow(R0, s, "loss", "loss", 100.0 + s, "gauge", 0) for s in (5, 6, 7)]
+    hold.export_window(Window(again + _rows(R0, [3], tag="acc")))  # a restart from step 5; a new series at 3
+    now[0] = 2.0
+    hold.export_window(Window(_rows(R0, [9])))  # the same step again, later: not below the series' step 9
+    now[0] = 10.0
+    hold.force_flush()
+    first = [(s, "loss", float(s)) for s in range(10)]
+    assert [(r.step, r.tag, r.value) for r in inner.metrics] == first[:4] + [(3, "acc", 3.0)] + first[4:] + [
+        (9, "loss", 9.0)]
+    assert inner.step_order.counts() == {"backwards": 3, "dropped": 3}  # steps 5, 6, 7 (below 9) of the restart
+
+
 def test_spans_pass_at_once_and_histograms_are_held_like_points() -> None:
     hold, inner, now = _hold()
     span = SpanRow(R0, "forward", 1, 2, None, 0, 1, 7, "main", 3, {})
@@ -236,6 +252,33 @@ def test_a_point_later_than_the_hold_is_still_skipped_and_counted_in_health(tmp_
         assert sink.health()["steps_order_skipped"] == {"a": {"tensorboard": 5}}
     finally:
         sink.stop()
+
+
+def test_a_sender_that_starts_over_inside_the_hold_is_skipped_in_tensorboard_not_written_twice(
+        tmp_path: Path) -> None:
+    # A job restarted from a checkpoint (a new process: another `service.instance.id`) sends steps 5-14 again
+    # while its first attempt's steps 0-9 are still held. TensorBoard would show both values at steps 5-9: as
+    # without the hold, it keeps the series as first logged and skips the second attempt's steps 5-8 (below the
+    # series' step 9; a second value at that step is a step not going back), counted; JSONL writes every point.
+    sink = make_sink(tmp_path, ("tensorboard", "jsonl"), reorder_s=3600)
+
+    def attempt(instance: str, steps: Iterable[int], offset: float) -> bytes:
+        return metrics_request({"train.run.id": "a", "train.rank": 0, "service.instance.id": instance},
+                               [OtlpPoint("train/loss", s / 2 + offset, step=s, time_unix_nano=int(1000 * (1 + offset)) + s)
+                                for s in steps])
+    try:
+        _send(sink, attempt("first", range(10), 0.0), attempt("second", range(5, 15), 100.0))
+        assert sink.flush(10)
+        skipped = sink.health()["steps_order_skipped"]
+    finally:
+        sink.stop()
+    first, second = [(s, s / 2) for s in range(10)], [(s, s / 2 + 100.0) for s in range(5, 15)]
+    assert scalars(tmp_path / "runs" / "a")["train/loss"] == first + second[4:]
+    assert skipped == {"a": {"tensorboard": 4}}
+    from otel_train.exporters.jsonl import read_jsonl
+
+    (path,) = (tmp_path / "runs" / "a").glob("rank*.jsonl")
+    assert [(r["step"], r["value"]) for r in read_jsonl(path) if r.get("tag") == "train/loss"] == first + second
 
 
 def test_an_idle_run_is_closed_with_its_held_points_written(tmp_path: Path) -> None:

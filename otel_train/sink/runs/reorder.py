@@ -10,7 +10,10 @@ The release rule, per (run, rank): once a held row has been held `reorder_s`, it
 held row of its (run, rank) whose step is at most the highest step going out, in step order. A lower step that
 came late and is still held therefore goes out before, never after, a higher one; what stays held is only
 above every step released. A row arriving after a higher step of its series was released is skipped and
-counted by the backend's step-order rule, as without the hold.
+counted by the backend's step-order rule, as without the hold. So is a second value at a step the series
+already has, arriving after a higher step of the series (a sender that starts over from an earlier step: a job
+restarted from a checkpoint without declaring it), when both are held: TensorBoard would show both, so the
+backend keeps the series as first logged, as it does when the first values were already written.
 
 Rows are released by the backend's own feed, never by another thread, on `force_flush`: delivery flushes at
 least every second while the run's spool holds windows the backend has not made durable (held rows keep it from
@@ -61,6 +64,7 @@ __all__ = ["MAX_HELD_ROWS", "ReorderHold", "needs_hold"]
 MAX_HELD_ROWS = 250_000
 
 _Key = tuple[str, int]  # (run id, rank)
+_Span = tuple[bool, int, int]  # a chunk's (late, lowest step, highest step) as released
 _by_step = attrgetter("step")
 _by_order = itemgetter(0)
 
@@ -78,7 +82,7 @@ def needs_hold(exporter: Any) -> bool:
 class _Chunk:
     """Rows of one (run, rank) from one window, held since `arrival`; `low` is their lowest step."""
 
-    __slots__ = ("arrival", "high", "histograms", "key", "low", "metrics", "order")
+    __slots__ = ("arrival", "high", "histograms", "key", "late", "low", "metrics", "order")
 
     def __init__(self, arrival: float, key: _Key, metrics: list[MetricRow],
                  histograms: list[HistogramRow], order: int = 0) -> None:
@@ -90,6 +94,7 @@ class _Chunk:
         steps = [r.step for r in metrics] + [h.step for h in histograms]
         self.low = min(steps)
         self.high = max(steps)
+        self.late = False  # it came after a higher step of its (run, rank): it may repeat a held step
 
     def __len__(self) -> int:
         return len(self.metrics) + len(self.histograms)
@@ -132,6 +137,7 @@ class ReorderHold:
         self._clock = clock
         self._arrivals: deque[_Chunk] = deque()  # every held chunk, oldest first (emptied ones skipped)
         self._by_key: dict[_Key, list[tuple[int, int, _Chunk]]] = {}  # heap of (low step, tie, chunk) per key
+        self._arrived_high: dict[_Key, int] = {}  # per key, the highest step that arrived
         self._tie = itertools.count()
         self._drains_asked = self._drains_done = 0
         #: Rows held now (read by `/health` from another thread: a plain int).
@@ -195,6 +201,7 @@ class ReorderHold:
     def resume(self, run: RunInfo, step: int) -> bool:
         """A restart of `run`'s rank at `step`: what came before it is written first."""
         self._release(everything=True)
+        self._arrived_high.pop((run.run_id, run.rank), None)
         if self._released is not None:
             self._released.forget(run.run_id, run.rank)
         return bool(self._inner.resume(run, step))
@@ -211,6 +218,7 @@ class ReorderHold:
     def forget_pending_after_fork(self) -> None:
         self._arrivals.clear()
         self._by_key.clear()
+        self._arrived_high.clear()
         self.held = 0
         self._inner.forget_pending_after_fork()
 
@@ -286,9 +294,46 @@ class ReorderHold:
         for key, (ms, hs) in groups.items():
             tie = next(self._tie)
             chunk = _Chunk(now, key, ms, hs, tie)
+            high = self._arrived_high.get(key)
+            chunk.late = high is not None and chunk.low < high
+            if high is None or chunk.high > high:
+                self._arrived_high[key] = chunk.high
             self._arrivals.append(chunk)
             heapq.heappush(self._by_key.setdefault(key, []), (chunk.low, tie, chunk))
             self.held += len(chunk)
+
+    def _first_values(self, chunks: list[tuple[_Span, list[Any]]]) -> list[Any]:
+        """The rows of `chunks` ((late, low, high) and rows, in arrival order) less each second value at a step its
+        series already has from an earlier chunk, come after a higher step of the series: skipped and counted by
+        the backend's step-order rule (`StepOrder.skip`), as when the first value was already written. Only a late
+        chunk's rows can be such (the others came above every step before them), and only earlier chunks that reach
+        its steps are read for each (one, for a collector's reordered request)."""
+        order = getattr(self._inner, "step_order", None)
+        kept_rows: list[list[Any]] = []
+        for j, ((late, low, high), rows) in enumerate(chunks):
+            if late and rows:
+                seen: set[tuple[str, int]] = set()  # (series, step) in this chunk's steps, of the earlier chunks
+                top: dict[str, int] = {}  # series -> its highest step from this chunk's lowest up, of the earlier
+                for i in range(j):
+                    if chunks[i][0][2] < low:
+                        continue
+                    for r in kept_rows[i]:
+                        step = r.step
+                        if step >= low:
+                            if step <= high:
+                                seen.add((r.tag, step))
+                            if step > top.get(r.tag, -1):
+                                top[r.tag] = step
+                kept = []
+                for r in rows:
+                    if (r.tag, r.step) in seen and r.step < top[r.tag]:
+                        if order is not None:
+                            order.skip(r.run.run_id, r.run.rank, r.tag, r.step, top[r.tag])
+                        continue
+                    kept.append(r)
+                rows = kept
+            kept_rows.append(rows)
+        return [r for rows in kept_rows for r in rows]
 
     def _take(self, now: float, everything: bool, by_time: bool = True) -> tuple[list[MetricRow], list[HistogramRow]]:
         """Rows to release now (the rule in the module docstring), each (run, rank) in step order; `by_time`
@@ -315,16 +360,18 @@ class ReorderHold:
             heap = self._by_key.get(key)
             if not heap:
                 continue
-            taken: list[tuple[int, list[MetricRow], list[HistogramRow]]] = []
+            taken: list[tuple[int, list[MetricRow], list[HistogramRow], _Span]] = []
+            late = False
             while heap and heap[0][0] <= limit:
                 chunk = heapq.heappop(heap)[2]
                 before = len(chunk)
+                late = late or chunk.late
                 if chunk.high <= limit:
-                    taken.append((chunk.order, chunk.metrics, chunk.histograms))
+                    taken.append((chunk.order, chunk.metrics, chunk.histograms, (chunk.late, chunk.low, chunk.high)))
                     chunk.metrics, chunk.histograms = [], []
                 else:  # part of it is above the limit: that part stays, with its arrival time
                     taken.append((chunk.order, [r for r in chunk.metrics if r.step <= limit],
-                                  [h for h in chunk.histograms if h.step <= limit]))
+                                  [h for h in chunk.histograms if h.step <= limit], (chunk.late, chunk.low, int(limit))))
                     chunk.metrics = [r for r in chunk.metrics if r.step > limit]
                     chunk.histograms = [h for h in chunk.histograms if h.step > limit]
                     chunk.low = min([r.step for r in chunk.metrics] + [h.step for h in chunk.histograms])
@@ -333,8 +380,12 @@ class ReorderHold:
             if not heap:
                 del self._by_key[key]
             taken.sort(key=_by_order)
-            ms = [r for _, rows, _ in taken for r in rows]
-            hs = [h for _, _, hists in taken for h in hists]
+            if late:  # a chunk came after a higher step: it may repeat steps held with it (a sender starting over)
+                ms = self._first_values([(span, rows) for _, rows, _, span in taken])
+                hs = self._first_values([(span, hists) for _, _, hists, span in taken])
+            else:
+                ms = [r for _, rows, _, _ in taken for r in rows]
+                hs = [h for _, _, hists, _ in taken for h in hists]
             ms.sort(key=_by_step)  # stable: rows of one step keep the order they came in
             hs.sort(key=_by_step)
             metrics += ms
