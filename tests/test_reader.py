@@ -231,7 +231,9 @@ def test_failing_exporter_recovers_and_delivers_pending_windows(run_dir: Path) -
         ot.log({"loss": float(i)})
         ot.flush()
     assert flaky.values("loss") == [(i, float(i)) for i in range(5)]
-    assert flaky.failures == 2
+    # One failed write of a window: its row, tried alone to find a refused one, failed once more and then landed
+    # (a try alone is no failure of its own).
+    assert flaky.failures == 1
 
 
 class HangingExporter(InMemoryRowExporter):

@@ -33,6 +33,7 @@ def test_a_backend_failing_twice_shows_in_tensorboard(tmp_path: Path, monkeypatc
     monkeypatch.setattr(base.RowExporter, "backoff_s", (0.0,))  # retry at once: the test is about counting, not waiting
     tb = TensorBoardExporter(ExporterOptions(directory=tmp_path))
     flaky = InMemoryRowExporter(fail_times=2)
+    flaky.isolate_rows = False  # both failures are writes of a window (no row tried alone in between)
     delivery = Delivery({"tensorboard": tb, "flaky": flaky}, None)
     delivery.annotate = SelfMetrics(delivery.backend_stats)
     for step in range(5):

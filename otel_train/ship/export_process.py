@@ -507,11 +507,15 @@ class ExportProcess:
             durable = self._wait(rid, "durable", time.monotonic() + 0.2)  # sent before delivery starts
             held = durable and not self.last_progress.spool_failed_appends  # not: windows the spool never held
             state = "durable in the spool" if held else "NOT confirmed durable"
-            why = "shutdown timed out" if time.monotonic() >= deadline else "a backend ended without everything"
-            _logger.warning("otel-train: %s; data is %s; %s; the exporter process (pid %d) keeps "
-                            "delivering for up to OTEL_TRAIN_DRAIN_TIMEOUT_S, and `otel-train replay %s` "
-                            "finishes the rest", why, state, self.last_progress.summary(), self._proc.pid,
-                            self.spool_path.parent.parent)
+            if time.monotonic() >= deadline:
+                _logger.warning("otel-train: shutdown timed out; data is %s; %s; the exporter process (pid %d) keeps "
+                                "delivering for up to OTEL_TRAIN_DRAIN_TIMEOUT_S, and `otel-train replay %s` "
+                                "finishes the rest", state, self.last_progress.summary(), self._proc.pid,
+                                self.spool_path.parent.parent)
+            else:  # the exporter process closed its backends: nothing is left to drain
+                _logger.warning("otel-train: a backend ended without everything; data is %s; %s; `otel-train replay "
+                                "%s` delivers the rest once it can", state, self.last_progress.summary(),
+                                self.spool_path.parent.parent)
         self._closing = True
         try:
             self._conn.close()

@@ -189,10 +189,10 @@ class WindowWriter:
                 return
             self.drain(force=True)
             if self.pending:
-                _logger.warning("exporter `%s` closed with %d window(s) it could not write%s%s", backend.name,
-                                len(self.pending), " (disk full)" if self._disk_full else "",
-                                "; those the spool holds stay there for `otel-train replay`" if self.keep_failed
-                                else "")
+                # Kept by a spool, delivery's close says which windows stay there for `otel-train replay`.
+                (_logger.debug if self.keep_failed else _logger.warning)(
+                    "exporter `%s` closed with %d window(s) it could not write%s", backend.name, len(self.pending),
+                    " (disk full)" if self._disk_full else "")
                 # Counted: the summary must not read as if they had landed. Kept windows are the spool's (delivery
                 # counts those the spool could not write ahead); without a spool (in-process) they are lost here.
                 if not self.keep_failed:
@@ -367,8 +367,7 @@ class WindowWriter:
             for _ in range(2):  # a row that fails twice in a row, alone
                 try:
                     self._write_window(single)
-                except Exception as err:
-                    self.failures += 1
+                except Exception as err:  # not a failure of its own: the window's failed write is counted once
                     error = err
                     continue
                 landed, error = True, None
