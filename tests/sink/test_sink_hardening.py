@@ -133,18 +133,28 @@ def test_one_jobs_bad_resource_does_not_cost_the_other_jobs_of_a_collectors_batc
     hist.histogram.aggregation_temporality = 1  # DELTA
     hist.histogram.data_points.add(count=2, sum=1.0, explicit_bounds=[1.0], bucket_counts=[1, 1], time_unix_nano=1)
     hist.histogram.data_points.add(count=2, sum=1.0, explicit_bounds=[1.0, 2.0], bucket_counts=[2], time_unix_nano=1)
+    # A second Resource of the good job, and one without `train.run.id`, both malformed: their series and their
+    # count as unattributed go with them.
+    good_bad = ExportMetricsServiceRequest.FromString(_request("good-job", [("stray", 7.0, 1), ("", 7.0, 1)]))
+    no_run = ExportMetricsServiceRequest.FromString(_request("x", [("", 8.0, 1)]))
+    del no_run.resource_metrics[0].resource.attributes[:]
     sink = make_sink(tmp_path, ("jsonl",))
     try:
-        # Protobuf messages concatenated are merged: one request of four Resources.
-        batch = long_id + good + unnamed.SerializeToString() + buckets.SerializeToString()
+        # Protobuf messages concatenated are merged: one request of six Resources.
+        batch = (long_id + good + unnamed.SerializeToString() + buckets.SerializeToString()
+                 + good_bad.SerializeToString() + no_run.SerializeToString())
         status, answer = _post_answer(sink.http_port, batch)
         assert status == 200
         partial = ExportMetricsServiceResponse.FromString(answer).partial_success  # OTLP: the sender is told
-        assert partial.rejected_data_points == 5 and "train.run.id" in partial.error_message, partial
+        assert partial.rejected_data_points == 8 and "train.run.id" in partial.error_message, partial
         assert _post(sink.http_port, long_id) == 400  # a request of that Resource alone is refused whole, as before
         health = _health(sink.http_port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{sink.http_port}/runs", timeout=5) as resp:
+            series = {r["run_id"]: r["series"] for r in json.loads(resp.read())["runs"]}
     finally:
         sink.stop()
+    assert series["good-job"] == 1 and set(series) == {"good-job", "hist-job"}, series  # loss, not `stray`
+    assert health["unattributed_resources"] == 0
     runs = tmp_path / "runs"
     assert _gauges(runs / "good-job" / "rank0.jsonl") == [("loss", 1, 1.0), ("loss", 2, 2.0)]
     assert not (runs / "unnamed-job" / "rank0.jsonl").exists()  # its Resource is refused whole: nothing written
@@ -152,7 +162,7 @@ def test_one_jobs_bad_resource_does_not_cost_the_other_jobs_of_a_collectors_batc
     assert ("loss", 1, 3.0) in hist_rows and ("grad/count", 1, 2.0) in hist_rows
     assert [r for r in hist_rows if r[0] == "grad/count"] == [("grad/count", 1, 2.0)]  # the bad point alone refused
     assert sorted(f.parent.name for f in runs.glob("*/rank0.jsonl")) == ["good-job", "hist-job"]
-    assert health["points_refused"] == {"bad_resource": 4, "bad_buckets": 1}
+    assert health["points_refused"] == {"bad_resource": 7, "bad_buckets": 1}
     assert health["rejected"]["invalid"] == 1
 
 

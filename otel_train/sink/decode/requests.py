@@ -84,8 +84,24 @@ class Decoded:
             without a name, a malformed point), by ``("bad_resource", reason)``.
     """
 
-    __slots__ = ("_gauges", "_hists", "_numbers", "histograms", "logs", "metrics", "refused", "refused_resources",
-                 "resources", "runs", "sender", "spans", "tags", "unattributed", "unsupported")
+    __slots__ = (
+        "_gauges",
+        "_hists",
+        "_numbers",
+        "_resource",
+        "histograms",
+        "logs",
+        "metrics",
+        "refused",
+        "refused_resources",
+        "resources",
+        "runs",
+        "sender",
+        "spans",
+        "tags",
+        "unattributed",
+        "unsupported",
+    )
 
     def __init__(self) -> None:
         self.metrics: list[MetricRow] = []
@@ -107,15 +123,22 @@ class Decoded:
         self.refused: dict[tuple[str, str], int] = {}
         self.resources = 0  # Resources of the request (counted by `mark`)
         self.refused_resources: list[DecodeError] = []
+        # The Resource being decoded: its run id, that run's series before it and its unattributed count before it.
+        self._resource: tuple[str, set[str] | None, int] | None = None
 
     def refuse(self, why: str, name: str, count: int = 1) -> None:
         """Count `count` points of metric `name` that are not written (the rest of the request is)."""
         key = (why, name)
         self.refused[key] = self.refused.get(key, 0) + count
 
+    def resource_began(self, run_id: str) -> None:
+        tags = self.tags.get(run_id)
+        self._resource = (run_id, set(tags) if tags else None, self.unattributed.get(run_id, 0))
+
     def mark(self) -> tuple[Any, ...]:
         """Where the rows stand now, as a Resource begins: `refuse_resource` takes back what it added after it."""
         self.resources += 1
+        self._resource = None
         return (len(self.metrics), len(self.histograms), len(self.spans), len(self.logs), len(self._gauges),
                 len(self._numbers), len(self._hists), len(self.runs))
 
@@ -131,6 +154,16 @@ class Decoded:
         # batch of thousands of runs would make quadratic). A run another Resource also named keeps its step.
         for run in list(itertools.islice(self.runs, runs, None)):
             del self.runs[run]
+        if self._resource is not None:  # its run's series and its count as unattributed go too
+            run_id, tags, unattributed = self._resource
+            if tags is None:
+                self.tags.pop(run_id, None)
+            else:
+                self.tags[run_id] = tags
+            if unattributed:
+                self.unattributed[run_id] = unattributed
+            else:
+                self.unattributed.pop(run_id, None)
         self.refuse("bad_resource", str(err)[:200], items)
         self.refused_resources.append(err)
 
