@@ -2,8 +2,9 @@
 
 Two or more of W&B, MLflow, ClearML and Trackio configured: each runs in a fresh interpreter beside the exporter
 process, so their imports and starts run side by side. Every step still lands once in each; a backend process
-killed mid-run leaves what it did not hold in the spool, said once, for `otel-train replay`; a backend that cannot
-start there is said and counted as in the exporter process. Real Trackio beside W&B's stand-in
+killed mid-run is started again and handed what its store did not hold, and one killed more often than it is
+started again leaves the rest in the spool, said, for `otel-train replay`; a backend that cannot start there is
+said and counted as in the exporter process. Real Trackio beside W&B's stand-in
 (tests/helpers/fake_wandb.py, which records the pid of each process that imports it).
 """
 
@@ -95,24 +96,66 @@ def test_with_backend_processes_off_they_run_in_the_exporter_process(
 
 
 @pytest.mark.timeout(300)
-def test_a_backend_process_killed_mid_run_leaves_the_rest_in_the_spool_for_replay(
+def test_a_backend_process_killed_mid_run_is_started_again_and_holds_every_step_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Killed while windows flow (no flush before): what the dead process was handed and its store did not yet
+    # hold is handed to the new one, which writes only what its run lacks.
+    out = _fake_wandb(tmp_path, monkeypatch, "record")
+    directory = tmp_path / "runs"
+    session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="killed",
+                      shutdown_timeout_s=60)
+    steps = 3 * STEPS
+    for step in range(steps):
+        with ot.step(step):
+            ot.log({"train/loss": float(step)})
+        if step == STEPS:
+            assert ot.flush(120)  # its process is up (a kill during its start is a start that failed)
+        if step == STEPS + 5:  # windows handed since that flush are not yet known to be held
+            (host,) = _pids(out)
+            os.kill(host, signal.SIGKILL)
+        time.sleep(0.01)
+    ot.shutdown()
+    said = [r.getMessage() for r in caplog.records if "ended with exit code" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("otel-train: backend `wandb`: its process"), said
+    assert "it is started again at its next call" in said[0]
+    again = [r.getMessage() for r in caplog.records if "started again (pid" in r.getMessage()]
+    assert len(again) == 1 and "restart 1 of at most 3" in again[0], again
+    assert len(_pids(out)) == 2
+    assert _wandb_steps(out) == list(range(steps))  # every step once, in order: nothing twice, nothing missing
+    assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(steps))
+    assert session.export_process.last_progress.behind() == {}
+    spool = Spool(spool_dir(directory, "killed", 0))
+    assert spool.cursor("wandb") == spool.last_seq == spool.cursor("jsonl") == spool.cursor("trackio")
+    spool.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_backend_process_killed_more_often_than_it_is_started_again_leaves_the_rest_for_replay(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from otel_train.ship.backend_host import MAX_RESTARTS
+
     out = _fake_wandb(tmp_path, monkeypatch, "record")
     directory = tmp_path / "runs"
     session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="killed",
                       shutdown_timeout_s=30)
-    half = STEPS // 2
-    _train(range(half))
-    assert ot.flush(120)  # every backend holds the first half
-    (host,) = _pids(out)
-    os.kill(host, signal.SIGKILL)
-    _train(range(half, STEPS))  # the loop never notices
+    for kill in range(MAX_RESTARTS + 1):
+        _train(range(kill * 5, kill * 5 + 5))
+        # Every backend holds what came before: a restarted one once it is up again (a flush does not hurry the
+        # retry of a backend whose process ended, so it says False until then).
+        deadline = time.monotonic() + 120
+        while not ot.flush(5) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _wandb_steps(out)[-1:] == [kill * 5 + 4]
+        os.kill(_pids(out)[-1], signal.SIGKILL)
+    held = 5 * (MAX_RESTARTS + 1)
+    _train(range(held, held + 5))  # the loop never notices
     ot.shutdown()
     said = [r.getMessage() for r in caplog.records if "ended with exit code" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("otel-train: backend `wandb`: its process"), said
-    assert "stays in the spool for `otel-train replay`" in said[0]
-    assert _wandb_steps(out) == list(range(half))
-    assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(STEPS))  # the others went on
+    assert len(said) == MAX_RESTARTS + 1, said
+    assert "stays in the spool for `otel-train replay`" in said[-1]
+    assert len(_pids(out)) == MAX_RESTARTS + 1
+    assert _wandb_steps(out) == list(range(held))
+    assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(held + 5))  # the others went on
     progress = session.export_process.last_progress
     assert set(progress.behind()) == {"wandb"} and progress.failures["wandb"] >= 1
     spool = Spool(spool_dir(directory, "killed", 0))
@@ -124,8 +167,8 @@ def test_a_backend_process_killed_mid_run_leaves_the_rest_in_the_spool_for_repla
     done = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / "killed")], env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert _wandb_steps(out) == list(range(STEPS))
-    assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(STEPS))
+    assert _wandb_steps(out) == list(range(held + 5))
+    assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(held + 5))
 
 
 @pytest.mark.timeout(300)
