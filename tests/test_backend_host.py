@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import readback
@@ -95,15 +96,21 @@ def test_with_backend_processes_off_they_run_in_the_exporter_process(
     assert sorted(_trackio_steps(tmp_path, "inside")) == list(range(STEPS))
 
 
+def _killed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Any]:
+    """W&B's stand-in and Trackio, each in a process of its own, beside JSONL: (where W&B records, runs, session)."""
+    out = _fake_wandb(tmp_path, monkeypatch, "record")
+    directory = tmp_path / "runs"
+    session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="killed",
+                      shutdown_timeout_s=60)
+    return out, directory, session
+
+
 @pytest.mark.timeout(300)
 def test_a_backend_process_killed_mid_run_is_started_again_and_holds_every_step_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     # Killed while windows flow (no flush before): what the dead process was handed and its store did not yet
     # hold is handed to the new one, which writes only what its run lacks.
-    out = _fake_wandb(tmp_path, monkeypatch, "record")
-    directory = tmp_path / "runs"
-    session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="killed",
-                      shutdown_timeout_s=60)
+    out, directory, session = _killed_run(tmp_path, monkeypatch)
     steps = 3 * STEPS
     for step in range(steps):
         with ot.step(step):
@@ -134,10 +141,7 @@ def test_a_backend_process_killed_more_often_than_it_is_started_again_leaves_the
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from otel_train.ship.backend_host import MAX_RESTARTS
 
-    out = _fake_wandb(tmp_path, monkeypatch, "record")
-    directory = tmp_path / "runs"
-    session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="killed",
-                      shutdown_timeout_s=30)
+    out, directory, session = _killed_run(tmp_path, monkeypatch)
     for kill in range(MAX_RESTARTS + 1):
         _train(range(kill * 5, kill * 5 + 5))
         # Every backend holds what came before: a restarted one once it is up again (a flush does not hurry the
