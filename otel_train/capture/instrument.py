@@ -185,15 +185,15 @@ def _snapshot(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
             if out is None:
                 out = dict(mapping)
             try:
-                if value.numel() != 1:
+                if value.is_cpu:  # `is_cpu`, not `device.type`: a bool, where `device` builds an object (~250 ns)
+                    out[key] = value.item()  # raises for more or fewer than one element: below
+                elif value.numel() != 1:
                     out[key] = value.detach()  # not a scalar: refused on the export thread, as before
-                elif value.device.type == "cpu":
-                    out[key] = value.item()
                 else:
                     if on_device is None:
                         on_device = {}
                     on_device.setdefault((value.device, value.dtype), []).append((key, value))
-            except Exception:  # an exotic tensor (meta, a subclass): leave it to the export thread
+            except Exception:  # not a scalar, or an exotic tensor (meta, a subclass): left to the export thread
                 out[key] = value.detach() if hasattr(value, "detach") else value
         elif type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":  # mutable, unlike np.float32
             if out is None:
