@@ -197,8 +197,8 @@ class HostedBackend(RowExporter):
         self._restarts += 1
         try:
             state, self._options, self.record_entry = self._spawn()
-        except StartFailed as err:
-            self._dead = str(err)
+        except Exception as err:  # its start failed (`StartFailed`), or no process could be made (OSError)
+            self._dead = str(err) if isinstance(err, StartFailed) else f"{type(err).__name__}: {err}"
             _logger.error("otel-train: backend `%s` could not start again: %s; what it does not hold stays in the "
                           "spool for `otel-train replay`", self.name, err)
             return
