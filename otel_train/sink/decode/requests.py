@@ -124,16 +124,16 @@ class Decoded:
         self.resources = 0  # Resources of the request (counted by `mark`)
         self.refused_resources: list[DecodeError] = []
         # The Resource being decoded: its run id, that run's series before it and its unattributed count before it.
-        self._resource: tuple[str, set[str] | None, int] | None = None
+        self._resource: tuple[RunInfo, set[str] | None, int, int | None] | None = None
 
     def refuse(self, why: str, name: str, count: int = 1) -> None:
         """Count `count` points of metric `name` that are not written (the rest of the request is)."""
         key = (why, name)
         self.refused[key] = self.refused.get(key, 0) + count
 
-    def resource_began(self, run_id: str) -> None:
-        tags = self.tags.get(run_id)
-        self._resource = (run_id, set(tags) if tags else None, self.unattributed.get(run_id, 0))
+    def resource_began(self, run: RunInfo) -> None:
+        tags = self.tags.get(run.run_id)
+        self._resource = (run, set(tags) if tags else None, self.unattributed.get(run.run_id, 0), self.runs.get(run))
 
     def mark(self) -> tuple[Any, ...]:
         """Where the rows stand now, as a Resource begins: `refuse_resource` takes back what it added after it."""
@@ -151,11 +151,15 @@ class Decoded:
         for rows, n in zip(parts, lengths, strict=True):
             del rows[n:]
         # Runs it added go (they come last: a dict keeps its order; not a copy per Resource, which a collector's
-        # batch of thousands of runs would make quadratic). A run another Resource also named keeps its step.
+        # batch of thousands of runs would make quadratic). A run an earlier Resource also named keeps that one's
+        # step (below).
         for run in list(itertools.islice(self.runs, runs, None)):
             del self.runs[run]
-        if self._resource is not None:  # its run's series and its count as unattributed go too
-            run_id, tags, unattributed = self._resource
+        if self._resource is not None:  # its run's series, the step it saw and its count as unattributed go too
+            run, tags, unattributed, step = self._resource
+            run_id = run.run_id
+            if step is not None and run in self.runs:  # named by an earlier Resource: the step that one saw
+                self.runs[run] = step
             if tags is None:
                 self.tags.pop(run_id, None)
             else:

@@ -25,8 +25,8 @@ class RunsSeen(Protocol):
     runs: dict[RunInfo, int]
     unattributed: dict[str, int]
 
-    def resource_began(self, run_id: str) -> None:
-        """The Resource being decoded is `run_id`'s (before it adds anything: what a refusal takes back)."""
+    def resource_began(self, run: RunInfo) -> None:
+        """The Resource being decoded is `run`'s (before it adds anything: what a refusal takes back)."""
 
 
 class DecodeCache:
@@ -124,7 +124,7 @@ def resource_run(attrs: dict[str, Any], has_data: bool, runs: DecodeCache, out: 
     """The run of one Resource of a request; counts Resources without `train.run.id` by their run."""
     run = runs.run_for(attrs)
     out.sender = sender_of(attrs)
-    out.resource_began(run.run_id)
+    out.resource_began(run)
     if RUN_ID not in attrs:
         out.unattributed[run.run_id] = out.unattributed.get(run.run_id, 0) + 1
     if has_data:
