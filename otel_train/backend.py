@@ -108,6 +108,9 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
     #: Every successful `export_window` has appended the window to the backend's own files and handed it to
     #: the OS, so delivery may record it as written at once: a process killed later does not write it again.
     kill_safe_writes: bool = False
+    #: Delivery may hand it the windows that waited while it was busy as one (fewer, bigger writes). False: one
+    #: window per call, as they came (the sink's reorder hold tells a sender starting over by its windows).
+    merges_windows: bool = True
     #: Its client takes seconds to import and start (W&B, MLflow, ClearML, Trackio): in the exporter process, with
     #: another such backend beside it, each runs in a process of its own (`OTEL_TRAIN_BACKEND_PROCESSES`), so that
     #: their starts run side by side instead of taking turns on one interpreter. Never with `kill_safe_writes`.

@@ -349,3 +349,26 @@ def test_windows_kept_in_memory_that_a_backend_never_takes_are_counted_as_lost_t
         delivery.submit(step + 1, step, window(step))
     assert not delivery.close(time.monotonic() + 3)
     assert delivery.rows_lost() == {"down": {"disk_full": 5}}  # one row per window, none of them silent
+
+
+def test_a_backend_that_regroups_rows_itself_gets_each_waiting_window_alone() -> None:
+    """`merges_windows = False` (the sink's reorder hold, which tells a sender starting over by its windows): the
+    windows that waited while it was busy come one per call, in order, none lost."""
+    release = threading.Event()
+
+    class Busy(InMemoryRowExporter):
+        merges_windows = False
+
+        def write_metrics(self, rows: Any, histograms: Any) -> None:
+            release.wait(30)
+            super().write_metrics(rows, histograms)
+
+    busy = Busy()
+    d = Delivery({"busy": busy}, None, queue_windows=64)
+    for step in range(50):
+        d.put(decode_window(window(step)), step)
+    release.set()
+    assert d.flush(time.monotonic() + 30)
+    assert [(r.step, r.value) for r in busy.metrics] == [(s, float(s)) for s in range(50)]
+    assert d.backend_stats()["busy"]["exports"] == 50
+    assert d.close(time.monotonic() + 30)

@@ -60,6 +60,7 @@ class BackendFeed:
         self.exporter = exporter
         self.spool = spool
         self._kill_safe = spool is not None and bool(getattr(exporter, "kill_safe_writes", False))
+        self._merges = bool(getattr(exporter, "merges_windows", True))
         #: A window the backend failed to write stays pending in its writer (and in the spool, the cursor before
         #: it) instead of being dropped after `max_attempts`; nothing later is handed to it meanwhile.
         self._keeps_failed = spool is not None
@@ -410,7 +411,7 @@ class BackendFeed:
         start = 0
         while start < len(items):
             end, rows = start, 0
-            while end < len(items) and (end == start or rows + rows_in(items[end][2]) <= MERGE_ROWS):
+            while end < len(items) and (end == start or (self._merges and rows + rows_in(items[end][2]) <= MERGE_ROWS)):
                 rows += rows_in(items[end][2])
                 end += 1
             batch = items[start:end]

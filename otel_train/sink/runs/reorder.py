@@ -128,6 +128,9 @@ class ReorderHold:
 
     #: Held rows are not in the backend's files yet: delivery must not record the window as written.
     kill_safe_writes = False
+    #: One window per call: a window that comes after a higher step is how a sender starting over is told apart
+    #: (`_first_values`); the hold regroups rows itself.
+    merges_windows = False
 
     def __init__(self, inner: RowExporter, reorder_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._inner = inner
