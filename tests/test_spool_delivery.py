@@ -157,24 +157,35 @@ def test_without_a_spool_a_full_queue_pushes_back_and_nothing_accepted_is_lost()
     assert d.close(time.monotonic() + 30)
 
 
-def test_in_process_a_busy_backend_gets_merged_windows_and_loses_none() -> None:
+class _Busy(InMemoryRowExporter):
+    """A backend whose writes wait until `release` is set (busy: windows queue up behind it)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self._release = release
+
+    def write_metrics(self, rows: Any, histograms: Any) -> None:
+        self._release.wait(30)
+        super().write_metrics(rows, histograms)
+
+
+@pytest.mark.parametrize("merges", [True, False], ids=["merged", "one_per_call"])
+def test_in_process_a_busy_backend_gets_the_waiting_windows_and_loses_none(merges: bool) -> None:
     """The training process's mode (`put`, never waiting): while a backend is busy its windows merge into
-    its last queued one instead of being dropped; once it moves it writes every step once, in order."""
+    its last queued one instead of being dropped; once it moves it writes every step once, in order. A backend
+    with `merges_windows = False` (the sink's reorder hold, which tells a sender starting over by its windows)
+    gets them one per call instead."""
     release = threading.Event()
-
-    class Busy(InMemoryRowExporter):
-        def write_metrics(self, rows: Any, histograms: Any) -> None:
-            release.wait(30)
-            super().write_metrics(rows, histograms)
-
-    busy = Busy()
-    d = Delivery({"busy": busy}, None, queue_windows=2)
+    busy = _Busy(release)
+    busy.merges_windows = merges
+    d = Delivery({"busy": busy}, None, queue_windows=2 if merges else 64)
     for step in range(50):
         d.put(decode_window(window(step)), step)
     release.set()
     assert d.flush(time.monotonic() + 30)
     assert [(r.step, r.value) for r in busy.metrics] == [(s, float(s)) for s in range(50)]
-    assert d.backend_stats()["busy"]["exports"] <= 3  # the first window, then the merged rest
+    exports = d.backend_stats()["busy"]["exports"]
+    assert exports <= 3 if merges else exports == 50  # merged: the first window, then the merged rest
     assert d.backend_stats()["busy"]["dropped"] == 0
     assert d.close(time.monotonic() + 30)
 
@@ -349,26 +360,3 @@ def test_windows_kept_in_memory_that_a_backend_never_takes_are_counted_as_lost_t
         delivery.submit(step + 1, step, window(step))
     assert not delivery.close(time.monotonic() + 3)
     assert delivery.rows_lost() == {"down": {"disk_full": 5}}  # one row per window, none of them silent
-
-
-def test_a_backend_that_regroups_rows_itself_gets_each_waiting_window_alone() -> None:
-    """`merges_windows = False` (the sink's reorder hold, which tells a sender starting over by its windows): the
-    windows that waited while it was busy come one per call, in order, none lost."""
-    release = threading.Event()
-
-    class Busy(InMemoryRowExporter):
-        merges_windows = False
-
-        def write_metrics(self, rows: Any, histograms: Any) -> None:
-            release.wait(30)
-            super().write_metrics(rows, histograms)
-
-    busy = Busy()
-    d = Delivery({"busy": busy}, None, queue_windows=64)
-    for step in range(50):
-        d.put(decode_window(window(step)), step)
-    release.set()
-    assert d.flush(time.monotonic() + 30)
-    assert [(r.step, r.value) for r in busy.metrics] == [(s, float(s)) for s in range(50)]
-    assert d.backend_stats()["busy"]["exports"] == 50
-    assert d.close(time.monotonic() + 30)
