@@ -231,7 +231,8 @@ def test_values_live_workers_hold_at_the_hand_off_land(tmp_path: Path, method: s
                           text=True, timeout=300, env=env, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.split("RESULT", 1)[1])
-    landed = [int(r["value"]) for r in read_jsonl(jsonl_path(tmp_path / "runs", method, 0))
-              if r["type"] == "metric" and r["name"] == "data/item"]
+    path = jsonl_path(tmp_path / "runs", method, 0)
+    assert path.exists(), done.stderr[-3000:]  # what the run said (its summary, a timeout) if nothing was written
+    landed = [int(r["value"]) for r in read_jsonl(path) if r["type"] == "metric" and r["name"] == "data/item"]
     assert len(landed) == len(set(landed))
     assert sorted(set(result["consumed"]) - set(landed)) == []
