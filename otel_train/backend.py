@@ -295,6 +295,12 @@ class RowExporter(MetricExporter, SpanExporter, ABC):
         """Windows accepted and not written yet (waiting for a retry)."""
         return len(self.window_writer.pending)
 
+    def lost_handed(self) -> bool:
+        """Whether the backend lost the windows it was handed that its store does not hold (a backend process
+        started again, `otel_train.ship.backend_host`), since delivery last asked: delivery then hands them again
+        from its spool, from the last window the store holds. Called by delivery after a failed write and at each flush."""
+        return False
+
     # -- the writer's counters, read by delivery and the shutdown summary ------------------------------
     @property
     def failures(self) -> int:

@@ -108,8 +108,8 @@ def _killed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, 
 @pytest.mark.timeout(300)
 def test_a_backend_process_killed_mid_run_is_started_again_and_holds_every_step_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    # Killed while windows flow (no flush before): what the dead process was handed and its store did not yet
-    # hold is handed to the new one, which writes only what its run lacks.
+    # Killed while windows flow (no flush before): what the dead process was handed and its store does not hold
+    # is handed to the new one again from the spool, and it writes only what its run lacks.
     out, directory, session = _killed_run(tmp_path, monkeypatch)
     steps = 3 * STEPS
     for step in range(steps):
@@ -127,6 +127,7 @@ def test_a_backend_process_killed_mid_run_is_started_again_and_holds_every_step_
     assert "it is started again at its next call" in said[0]
     again = [r.getMessage() for r in caplog.records if "started again (pid" in r.getMessage()]
     assert len(again) == 1 and "restart 1 of at most 3" in again[0], again
+    assert "handed to it again from the spool" in again[0]
     assert len(_pids(out)) == 2
     assert _wandb_steps(out) == list(range(steps))  # every step once, in order: nothing twice, nothing missing
     assert sorted(_trackio_steps(tmp_path, "killed")) == list(range(steps))

@@ -375,6 +375,9 @@ class BackendFeed:
                     return
                 group = []
                 self._apply_resume(seq, window)
+                if self._reload:  # the backend lost what it was handed (`_rewind_if_lost`): the rest from the spool
+                    self._hold_back([], children)
+                    return
                 continue
             for cut_after, resume_step in self._cuts:
                 if seq <= cut_after:
@@ -416,6 +419,9 @@ class BackendFeed:
                 end += 1
             batch = items[start:end]
             ok = self._write(batch[0][2] if len(batch) == 1 else _merge([w for _, _, w, _ in batch]))
+            if not ok and self._rewind_if_lost():
+                self._hold_back(items[start:], [])  # the spool's from the last the store holds; the children's
+                return False
             last = max(self.handed, batch[-1][0])
             step = max(s for _, s, _, _ in batch)
             if faults.ARMED and self._kill_safe:  # tests only: a kill between the write and its record
@@ -430,6 +436,19 @@ class BackendFeed:
                 self._stuck_from = batch[0][0]
                 self._hold_back(items[start:], [])
                 return False
+        return True
+
+    def _rewind_if_lost(self) -> bool:
+        """After a failed write and at each flush: if the backend lost what it was handed and its store does not hold
+        (`RowExporter.lost_handed`), hand it again from the spool, from the last window acknowledged."""
+        if self.spool is None or not self.exporter.lost_handed():
+            return False
+        with self._cv:
+            self.handed, self.handed_step = self.acked, self.acked_step
+            self._max_step_handed = self.acked_step
+            self._handed_max.clear()
+            self._queue.clear()  # the spool holds them: read back from there, in order
+            self._reload = True
         return True
 
     def _hand(self, seq: int, step: int) -> None:
@@ -515,6 +534,8 @@ class BackendFeed:
         except Exception as err:
             self._log.error("flush", "exporter `%s` flush raised %s: %s", self.name, type(err).__name__, err)
             ok = False
+        if self._rewind_if_lost():  # a call since the last flush found its process gone: nothing to acknowledge
+            return False
         if ok:
             self._acknowledge()
         return bool(ok)

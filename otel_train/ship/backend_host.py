@@ -12,12 +12,11 @@ the connection, in the spool's window encoding (`otel_train.ship.framing`), and 
 The host process ends when its connection does: after `shutdown`, or with the exporter process (SIGKILL, the drain
 deadline), as a backend inside the exporter process would; what it did not hold then stays in the spool for
 `otel-train replay`. A host process that ends early (the OOM killer picks the process with the biggest client) is
-said once and started again at the backend's next call, at most `MAX_RESTARTS` times a run: the windows handed to
-it that its store did not yet hold (kept here, in their encoding, until a flush's read-back says the store holds
-them) are handed to the new process first, in order, and the backend, reopening its run as `otel-train replay`
-does, writes only what its store lacks. Past that, or when more was handed than is kept, its writes fail and its
-windows stay in the spool. Only backends whose writes are not kill-safe appends are hosted
-(`RowExporter.heavy_client`; an intent record needs the writer's own process).
+said once and started again at the backend's next call, at most `MAX_RESTARTS` times a run; that call fails, and
+delivery, told that the backend lost what it was handed (`RowExporter.lost_handed`), hands it again from the spool
+from the last window its store holds; the backend, reopening its run as `otel-train replay` does, writes only what
+its store lacks. Past that, its writes fail and its windows stay in the spool. Only backends whose writes are not
+kill-safe appends are hosted (`RowExporter.heavy_client`; an intent record needs the writer's own process).
 """
 
 from __future__ import annotations
@@ -54,9 +53,6 @@ _DEAD_RETRY_S = 60.0  # how often a feed retries a backend whose process ended (
 _RESTART_IN_S = 1.0  # when a feed retries a backend whose process ended and will be started again
 #: Host processes started again per backend and run, at most (a client that kills its process every time stops).
 MAX_RESTARTS = 3
-#: Bytes of windows kept for a restart, at most; past it, the backend is not started again (its store would miss
-#: the windows no longer kept, and one that cannot store an older step, W&B, could never take them after).
-_KEEP_MAX_BYTES = 64 << 20
 _PARENT_POLL_S = 0.5
 _GONE = object()  # a request's answer when the host process is gone
 _NO_RUN = RunInfo("", "")  # the encoding's run of a window without rows
@@ -109,11 +105,7 @@ class HostedBackend(RowExporter):
         self._closed = False
         self._call_lock = threading.Lock()  # one request at a time; one-way messages do not wait for it
         self._restarts = 0
-        # What a new host process is handed first: the calls since the store last held everything ((op, args, the
-        # highest step of a window), in order), their bytes, and whether some were let go past `_KEEP_MAX_BYTES`.
-        self._kept: list[tuple[str, tuple[Any, ...], int]] = []
-        self._kept_bytes = 0
-        self._kept_overflow = False
+        self._lost = False  # started again since delivery last asked (`lost_handed`)
         self._keep_failed = False
         self._preempted: str | None = None
         self._write_held = False  # an explicit flush asked the backend to write what it holds back, not flushed yet
@@ -180,20 +172,20 @@ class HostedBackend(RowExporter):
                       if code else f"its process (pid {proc.pid}) ended")
         if not self._closed and self.record_entry:  # up, then gone (before it was up, its start failure says it)
             if self._may_restart():
-                _logger.error("otel-train: backend `%s`: %s; it is started again at its next call, and handed "
-                              "again what its store did not hold", self.name, self._dead)
+                _logger.error("otel-train: backend `%s`: %s; it is started again at its next call and handed again, "
+                              "from the spool, what its store does not hold", self.name, self._dead)
             else:
                 _logger.error("otel-train: backend `%s`: %s; what it does not hold stays in the spool for "
                               "`otel-train replay`", self.name, self._dead)
         replies.put(("dead",))
 
     def _may_restart(self) -> bool:
-        return not self._closed and self._restarts < MAX_RESTARTS and not self._kept_overflow
+        return not self._closed and self._restarts < MAX_RESTARTS
 
-    def _restart(self) -> None:
-        """Start the host process again (its lock held) and hand it what the store did not hold, in order."""
+    def _restart(self) -> bool:
+        """Start the host process again (the call lock held); whether it is up."""
         if not self._may_restart():
-            return
+            return False
         self._restarts += 1
         try:
             state, self._options, self.record_entry = self._spawn()
@@ -201,43 +193,22 @@ class HostedBackend(RowExporter):
             self._dead = str(err) if isinstance(err, StartFailed) else f"{type(err).__name__}: {err}"
             _logger.error("otel-train: backend `%s` could not start again: %s; what it does not hold stays in the "
                           "spool for `otel-train replay`", self.name, err)
-            return
+            return False
         self._apply(state)
-        _logger.warning("otel-train: backend `%s` started again (pid %d, restart %d of at most %d); handing it %d "
-                        "call(s) its store did not hold", self.name, self._proc.pid, self._restarts, MAX_RESTARTS,
-                        len(self._kept))
+        _logger.warning("otel-train: backend `%s` started again (pid %d, restart %d of at most %d); what its store "
+                        "does not hold is handed to it again from the spool", self.name, self._proc.pid,
+                        self._restarts, MAX_RESTARTS)
         if self._keep_failed:
             self._send("keep_failed")
         if self._preempted is not None:
             self._send("preempt", self._preempted)
-        for op, args, _ in list(self._kept):
-            self._ask(op, args)
-        if self._write_held:  # asked of the process that ended: the flush that follows writes what it holds back
+        if self._write_held:  # asked of the process that ended: the next flush writes what it holds back
             self._send("write_held")
+        return True
 
-    def _keep(self, op: str, args: tuple[Any, ...], step: int, size: int) -> None:
-        """Keep a call for a restart, until the store holds it (`_held_up_to`)."""
-        if self._kept_overflow:
-            return
-        self._kept.append((op, args, step))
-        self._kept_bytes += size
-        if self._kept_bytes > _KEEP_MAX_BYTES:
-            self._kept_overflow = True  # no restart: the new process would miss what is let go
-            self._kept.clear()
-            self._kept_bytes = 0
-
-    def _held_up_to(self, state: dict[str, Any]) -> None:
-        """A flush's read-back: let go of the kept calls the store now holds (all, when it holds all it was handed)."""
-        if int(state.get("unwritten_windows", 0)):
-            return
-        durable = state["durable_step"]
-        if durable is None:
-            self._kept.clear()
-            self._kept_bytes = 0
-            return
-        while self._kept and self._kept[0][2] <= int(durable):
-            op, args, _ = self._kept.pop(0)
-            self._kept_bytes -= len(args[0]) if op == "window" else 0
+    def lost_handed(self) -> bool:
+        lost, self._lost = self._lost, False
+        return lost
 
     def _apply(self, state: dict[str, Any]) -> None:
         if "durable_step" not in state and "durable_error" not in state:  # not read back with this reply: as before
@@ -249,46 +220,39 @@ class HostedBackend(RowExporter):
         self._order.backwards = int(state.get("backwards", 0))
         self._order.dropped = int(state.get("order_dropped", 0))
 
-    def _call(self, op: str, *args: Any, keep: tuple[int, int] | None = None) -> Any:
+    def _call(self, op: str, *args: Any) -> Any:
         """Send request `op` and return the backend's answer; `_GONE` when its process is gone (a failure). A
-        process that ended is started again first (`_restart`). `keep`: (highest step, bytes) of a call that a new
-        process must be handed again until the store holds it."""
+        process that ended is started again instead, and the call fails: what the old one was handed is lost
+        (`lost_handed`), so delivery hands it again before anything new."""
         with self._call_lock:
-            if keep is not None:
-                self._keep(op, args, *keep)
-            if self._dead is not None:
-                self._restart()
-            return self._ask(op, args)
-
-    def _ask(self, op: str, args: tuple[Any, ...]) -> Any:
-        """One request and its answer (the call lock held)."""
-        if self._dead is None and self._send(op, *args):
-            reply = self._replies.get()
-            if op == "flush" and reply[0] != "dead":
-                self._write_held = False
-            if reply[0] == "reply":
-                read_back = "durable_step" in reply[2]  # a flush's or shutdown's (before `_apply` fills it in)
-                self._apply(reply[2])
-                if read_back:
-                    self._held_up_to(reply[2])
-                return reply[1]
-            if reply[0] == "raised":
-                self._apply(reply[2])
-                raise RuntimeError(reply[1])
-        self._extra_failures += 1
-        self._state["unwritten_windows"] = max(1, int(self._state.get("unwritten_windows", 0)))
-        self._retry_at = time.monotonic() + (_RESTART_IN_S if self._may_restart() else _DEAD_RETRY_S)
-        return _GONE
+            if self._dead is not None and self._restart():
+                self._lost = True
+                self._extra_failures += 1
+                return _GONE
+            if self._dead is None and self._send(op, *args):
+                reply = self._replies.get()
+                if op == "flush" and reply[0] != "dead":
+                    self._write_held = False
+                if reply[0] == "reply":
+                    self._apply(reply[2])
+                    return reply[1]
+                if reply[0] == "raised":
+                    self._apply(reply[2])
+                    raise RuntimeError(reply[1])
+            self._extra_failures += 1
+            self._state["unwritten_windows"] = max(1, int(self._state.get("unwritten_windows", 0)))
+            self._retry_at = time.monotonic() + (_RESTART_IN_S if self._may_restart() else _DEAD_RETRY_S)
+            return _GONE
 
     # -- what delivery calls ---------------------------------------------------------------------------
     def export_window(self, window: Window) -> bool:
         rows = (window.metrics, window.histograms, window.spans, window.logs)
         run = next((group[0].run for group in rows if group), _NO_RUN)  # every row names its own run
-        payload, step = encode_window(run, (), window.metrics, window.histograms, window.spans, window.logs)
-        return self._call("window", payload, keep=(step, len(payload))) is True
+        payload, _ = encode_window(run, (), window.metrics, window.histograms, window.spans, window.logs)
+        return self._call("window", payload) is True
 
     def resume(self, run: RunInfo, step: int) -> bool:
-        return self._call("resume", run, step, keep=(-1, 0)) is True
+        return self._call("resume", run, step) is True
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return self._call("flush", timeout_millis) is True
@@ -296,10 +260,7 @@ class HostedBackend(RowExporter):
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         if self._closed:
             return
-        with self._call_lock:  # a process that ended is started again: its store gets what it lacks before the close
-            if self._dead is not None:
-                self._restart()
-            self._closed = True
+        self._closed = True  # a process that ended is not started again to be closed (delivery's last flush is)
         self._call("shutdown", timeout_millis)
 
     def durable_step(self) -> int | None:

@@ -239,6 +239,10 @@ class StartingBackend(RowExporter):
         backend = self._backend
         return backend.unwritten_windows if backend is not None else self._unwritten
 
+    def lost_handed(self) -> bool:
+        backend = self._backend
+        return backend.lost_handed() if backend is not None else False
+
     @property
     def failures(self) -> int:
         backend = self._backend
