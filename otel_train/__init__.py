@@ -264,15 +264,23 @@ def span(name: str, attributes: Mapping[str, Any] | None = None) -> Any:
     Before `init()` (or when disabled) it does nothing. An exception marks the span as error and
     propagates unchanged.
     """
-    return _scope(name, attributes, True)
+    s = _session  # `_scope`'s body, one call fewer a span
+    if s is None or s.closed:
+        return _span_without_session(s, name, attributes)
+    return s.span(name, attributes, True)
 
 
 def _scope(name: str, attributes: Mapping[str, Any] | None, record_context: bool) -> Any:
     s = _session
     if s is None or s.closed:
-        child = _child_client() if s is None else getattr(s, "worker", None)
-        return NO_SPAN if child is None else child.span(name, attributes)
+        return _span_without_session(s, name, attributes)
     return s.span(name, attributes, record_context)
+
+
+def _span_without_session(s: Any, name: str, attributes: Mapping[str, Any] | None) -> Any:
+    """Before `init()` or after `shutdown()`: the span of a child process's connection to its run, else none."""
+    child = _child_client() if s is None else getattr(s, "worker", None)
+    return NO_SPAN if child is None else child.span(name, attributes)
 
 
 def _span_for_decorator(name: str, record_context: bool) -> Any:

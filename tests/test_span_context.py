@@ -3,7 +3,10 @@ OTel spans a plain `SpanExporter` (and OTLP's encoder) receives."""
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -127,3 +130,56 @@ def test_spans_are_separate_traces_without_a_parent(sinks: tuple[InMemoryRowExpo
     r = _by_name(rows.spans)
     assert r["a"].trace_id != r["b"].trace_id and r["a"].span_id != r["b"].span_id
     assert r["a"].parent_span_id is None and r["b"].parent_span_id is None
+
+
+def test_a_span_left_in_another_context_ends_without_raising(
+        sinks: tuple[InMemoryRowExporter, InMemorySpanExporter], caplog: pytest.LogCaptureFixture) -> None:
+    """A span entered in one context and exited in another (a coroutine resumed in another task): its context
+    cannot be reset there; OTel's detach says so, the span is still written and nothing reaches the caller."""
+    rows, _ = sinks
+    scope = ot.span("moved")
+    scope.__enter__()
+    contextvars.copy_context().run(scope.__exit__, None, None, None)
+    ot.flush()
+    assert [s.name for s in rows.spans] == ["moved"]
+    assert "Failed to detach context" in caplog.text
+
+
+def test_the_span_context_is_the_one_the_otel_api_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry import context as otel_context
+
+    from otel_train._internal import sdk
+
+    var = sdk.context_var()
+    assert var is not None and var.get() is otel_context.get_current()
+    token = var.set(otel_context.set_value("k", 1))
+    assert otel_context.get_value("k") == 1
+    var.reset(token)
+
+    class OtherRuntime(otel_context._RuntimeContext):  # what OTEL_PYTHON_CONTEXT may choose instead
+        def attach(self, context: Any) -> Any: ...
+        def get_current(self) -> Any: ...
+        def detach(self, token: Any) -> None: ...
+
+    monkeypatch.setattr(otel_context, "_RUNTIME_CONTEXT", OtherRuntime())
+    assert sdk.context_var() is None  # ot.span then goes through the API's functions
+
+
+def test_a_thread_renamed_after_its_first_span_names_the_later_ones(
+        sinks: tuple[InMemoryRowExporter, InMemorySpanExporter]) -> None:
+    rows, _ = sinks
+
+    def work() -> None:
+        with ot.span("first"):
+            pass
+        threading.current_thread().name = "renamed"
+        with ot.span("second"):
+            pass
+
+    worker = threading.Thread(target=work, name="loader")
+    worker.start()
+    worker.join()
+    ot.flush()
+    r = _by_name(rows.spans)
+    assert (r["first"].thread_name, r["second"].thread_name) == ("loader", "renamed")
+    assert r["first"].thread_id == r["second"].thread_id == worker.native_id

@@ -31,6 +31,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final
 
 from opentelemetry import trace as _trace
@@ -43,8 +44,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
 
 __all__ = [
-    "SDK_REQUIREMENT", "SPAN_KEY", "check_supported", "collect", "discard_measurements", "empty_after_fork",
-    "intercept_measurements", "provider_resource", "proxy_instruments", "readable_log_record", "reader_options",
+    "SDK_REQUIREMENT", "SPAN_KEY", "check_supported", "collect", "context_var", "discard_measurements",
+    "empty_after_fork", "intercept_measurements", "provider_resource", "proxy_instruments", "readable_log_record", "reader_options",
     "reader_storage", "register_before_atexit", "supported_problem", "sync_gauge_class", "with_attribute",
 ]
 
@@ -299,6 +300,23 @@ try:
     from opentelemetry.trace.propagation import _SPAN_KEY as SPAN_KEY
 except ImportError:  # pragma: no cover - an API without it
     SPAN_KEY = next(iter(_trace.set_span_in_context(_trace.INVALID_SPAN, _Context())))
+
+
+
+def context_var() -> ContextVar[_Context] | None:
+    """The `ContextVar` that holds OTel's current context, where the API keeps it in its default runtime context
+    (`ContextVarsRuntimeContext`, whose variable is private): `ot.span` gets, sets and resets it directly, three
+    Python calls fewer a span than `context.get_current`/`attach`/`detach`, which only forward to it. None where
+    `OTEL_PYTHON_CONTEXT` chose another runtime context, or the name is gone: then the API's functions."""
+    from opentelemetry import context as _context
+
+    try:
+        from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
+    except ImportError:  # pragma: no cover - an API that moved it
+        return None
+    runtime = getattr(_context, "_RUNTIME_CONTEXT", None)
+    var = getattr(runtime, "_current_context", None)
+    return var if type(runtime) is ContextVarsRuntimeContext and isinstance(var, ContextVar) else None
 
 
 # -- logs ------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.context.context import Context as _Context
 
 from otel_train._internal.sdk import SPAN_KEY as _SPAN_KEY
+from otel_train._internal.sdk import context_var
 from otel_train.capture.attributes import held_attributes, held_value
 from otel_train.capture.log_records import CapturedLog
 from otel_train.capture.step import _current, current_step
@@ -36,11 +37,16 @@ __all__ = ["NO_SPAN", "AttributedValues", "LogBuffer", "ProfiledSpanScope", "Spa
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SAMPLED = otel_trace.TraceFlags(otel_trace.TraceFlags.SAMPLED)
-_get_context = otel_context.get_current
-_attach = otel_context.attach
+_context_var = context_var()
+#: OTel's current context, read, set and reset as the API does, without its forwarding calls where it can.
+_get_context = otel_context.get_current if _context_var is None else _context_var.get
+_attach = otel_context.attach if _context_var is None else _context_var.set
+_reset = otel_context.detach if _context_var is None else _context_var.reset
 _detach = otel_context.detach
 _time_ns = time.time_ns
 _current_thread = threading.current_thread
+#: Per thread: its `threading.Thread` (the same object in a forked child), one lookup instead of a call.
+_thread_local = threading.local()
 _rand64 = random.getrandbits
 _PLAIN = frozenset((float, int, bool))
 
@@ -320,13 +326,17 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
     def __enter__(self) -> SpanScope:
         current = _get_context()
         parent = current.get(_SPAN_KEY)
-        if type(parent) is SpanScope:  # nested ot.span: no SpanContext needed
+        if parent is None:  # the outermost span of its context: a new trace
+            self.trace_id = _rand64(128) or 1
+            self.parent_id: int | None = None
+            self._outer: SpanScope | None = None
+        elif type(parent) is SpanScope:  # nested ot.span: no SpanContext needed
             self.trace_id = parent.trace_id
-            self.parent_id: int | None = parent.span_id
-            self._outer: SpanScope | None = parent
+            self.parent_id = parent.span_id
+            self._outer = parent
         else:
-            self._outer = parent if parent is not None and isinstance(parent, SpanScope) else None
-            ctx = None if parent is None or not isinstance(parent, otel_trace.Span) else parent.get_span_context()
+            self._outer = parent if isinstance(parent, SpanScope) else None
+            ctx = parent.get_span_context() if isinstance(parent, otel_trace.Span) else None
             if ctx is not None and ctx.is_valid:
                 self.trace_id = ctx.trace_id
                 self.parent_id = ctx.span_id
@@ -338,9 +348,12 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
             values = dict(current)
             values[_SPAN_KEY] = self
             self._token = _attach(_Context(values))
-        thread = _current_thread()
-        self.thread_id = thread.native_id or 0  # cached by `threading`: no gettid syscall per span
-        self.thread_name = thread.name
+        try:
+            thread = _thread_local.thread
+        except AttributeError:  # this thread's first span
+            thread = _thread_local.thread = _current_thread()
+        self.thread_id = thread.native_id or 0  # cached by `threading` (and set anew in a forked child): no syscall
+        self.thread_name = thread.name  # read each time: a thread may be renamed
         step = _current.get()
         self.in_step = step is not None
         self.step = current_step() if step is None else step
@@ -353,7 +366,10 @@ class SpanScope(SpanRecord, otel_trace.NonRecordingSpan):
         token = self._token
         if token is not None:
             self._token = None
-            _detach(token)
+            try:
+                _reset(token)
+            except Exception:  # a token of another context (a span left in another task): OTel's detach logs it
+                _detach(token)
         if exc_type is not None:
             self.error = f"{exc_type.__name__}: {exc}"
         self._buffer.append(self)

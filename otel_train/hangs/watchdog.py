@@ -51,7 +51,8 @@ hang_logger = logging.getLogger("otel_train.hang")
 """Where `train.hang` records go (WARNING), for the logs signal and the user's own handlers."""
 
 STEP_KEY = "step"
-_SPAN_SAMPLES = 512  # finished spans kept between two looks (the latest)
+_SPAN_SAMPLES = 512  # finished spans of the training thread learned from at a look (the latest)
+_SPAN_BATCHES = 8  # collections' latest spans kept between two looks, to find those in
 _NATIVE_PAUSE_S = 0.02  # between two looks at the main thread's frame: has it moved?
 
 
@@ -138,7 +139,9 @@ class HangWatchdog:
         self._failed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._finished_spans: deque[tuple[str, float]] = deque(maxlen=_SPAN_SAMPLES)
+        #: The latest spans of each collection since the last look (at most `_SPAN_SAMPLES` of each, the
+        #: latest `_SPAN_BATCHES` collections): the look picks the training thread's.
+        self._span_batches: deque[list[tuple[Any, ...]]] = deque(maxlen=_SPAN_BATCHES)
         self._native_file: Any = None  # where faulthandler writes if this thread stops running (`_arm_native`)
         self._armed: tuple[int, float] | None = None  # (the work armed for, when: time.monotonic)
 
@@ -175,14 +178,27 @@ class HangWatchdog:
             self._write()
 
     def take_spans(self, spans: list[tuple[Any, ...]]) -> None:
-        """The reader's span listener (collector thread): keep the durations of the latest finished `ot.span`
-        scopes of the training thread, for the watchdog thread to learn from. Raw OTel spans are left out."""
+        """The reader's span listener (collector thread): keep the latest finished spans of a collection, for the
+        watchdog thread to learn the durations of the training thread's `ot.span` scopes from at its next look.
+        One slice here, the rest at a look (about once a second, where the collector runs ten times a second)."""
+        self._span_batches.append(spans[-_SPAN_SAMPLES:])
+
+    def _finished_spans(self) -> list[tuple[str, float]]:
+        """The kinds and durations of the training thread's latest `ot.span` scopes collected since the last look
+        (at most `_SPAN_SAMPLES`, oldest first). Raw OTel spans and other threads' spans are left out."""
         thread_id = self._view.thread_id
-        keep = self._finished_spans.append
-        for item in spans[-_SPAN_SAMPLES:]:
-            span = item[-1]
-            if isinstance(span, SpanRecord) and span.thread_id == thread_id:
-                keep((_span_key(span.name), (span.end_ns - span.start_ns) / 1e9))
+        batches = []
+        while self._span_batches:
+            batches.append(self._span_batches.popleft())
+        latest: list[tuple[str, float]] = []
+        for batch in reversed(batches):
+            for item in reversed(batch):
+                span = item[-1]
+                if isinstance(span, SpanRecord) and span.thread_id == thread_id:
+                    latest.append((_span_key(span.name), (span.end_ns - span.start_ns) / 1e9))
+                    if len(latest) == _SPAN_SAMPLES:
+                        return latest[::-1]
+        return latest[::-1]
 
     def remove_file(self) -> None:
         """Remove this rank's file (and the hang folder, once empty): the session's run never was (the rank was
@@ -210,9 +226,7 @@ class HangWatchdog:
         first_step = self._step is None and look.step is not None  # written at once: the roll call's "at step"
         self._step = look.step if look.step is not None else self._step
         hang = self._hang
-        spans = self._finished_spans
-        while spans:
-            key, duration_s = spans.popleft()
+        for key, duration_s in self._finished_spans():
             self.rule.add(key, duration_s)
         for work in look.finished:
             self.rule.add(work.key, work.elapsed_s)

@@ -220,6 +220,31 @@ def test_span_durations_come_from_the_collected_spans_of_the_training_thread(tmp
     assert usual is not None and usual < 1.0
 
 
+def test_a_look_learns_from_the_latest_spans_of_the_collections_since_the_last_one(tmp_path: Path) -> None:
+    """The collector hands each collection's spans; the look takes the training thread's latest 512 of them,
+    oldest first, across collections (the earlier ones, and what came before the last look, are not learned)."""
+    dog, _, _ = make(tmp_path, floor_s=1.0, factor=10.0)
+    me = threading.current_thread().native_id
+
+    def collection(name: str, n: int, first: int) -> list[tuple[int, SpanScope]]:
+        out = []
+        for i in range(n):
+            scope = SpanScope(SpanBuffer(1), name)
+            scope.thread_id, scope.start_ns, scope.end_ns = me, 0, (first + i) * 1000
+            out.append((first + i, scope))
+        return out
+
+    dog.take_spans(collection("old", 300, 0))
+    dog.check()  # learned, then gone
+    dog.take_spans(collection("a", 400, 1000))
+    dog.take_spans(collection("b", 400, 2000))
+    learned = dog._finished_spans()
+    assert len(learned) == 512
+    assert learned == [("span a", i * 1000 / 1e9) for i in range(1288, 1400)] + [
+        ("span b", i * 1000 / 1e9) for i in range(2000, 2400)]
+    assert dog._finished_spans() == []
+
+
 def test_every_thread_stack_is_innermost_first_with_the_user_frame() -> None:
     ready, done = threading.Event(), threading.Event()
 
