@@ -100,6 +100,64 @@ def test_every_row_round_trips_exactly(window: tuple[Any, ...]) -> None:
     assert max_step == max([-1] + [p[1] for p in points] + [m.step for m in metrics])  # -1: no step
 
 
+@settings(max_examples=200, deadline=None)
+@given(windows())
+def test_points_sent_as_groups_read_back_as_the_same_rows_in_order(window: tuple[Any, ...]) -> None:
+    """The collector hands a logged dict over as it is, ``(step, time, {tag: value})`` (format 5): read back, the
+    rows are those of the same points sent one by one (format 4), in order, and the highest step is the same; both
+    encoders write the same bytes."""
+    from unittest import mock
+
+    from otel_train.ship import framing
+
+    run, points, metrics, hists, spans, logs = window
+    groups = [(step, t, {tag: value}) for tag, step, value, t in points]
+    if len(points) > 1:  # one group of several tags, as a logged dict is
+        tag, step, value, t = points[0]
+        groups = [(step, t, {tag: value, f"{tag}/2": 2.5}), *groups[1:]]
+        points = [points[0], (f"{tag}/2", step, 2.5, t), *points[1:]]
+    by_points, max_step = encode_window(run, points, metrics, hists, spans, logs)
+    by_groups, grouped_max_step = encode_window(run, (), metrics, hists, spans, logs, groups)
+    assert by_groups.startswith(b"otw\x05" if groups else b"otw\x04") and by_points.startswith(b"otw\x04")
+    assert grouped_max_step == max_step
+    a, b = decode_window(by_groups), decode_window(by_points)
+    assert all(same(list(getattr(a, part)), list(getattr(b, part))) for part in ("metrics", "histograms", "spans",
+                                                                                  "logs"))
+    with mock.patch.object(framing, "ormsgpack", None):
+        assert encode_window(run, (), metrics, hists, spans, logs, groups)[0] == by_groups
+
+
+def test_a_window_takes_its_points_as_points_or_as_groups_not_both() -> None:
+    run = RunInfo("r", "name", 1)
+    try:
+        encode_window(run, [("loss", 3, 0.5, 7)], groups=[(4, 8, {"loss": 0.25})])
+    except ValueError as err:
+        assert "not both" in str(err)
+    else:
+        raise AssertionError("points and groups were both taken")
+
+
+def test_rows_added_to_a_grouped_window_keep_its_format_and_order() -> None:
+    """The exporter process adds phase timings and span rows to a window (`with_rows`): to a grouped window as
+    groups after its own, and what it spools decodes to what the backends get."""
+    from otel_train.ship.framing import with_rows
+
+    run = RunInfo("r", "name", 1)
+    payload, _ = encode_window(run, (), groups=[(3, 7, {"loss": 0.5, "lr": 0.1}), (4, 8, {"loss": 0.25})])
+    seen = []
+
+    def add(r: RunInfo, points: Any) -> tuple[Any, Any]:
+        seen.extend(points)
+        return [("phase/forward_s", 4, 0.01, 9)], []
+
+    whole, window = with_rows(payload, add)
+    assert seen == [("loss", 3, 0.5, 7), ("lr", 3, 0.1, 7), ("loss", 4, 0.25, 8)]
+    assert whole.startswith(b"otw\x05")
+    got = [(m.tag, m.step, m.value, m.time_unix_nano) for m in decode_window(whole).metrics]
+    assert got == [*seen, ("phase/forward_s", 4, 0.01, 9)]
+    assert [(m.tag, m.step) for m in window.metrics] == [(tag, step) for tag, step, _, _ in got]
+
+
 @settings(max_examples=100, deadline=None)
 @given(windows())
 def test_both_encoders_write_the_same_bytes(window: tuple[Any, ...]) -> None:
@@ -250,7 +308,7 @@ def test_a_window_of_another_format_version_is_refused_by_name() -> None:
     try:
         decode_window(payload)
     except ValueError as err:
-        assert str(err) == ("a window of encoding version 3, which this version (4) does not read: deliver it with "
-                            "the otel-train version that wrote it")
+        assert str(err) == ("a window of encoding version 3, which this version (4 and 5) does not read: deliver it "
+                            "with the otel-train version that wrote it")
     else:
         raise AssertionError("a window of format 3 was decoded")

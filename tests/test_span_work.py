@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -69,9 +70,11 @@ def _rows(window: Window) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]
     return metrics, spans
 
 
-def test_rows_made_in_the_exporter_process_equal_those_made_by_the_collector() -> None:
+@pytest.mark.parametrize("grouped", [False, True], ids=["points", "grouped_points"])
+def test_rows_made_in_the_exporter_process_equal_those_made_by_the_collector(grouped: bool) -> None:
     """Three windows (the second holds step 1's spans, the third its step end: phases wait across windows),
-    with a raw OTel span; built in the training process vs completed by a `SpanCompleter`: the same rows."""
+    with a raw OTel span; built in the training process vs completed by a `SpanCompleter` (the `ot.log` points
+    also as groups, as the collector hands them to the exporter process): the same rows."""
     lost: list[tuple[str, int]] = []
     here, there, completer = _builder(), _builder(), SpanCompleter(lambda cause, n: lost.append((cause, n)))
     r0, s0 = _step(0, 0)
@@ -82,10 +85,11 @@ def test_rows_made_in_the_exporter_process_equal_those_made_by_the_collector() -
     for records, spans in windows:
         local = here.build(RUN, None, list(records), list(spans), 1)
         made_here.append(encode_and_decode(local))
-        deferred = there.build(RUN, None, list(records), list(spans), 1, defer_spans=True)
+        deferred = there.build(RUN, None, list(records), list(spans), 1, defer_spans=True, grouped=grouped)
         assert deferred.span_records is not None and deferred.phases
+        assert (deferred.groups is not None) == grouped
         payload, _ = encode_window(RUN, deferred.points, deferred.metrics, deferred.histograms, deferred.spans,
-                                   deferred.logs)
+                                   deferred.logs, deferred.groups or ())
         packed = pack_span_records(payload, deferred.span_records, deferred.phase_spans, deferred.phases)
         assert has_span_records(packed)
         whole, window = completer.complete(packed)

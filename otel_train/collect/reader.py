@@ -396,12 +396,12 @@ class StepAlignedMetricReader(MetricReader):
             return
         defer = self._defer_spans
         window = self._builder.build(self._builder.run_for(self._resource.attributes), metrics_data, records,
-                                     spans, step, defer_spans=defer is not None)
+                                     spans, step, defer_spans=defer is not None, grouped=defer is not None)
         with self._send_lock:
             if self._handed_off:  # the hand-off came during the build: counted there
                 return
             self.windows += 1
-            self.points += len(window.points) + len(window.metrics) + len(window.histograms)
+            self.points += window.point_count + len(window.metrics) + len(window.histograms)
             for channel in self._channels:
                 try:
                     if defer is not None and window.span_records is not None:

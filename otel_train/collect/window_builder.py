@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricsData
@@ -37,6 +38,7 @@ _logger = logging.getLogger("otel_train.collect.reader")
 #: Keys known to be their own tag (valid, without `{`) are remembered, up to this many: the common point's check
 #: is then one set lookup.
 _PLAIN_KEYS_MAX = 65536
+_VALUES = itemgetter(2)
 
 
 @dataclasses.dataclass
@@ -55,6 +57,14 @@ class WindowParts:
     #: With `span_records`: the phase fields of the raw OTel spans in `spans`, and whether phases are computed.
     phase_spans: list[Span] = dataclasses.field(default_factory=list)
     phases: bool = False
+    #: The `ot.log` points as ``(step, time, {tag: value})`` groups, one a record, for the exporter process to make
+    #: points of (`WindowBuilder.build`'s `grouped`; None: `points` holds them).
+    groups: list[tuple[int, int, dict[str, float]]] | None = None
+
+    @property
+    def point_count(self) -> int:
+        """How many `ot.log` points the window holds, as points or in groups."""
+        return len(self.points) + (sum(map(len, map(_VALUES, self.groups))) if self.groups else 0)
 
 
 class WindowBuilder:
@@ -80,15 +90,22 @@ class WindowBuilder:
         return self.converter.run_for(resource_attributes)
 
     def build(self, run: RunInfo, metrics_data: MetricsData | None, records: list[tuple[Any, ...]],
-              spans: list[tuple[Any, Any]], step: int, defer_spans: bool = False) -> WindowParts:
+              spans: list[tuple[Any, Any]], step: int, defer_spans: bool = False, grouped: bool = False,
+              ) -> WindowParts:
         """The window of one collection; `step` is the step that ends it (for SDK points without one).
 
         `defer_spans`: leave the `ot.span` records as they are (`WindowParts.span_records`), with the phase fields
         of raw OTel spans: the exporter process makes their rows and the phase timings (`otel_train.ship.span_work`).
+        `grouped` (with `defer_spans`): the `ot.log` points as groups (`WindowParts.groups`), which the exporter
+        process makes points of.
         """
         attributed: list[MetricRow] = []
         logs: list[LogRow] = []
-        points = self._log_points(records, run, attributed, logs)
+        grouped = grouped and defer_spans  # in-process phase timings read the points
+        points = self._log_points(records, run, attributed, logs, grouped)
+        groups = None
+        if grouped:
+            groups, points = points, []
         if self._phases is not None and not defer_spans:  # phase timings are plain gauges from here on
             points.extend(self._phases.points([s for _, s in spans], points))
         sdk_rows: list[MetricRow] = []
@@ -115,16 +132,18 @@ class WindowBuilder:
         if not self.export_metrics:  # log records, like spans, from every rank
             return WindowParts(run, [], [], [], row_spans, logs, deferred)
         return WindowParts(run, points, attributed + sdk_rows if attributed else sdk_rows, hists, row_spans, logs,
-                           deferred, phase_spans, self._phases is not None)
+                           deferred, phase_spans, self._phases is not None, groups)
 
     def _log_points(self, records: list[tuple[Any, ...]], run: RunInfo, attributed: list[MetricRow],
-                    logs: list[LogRow]) -> list[tuple[str, int, float, int]]:
-        """The `ot.log` points of `records`; values logged with `attributes=` go to `attributed` as gauge rows
-        (the shape a gauge set with those attributes has), converted by the same rules; log records to `logs`."""
+                    logs: list[LogRow], grouped: bool = False) -> list[Any]:
+        """The `ot.log` points of `records`, ``(tag, step, value, time)``; values logged with `attributes=` go to
+        `attributed` as gauge rows (the shape a gauge set with those attributes has), converted by the same rules;
+        log records to `logs`. `grouped`: as ``(step, time, {tag: value})`` groups, one a record, in order; a
+        logged dict whose keys are all known tags and values all floats is its own group (no tuple a point)."""
         out: list[Any] = []
         append = out.append
         plain = self._plain_keys
-        slow = []
+        slow: list[tuple[Any, ...]] = []  # (where: an index in `out`, or a group's dict; key, step, value, time)
         for _, step, mapping, t in records:
             if type(mapping) is not dict:
                 if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
@@ -139,24 +158,40 @@ class WindowBuilder:
             if not 0 <= step <= MAX_STEP:  # `ot.log` refuses such a step at the call: this is the last guard
                 self.refusals.add("step_out_of_range", len(mapping.items()))
                 continue
+            if grouped:
+                if (type(mapping) is dict and plain.issuperset(mapping)
+                        and list(map(type, mapping.values())).count(float) == len(mapping)):  # checked in C
+                    append((step, t, mapping))  # the record's own dict: `ot.log` copied it
+                    continue
+                values: dict[str, float] = {}
+                append((step, t, values))
+                for key, value in mapping.items():
+                    if type(value) is float and key in plain:
+                        values[key] = value
+                    else:  # converted together below; a group's tags in any order (each its own series)
+                        slow.append((values, key, step, value, t))
+                continue
             for key, value in mapping.items():
                 if type(value) is float and key in plain:  # the common case: nothing to convert
                     append((key, step, value, t))
                 else:  # tensors, ints, new or bad keys: converted together below, order kept
                     slow.append((len(out), key, step, value, t))
                     append(None)
-        if not slow:
-            return out
-        floats = to_floats([s[3] for s in slow])
-        for (idx, key, step, raw, t), value in zip(slow, floats):
-            if type(key) is str:
-                key = valid_text(key)  # a lone surrogate would stop every backend's writes
-            if self._usable(key, raw, value) and value is not None:
-                if "{" in key:  # its tag is escaped (`series_tag`): a row, so the key stays its name
-                    attributed.append(MetricRow(run, step, key, series_tag(key, None), value, "gauge", t))
-                else:
-                    out[idx] = (key, step, value, t)
-        return [p for p in out if p is not None]
+        if slow:
+            floats = to_floats([s[3] for s in slow])
+            for (at, key, step, raw, t), value in zip(slow, floats):
+                if type(key) is str:
+                    key = valid_text(key)  # a lone surrogate would stop every backend's writes
+                if self._usable(key, raw, value) and value is not None:
+                    if "{" in key:  # its tag is escaped (`series_tag`): a row, so the key stays its name
+                        attributed.append(MetricRow(run, step, key, series_tag(key, None), value, "gauge", t))
+                    elif grouped:
+                        at[key] = value
+                    else:
+                        out[at] = (key, step, value, t)
+        if grouped:
+            return [g for g in out if g[2]]
+        return [p for p in out if p is not None] if slow else out
 
     def _attributed_rows(self, run: RunInfo, step: int, record: AttributedValues, t: int,
                          rows: list[MetricRow]) -> None:

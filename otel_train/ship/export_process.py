@@ -290,17 +290,16 @@ class ExportProcess:
 
     def send_window_with_spans(self, window: WindowParts) -> None:
         """`send_window`, for a window whose `ot.span` records the child makes rows and phase timings of
-        (`otel_train.ship.span_work`)."""
+        (`otel_train.ship.span_work`), and whose `ot.log` points may come as groups (`WindowParts.groups`)."""
         records = window.span_records or []
-        if not (records or window.phases):  # phase timings also need the step ends of a window without spans
-            self.send_window(window.run, window.points, window.metrics, window.histograms, window.spans, window.logs)
-            return
-        if os.getpid() != self._pid or not (records or window.points or window.metrics or window.histograms
-                                            or window.spans or window.logs):
+        if os.getpid() != self._pid or not (records or window.points or window.groups or window.metrics
+                                            or window.histograms or window.spans or window.logs):
             return
         payload, max_step = encode_window(window.run, window.points, window.metrics, window.histograms, window.spans,
-                                          window.logs)
-        self._send_encoded(max_step, pack_span_records(payload, records, window.phase_spans, window.phases))
+                                          window.logs, window.groups or ())
+        if records or window.phases:  # phase timings also need the step ends of a window without spans
+            payload = pack_span_records(payload, records, window.phase_spans, window.phases)
+        self._send_encoded(max_step, payload)
 
     def send_resume(self, run: RunInfo, step: int) -> None:
         """The run restarts at `step`: sent, spooled and acknowledged like a window, so every backend applies

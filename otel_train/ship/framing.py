@@ -22,6 +22,11 @@ and come back by `map`/`starmap` over the row classes; 128-bit trace ids travel 
 process) 0.8x the pickle's cost for a 3,000-row window, 1.0x for a 13-row one; decoding (the exporter
 process) 1.06-1.15x, the price of a str object per string where a pickle shares repeated ones.
 
+A window of format 5 is a window of format 4 whose `ot.log` points travel as groups, ``(step, time, {tag:
+value})``, one a logged dict: the collector hands a logged dict over as it is (one compiled call packs it) instead
+of making a tuple a point, and the exporter process makes the points. Format 4 is still written where points come
+as points, and both are read.
+
 A window may travel with its `ot.span` records not yet turned into rows (`pack_span_records`): the training
 process hands over each record's fields and the exporter process makes the span rows and phase timings
 (`otel_train.ship.span_work`), adds them to the window (`with_rows`) and spools the result, so a spool only ever
@@ -63,6 +68,10 @@ __all__ = ["Resume", "cut_window", "decode_window", "encode_resume", "encode_win
 
 _VERSION = 4
 _WINDOW_MAGIC = b"otw\x04"
+#: A window whose `ot.log` points travel as groups, ``(step, time, {tag: value})`` (`encode_window`'s `groups`).
+_GROUPED_VERSION = 5
+_GROUPED_MAGIC = b"otw\x05"
+_MAGIC_OF = {_VERSION: _WINDOW_MAGIC, _GROUPED_VERSION: _GROUPED_MAGIC}
 _RESUME_MAGIC = b"otel-train:resume:"
 _SPANS_MAGIC = b"ots\x01"  # a window whose `ot.span` records travel as fields (`pack_span_records`)
 _LENGTH = struct.Struct("<I")
@@ -81,6 +90,7 @@ _LOG = attrgetter(*[f.name for f in dataclasses.fields(LogRow)][1:])
 _TRACE_ID = attrgetter("trace_id")
 _STEP = attrgetter("step")
 _POINT_STEP = itemgetter(1)
+_GROUP_STEP = itemgetter(0)
 _LOW = (1 << 64) - 1
 _OLD = ("written by an earlier otel-train (a pickle), which this version never unpickles: "
         "deliver it with the otel-train version that wrote it")
@@ -177,6 +187,7 @@ def encode_window(
     histograms: Sequence[HistogramRow] = (),
     spans: Sequence[SpanRow] = (),
     logs: Sequence[LogRow] = (),
+    groups: Sequence[tuple[int, int, Mapping[str, float]]] = (),
 ) -> tuple[bytes, int]:
     """One window as bytes, and the highest step in it (-1 when it has none).
 
@@ -185,8 +196,21 @@ def encode_window(
         points: ``(tag, step, value, time_unix_nano)`` of `ot.log` gauges.
         metrics, histograms, spans: Rows from the SDK's instruments and spans (any runs).
         logs: Log records (any runs); like spans, they do not count towards the highest step.
+        groups: Instead of `points` (not both), the same points grouped as ``(step, time_unix_nano, {tag:
+            value})``, in order: one `ot.log` call's dict is packed by one compiled call, not one tuple a point
+            (a window of format 5; `points` alone write format 4, as before).
+
+    Raises:
+        ValueError: both `points` and `groups` given.
     """
-    max_step = max(map(_POINT_STEP, points)) if points else -1
+    if groups:
+        if points:
+            raise ValueError("a window's points go either as points or as groups, not both")
+        max_step = max(map(_GROUP_STEP, groups))
+        version, magic, points = _GROUPED_VERSION, _GROUPED_MAGIC, groups  # type: ignore[assignment]
+    else:
+        max_step = max(map(_POINT_STEP, points)) if points else -1
+        version, magic = _VERSION, _WINDOW_MAGIC
     if metrics:
         max_step = max(max_step, max(map(_STEP, metrics)))
     runs: dict[RunInfo, int] = {run: 0}
@@ -195,10 +219,10 @@ def encode_window(
     s = [(i, *_span_columns(rows)) for i, rows in _by_run(run, spans, runs)] if spans else ()
     if logs:
         g = [(i, list(map(_LOG, rows))) for i, rows in _by_run(run, logs, runs)]
-        payload = _packb((_VERSION, list(map(_RUN, runs)), points, m, h, s, g))
+        payload = _packb((version, list(map(_RUN, runs)), points, m, h, s, g))
     else:  # the message every version since 4 reads
-        payload = _packb((_VERSION, list(map(_RUN, runs)), points, m, h, s))
-    return _WINDOW_MAGIC + payload, max_step
+        payload = _packb((version, list(map(_RUN, runs)), points, m, h, s))
+    return magic + payload, max_step
 
 
 def _by_run(run: RunInfo, rows: Sequence[Any], runs: dict[RunInfo, int]) -> list[tuple[int, Sequence[Any]]]:
@@ -274,23 +298,42 @@ def with_rows(payload: bytes, add: Callable[[RunInfo, Sequence[tuple[str, int, f
     Raises:
         ValueError: `payload` is not a window of this version, or is corrupt.
     """
-    if not payload.startswith(_WINDOW_MAGIC):
+    version = _window_version(payload)
+    if version is None:
         raise ValueError("not an otel-train window (unknown leading bytes)")
-    message = list(_checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), (6, 7), "window"))
+    message = list(_checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), (6, 7), "window", version))
     try:
-        run, points = RunInfo(*message[1][0]), message[2]
-    except (TypeError, IndexError) as err:
+        run = RunInfo(*message[1][0])
+        points = _ungrouped(message[2]) if version == _GROUPED_VERSION else message[2]
+    except (TypeError, IndexError, ValueError, AttributeError) as err:
         raise ValueError(f"a corrupt window ({type(err).__name__}: {err})") from None
     more, spans = add(run, points)
     if more:
-        message[2] = (*points, *more)
+        message[2] = (*message[2], *(_grouped(more) if version == _GROUPED_VERSION else more))
     if spans:
         message[5] = (*message[5], (0, *_span_columns(spans)))
     try:
-        window = _rows(*message[1:])
+        window = _rows(*message)
     except (TypeError, ValueError, IndexError, AttributeError) as err:
         raise ValueError(f"a corrupt window ({type(err).__name__}: {err})") from None
-    return _WINDOW_MAGIC + _packb(tuple(message)), window
+    return _MAGIC_OF[version] + _packb(tuple(message)), window
+
+
+def _window_version(payload: bytes) -> int | None:
+    """The format of a window's payload (4, or 5: its points grouped), by its leading bytes; None: no window."""
+    if payload.startswith(_WINDOW_MAGIC):
+        return _VERSION
+    return _GROUPED_VERSION if payload.startswith(_GROUPED_MAGIC) else None
+
+
+def _ungrouped(groups: Sequence[tuple[int, int, Mapping[str, float]]]) -> list[tuple[str, int, float, int]]:
+    """Grouped points as ``(tag, step, value, time)`` points, in order."""
+    return [(tag, step, value, t) for step, t, values in groups for tag, value in values.items()]
+
+
+def _grouped(points: Sequence[tuple[str, int, float, int]]) -> list[tuple[int, int, dict[str, float]]]:
+    """Points as groups of one point each (added to a grouped window), in order."""
+    return [(step, t, {tag: value}) for tag, step, value, t in points]
 
 
 def encode_resume(run: RunInfo, step: int, cut_after: int) -> bytes:
@@ -336,16 +379,18 @@ def decode_window(payload: bytes) -> Window:
             return Resume(RunInfo(*message[1]), int(message[2]), int(message[3]))
         except (TypeError, ValueError) as err:
             raise ValueError(f"a corrupt resume ({type(err).__name__}: {err})") from None
-    if not payload.startswith(_WINDOW_MAGIC):
+    version = _window_version(payload)
+    if version is None:
         if payload.startswith(_PICKLE):
             raise ValueError(f"a window {_OLD}")
         if payload.startswith(_OTHER_WINDOW) and len(payload) > len(_OTHER_WINDOW):
             raise ValueError(f"a window of encoding version {payload[len(_OTHER_WINDOW)]}, which this version "
-                             f"({_VERSION}) does not read: deliver it with the otel-train version that wrote it")
+                             f"({_VERSION} and {_GROUPED_VERSION}) does not read: deliver it with the otel-train "
+                             "version that wrote it")
         raise ValueError("not an otel-train window (unknown leading bytes)")
-    message = _checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), (6, 7), "window")
+    message = _checked(_unpack_body(payload[len(_WINDOW_MAGIC):]), (6, 7), "window", version)
     try:
-        return _rows(*message[1:])
+        return _rows(*message)
     except (TypeError, ValueError, IndexError, AttributeError) as err:  # the right framing, the wrong shapes
         raise ValueError(f"a corrupt window ({type(err).__name__}: {err})") from None
 
@@ -357,10 +402,14 @@ def _unpack_body(body: bytes) -> Any:
         raise ValueError(f"a corrupt payload ({type(err).__name__}: {err})") from None
 
 
-def _rows(run_table: Any, points: Any, metrics: Any, hists: Any, spans: Any, logs: Any = ()) -> Window:
+def _rows(version: int, run_table: Any, points: Any, metrics: Any, hists: Any, spans: Any, logs: Any = ()) -> Window:
     runs = [RunInfo(*fields) for fields in run_table]
     run = runs[0]
-    rows = [MetricRow(run, step, tag, tag, value, "gauge", t) for tag, step, value, t in points]
+    if version == _GROUPED_VERSION:
+        rows = [MetricRow(run, step, tag, tag, value, "gauge", t) for step, t, values in points
+                for tag, value in values.items()]
+    else:
+        rows = [MetricRow(run, step, tag, tag, value, "gauge", t) for tag, step, value, t in points]
     for i, group in metrics:
         rows.extend(starmap(partial(MetricRow, runs[i]), group))
     histograms: list[HistogramRow] = []
@@ -383,8 +432,9 @@ def _rows(run_table: Any, points: Any, metrics: Any, hists: Any, spans: Any, log
     return Window(rows, histograms, span_rows, log_rows)
 
 
-def _checked(message: Any, sizes: tuple[int, ...], what: str) -> tuple[Any, ...]:
-    if not isinstance(message, tuple) or len(message) not in sizes or message[0] != _VERSION:
-        version = message[0] if isinstance(message, tuple) and message else "?"
-        raise ValueError(f"{what} encoding version {version} is not {_VERSION}")
+def _checked(message: Any, sizes: tuple[int, ...], what: str, version: int = _VERSION) -> tuple[Any, ...]:
+    """`message`, checked to be a tuple of one of `sizes` elements whose first is `version` (its leading bytes')."""
+    if not isinstance(message, tuple) or len(message) not in sizes or message[0] != version:
+        found = message[0] if isinstance(message, tuple) and message else "?"
+        raise ValueError(f"{what} encoding version {found} is not {version}")
     return message
