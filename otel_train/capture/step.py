@@ -182,11 +182,13 @@ class StepEnd:
             >>> StepEnd(3, 0.5, 10.0, 4, 64).items()[-1]
             ('train.throughput', 128.0)
         """
-        out = [(semconv.TRAIN_STEP_DURATION, self.duration_s), (semconv.TRAIN_TIME_TOTAL, self.time_total_s),
-               (semconv.TRAIN_ITERATIONS, float(self.iterations))]
-        if self.samples is not None and self.duration_s > 0:
-            out.append((semconv.TRAIN_THROUGHPUT, self.samples / self.duration_s))
-        return out
+        return list(_step_gauges(self.duration_s, self.time_total_s, self.iterations, self.samples).items())
+
+    @staticmethod
+    def gauges_from_times(times: tuple[int, int, int, int | None]) -> dict[str, float]:
+        """`from_times(..., times).items()` as a dict, without building the `StepEnd` (the collector's usual path)."""
+        start_ns, end_ns, iterations, samples = times
+        return _step_gauges((end_ns - start_ns) / 1e9, (end_ns - _state.started_ns) / 1e9, iterations, samples)
 
 
     @classmethod
@@ -194,6 +196,14 @@ class StepEnd:
         """The StepEnd of a step-end hook's ``(start_ns, end_ns, iterations, samples)`` (off the training thread)."""
         start_ns, end_ns, iterations, samples = times
         return cls(step, (end_ns - start_ns) / 1e9, (end_ns - _state.started_ns) / 1e9, iterations, samples)
+
+
+def _step_gauges(duration_s: float, time_total_s: float, iterations: int, samples: int | None) -> dict[str, float]:
+    out = {semconv.TRAIN_STEP_DURATION: duration_s, semconv.TRAIN_TIME_TOTAL: time_total_s,
+           semconv.TRAIN_ITERATIONS: float(iterations)}
+    if samples is not None and duration_s > 0:
+        out[semconv.TRAIN_THROUGHPUT] = samples / duration_s
+    return out
 
 
 StepEndListener = Callable[[StepEnd], None]

@@ -148,6 +148,9 @@ class WindowBuilder:
             if type(mapping) is not dict:
                 if type(mapping) is tuple:  # a step end's numbers, from `step_end_hook`; its time from `end_ns`
                     t = mapping[1] + self._wall_offset_ns
+                    if grouped and 0 <= step <= MAX_STEP:  # its gauges' names are valid and its values floats
+                        append((step, t, StepEnd.gauges_from_times(mapping)))
+                        continue
                     mapping = StepEnd.from_times(step, mapping)
                 elif type(mapping) is AttributedValues:
                     self._attributed_rows(run, step, mapping, t, attributed)
