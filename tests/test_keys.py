@@ -22,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 sys.path.insert(0, str(Path(__file__).parent / "sink"))
 
-from backendkit import isolated_backends_env, read_run, row
+from backendkit import isolated_backends_env, read_run, row, wait_for_delivery
 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
 from otel_train.vocab.names import KEY_DESCRIPTION_PREFIX, key_from_description, otlp_name
@@ -66,12 +66,14 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory, mlflow_store_template: Pat
     with pytest.MonkeyPatch.context() as mp:
         isolated_backends_env(mp, root)
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_TRAIN_DRAIN_TIMEOUT_S"] = "300"  # a shutdown that runs out of time on a loaded machine: below
     script = root / "log_keys.py"
     script.write_text(SCRIPT.format(keys=KEYS, steps=STEPS, child=CHILD_KEY))
     done = subprocess.run([sys.executable, str(script), str(root / "runs")], env=env, capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped" not in done.stderr and "not a valid" not in done.stderr, done.stderr[-3000:]
+    wait_for_delivery(done.stderr)  # MLflow's client can still be starting when shutdown's time runs out
     return root / "runs"
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backendkit import isolated_backends_env, wandb_files, wandb_records
+from backendkit import isolated_backends_env, wait_for_delivery, wandb_files, wandb_records
 from selected import selected
 
 # Real processes, each under a 300 s limit of its own: twice the suite's default per test.
@@ -116,23 +115,8 @@ def run_driver(out: Path, exporters: str, sig: str | None, mode: str, env: dict[
     assert "Traceback" not in stderr, stderr[-3000:]
     # Shutdown's time can run out on a loaded machine (seven backends' clients start in each of five cases at
     # once): the exporter process then delivers the rest on its own, marks included. Read the backends once it is done.
-    behind = re.search(r"the exporter process \(pid (\d+)\) keeps delivering", stderr)
-    if behind:
-        _wait_gone(int(behind.group(1)), timeout_s=300)
+    wait_for_delivery(stderr)
     return code, stderr[-3000:]
-
-
-def _wait_gone(pid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":  # ended, not reaped
-                return
-        except (ProcessLookupError, FileNotFoundError):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"the exporter process {pid} still delivers after {timeout_s} s")
 
 
 def marks(ran: Ran) -> dict[str, Any]:

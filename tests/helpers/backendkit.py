@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +147,23 @@ def history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     from mlflow.tracking import MlflowClient
 
     return sorted((m.step, m.value) for m in MlflowClient(uri).get_metric_history(run_id, key))
+
+
+def wait_for_delivery(stderr: str, timeout_s: float = 300.0) -> None:
+    """Where a job's shutdown ran out of time (a loaded machine: a heavy backend's client still starting), wait until
+    the exporter process its last lines name ("the exporter process (pid N) keeps delivering") has delivered the
+    rest and exited, so that a test reads every backend's store whole. Give the job a long
+    `OTEL_TRAIN_DRAIN_TIMEOUT_S`."""
+    behind = re.search(r"the exporter process \(pid (\d+)\) keeps delivering", stderr)
+    if behind is None:
+        return
+    pid, deadline = int(behind.group(1)), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":  # ended, not reaped
+                return
+        except (ProcessLookupError, FileNotFoundError):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the exporter process {pid} still delivers after {timeout_s} s")
