@@ -67,7 +67,7 @@ def test_log_never_raises_and_writes_the_documented_rows(tmp_path: Path, mapping
     with memory._rows_lock:
         memory.metrics.clear()
     ot.log(mapping, step=step)  # must not raise, whatever the mapping holds
-    assert ot.flush(10.0)
+    assert ot.flush(60.0)  # generous: on a loaded 2-core machine a collection can wait seconds for the CPU
     got = {r.tag: r.value for r in memory.metrics if r.step == step and not r.tag.startswith("train.")}
     # any non-empty key, as its series name (a key holding `{` is escaped: `series_tag`)
     want = {series_tag(k, None): documented(v) for k, v in mapping.items() if k and documented(v) is not None}
