@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from _mlp_loop import MlpLoop
+
 
 def _timed(owner: Any, name: str, label: str, spent: collections.Counter[str]) -> None:
     """Replace `owner.name` by itself adding the calling thread's CPU time to `spent[label]`."""
@@ -45,8 +47,6 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("OTEL_TRAIN_QUIET", "1")
 
-    import torch
-
     import otel_train as ot
     from otel_train.capture.instrument import SpanBuffer
     from otel_train.collect import reader, window_builder
@@ -63,28 +63,12 @@ def main() -> int:
     _timed(SpanBuffer, "drain", "draining the span buffer", spent)
     _timed(HangWatchdog, "take_spans", "the hang watchdog's span samples", spent)
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 96), torch.nn.ReLU(), torch.nn.Linear(96, 96), torch.nn.ReLU(),
-                                torch.nn.Linear(96, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
+    loop = MlpLoop()
     with tempfile.TemporaryDirectory() as tmp:
         ot.init(dir=tmp, run_name="collector-parts")
         for step in range(args.steps):
             with ot.step(step):
-                with ot.span("data"):
-                    xb = x + 0.0
-                with ot.span("forward"):
-                    loss = torch.nn.functional.cross_entropy(model(xb), y)
-                with ot.span("backward"):
-                    opt.zero_grad()
-                    loss.backward()
-                with ot.span("optimizer"):
-                    opt.step()
-                values: dict[str, Any] = {f"train/m{k:02d}": step + k / 32 for k in range(19)}
-                values["train/loss"] = loss.detach()
-                ot.log(values)
+                loop.body(step, ot.span, ot.log)
         ot.shutdown()
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps, default backends; "
           "the collector thread's CPU\n")

@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any
 
+from _mlp_loop import MlpLoop
+
 SETUPS: dict[str, tuple[str, frozenset[str]]] = {  # label -> (session, parts of the loop)
     "disabled": ("disabled", frozenset({"step", "log", "spans"})),
     "step": ("none", frozenset({"step"})),
@@ -53,16 +55,9 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("OTEL_TRAIN_QUIET", "1")
 
-    import torch
-
     import otel_train as ot
 
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 96), torch.nn.ReLU(), torch.nn.Linear(96, 96), torch.nn.ReLU(),
-                                torch.nn.Linear(96, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
+    loop = MlpLoop()
     no_scope = _NoScope()
     parts: frozenset[str] = frozenset()
 
@@ -74,19 +69,7 @@ def main() -> int:
         return ot.span(name)
 
     def body(step: int) -> None:
-        with scope("data"):
-            xb = x + 0.0
-        with scope("forward"):
-            loss = torch.nn.functional.cross_entropy(model(xb), y)
-        with scope("backward"):
-            opt.zero_grad()
-            loss.backward()
-        with scope("optimizer"):
-            opt.step()
-        values: dict[str, Any] = {f"train/m{k:02d}": step + k / 32 for k in range(19)}
-        values["train/loss"] = loss.detach()
-        if "log" in parts:
-            ot.log(values)
+        loop.body(step, scope, ot.log if "log" in parts else None)
 
     def one_step(step: int) -> None:
         if "step" in parts:
