@@ -180,6 +180,7 @@ class WindowBuilder:
                 else:  # tensors, ints, new or bad keys: converted together below, order kept
                     slow.append((len(out), key, step, value, t))
                     append(None)
+        extra: dict[int, list[tuple[int, int, dict[str, float]]]] = {}  # by id of a group's dict: groups after it
         if slow:
             floats = to_floats([s[3] for s in slow])
             for (at, key, step, raw, t), value in zip(slow, floats):
@@ -188,11 +189,15 @@ class WindowBuilder:
                 if self._usable(key, raw, value) and value is not None:
                     if "{" in key:  # its tag is escaped (`series_tag`): a row, so the key stays its name
                         attributed.append(MetricRow(run, step, key, series_tag(key, None), value, "gauge", t))
+                    elif grouped and key in at:  # two keys `valid_text` made one: both kept, as two points were
+                        extra.setdefault(id(at), []).append((step, t, {key: value}))
                     elif grouped:
                         at[key] = value
                     else:
                         out[at] = (key, step, value, t)
         if grouped:
+            if extra:
+                out = [g for group in out for g in (group, *extra.get(id(group[2]), ()))]
             return [g for g in out if g[2]]
         return [p for p in out if p is not None] if slow else out
 
