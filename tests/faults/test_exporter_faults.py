@@ -47,8 +47,11 @@ def run_loop(steps: int) -> None:
                          ids=["raises", "hangs", "slow"])
 def test_a_failing_backend_never_costs_the_others_or_the_loop(tmp_path: Path, make: object) -> None:
     bad = make()  # type: ignore[operator]
-    ot.init(exporters=["jsonl", bad], dir=tmp_path, run_id="f", run_name="f", shutdown_timeout_s=1.0)
+    session = ot.init(exporters=["jsonl", bad], dir=tmp_path, run_id="f", run_name="f", shutdown_timeout_s=1.0)
     run_loop(30)
+    # On a loaded machine the exporter process (JSONL's) may start or deliver after 1 s: what is tested here is the
+    # bad in-process backend, so wait for that process to be up before, and done delivering after, the shutdown.
+    session.export_process.progress(timeout_s=120)
     done = threading.Event()
 
     def close() -> None:
@@ -59,6 +62,7 @@ def test_a_failing_backend_never_costs_the_others_or_the_loop(tmp_path: Path, ma
     closer.start()
     closer.join(60)
     assert done.is_set(), "shutdown hung on a backend that never returns"
+    session.export_process._proc.wait(300)
     # The healthy backend has every step, exactly once, whatever the other one did.
     points = jsonl_points(tmp_path, "f")
     assert sorted(points) == sorted(expected(range(30)))
