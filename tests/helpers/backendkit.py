@@ -155,9 +155,13 @@ def wait_for_delivery(stderr: str, timeout_s: float = 300.0) -> None:
     rest and exited, so that a test reads every backend's store whole. Give the job a long
     `OTEL_TRAIN_DRAIN_TIMEOUT_S`."""
     behind = re.search(r"the exporter process \(pid (\d+)\) keeps delivering", stderr)
-    if behind is None:
-        return
-    pid, deadline = int(behind.group(1)), time.monotonic() + timeout_s
+    if behind is not None:
+        wait_exited(int(behind.group(1)), timeout_s)
+
+
+def wait_exited(pid: int, timeout_s: float = 300.0) -> None:
+    """Wait until the exporter process `pid` has delivered what it holds and exited (ended, reaped or not)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
