@@ -50,6 +50,14 @@ SCRIPT = textwrap.dedent(f"""
 """)
 
 
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    # `shutdown()` returns once W&B holds every step: on a loaded machine the exporter process may still be starting
+    # W&B's service at the default 10 s, and the `.wandb` file (and the "not written" count) would come later.
+    env["OTEL_TRAIN_SHUTDOWN_TIMEOUT_S"] = "120"
+    return env
+
+
 def _wandb_items(directory: Path) -> list[tuple[int, str, float]]:
     out = []
     for path in wandb_files(directory, "wk", "wk"):
@@ -65,7 +73,7 @@ def test_every_worker_value_reaches_wandb_once_at_its_step(tmp_path: Path, backe
     script.write_text(SCRIPT)
     directory = tmp_path / "runs"
     out = subprocess.run([sys.executable, str(script), str(directory)], capture_output=True, text=True, check=False,
-                         timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+                         timeout=300, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     reference = [(r["step"], r["tag"], r["value"]) for r in read_jsonl(jsonl_path(directory, "wk", 0))
                  if r["type"] == "metric" and r["tag"].startswith("data/item")]
@@ -113,7 +121,7 @@ def test_rows_of_steps_a_worker_logged_ahead_all_land(tmp_path: Path, backend_ho
     script.write_text(AHEAD)
     directory = tmp_path / "runs"
     out = subprocess.run([sys.executable, str(script), str(directory)], capture_output=True, text=True, check=False,
-                         timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+                         timeout=300, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     points = [p for path in wandb_files(directory, "wk", "wk") for p in readback.wandb(path)]
     loss = sorted((p.step, p.value) for p in points if p.name == "train/loss")
