@@ -71,7 +71,7 @@ def test_two_heavy_backends_run_in_processes_of_their_own_and_each_holds_every_s
     session = ot.init(exporters=["jsonl", "wandb", "trackio"], dir=directory, run_name="hosted",
                       shutdown_timeout_s=120)
     _train(range(STEPS))
-    exporter_pid = session.export_process._proc.pid
+    exporter_pid = session.export_process.pid
     ot.shutdown()
     (host,) = _pids(out)  # imported once, in neither the training nor the exporter process
     assert host not in (os.getpid(), exporter_pid)
@@ -89,7 +89,7 @@ def test_with_backend_processes_off_they_run_in_the_exporter_process(
     session = ot.init(exporters=["wandb", "trackio"], dir=tmp_path / "runs", run_name="inside",
                       shutdown_timeout_s=120)
     _train(range(STEPS))
-    exporter_pid = session.export_process._proc.pid
+    exporter_pid = session.export_process.pid
     ot.shutdown()
     assert _pids(out) == [exporter_pid]
     assert _wandb_steps(out) == list(range(STEPS))

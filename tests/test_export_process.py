@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import pytest
 from backendkit import events as clearml_events
-from backendkit import isolated_wandb_env, read_run, tb_scalars, wandb_files
+from backendkit import isolated_wandb_env, read_run, tb_scalars, wait_exited, wandb_files
 from fake_wandb import fake_wandb_env
 from selected import selected
 
@@ -75,17 +75,6 @@ def _start(root: Path, cfg: dict[str, Any], env: dict[str, str]) -> subprocess.P
     script.write_text(TRAIN)
     return subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def _wait_gone(pid: int, within_s: float) -> bool:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def _jsonl_steps(directory: Path, run: str, tag: str = "train/loss") -> list[int]:
@@ -324,7 +313,7 @@ def test_sigterm_hands_off_within_the_timeout_with_a_hanging_backend(tmp_path: P
     assert proc.returncode == -signal.SIGTERM
     assert "shutdown timed out; data is durable in the spool; `wandb` behind by" in err
     assert handed_off_s < 1 + 3  # the shutdown timeout, plus the interpreter's own exit
-    assert _wait_gone(child, 2 + 10)  # the child never outlives its drain deadline
+    wait_exited(child, 2 + 10)  # the child never outlives its drain deadline
     assert _jsonl_steps(directory, run) == list(range(20))
     # What W&B never got waits in the spool; `otel-train replay` delivers it once, a second replay nothing.
     replay_env = _env(tmp_path, **fake_wandb_env(tmp_path, "record"))
@@ -397,7 +386,7 @@ def test_kill_9_of_the_training_process_loses_nothing_the_child_received(tmp_pat
             flushed = int(proc.stdout.readline().split()[1])
         proc.kill()
         proc.wait(timeout=30)
-        assert _wait_gone(child, 60)  # the child drained what it had and exited on its own
+        wait_exited(child, 60)  # the child drained what it had and exited on its own
         got = _jsonl_steps(Path(cfg["dir"]), cfg["run"])
         # Every flushed step (and whatever else reached the child), in order, each exactly once.
         assert got == list(range(len(got))) and len(got) > flushed
@@ -417,7 +406,7 @@ def test_ctrl_c_to_the_job_does_not_reach_the_exporter_process(tmp_path: Path) -
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert "KeyboardInterrupt" in err  # the training process got it; the exporter process did not die of it
-    assert _wait_gone(child, 30)
+    wait_exited(child, 30)
     assert _jsonl_steps(directory, run) == list(range(15))
 
 
@@ -477,7 +466,8 @@ def test_replay_says_what_is_left_and_gives_up_on_a_backend_that_always_fails(tm
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]
         children.append(int(out.split()[1]))
-    assert all(_wait_gone(child, 30) for child in children)
+    for child in children:
+        wait_exited(child, 30)
     replay_env = _env(tmp_path, **fake_wandb_env(tmp_path, "fail"))
     done = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(directory / run), "--stall", "2",
                            "--report-every", "0.5"], env=replay_env, capture_output=True, text=True, timeout=300,

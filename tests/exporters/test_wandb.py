@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 
 import backendkit
 import pytest
-from backendkit import isolated_wandb_env, read_run, two_ranks, wandb_files
+from backendkit import isolated_wandb_env, read_run, two_ranks, wait_exited, wandb_files
 
 from otel_train.config.exporter_options import ExporterOptions
 from otel_train.exporters.base import Window
@@ -299,10 +298,7 @@ def test_replay_twice_after_wandb_failed_writes_every_rank_step_once(tmp_path: P
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
         exporter = int(out.split()[0])
-        for _ in range(600):  # its exporter process drains a moment longer; replay waits for it to be gone
-            if not Path(f"/proc/{exporter}").exists() or "Z" in Path(f"/proc/{exporter}/stat").read_text().split()[2]:
-                break
-            time.sleep(0.05)
+        wait_exited(exporter, 60)  # its exporter process drains a moment longer; replay waits for it to be gone
     assert not any(wandb_files(runs, "rp", wid) for wid in ("rp", "rp-rank1"))  # W&B held nothing yet
 
     def held() -> list[tuple[str, int, float]]:

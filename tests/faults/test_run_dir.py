@@ -12,11 +12,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from backendkit import alive, wait_exited
 from fake_wandb import fake_wandb_env
 
 from otel_train.exporters.jsonl import jsonl_path, read_jsonl
@@ -54,22 +54,6 @@ def _seed(root: Path, name: str, cfg: dict[str, Any], env: dict[str, str]) -> su
     cfg = {"ready": str(root / f"{name}.ready"), "all_ready": [str(root / f"{name}.ready")], "start": 0, **cfg}
     return subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` still runs (an exited process its new parent has not reaped yet counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _wait_gone(pid: int, within_s: float) -> bool:
-    end = time.monotonic() + within_s
-    while _alive(pid) and time.monotonic() < end:
-        time.sleep(0.05)
-    return not _alive(pid)
 
 
 def _jsonl(directory: Path, run: str, rank: int = 0, name: str = "loss") -> list[tuple[int, float]]:
@@ -123,14 +107,14 @@ def test_elastic_restart_waits_for_the_draining_exporter_process_then_continues_
     out, err = first.communicate(timeout=120)
     assert first.returncode == 0, err[-3000:]
     draining = int(out.split("CHILD ", 1)[1].split()[0])
-    assert _alive(draining)
+    assert alive(draining)
     # Attempt 2 (torchrun restarted the job): same run id, W&B healthy now, steps 20..39.
     second = _seed(tmp_path, "a2", {**base, "start": 20}, _env(tmp_path, **fake_wandb_env(tmp_path, "record")))
     out, err = second.communicate(timeout=120)
     assert second.returncode == 0, err[-3000:]
     assert "still drains" in err and "waiting up to" in err, err[-3000:]
     assert out.split("RUN ", 1)[1].split()[0] == "el"  # the same run, continued, not a mix and not a new run
-    assert not _alive(draining)
+    assert not alive(draining)
     want = [(step, float(step)) for step in range(40)]
     assert _jsonl(directory, "el") == want
     # What attempt 1's W&B never got was left in the spool; attempt 2's exporter process delivered it once.
@@ -154,8 +138,8 @@ def test_captured_output_ends_when_the_training_process_exits(tmp_path: Path) ->
     assert "shutdown timed out; data is durable in the spool" in done.stderr
     child = int(done.stdout.split("CHILD ", 1)[1].split()[0])
     # ... and `capture_output` did not wait for the draining exporter process: it still runs.
-    assert _alive(child)
-    assert _wait_gone(child, 60)
+    assert alive(child)
+    wait_exited(child, 60)
     log = (spool_dir(directory, "tee", 0) / "exporter.log").read_text()
     assert "drain deadline reached" in log and "`wandb` behind by" in log, log
     assert _jsonl(directory, "tee") == [(step, float(step)) for step in range(10)]
@@ -318,7 +302,7 @@ def test_a_deleted_run_folder_keeps_the_windows_a_backend_still_needs_in_a_spool
     said = [line for line in done.stderr.splitlines() if "spool folder" in line and "was deleted" in line]
     assert len(said) == 1 and str(spool_dir(out, "behind", 0)) in said[0], done.stderr[-3000:]
     child = int(done.stderr.split("exporter process (pid ", 1)[1].split(")", 1)[0])
-    assert _wait_gone(child, 60)  # drained 2 s, W&B still hanging: the rest waits in the spool
+    wait_exited(child, 60)  # drained 2 s, W&B still hanging: the rest waits in the spool
     assert "`wandb` behind by" in (spool_dir(out, "behind", 0) / "exporter.log").read_text()  # its log, again there
     replay = subprocess.run([sys.executable, "-m", "otel_train.cli", "replay", str(out / "behind")],
                             env=_env(tmp_path, **fake_wandb_env(tmp_path, "record")), capture_output=True,

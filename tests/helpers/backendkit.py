@@ -159,15 +159,19 @@ def wait_for_delivery(stderr: str, timeout_s: float = 300.0) -> None:
         wait_exited(int(behind.group(1)), timeout_s)
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (one that ended but is not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def wait_exited(pid: int, timeout_s: float = 300.0) -> None:
     """Wait until the exporter process `pid` has delivered what it holds and exited (ended, reaped or not)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":  # ended, not reaped
-                return
-        except (ProcessLookupError, FileNotFoundError):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"the exporter process {pid} still delivers after {timeout_s} s")
+    while alive(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the exporter process {pid} still delivers after {timeout_s} s")
+        time.sleep(0.1)
