@@ -279,13 +279,16 @@ DELETED_BEHIND = textwrap.dedent("""
     import os, shutil, sys, time
     import otel_train as ot
     out = sys.argv[1]
-    ot.init(exporters=["wandb", "jsonl"], dir=out, run_id="behind", run_name="behind", export_interval_s=0.02,
-            shutdown_timeout_s=1)
+    session = ot.init(exporters=["wandb", "jsonl"], dir=out, run_id="behind", run_name="behind",
+                      export_interval_s=0.02, shutdown_timeout_s=1)
     for s in ot.steps(range(40)):
         ot.log({"train/loss": float(s)})
         time.sleep(0.005)
         if s == 19:
-            ot.flush(timeout_s=1)  # JSONL has steps 0-19; W&B hangs in its first write
+            ot.flush(timeout_s=0.1)  # hands steps 0-19 over; W&B hangs in its first write
+            deadline = time.monotonic() + 120  # a loaded machine may still be starting the exporter process
+            while session.export_progress().delivered_step.get("jsonl", -1) < 19 and time.monotonic() < deadline:
+                time.sleep(0.02)  # until JSONL holds steps 0-19
             shutil.rmtree(os.path.join(out, "behind"))
     ot.shutdown()
 """)
