@@ -8,6 +8,7 @@ ratios of wall time per step. `init` (child start included) and `shutdown` are t
     python bench/real_loop.py               # 3 repetitions, pinned and unpinned (~10 min on 2 cores)
     python bench/real_loop.py --reps 1 --modes pinned
     python bench/real_loop.py --step 1ms --modes pinned --configs 0,2   # the ~0.6 ms step (256-96-96-10)
+    python bench/real_loop.py --step 1ms --modes pinned --configs 0,6,7 # beside TensorBoard's and W&B's own loggers
 
 Pinned: the loop runs under `taskset -c 0` and `OTEL_TRAIN_EXPORT_CPUS=1` (as on a node where the loop
 has its own cores and logging runs on housekeeping cores). Unpinned: both share every core. Each run starts once
@@ -38,6 +39,10 @@ CONFIGS = {  # label -> extra environment
     # `otlp` to an `otel-train sink` (TensorBoard) that this script runs on loopback gRPC, in its own process.
     "otlp -> sink": {"OTEL_TRAIN_EXPORTERS": "otlp"},
     "otlp -> sink, EXPORT_PROCESS=off": {"OTEL_TRAIN_EXPORTERS": "otlp", "OTEL_TRAIN_EXPORT_PROCESS": "off"},
+    # Peers called by hand in the same loop, otel-train disabled: the same 20 values a step (the loss a tensor, as
+    # their docs pass it), no spans (neither has one). What the loop costs with the logger a user would otherwise use.
+    "peer: torch SummaryWriter, 20 add_scalar": {"BENCH_PEER": "tensorboard", "OTEL_TRAIN_DISABLED": "1"},
+    "peer: W&B offline, wandb.log": {"BENCH_PEER": "wandb", "OTEL_TRAIN_DISABLED": "1"},
 }
 
 #: The MLP's hidden width per step size (batch 128, one thread).
@@ -72,6 +77,22 @@ LOOP = textwrap.dedent("""
     x, y = torch.randn(128, 256), torch.randint(0, 10, (128,))
     t_init = time.perf_counter()
     session = ot.init()
+    peer, peer_log, peer_close = os.environ.get("BENCH_PEER"), None, None
+    if peer == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(os.environ["OTEL_TRAIN_DIR"])
+        def peer_log(values, step):
+            for key, value in values.items():
+                writer.add_scalar(key, value, step)
+        peer_close = writer.close
+    elif peer == "wandb":
+        import wandb
+        os.makedirs(os.environ["OTEL_TRAIN_DIR"], exist_ok=True)
+        run = wandb.init(project="real-loop", dir=os.environ["OTEL_TRAIN_DIR"], mode="offline",
+                         settings=wandb.Settings(console="off"))
+        def peer_log(values, step):
+            run.log(values, step=step)
+        peer_close = run.finish
     t_init = time.perf_counter() - t_init
     for i in range(20):  # warm-up, not timed
         opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
@@ -90,11 +111,15 @@ LOOP = textwrap.dedent("""
             values = {f"train/m{k:02d}": step + k / 32 for k in range(19)}
             values["train/loss"] = loss.detach()
             ot.log(values)
+            if peer_log is not None:
+                peer_log(values, step)
     loop, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = thread_cpu()
     per_thread = {k: (v - threads.get(k, 0.0)) / steps * 1e6 for k, v in after.items()}
     t_shut = time.perf_counter()
     ot.shutdown()
+    if peer_close is not None:
+        peer_close()
     t_shut = time.perf_counter() - t_shut
     child = getattr(getattr(session, "export_process", None), "start_s", None)
     export_pid = getattr(getattr(session, "export_process", None), "pid", None)
@@ -202,7 +227,8 @@ def main() -> int:
                     if sink is not None and CONFIGS[label].get("OTEL_TRAIN_EXPORTERS") == "otlp":
                         sink.flush(60)
                         directory = root / "sink-runs" / name
-                    on["landed"] = _landed(directory, args.steps)  # type: ignore[assignment]
+                    peer = CONFIGS[label].get("BENCH_PEER")  # W&B's offline files are not read back here
+                    on["landed"] = "-" if peer == "wandb" else _landed(directory, args.steps)  # type: ignore[assignment]
                     disabled.append(off["step_ms"])
                     disabled_cpu.append(off["cpu_ms"])
                     disabled_thread.append(off["training_thread_us"])
