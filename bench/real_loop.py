@@ -3,12 +3,15 @@
 A small torch MLP on the CPU (`torch.set_num_threads(1)`, batch 128), per step 4 `ot.span` and one
 `ot.log` of 20 values (the loss as a tensor), 600 steps. Each configuration runs in its own process,
 interleaved with the same loop under `OTEL_TRAIN_DISABLED=1`; the ratio is the median of the per-repetition
-ratios of wall time per step. `init` (child start included) and `shutdown` are timed apart from the loop.
+ratios of wall time per step, with their range. `init` (child start included) and `shutdown` are timed apart from
+the loop. The "disabled again" row runs the disabled loop against itself: its range is how far apart two runs of
+one process land on the machine at that time, below which no ratio means anything.
 
-    python bench/real_loop.py               # 3 repetitions, pinned and unpinned (~10 min on 2 cores)
+    python bench/real_loop.py               # 3 repetitions, pinned and unpinned (~15 min on 2 cores)
     python bench/real_loop.py --reps 1 --modes pinned
     python bench/real_loop.py --step 1ms --modes pinned --configs 0,2   # the ~0.6 ms step (256-96-96-10)
     python bench/real_loop.py --step 1ms --modes pinned --configs 0,6,7 # beside TensorBoard's and W&B's own loggers
+    python bench/real_loop.py --step 1ms --modes pinned --configs 8,0,9,10,11,12 --reps 7   # the loop's parts
 
 Pinned: the loop runs under `taskset -c 0` and `OTEL_TRAIN_EXPORT_CPUS=1` (as on a node where the loop
 has its own cores and logging runs on housekeeping cores). Unpinned: both share every core. Each run starts once
@@ -43,13 +46,24 @@ CONFIGS = {  # label -> extra environment
     # their docs pass it), no spans (neither has one). What the loop costs with the logger a user would otherwise use.
     "peer: torch SummaryWriter, 20 add_scalar": {"BENCH_PEER": "tensorboard", "OTEL_TRAIN_DISABLED": "1"},
     "peer: W&B offline, wandb.log": {"BENCH_PEER": "wandb", "OTEL_TRAIN_DISABLED": "1"},
+    # The disabled loop against itself: how far apart two runs of the same process land on this machine now. A
+    # ratio within that spread of 1.00 is noise, whatever its median.
+    "disabled again (noise control)": {"OTEL_TRAIN_DISABLED": "1"},
+    # Diagnostics, run only when named: default backends with parts of the loop's otel-train calls left out
+    # (the disabled loop they are compared with still makes its no-op calls, ~0.1-0.2 µs each).
+    "default, spans without their OTel context": {"BENCH_PARTS": "step,log,spans-no-context"},
+    "default, no spans": {"BENCH_PARTS": "step,log"},
+    "default, ot.step alone": {"BENCH_PARTS": "step"},
+    "default, a session and no call": {"BENCH_PARTS": ""},
 }
+#: What a plain run measures: every configuration above but the diagnostics.
+MAIN_CONFIGS = 9
 
 #: The MLP's hidden width per step size (batch 128, one thread).
 STEP_SIZES = {"4ms": 512, "1ms": 96}
 
 LOOP = textwrap.dedent("""
-    import json, os, sys, threading, time
+    import contextlib, json, os, sys, threading, time
 
     def thread_cpu():
         # CPU seconds per thread name (`/proc/self/task`, clock ticks): where the training core's time goes.
@@ -97,20 +111,29 @@ LOOP = textwrap.dedent("""
     for i in range(20):  # warm-up, not timed
         opt.zero_grad(); torch.nn.functional.cross_entropy(model(x), y).backward(); opt.step()
     threads, start, cpu = thread_cpu(), time.perf_counter(), time.process_time()
+    parts = set(os.environ.get("BENCH_PARTS", "step,log,spans").split(","))
+    null = contextlib.nullcontext()
+    if "spans" in parts:
+        span = ot.span
+    elif "spans-no-context" in parts:
+        span = lambda name: ot._scope(name, None, False)  # `ot.span` without the OTel context it sets
+    else:
+        span = lambda name: null
     for step in range(steps):
-        with ot.step(step):
-            with ot.span("data"):
+        with ot.step(step) if "step" in parts else null:
+            with span("data"):
                 xb = x + 0.0
-            with ot.span("forward"):
+            with span("forward"):
                 loss = torch.nn.functional.cross_entropy(model(xb), y)
-            with ot.span("backward"):
+            with span("backward"):
                 opt.zero_grad()
                 loss.backward()
-            with ot.span("optimizer"):
+            with span("optimizer"):
                 opt.step()
             values = {f"train/m{k:02d}": step + k / 32 for k in range(19)}
             values["train/loss"] = loss.detach()
-            ot.log(values)
+            if "log" in parts:
+                ot.log(values)
             if peer_log is not None:
                 peer_log(values, step)
     loop, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -156,6 +179,14 @@ def _wait_gone(pid: float | None, within_s: float = 300.0) -> None:
         time.sleep(0.1)
 
 
+def _writes_tensorboard(config: dict[str, str]) -> bool:
+    """Whether a run of `config` writes its 20 values a step to TensorBoard files (read back after it; W&B's
+    offline files are not)."""
+    if "BENCH_PEER" in config:
+        return config["BENCH_PEER"] == "tensorboard"
+    return "OTEL_TRAIN_DISABLED" not in config and "log" in config.get("BENCH_PARTS", "log").split(",")
+
+
 def _landed(directory: Path, steps: int) -> str:
     """Values of the last run read back from TensorBoard (20 per step expected)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -187,8 +218,9 @@ def main() -> int:
     parser.add_argument("--step", choices=list(STEP_SIZES), default="4ms",
                         help="the MLP's width: 4ms (256-512-512-10, the default) or 1ms (256-96-96-10, ~0.6 ms "
                              "steps on a 2-core VM: where the per-step cost around the loop shows)")
-    parser.add_argument("--configs", default=",".join(str(i) for i in range(len(CONFIGS))),
-                        help="indices into the config list (default: all)")
+    parser.add_argument("--configs", default=",".join(str(i) for i in range(MAIN_CONFIGS)),
+                        help=f"indices into the config list (default: 0-{MAIN_CONFIGS - 1}; the diagnostics "
+                             f"{MAIN_CONFIGS}-{len(CONFIGS) - 1} only when named)")
     args = parser.parse_args()
     _compile_otel_train()
     labels = [list(CONFIGS)[int(i)] for i in args.configs.split(",")]
@@ -227,8 +259,8 @@ def main() -> int:
                     if sink is not None and CONFIGS[label].get("OTEL_TRAIN_EXPORTERS") == "otlp":
                         sink.flush(60)
                         directory = root / "sink-runs" / name
-                    peer = CONFIGS[label].get("BENCH_PEER")  # W&B's offline files are not read back here
-                    on["landed"] = "-" if peer == "wandb" else _landed(directory, args.steps)  # type: ignore[assignment]
+                    landed = _landed(directory, args.steps) if _writes_tensorboard(CONFIGS[label]) else "-"
+                    on["landed"] = landed  # type: ignore[assignment]
                     disabled.append(off["step_ms"])
                     disabled_cpu.append(off["cpu_ms"])
                     disabled_thread.append(off["training_thread_us"])
@@ -237,7 +269,7 @@ def main() -> int:
             print(f"\n{mode}: disabled {statistics.median(disabled):.2f} ms/step, "
                   f"CPU {statistics.median(disabled_cpu):.2f} ms/step, training thread "
                   f"{statistics.median(disabled_thread):.0f} µs/step")
-            print("| exporters | ms/step | × disabled | training-process CPU ms/step | training thread / collector "
+            print("| exporters | ms/step | × disabled (range) | training-process CPU ms/step | training thread / collector "
                   "CPU µs/step | init s (child start s) | shutdown s | TensorBoard values |")
             print("|---|---|---|---|---|---|---|---|")
             for label in labels:
@@ -245,7 +277,7 @@ def main() -> int:
                 child = [r["child_start_s"] for r in rs if r["child_start_s"] is not None]
                 child_txt = f" ({statistics.median(child):.2f})" if child else ""
                 print(f"| {label} | {statistics.median(r['step_ms'] for r in rs):.2f} | "
-                      f"{statistics.median(ratios[label]):.2f} | {statistics.median(r['cpu_ms'] for r in rs):.2f} | "
+                      f"{statistics.median(ratios[label]):.2f} ({min(ratios[label]):.2f}-{max(ratios[label]):.2f}) | {statistics.median(r['cpu_ms'] for r in rs):.2f} | "
                       f"{statistics.median(r['training_thread_us'] for r in rs):.0f} / "
                       f"{statistics.median(r['collector_us'] for r in rs):.0f} | "
                       f"{statistics.median(r['init_s'] for r in rs):.2f}"
