@@ -269,15 +269,17 @@ def main() -> int:
             print(f"\n{mode}: disabled {statistics.median(disabled):.2f} ms/step, "
                   f"CPU {statistics.median(disabled_cpu):.2f} ms/step, training thread "
                   f"{statistics.median(disabled_thread):.0f} µs/step")
-            print("| exporters | ms/step | × disabled (range) | training-process CPU ms/step | training thread / collector "
-                  "CPU µs/step | init s (child start s) | shutdown s | TensorBoard values |")
+            print("| exporters | ms/step | × disabled (range) | training-process CPU ms/step | training thread / "
+                  "collector CPU µs/step | init s (child start s) | shutdown s | TensorBoard values |")
             print("|---|---|---|---|---|---|---|---|")
             for label in labels:
                 rs = results[label]
                 child = [r["child_start_s"] for r in rs if r["child_start_s"] is not None]
                 child_txt = f" ({statistics.median(child):.2f})" if child else ""
+                ratio = ratios[label]
                 print(f"| {label} | {statistics.median(r['step_ms'] for r in rs):.2f} | "
-                      f"{statistics.median(ratios[label]):.2f} ({min(ratios[label]):.2f}-{max(ratios[label]):.2f}) | {statistics.median(r['cpu_ms'] for r in rs):.2f} | "
+                      f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
+                      f"{statistics.median(r['cpu_ms'] for r in rs):.2f} | "
                       f"{statistics.median(r['training_thread_us'] for r in rs):.0f} / "
                       f"{statistics.median(r['collector_us'] for r in rs):.0f} | "
                       f"{statistics.median(r['init_s'] for r in rs):.2f}"
