@@ -287,8 +287,10 @@ DELETED_BEHIND = textwrap.dedent("""
         if s == 19:
             ot.flush(timeout_s=0.1)  # hands steps 0-19 over; W&B hangs in its first write
             deadline = time.monotonic() + 120  # a loaded machine may still be starting the exporter process
-            while session.export_progress().delivered_step.get("jsonl", -1) < 19 and time.monotonic() < deadline:
-                time.sleep(0.02)  # until JSONL holds steps 0-19
+            while session.export_progress().delivered_step.get("jsonl", -1) < 19:  # until JSONL holds steps 0-19
+                if time.monotonic() > deadline:
+                    sys.exit("JSONL did not hold steps 0-19 within 120 s")
+                time.sleep(0.02)
             shutil.rmtree(os.path.join(out, "behind"))
     ot.shutdown()
 """)
