@@ -16,8 +16,9 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import otel_train as ot
-from otel_train.capture.instrument import LogBuffer
+from otel_train.capture.instrument import LogBuffer, SpanRecord
 from otel_train.capture.step import StepEnd
+from otel_train.collect import reader as reader_module
 from otel_train.collect.reader import StepAlignedMetricReader
 from otel_train.testing import InMemoryRowExporter
 
@@ -108,6 +109,36 @@ def test_log_only_step_ends_wake_the_collector_at_most_every_0_1_s() -> None:
     assert len(wakes) == 5  # steps 0, 4, 8, 12, 16
     reader.force_flush()
     assert mem.values("loss") == [(i, float(i)) for i in range(20)]
+    provider.shutdown()
+
+
+def test_many_buffered_records_wake_the_collector_before_the_interval() -> None:
+    """A step end that finds `_WAKE_RECORDS` records and spans buffered, together, wakes the collector whatever the
+    time (they leave the process before the cycle collector moves them into its oldest generation); fewer wait for
+    the interval. Every value and span still lands at its step."""
+    mem = InMemoryRowExporter()
+    reader = StepAlignedMetricReader([mem], export_interval_s=3600)
+    provider = MeterProvider(metric_readers=[reader])
+    records = reader_module._WAKE_RECORDS // 8 + 1  # per step, as many spans: the fourth step reaches the count
+    woken_at: list[int] = []
+    step = 0
+
+    def collect_now() -> None:  # each wake collects at once, on this thread: the count starts again from 0
+        woken_at.append(step)
+        reader._collect_window()
+
+    wake = reader._wake.set
+    reader._wake.set = collect_now  # type: ignore[method-assign]
+    for step in range(9):
+        for k in range(records):
+            reader.log_buffer.append(step, {f"m{k}": float(step)})
+            reader.span_buffer.append(SpanRecord("work", 1, 1 + k, None, 0, 1, 1, "MainThread", step, None, None))
+        reader.on_step_end(StepEnd(step, 0.001, step * 0.001, step + 1, None))  # 9 ms in all: the interval never
+    assert woken_at == [0, 4, 8]
+    reader._wake.set = wake  # type: ignore[method-assign]
+    reader.force_flush()
+    assert all(mem.values(f"m{k}") == [(i, float(i)) for i in range(9)] for k in range(records))
+    assert sorted(s.step for s in mem.spans) == [i for i in range(9) for _ in range(records)]
     provider.shutdown()
 
 

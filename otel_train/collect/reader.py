@@ -37,7 +37,12 @@ from otel_train.vocab.run_identity import THREAD_ID, THREAD_NAME
 __all__ = ["SpanRowsElsewhere", "StepAlignedMetricReader", "ThreadSpanProcessor"]
 
 _logger = logging.getLogger(__name__)
-_WAKE_EVERY_S = 0.1  # step ends with only `ot.log` / spans to collect wake the collector at most this often
+_WAKE_EVERY_S = 0.1  # step ends with only `ot.log` / spans to collect wake the collector at most this often...
+#: ...or sooner, once this many records and spans wait in the buffers (fewer where a buffer holds less): drained
+#: before Python's cycle collector (its young generation: 700 allocations) moves many of them into its oldest
+#: generation. At a ~0.6 ms step the 0.1 s alone brought a full collection of the whole process (~0.15 s, torch
+#: imported) every ~20,000 steps and ~11 µs a step of cycle collection in all (bench/collector_gc.py).
+_WAKE_RECORDS = 400
 _SERIES_PER_STEP = 2000  # the SDK's default cardinality limit, per step of the window
 
 
@@ -159,7 +164,7 @@ class StepAlignedMetricReader(MetricReader):
         self._stamped_steps = 0  # distinct steps raw OTel points were stamped with since the last collection
         self._collector_ident = 0
         self._next_wake_s = 0.0
-        self._wake_records = max(1, min(self.log_buffer.maxlen, self.span_buffer.maxlen) // 4)
+        self._wake_records = max(1, min(_WAKE_RECORDS, self.log_buffer.maxlen // 4, self.span_buffer.maxlen // 4))
         self._log_items, self._span_items = self.log_buffer._items, self.span_buffer._items  # len() in C
         self._last_step: int | None = None
         self._backlog = False  # the buffers hold steps ended before this reader was built (`take_over`)
@@ -233,14 +238,15 @@ class StepAlignedMetricReader(MetricReader):
     def on_step_end(self, info: StepEnd) -> None:
         """Step-end listener (training thread): wake the collector every `export_every` steps, but only
         when a step must be collected now: an SDK instrument recorded since the last collection (its
-        points get the step they were recorded in), or `_WAKE_EVERY_S` passed, or a buffer is a
-        quarter full. `ot.log` records and spans carry their step, so batching them loses nothing,
-        and most step ends wake nobody (a woken collector competes with this thread for the GIL)."""
+        points get the step they were recorded in), or `_WAKE_EVERY_S` passed, or `_WAKE_RECORDS` records and
+        spans are buffered (a quarter of a smaller buffer). `ot.log` records and spans carry their step, so
+        batching them loses nothing, and most step ends wake nobody (a woken collector competes with this
+        thread for the GIL)."""
         self._last_step = info.step
         self._steps_since += 1
         if self._steps_since >= self.export_every and (
                 self._sdk_recorded or info.time_total_s >= self._next_wake_s
-                or len(self._log_items) >= self._wake_records or len(self._span_items) >= self._wake_records):
+                or len(self._log_items) + len(self._span_items) >= self._wake_records):
             self._steps_since = 0
             self._next_wake_s = info.time_total_s + _WAKE_EVERY_S
             self._wake.set()
@@ -267,7 +273,7 @@ class StepAlignedMetricReader(MetricReader):
             self._last_step = step
             since += 1
             if since >= every and (self._sdk_recorded or end_ns >= next_wake_ns
-                                   or len(log_items) >= records or len(span_items) >= records):
+                                   or len(log_items) + len(span_items) >= records):
                 since = 0
                 next_wake_ns = end_ns + wake_every_ns
                 wake()
