@@ -1,9 +1,12 @@
 """The ~0.6 ms step of `real_loop.py --step 1ms`, in this process: a 256-96-96-10 MLP on the CPU, one thread, batch
 128; per step 4 timing regions (``data``, ``forward``, ``backward``, ``optimizer``) and 20 values, the loss a tensor.
-Shared by `loop_parts.py` (the training thread's parts) and `collector_parts.py` (the collector thread's)."""
+Shared by `loop_parts.py` (the training thread's parts), `collector_parts.py` (the collector thread's) and
+`collector_gc.py` (the cycle collector's)."""
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -37,3 +40,17 @@ class MlpLoop:
         values["train/loss"] = loss.detach()
         if log is not None:
             log(values)
+
+
+def add_thread_time(owner: Any, name: str, label: str, spent: collections.Counter[str]) -> None:
+    """Replace `owner.name` by itself adding the calling thread's CPU time to `spent[label]`."""
+    inner: Callable[..., Any] = getattr(owner, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[label] += time.thread_time() - start
+
+    setattr(owner, name, timed)

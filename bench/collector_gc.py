@@ -12,7 +12,7 @@ repetitions. Per setting: the collections of each generation and their time per 
 training thread), the collector thread's CPU in its collections, and the training thread's CPU and wall time per
 step.
 
-    python bench/collector_gc.py                        # 25,000 (before) against 400 (now), 20,000 steps, 3 repetitions (~2 min)
+    python bench/collector_gc.py          # 25,000 (before) against 400 (now), 20,000 steps, 3 repetitions (~2 min)
     python bench/collector_gc.py --wake-records 25000,1000,400,200
 
 Each process runs under `taskset -c 0` with `OTEL_TRAIN_EXPORT_CPUS=1` where `taskset` exists. A full collection's
@@ -22,6 +22,7 @@ arrival also depends on what the process held before the loop, so compare the se
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -37,23 +38,14 @@ from typing import Any
 def _child(wake_records: int, steps: int) -> dict[str, Any]:
     """One run: the loop with the collector woken at `wake_records` (the module's constant, set before `init()`)."""
     os.environ.setdefault("OTEL_TRAIN_QUIET", "1")
-    from _mlp_loop import MlpLoop
+    from _mlp_loop import MlpLoop, add_thread_time
 
     import otel_train as ot
     from otel_train.collect import reader
 
     reader._WAKE_RECORDS = wake_records
-    collecting = [0.0]
-    inner = reader.StepAlignedMetricReader._collect_window
-
-    def timed(self: Any) -> None:
-        start = time.thread_time()
-        try:
-            inner(self)
-        finally:
-            collecting[0] += time.thread_time() - start
-
-    reader.StepAlignedMetricReader._collect_window = timed  # type: ignore[method-assign]
+    spent: collections.Counter[str] = collections.Counter()
+    add_thread_time(reader.StepAlignedMetricReader, "_collect_window", "collecting", spent)
     loop = MlpLoop()
     per_gen = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
     started = [0.0]
@@ -72,8 +64,8 @@ def _child(wake_records: int, steps: int) -> dict[str, Any]:
         for step in range(20):
             with ot.step(step):
                 loop.body(step, ot.span, ot.log)
-        collecting[0] = 0.0
-        exporter = getattr(session.export_process, "pid", None)
+        spent.clear()
+        exporter = session.export_process.pid if session.export_process is not None else None
         exporter_cpu = _process_cpu(exporter)
         gc.callbacks.append(on_gc)
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -86,7 +78,7 @@ def _child(wake_records: int, steps: int) -> dict[str, Any]:
         exporter_cpu = _process_cpu(exporter) - exporter_cpu
         ot.shutdown()
     per_step = 1e6 / steps
-    return {"step_us": wall * per_step, "thread_us": cpu * per_step, "collector_us": collecting[0] * per_step,
+    return {"step_us": wall * per_step, "thread_us": cpu * per_step, "collector_us": spent["collecting"] * per_step,
             "exporter_us": exporter_cpu * per_step, "windows": session.reader.windows,
             **{f"gen{g}": n for g, (n, _) in per_gen.items()},
             **{f"gen{g}_us": s * per_step for g, (_, s) in per_gen.items()},
@@ -108,7 +100,6 @@ def main() -> int:
                         help="the counts of buffered records and spans that wake the collector, to compare")
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--exporters", help="OTEL_TRAIN_EXPORTERS for every run (default: the default backends)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -117,9 +108,7 @@ def main() -> int:
     wakes = [int(w) for w in args.wake_records.split(",")]
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
     env = {**os.environ, "OTEL_TRAIN_EXPORT_CPUS": "1"} if pin else dict(os.environ)
-    env = {k: v for k, v in env.items() if k != "OTEL_TRAIN_EXPORTERS"}
-    if args.exporters:
-        env["OTEL_TRAIN_EXPORTERS"] = args.exporters
+    env = {k: v for k, v in env.items() if k != "OTEL_TRAIN_EXPORTERS"}  # the default backends
     results: dict[int, list[dict[str, Any]]] = {w: [] for w in wakes}
     for _ in range(args.reps):
         for wake in wakes:
@@ -130,18 +119,20 @@ def main() -> int:
                 raise SystemExit(f"run failed ({done.returncode}): {done.stderr[-2000:]}")
             line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
             results[wake].append(json.loads(line[len("RESULT"):]))
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps, {args.exporters or 'default backends'}, "
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.steps} steps, default backends, "
           f"median of {args.reps}{' (pinned)' if pin else ''}\n")
-    print("| collector woken at (records) | windows | collections gen 0 / 1 / 2 | cycle collector µs/step (full ones) | "
-          "collector thread µs/step | training thread µs/step | wall µs/step | exporter process µs/step |")
+    print("| collector woken at (records) | windows | collections gen 0 / 1 / 2 | cycle collector µs/step "
+          "(full ones) | collector thread µs/step | training thread µs/step | wall µs/step | "
+          "exporter process µs/step |")
     print("|---|---|---|---|---|---|---|---|")
     for wake, rs in results.items():
         def med(key: str, rows: list[dict[str, Any]] = rs) -> float:
             return statistics.median(r[key] for r in rows)
 
         full = ", ".join(str(r["gen2"]) for r in rs)
-        print(f"| {wake} | {med('windows'):.0f} | {med('gen0'):.0f} / {med('gen1'):.0f} / {med('gen2'):.0f} (full, each run: {full}) | "
-              f"{med('gc_us'):.1f} ({med('gen2_us'):.1f}) | {med('collector_us'):.1f} | {med('thread_us'):.0f} | "
+        print(f"| {wake} | {med('windows'):.0f} | {med('gen0'):.0f} / {med('gen1'):.0f} / {med('gen2'):.0f} "
+              f"(full, each run: {full}) | {med('gc_us'):.1f} ({med('gen2_us'):.1f}) | "
+              f"{med('collector_us'):.1f} | {med('thread_us'):.0f} | "
               f"{med('step_us'):.0f} | {med('exporter_us'):.0f} |")
     return 0
 

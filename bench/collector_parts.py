@@ -3,8 +3,8 @@
 The loop of `real_loop.py --step 1ms` (a 256-96-96-10 MLP on the CPU, one thread, batch 128; per step 4 `ot.span`
 and one `ot.log` of 20 values in an `ot.step`) with the default backends (in the exporter process). The collector
 thread shares the training core (pinned as below), so its CPU is the training core's. Each part is timed by the
-collector's own CPU (`time.thread_time` around the call; a collection runs about ten times a second, so the clock
-reads cost nothing that shows): the whole collection, the window's build, its encoding, the span records' packing,
+collector's own CPU (`time.thread_time` around the call; a collection runs a few dozen times a second at most, so
+the clock reads cost nothing that shows): the whole collection, the window's build, its encoding, the span records' packing,
 the hand-off to the exporter process, the buffers' drain, the SDK's collection and the hang watchdog's span samples.
 
     taskset -c 0 env OTEL_TRAIN_EXPORT_CPUS=1 python bench/collector_parts.py            # 5,000 steps (~10 s)
@@ -20,25 +20,8 @@ import collections
 import os
 import sys
 import tempfile
-import time
-from collections.abc import Callable
-from typing import Any
 
-from _mlp_loop import MlpLoop
-
-
-def _timed(owner: Any, name: str, label: str, spent: collections.Counter[str]) -> None:
-    """Replace `owner.name` by itself adding the calling thread's CPU time to `spent[label]`."""
-    inner: Callable[..., Any] = getattr(owner, name)
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        start = time.thread_time()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            spent[label] += time.thread_time() - start
-
-    setattr(owner, name, timed)
+from _mlp_loop import MlpLoop, add_thread_time
 
 
 def main() -> int:
@@ -54,14 +37,14 @@ def main() -> int:
     from otel_train.ship import export_process
 
     spent: collections.Counter[str] = collections.Counter()
-    _timed(reader.StepAlignedMetricReader, "_collect_window", "collection, in all", spent)
-    _timed(reader.sdk, "collect", "the SDK's collection", spent)
-    _timed(window_builder.WindowBuilder, "build", "building the window", spent)
-    _timed(export_process, "encode_window", "encoding it", spent)
-    _timed(export_process, "pack_span_records", "packing the span records", spent)
-    _timed(export_process.ExportProcess, "_send_encoded", "handing it to the exporter process", spent)
-    _timed(SpanBuffer, "drain", "draining the span buffer", spent)
-    _timed(HangWatchdog, "take_spans", "the hang watchdog's span samples", spent)
+    add_thread_time(reader.StepAlignedMetricReader, "_collect_window", "collection, in all", spent)
+    add_thread_time(reader.sdk, "collect", "the SDK's collection", spent)
+    add_thread_time(window_builder.WindowBuilder, "build", "building the window", spent)
+    add_thread_time(export_process, "encode_window", "encoding it", spent)
+    add_thread_time(export_process, "pack_span_records", "packing the span records", spent)
+    add_thread_time(export_process.ExportProcess, "_send_encoded", "handing it to the exporter process", spent)
+    add_thread_time(SpanBuffer, "drain", "draining the span buffer", spent)
+    add_thread_time(HangWatchdog, "take_spans", "the hang watchdog's span samples", spent)
 
     loop = MlpLoop()
     with tempfile.TemporaryDirectory() as tmp:
